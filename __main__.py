@@ -1,0 +1,131 @@
+"""The ``flotilla`` command (also ``python -m flotilla``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from flotilla import __version__
+from flotilla.actors.standalone import endpoints_for, run_actor
+from flotilla.actors.topology import load_topology
+from flotilla.scripts import bench_transport, launch
+
+DESCRIPTION = """\
+flotilla: an LLM inference engine with an OpenAI-compatible streaming server over msgspec/ZeroMQ actors.
+
+commands:
+  serve     start the OpenAI-compatible HTTP server and its engine
+  generate  run prompts offline and print the completions
+  actor     run one actor in the foreground (debugging: --trace prints every message)
+  launch    start every process of a topology file and supervise them
+  bench     benchmarks (transport, offline throughput, serving)
+
+`flotilla COMMAND --help` explains each command's flags.
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the descriptions' line breaks and show every default."""
+
+
+def _not_built(name: str, issue: str) -> int:
+    print(f"flotilla {name}: not built yet (see the open issue \"{issue}\"); nothing was started.", file=sys.stderr)
+    return 2
+
+
+def _add_actor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("actor", formatter_class=_Formatter, help="run one actor in the foreground",
+                       description="""\
+Run one actor of a topology in the foreground, for debugging.
+
+  attached to a running topology: launch it with `flotilla launch TOPO.toml --external NAME`, then
+      flotilla actor NAME --topology TOPO.toml --endpoints /tmp/flotilla-XXXX/endpoints.json --trace
+  against scripted peers (no topology running): every peer is faked by a sink that prints what it
+  receives, and the script's messages (JSON lines: {"type": "PingRequest", "seq": 1, ...}) are fed
+  to the actor's inbox:
+      flotilla actor NAME --topology TOPO.toml --script messages.jsonl --trace
+""")
+    p.add_argument("name", help="actor name in the topology")
+    p.add_argument("--topology", required=True, type=Path, help="topology file (TOML, or the JSON a runtime wrote)")
+    p.add_argument("--endpoints", type=Path, default=None,
+                   help="address table of the running topology (printed by `flotilla launch`)")
+    p.add_argument("--instance", type=int, default=0, help="which instance of the actor to be")
+    p.add_argument("--trace", action="store_true", help="print every message in and out, readable")
+    p.add_argument("--script", type=Path, default=None,
+                   help="JSON-lines file of messages to feed the actor; peers are replaced by printing sinks")
+    p.add_argument("--idle", type=float, default=1.0,
+                   help="with --script: stop after this many seconds without output, seconds")
+
+
+def _run_actor(args: argparse.Namespace) -> int:
+    try:
+        topo = load_topology(args.topology)
+        topo.spec(args.name)
+        endpoints = None if args.script else endpoints_for(topo, args.endpoints)
+    except (ValueError, KeyError) as e:
+        print(f"flotilla actor: {e}", file=sys.stderr)
+        return 2
+    return run_actor(topo, args.name, args.instance, endpoints=endpoints, trace=args.trace, script=args.script,
+                     idle_s=args.idle)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", formatter_class=_Formatter, help="start and supervise every process of a topology",
+                       description=launch.__doc__)
+    launch.add_arguments(p)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    return launch.main(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", formatter_class=_Formatter, help="benchmarks",
+                       description="Benchmarks. `flotilla bench transport` measures the control plane; "
+                                   "offline and serving benchmarks come with the engine.")
+    p.add_argument("what", choices=["transport", "offline", "serving"], help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.what != "transport":
+        return _not_built(f"bench {args.what}", "GPU speed on the H200")
+    return bench_transport.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"flotilla {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging verbosity")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    sub.add_parser("serve", formatter_class=_Formatter, help="start the OpenAI-compatible server",
+                   description="Start the OpenAI-compatible HTTP server and its engine. Not built yet.")
+    sub.add_parser("generate", formatter_class=_Formatter, help="run prompts offline",
+                   description="Run prompts through the engine offline and print the completions. Not built yet.")
+    _add_actor(sub)
+    _add_launch(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    if args.command == "serve":
+        return _not_built("serve", "OpenAI server")
+    if args.command == "generate":
+        return _not_built("generate", "Scheduling and text")
+    if args.command == "actor":
+        return _run_actor(args)
+    if args.command == "launch":
+        return _run_launch(args)
+    return _run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

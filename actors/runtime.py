@@ -1,0 +1,319 @@
+"""Run a topology: every actor in this process, or one process per actor, supervised.
+
+The supervisor (in the process that calls ``Runtime.start``) owns one inbox that receives every
+actor's ReadyEvent and HeartbeatEvent. It declares an actor failed when its process exits, its task
+ends or raises, or it is silent for ``heartbeat_timeout_s``; a failure tears the whole tree down, so a
+dead actor is never a silent hang. Children are spawned (never forked: torch and ZeroMQ do not survive
+fork) as ``python -m flotilla actor NAME`` in their own session, and die with their parent through
+PR_SET_PDEATHSIG, so no process outlives the runtime, also when the runtime itself is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+import zmq.asyncio
+
+from flotilla.actors.base import Actor, ActorContext
+from flotilla.actors.registry import actor_class
+from flotilla.actors.topology import Topology, resolve
+from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.endpoints import Endpoints, key, new_run_dir
+from flotilla.transport.messages import ActorFailedEvent, HeartbeatEvent, ReadyEvent, StopCmd
+
+log = logging.getLogger(__name__)
+
+
+class ActorFailure(RuntimeError):
+    """An actor died, hung, or never became ready; the topology was torn down."""
+
+    def __init__(self, event: ActorFailedEvent) -> None:
+        super().__init__(f"actor {key(event.actor, event.instance)} failed: {event.reason}")
+        self.event = event
+
+
+class Supervisor:
+    """Tracks ready handshakes and heartbeats; resolves ``failed`` with the first failure."""
+
+    def __init__(self, zmq_ctx: zmq.asyncio.Context, endpoints: Endpoints, expected: list[str],
+                 heartbeat_timeout_s: float) -> None:
+        self.inbox = Inbox(zmq_ctx, endpoints.supervisor, (ReadyEvent, HeartbeatEvent))
+        self.expected = list(expected)
+        self.ready: dict[str, ReadyEvent] = {}
+        self.last_seen: dict[str, float] = {}
+        self.timeout = heartbeat_timeout_s
+        self.failed: asyncio.Future[ActorFailedEvent] = asyncio.get_running_loop().create_future()
+        self._all_ready = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._receive(), name="supervisor-recv"),
+                       asyncio.create_task(self._watch(), name="supervisor-watch")]
+
+    def fail(self, actor_key: str, reason: str) -> None:
+        """Record the first failure (later ones are consequences and only logged)."""
+        name, _, inst = actor_key.rpartition("/")
+        if self.failed.done():
+            log.debug("after the first failure: %s %s", actor_key, reason)
+            return
+        log.error("actor %s failed: %s", actor_key, reason)
+        self.failed.set_result(ActorFailedEvent(actor=name, instance=int(inst), reason=reason))
+
+    async def wait_ready(self, timeout_s: float) -> dict[str, ReadyEvent]:
+        """Every expected actor's ReadyEvent; ActorFailure if one fails or the timeout passes first."""
+        waiter = asyncio.ensure_future(self._all_ready.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, self.failed}, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if self.failed.done():
+            raise ActorFailure(self.failed.result())
+        if not self._all_ready.is_set():
+            missing = [k for k in self.expected if k not in self.ready]
+            self.fail(missing[0], f"not ready after {timeout_s:.0f} s (also waiting for: {', '.join(missing[1:]) or '-'})")
+            raise ActorFailure(self.failed.result())
+        return dict(self.ready)
+
+    async def _receive(self) -> None:
+        while True:
+            msg = await self.inbox.recv()
+            k = key(msg.actor, msg.instance)
+            if k not in self.expected:
+                log.warning("supervisor: message from unknown actor %s ignored", k)
+                continue
+            self.last_seen[k] = time.monotonic()
+            if isinstance(msg, ReadyEvent) and k not in self.ready:
+                self.ready[k] = msg
+                if len(self.ready) == len(self.expected):
+                    self._all_ready.set()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.timeout / 4, 1.0))
+            now = time.monotonic()
+            for k in self.ready:
+                silent = now - self.last_seen[k]
+                if silent > self.timeout:
+                    self.fail(k, f"no heartbeat for {silent:.1f} s (hung or unreachable)")
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.inbox.close()
+
+
+class Runtime:
+    """Starts, supervises and stops one topology (or this host's share of it)."""
+
+    def __init__(self, topo: Topology, *, trace: bool = False, host: str | None = None,
+                 log_level: str | None = None) -> None:
+        self.topo = topo
+        self.trace = trace
+        self.host = host
+        """Start only the actors placed on this host (multi-host tcp topologies); None = all."""
+        self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.run_id = f"{topo.name}-{uuid.uuid4().hex[:8]}"
+        self.run_dir: Path | None = None
+        self.endpoints: Endpoints | None = None
+        self.zmq: zmq.asyncio.Context | None = None
+        self.supervisor: Supervisor | None = None
+        self.ready: dict[str, ReadyEvent] = {}
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.actors: dict[str, Actor] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._stopping = False
+        self.on_failure: list[Callable[[ActorFailedEvent], None]] = []
+
+    @property
+    def local_instances(self) -> list[tuple[str, int]]:
+        """(name, instance) this runtime starts itself."""
+        return [(s.name, i) for s, i in self.topo.instances()
+                if not s.external and (self.host is None or s.host == self.host)]
+
+    async def start(self) -> dict[str, ReadyEvent]:
+        """Start every actor and wait for all ready handshakes; on any failure tear down and raise."""
+        self.zmq = new_context()
+        if self.topo.placement == "process":
+            self.run_dir = new_run_dir()
+        self.endpoints = resolve(self.topo, self.run_id, self.run_dir)
+        if self.run_dir is not None:
+            (self.run_dir / "endpoints.json").write_text(self.endpoints.to_json())
+            (self.run_dir / "topology.json").write_text(_topology_json(self.topo))
+        for spec in self.topo.actors:
+            if spec.external:
+                where = f"--endpoints {self.run_dir / 'endpoints.json'}" if self.run_dir else ""
+                print(f"waiting for external actor {spec.name!r}: start it with "
+                      f"`flotilla actor {spec.name} --topology TOPOLOGY.toml {where}`", file=sys.stderr, flush=True)
+        expected = [key(s.name, i) for s, i in self.topo.instances() if self.host is None or s.host == self.host
+                    or s.external]
+        self.supervisor = Supervisor(self.zmq, self.endpoints, expected, self.topo.options.heartbeat_timeout_s)
+        self.supervisor.failed.add_done_callback(self._notify_failure)
+        try:
+            for name, i in self.local_instances:
+                if self.topo.placement == "inline":
+                    self._start_inline(name, i)
+                else:
+                    await self._spawn(name, i)
+            self.ready = await self.supervisor.wait_ready(self.topo.options.ready_timeout_s)
+        except BaseException:
+            await self.stop("start-up failed")
+            raise
+        return self.ready
+
+    async def wait(self) -> ActorFailedEvent:
+        """Block until an actor fails (returns the failure; the caller decides to stop)."""
+        assert self.supervisor is not None
+        return await asyncio.shield(self.supervisor.failed)
+
+    async def stop(self, reason: str = "stop requested") -> None:
+        """StopCmd to every actor, then SIGTERM and SIGKILL for the ones that linger; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        grace = self.topo.options.stop_grace_s
+        if self.endpoints is not None and self.zmq is not None:
+            # hand-started (external) actors are stopped too: their topology is going away
+            targets = [(s.name, i) for s, i in self.topo.instances() if s.external] + self.local_instances
+            outs = [Outbox(self.zmq, self.endpoints.of(n, i)) for n, i in targets]
+            for out in outs:
+                out.send_nowait(StopCmd(reason=reason))
+        if self.supervisor is not None and self.supervisor.failed.done():
+            # the failed actor is dead or hung: waiting out its grace period would only delay the teardown
+            ev = self.supervisor.failed.result()
+            proc = self.procs.get(key(ev.actor, ev.instance))
+            if proc is not None and proc.returncode is None:
+                _kill_group(proc.pid, signal.SIGKILL)
+        await self._reap_inline(grace)
+        await self._reap_processes(grace)
+        if self.endpoints is not None and self.zmq is not None:
+            for out in outs:
+                out.sock.close(linger=0)
+        if self.supervisor is not None:
+            await self.supervisor.close()
+        if self.zmq is not None:
+            self.zmq.term()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def __aenter__(self) -> Runtime:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop("context exit")
+
+    # ---- inline placement ------------------------------------------------------------------------
+
+    def _start_inline(self, name: str, instance: int) -> None:
+        k = key(name, instance)
+        task = asyncio.create_task(self._serve_inline(name, instance), name=k)
+        task.add_done_callback(lambda t, k=k: self._inline_done(k, t))
+        self._tasks[k] = task
+
+    async def _serve_inline(self, name: str, instance: int) -> None:
+        # Constructed inside the task so a failing constructor is reported like any other actor failure.
+        spec = self.topo.spec(name)
+        ctx = ActorContext(name=name, instance=instance, endpoints=self.endpoints, config=spec.config,
+                           options=self.topo.options, trace=self.trace)
+        actor = self.actors[key(name, instance)] = actor_class(spec.kind)(ctx, self.zmq)
+        await actor.serve()
+
+    def _inline_done(self, k: str, task: asyncio.Task) -> None:
+        if self._stopping or self.supervisor is None:
+            return
+        if task.cancelled():
+            self.supervisor.fail(k, "task cancelled")
+        elif task.exception() is not None:
+            exc = task.exception()
+            self.supervisor.fail(k, f"{type(exc).__name__}: {exc}")
+        else:
+            self.supervisor.fail(k, "stopped on its own")
+
+    async def _reap_inline(self, grace: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(self._tasks.values(), timeout=grace)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    # ---- process placement -----------------------------------------------------------------------
+
+    async def _spawn(self, name: str, instance: int) -> None:
+        assert self.run_dir is not None
+        cmd = [sys.executable, "-m", "flotilla", "--log-level", self.log_level, "actor", name,
+               "--topology", str(self.run_dir / "topology.json"), "--endpoints", str(self.run_dir / "endpoints.json"),
+               "--instance", str(instance)]
+        if self.trace:
+            cmd.append("--trace")
+        env = {**os.environ, "FLOTILLA_PARENT_PID": str(os.getpid())}
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True,
+                                                    stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        k = key(name, instance)
+        self.procs[k] = proc
+        asyncio.create_task(self._watch_process(k, proc), name=f"watch-{k}")
+
+    async def _watch_process(self, k: str, proc: asyncio.subprocess.Process) -> None:
+        # The child's stderr passes through to ours; its last line explains a crash in the failure reason.
+        last: list[str] = [""]
+        relay = asyncio.create_task(_relay_stderr(proc, last))
+        rc = await proc.wait()
+        # a grandchild may hold the pipe open: do not let it delay the failure report
+        await asyncio.wait({relay}, timeout=0.5)
+        if not self._stopping and self.supervisor is not None:
+            how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+            self.supervisor.fail(k, f"process {proc.pid} {how}" + (f": {last[0]}" if rc > 0 and last[0] else ""))
+
+    async def _reap_processes(self, grace: float) -> None:
+        live = {k: p for k, p in self.procs.items() if p.returncode is None}
+        if not live:
+            return
+        for sig, wait_s in ((None, grace), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            if sig is not None:
+                for k, p in live.items():
+                    if p.returncode is None:
+                        log.warning("actor %s (pid %d) did not stop in time: %s", k, p.pid, sig.name)
+                        _kill_group(p.pid, sig)
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live.values()], timeout=wait_s)
+            for t in pending:
+                t.cancel()
+            live = {k: p for k, p in live.items() if p.returncode is None}
+            if not live:
+                return
+
+    def _notify_failure(self, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        for cb in self.on_failure:
+            cb(fut.result())
+
+
+async def _relay_stderr(proc: asyncio.subprocess.Process, last: list[str]) -> None:
+    assert proc.stderr is not None
+    async for line in proc.stderr:
+        sys.stderr.buffer.write(line)
+        sys.stderr.buffer.flush()
+        if line.strip():
+            last[0] = line.decode(errors="replace").strip()
+
+
+def _kill_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own session: take its helpers with it
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)
+
+
+def _topology_json(topo: Topology) -> str:
+    return msgspec.json.encode(topo).decode()

@@ -1,0 +1,137 @@
+"""One actor in the foreground: the body of ``flotilla actor NAME`` (and of every spawned child).
+
+Three ways to run an actor alone:
+  * as a child of a Runtime (``--endpoints`` of the run, supervisor included);
+  * attached to a running topology by hand, for debugging: mark the actor ``external = true`` in the
+    topology (or launch with ``--external NAME``), then run ``flotilla actor NAME --endpoints
+    <run dir>/endpoints.json --trace``; the launcher waits for its ready handshake like any other;
+  * against scripted peers (``--script FILE``): no topology is running; every peer address is bound
+    by this tool and prints what it receives, and the script's messages (JSON lines, one
+    ``{"type": "PingRequest", ...}`` per line) are fed to the actor's inbox in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvloop
+import zmq.asyncio
+
+from flotilla.actors.base import Actor, ActorContext
+from flotilla.actors.registry import actor_class
+from flotilla.actors.topology import Topology, resolve
+from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.codec import format_message, message_from_dict
+from flotilla.transport.endpoints import Endpoints, key
+from flotilla.transport.messages import ALL_MESSAGES, Message
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGTERM us when the runtime that spawned us dies (Linux), so no orphan survives."""
+    parent = os.environ.get("FLOTILLA_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        sys.exit(1)
+
+
+def endpoints_for(topo: Topology, endpoints_file: Path | None) -> Endpoints:
+    """The running topology's address table: its endpoints.json, or the topology itself when tcp ports are fixed."""
+    if endpoints_file is not None:
+        return Endpoints.from_json(endpoints_file.read_text())
+    fixed = topo.scheme == "tcp" and topo.supervisor_port and all(a.port for a in topo.actors)
+    if not fixed:
+        raise ValueError("to attach to a running topology pass --endpoints <run dir>/endpoints.json "
+                         "(printed by `flotilla launch`), or give every actor and the supervisor a fixed tcp port")
+    return resolve(topo, topo.name)
+
+
+def run_actor(topo: Topology, name: str, instance: int = 0, *, endpoints: Endpoints | None = None,
+              trace: bool = False, script: Path | None = None, idle_s: float = 1.0) -> int:
+    """Run one actor until it is stopped (or, with a script, until it falls idle); returns an exit code."""
+    die_with_parent()
+    spec = topo.spec(name)
+    cls = actor_class(spec.kind)
+    if script is not None:
+        return uvloop.run(_run_scripted(topo, name, instance, cls, script, idle_s, trace))
+    assert endpoints is not None
+    ctx = ActorContext(name=name, instance=instance, endpoints=endpoints, config=spec.config,
+                       options=topo.options, trace=trace)
+    return uvloop.run(_run_attached(cls, ctx))
+
+
+async def _run_attached(cls: type[Actor], ctx: ActorContext) -> int:
+    zctx = new_context()
+    actor = cls(ctx, zctx)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")
+    try:
+        await actor.serve()
+    finally:
+        zctx.term()
+    return 0
+
+
+async def _run_scripted(topo: Topology, name: str, instance: int, cls: type[Actor], script: Path,
+                        idle_s: float, trace: bool) -> int:
+    messages = _read_script(script)
+    run_id = f"script-{os.getpid()}"
+    table = resolve(Topology(name=topo.name, placement="inline", actors=topo.actors), run_id)
+    endpoints = Endpoints(supervisor="", actors=table.actors)
+    zctx = new_context()
+    me = key(name, instance)
+    sinks = [Inbox(zctx, addr, ALL_MESSAGES) for k, addr in endpoints.actors.items() if k != me]
+    actor = cls(ActorContext(name=name, instance=instance, endpoints=endpoints, config=topo.spec(name).config,
+                             options=topo.options, trace=trace), zctx)
+    serving = asyncio.create_task(actor.serve())
+    feeder = Outbox(zctx, endpoints.of(name, instance))
+    for msg in messages:
+        await feeder.send(msg)
+    received = 0
+    try:
+        while True:
+            recvs = {asyncio.ensure_future(s.recv()): s for s in sinks}
+            if not recvs:
+                await asyncio.sleep(idle_s)
+                break
+            done, pending = await asyncio.wait(recvs, timeout=idle_s, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+            if not done:
+                break
+            for t in done:
+                received += 1
+                print(f"{recvs[t].address} <- {format_message(t.result())}", flush=True)
+    finally:
+        actor.request_stop("script finished")
+        await serving
+        for s in sinks:
+            s.close()
+        feeder.close()
+        zctx.term()
+    log.info("script: sent %d messages, peers received %d", len(messages), received)
+    return 0
+
+
+def _read_script(path: Path) -> list[Message]:
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                out.append(message_from_dict(json.loads(line)))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+    return out

@@ -1,0 +1,156 @@
+"""Topology: which actors run, how many of each, where, and at which addresses.
+
+A topology is small and declarative (a TOML file for ``flotilla launch``, or built in code):
+
+    name = "pingpong"
+    placement = "process"          # "inline": all in one process; "process": one process per instance
+    transport = "ipc"              # inline -> inproc; process -> "ipc" (one host) or "tcp" (several hosts)
+
+    [[actors]]
+    name = "relay"
+    kind = "relay"                 # see actors/registry.py
+    config = { peer = "echo" }
+
+    [[actors]]
+    name = "echo"
+    kind = "echo"
+    count = 2                      # instances echo/0 and echo/1
+    host = "127.0.0.1"             # tcp only: where it runs and listens
+    port = 5601                    # tcp only: instance i listens on port + i (0 = pick a free port)
+
+``resolve`` turns it into the frozen ``Endpoints`` table every process shares.
+"""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from flotilla.actors.base import RuntimeOptions
+from flotilla.transport import endpoints as ep
+
+Placement = Literal["inline", "process"]
+Transport = Literal["inproc", "ipc", "tcp"]
+
+
+class ActorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One actor of the topology (``count`` identical instances)."""
+
+    name: str
+    """Name in the topology; peers address it by this name."""
+    kind: str
+    """Actor class, from actors/registry.py."""
+    count: int = 1
+    """Number of instances (name/0 .. name/count-1)."""
+    host: str = "127.0.0.1"
+    """Host it runs on and listens at (tcp); other hosts start it with ``flotilla launch --host``."""
+    port: int = 0
+    """First tcp port (instance i gets port + i); 0 picks free ports (one-host topologies only)."""
+    external: bool = False
+    """Started by hand (``flotilla actor``); the launcher only waits for its ready handshake."""
+    config: dict[str, Any] = {}
+    """Actor-specific settings."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ValueError(f"actor name must be non-empty and contain no '/': {self.name!r}")
+        if self.count < 1:
+            raise ValueError(f"actor {self.name}: count must be at least 1")
+
+
+class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A declarative description of a deployment."""
+
+    name: str = "flotilla"
+    """Used in log lines and socket names."""
+    placement: Placement = "process"
+    """inline: every actor in this process; process: one OS process per actor instance."""
+    transport: Transport | None = None
+    """Address scheme; default inproc for inline, ipc for process (tcp when any host is not local)."""
+    supervisor_host: str = "127.0.0.1"
+    """Where the supervisor (the launcher) listens for ready handshakes and heartbeats (tcp)."""
+    supervisor_port: int = 0
+    """Its tcp port (0 = free port; fix it when actors run on other hosts)."""
+    options: RuntimeOptions = RuntimeOptions()
+    """Heartbeat and timeout settings."""
+    actors: list[ActorSpec] = []
+    """The actors."""
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.actors]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"duplicate actor names in topology: {', '.join(sorted(dupes))}")
+        if self.placement == "inline" and self.transport not in (None, "inproc"):
+            raise ValueError("inline placement uses inproc:// addresses; drop `transport` or use placement=process")
+        if self.placement == "process" and self.transport == "inproc":
+            raise ValueError("inproc:// only works within one process; use placement=inline")
+
+    @property
+    def scheme(self) -> Transport:
+        if self.transport is not None:
+            return self.transport
+        if self.placement == "inline":
+            return "inproc"
+        return "tcp" if any(not _is_local(a.host) for a in self.actors) else "ipc"
+
+    def spec(self, name: str) -> ActorSpec:
+        for a in self.actors:
+            if a.name == name:
+                return a
+        raise KeyError(f"no actor named {name!r} in topology {self.name!r} "
+                       f"(actors: {', '.join(a.name for a in self.actors)})")
+
+    def instances(self) -> list[tuple[ActorSpec, int]]:
+        """Every (spec, instance index) of the topology."""
+        return [(a, i) for a in self.actors for i in range(a.count)]
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read a TOML topology file; a clear error naming the file on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix == ".json":
+            return msgspec.json.decode(text, type=Topology)
+        return msgspec.convert(tomllib.loads(text), Topology)
+    except FileNotFoundError:
+        raise ValueError(f"topology file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, msgspec.DecodeError, ValueError) as e:
+        raise ValueError(f"invalid topology {path}: {e}") from None
+
+
+def resolve(topo: Topology, run_id: str, run_dir: Path | None = None) -> ep.Endpoints:
+    """Give every actor instance and the supervisor an address."""
+    scheme = topo.scheme
+    actors: dict[str, str] = {}
+    if scheme == "inproc":
+        supervisor = ep.inproc(run_id, "supervisor")
+        for spec, i in topo.instances():
+            actors[ep.key(spec.name, i)] = ep.inproc(run_id, ep.key(spec.name, i))
+    elif scheme == "ipc":
+        if run_dir is None:
+            raise ValueError("ipc addresses need a run directory")
+        supervisor = ep.ipc(run_dir, "supervisor")
+        for spec, i in topo.instances():
+            actors[ep.key(spec.name, i)] = ep.ipc(run_dir, f"{spec.name}-{i}")
+    else:
+        supervisor = ep.tcp(topo.supervisor_host, topo.supervisor_port or _free_port(topo.supervisor_host))
+        for spec, i in topo.instances():
+            if spec.port == 0 and not _is_local(spec.host):
+                raise ValueError(f"actor {spec.name} on {spec.host}: set `port`; free ports are only picked locally")
+            port = spec.port + i if spec.port else _free_port(spec.host)
+            actors[ep.key(spec.name, i)] = ep.tcp(spec.host, port)
+    return ep.Endpoints(supervisor=supervisor, actors=actors)
+
+
+def _is_local(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname())
+
+
+def _free_port(host: str) -> int:
+    return ep.free_tcp_port("127.0.0.1" if host in ("0.0.0.0", "localhost") else host)

@@ -1,0 +1,107 @@
+"""The multi-process launch script: ``flotilla launch TOPOLOGY.toml`` (or ``python scripts/launch.py``).
+
+Starts every process of a topology (those placed on this host), waits for every ready handshake,
+prints where each actor listens, then supervises: Ctrl-C or SIGTERM stops every actor gracefully; an
+actor that dies or hangs tears the whole topology down and the launcher exits non-zero. No process is
+left behind, also when a child dies at start or the launcher itself is killed (children die with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import msgspec
+import uvloop
+
+from flotilla.actors.runtime import ActorFailure, Runtime
+from flotilla.actors.topology import Topology, load_topology
+
+log = logging.getLogger("flotilla.launch")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("topology", help="topology file (TOML; see scripts/topologies/ for examples)")
+    p.add_argument("--host", default=None,
+                   help="start only the actors whose `host` is this (multi-host tcp topologies: run the launcher "
+                        "once per host); default: every actor")
+    p.add_argument("--external", action="append", default=[], metavar="NAME",
+                   help="do not start actor NAME; wait for it to be started by hand with `flotilla actor NAME "
+                        "--endpoints ...` (debug one actor against the live topology). Repeatable")
+    p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+
+
+def with_externals(topo: Topology, names: list[str]) -> Topology:
+    """The topology with the named actors marked external (started by hand)."""
+    for n in names:
+        topo.spec(n)  # a clear error for a name that is not there
+    actors = [msgspec.structs.replace(a, external=True) if a.name in names else a for a in topo.actors]
+    return msgspec.structs.replace(topo, actors=actors)
+
+
+def print_table(rt: Runtime) -> None:
+    rows = [("actor", "pid", "host", "address", "detail")]
+    for k, ev in sorted(rt.ready.items()):
+        detail = " ".join(f"{a}={b}" for a, b in ev.detail.items())
+        rows.append((k, str(ev.pid), ev.host, ev.address, detail))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4], flush=True)
+
+
+async def launch(topo: Topology, host: str | None, trace: bool) -> int:
+    rt = Runtime(topo, trace=trace, host=host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.ensure_future(rt.start())
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if starting not in done:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await rt.stop("interrupted during start-up")
+        return 130
+    try:
+        starting.result()
+    except ActorFailure as e:
+        print(f"flotilla launch: {e}; every actor stopped", file=sys.stderr, flush=True)
+        return 1
+    print(f"topology {topo.name!r} ready: {len(rt.ready)} actor(s)", flush=True)
+    print_table(rt)
+    if rt.run_dir is not None:
+        print(f"endpoints: {rt.run_dir / 'endpoints.json'}", flush=True)
+    failed = asyncio.ensure_future(rt.wait())
+    done, _ = await asyncio.wait({failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if failed in done:
+        ev = failed.result()
+        print(f"flotilla launch: actor {ev.actor}/{ev.instance} failed: {ev.reason}; stopping every actor",
+              file=sys.stderr, flush=True)
+        await rt.stop(f"{ev.actor}/{ev.instance} failed")
+        return 1
+    failed.cancel()
+    print("stopping (signal received)", flush=True)
+    await rt.stop("launcher received a signal")
+    print("all actors stopped", flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        topo = with_externals(load_topology(args.topology), args.external)
+    except (ValueError, KeyError) as e:
+        print(f"flotilla launch: {e}", file=sys.stderr)
+        return 2
+    return uvloop.run(launch(topo, args.host, args.trace))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main(parser.parse_args()))

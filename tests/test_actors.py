@@ -1,0 +1,164 @@
+"""Actor runtime with real sockets and processes: placements, liveness, failures, malformed input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import uvloop
+
+from flotilla.actors.base import Actor, ActorContext, RuntimeOptions, handler_name
+from flotilla.actors.runtime import ActorFailure, Runtime
+from flotilla.actors.topology import ActorSpec, Topology
+from flotilla.transport import endpoints as ep
+from flotilla.transport.channels import Inbox, Outbox, new_context, raw_push
+from flotilla.transport.messages import PingRequest, PongResult, StepResult
+
+FAST = RuntimeOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0, ready_timeout_s=60.0, stop_grace_s=5.0)
+
+
+def pingpong(placement: str, transport: str | None = None, relay_peer: str = "echo") -> Topology:
+    return Topology(name="pp", placement=placement, transport=transport, options=FAST, actors=[
+        ActorSpec(name="relay", kind="relay", config={"peer": relay_peer}),
+        ActorSpec(name="echo", kind="echo", count=2),
+    ])
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+class Client:
+    """A client outside the topology: sends pings to the relay, collects pongs on its own inbox."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.zmq = rt.zmq if rt.topo.placement == "inline" else new_context()
+        scheme = rt.topo.scheme
+        self.address = {"inproc": ep.inproc(rt.run_id, "client"), "ipc": ep.ipc(rt.run_dir, "client") if rt.run_dir else "",
+                        "tcp": ep.tcp("127.0.0.1", ep.free_tcp_port())}[scheme]
+        self.inbox = Inbox(self.zmq, self.address, (PongResult,))
+        self.out = Outbox(self.zmq, rt.endpoints.of("relay"))
+
+    async def round(self, n: int, timeout: float = 20.0) -> list[tuple[int, list[int], str]]:
+        for i in range(n):
+            await self.out.send(PingRequest(seq=i, payload=np.arange(i, i + 3 + 40 * (i % 3), dtype=np.int32),
+                                            reply_to=self.address))
+        got = [await asyncio.wait_for(self.inbox.recv(), timeout) for _ in range(n)]
+        return sorted((p.seq, p.payload.tolist(), p.echoed_by) for p in got)
+
+    def close(self, own_context: bool) -> None:
+        self.inbox.close()
+        self.out.close()
+        if own_context:
+            self.zmq.term()
+
+
+async def _pingpong_results(topo: Topology) -> tuple[list, dict]:
+    rt = Runtime(topo)
+    await rt.start()
+    client = Client(rt)
+    try:
+        results = await client.round(30)
+        pids = {k: ev.pid for k, ev in rt.ready.items()}
+    finally:
+        client.close(own_context=topo.placement != "inline")
+        await rt.stop()
+    if topo.placement == "process":
+        assert all(p.returncode == 0 for p in rt.procs.values()), {k: p.returncode for k, p in rt.procs.items()}
+        assert not rt.run_dir.exists()
+    return results, pids
+
+
+def test_pingpong_gives_identical_results_in_every_placement():
+    inline, pids_inline = uvloop.run(_pingpong_results(pingpong("inline")))
+    ipc, pids_ipc = uvloop.run(_pingpong_results(pingpong("process", "ipc")))
+    tcp, _ = uvloop.run(_pingpong_results(pingpong("process", "tcp")))
+    assert len(inline) == 30
+    # the relay adds one to every payload; two echoes answer in turn
+    assert inline[5] == (5, list(range(6, 6 + 3 + 80)), "echo/1")
+    assert inline == ipc == tcp
+    assert set(pids_inline.values()) == {os.getpid()}
+    assert len(set(pids_ipc.values())) == 3 and os.getpid() not in pids_ipc.values()
+    assert not any(alive(p) for p in pids_ipc.values())
+
+
+def test_heartbeats_arrive_and_malformed_frames_are_dropped_while_serving():
+    async def main():
+        rt = Runtime(pingpong("inline"))
+        await rt.start()
+        client = Client(rt)
+        try:
+            seen = dict(rt.supervisor.last_seen)
+            await asyncio.sleep(0.5)
+            assert all(rt.supervisor.last_seen[k] > seen[k] for k in seen), "heartbeats must keep coming"
+            raw = raw_push(rt.zmq, rt.endpoints.of("echo", 0))
+            for frames in ([b"\x00garbage"], [b"\x92\xa3Bad\x01"], [b""]):
+                await raw.send_multipart(frames)
+            # a message of a type the echo does not accept is refused by its channel decoder too
+            await Outbox(rt.zmq, rt.endpoints.of("echo", 0)).send(StepResult(step=1))
+            # a handler that raises (no reply_to) is logged; the actor keeps serving
+            await Outbox(rt.zmq, rt.endpoints.of("echo", 0)).send(PingRequest(seq=99))
+            assert len(await client.round(4)) == 4
+            assert rt.actors["echo/0"].dropped_messages == 4
+            raw.close()
+        finally:
+            client.close(own_context=False)
+            await rt.stop()
+        assert not rt.supervisor.failed.done()
+
+    uvloop.run(main())
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_dead_or_hung_actor_process_is_detected_within_bounded_time(how):
+    async def main():
+        rt = Runtime(pingpong("process", "ipc"))
+        await rt.start()
+        victim = rt.ready["echo/1"].pid
+        pids = [ev.pid for ev in rt.ready.values()]
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        try:
+            failure = await asyncio.wait_for(rt.wait(), timeout=10)
+            took = time.monotonic() - t0
+        finally:
+            await rt.stop("test")
+        assert (failure.actor, failure.instance) == ("echo", 1)
+        assert ("signal 9" in failure.reason) if how == "kill" else ("no heartbeat" in failure.reason)
+        assert took < FAST.heartbeat_timeout_s + 5
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(alive(p) for p in pids)
+
+    uvloop.run(main())
+
+
+@pytest.mark.parametrize("placement", ["inline", "process"])
+def test_an_actor_that_fails_at_start_fails_the_start_and_stops_the_rest(placement):
+    async def main():
+        rt = Runtime(pingpong(placement, relay_peer="nobody"))
+        with pytest.raises(ActorFailure, match="relay/0.*nobody"):
+            await rt.start()
+        if placement == "process":
+            assert all(p.returncode is not None for p in rt.procs.values())
+            assert not rt.run_dir.exists()
+        else:
+            assert all(t.done() for t in rt._tasks.values())
+
+    uvloop.run(main())
+
+
+def test_actor_classes_must_handle_every_message_they_accept():
+    with pytest.raises(TypeError, match="on_pong_result"):
+        class Broken(Actor):
+            inbox = (PongResult,)
+    assert handler_name(StepResult) == "on_step_result"

@@ -1,0 +1,174 @@
+"""`flotilla launch`, `flotilla actor` and the CLI's help, as a user runs them: real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGY = """
+name = "t"
+placement = "process"
+[options]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 3.0
+stop_grace_s = 5.0
+[[actors]]
+name = "relay"
+kind = "relay"
+config = {{ peer = "{peer}" }}
+[[actors]]
+name = "echo"
+kind = "echo"
+count = 2
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def flotilla(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flotilla", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 60.0, stream: str = "stdout") -> str:
+    """Collect lines until one matches; fail with everything seen if it never does."""
+    lines: queue.Queue[str] = queue.Queue()
+    pipe = getattr(proc, stream)
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(pipe.readline, "")] and None, daemon=True).start()
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            if proc.poll() is not None and lines.empty():
+                break
+            continue
+        seen += line
+        if re.search(pattern, line):
+            return seen
+    raise AssertionError(f"never saw {pattern!r}; {stream} so far:\n{seen}")
+
+
+def pids_from_table(out: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+/\d+)\s+(\d+)\s", out, re.M)}
+
+
+@pytest.fixture
+def topology(tmp_path):
+    def make(peer: str = "echo") -> Path:
+        path = tmp_path / "topo.toml"
+        path.write_text(TOPOLOGY.format(peer=peer))
+        return path
+    return make
+
+
+def test_launch_starts_every_actor_and_sigterm_stops_them_all(topology):
+    proc = flotilla("launch", str(topology()))
+    try:
+        out = read_until(proc, r"^endpoints: ")
+        pids = pids_from_table(out)
+        assert set(pids) == {"relay/0", "echo/0", "echo/1"}
+        assert all(alive(p) for p in pids.values())
+        endpoints = json.loads(Path(out.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
+        assert set(endpoints["actors"]) == {"relay/0", "echo/0", "echo/1"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert not wait_gone(list(pids.values()))
+
+
+def test_launch_exits_nonzero_and_leaves_nothing_when_a_child_dies_at_start(topology):
+    proc = flotilla("launch", str(topology(peer="nobody")))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "relay/0 failed" in err and "nobody" in err
+    assert "ready" not in out
+
+
+def test_killing_the_launcher_takes_its_children_with_it(topology):
+    proc = flotilla("launch", str(topology()))
+    pids = pids_from_table(read_until(proc, r"^endpoints: "))
+    proc.kill()
+    proc.wait()
+    assert not wait_gone(list(pids.values()))
+
+
+def test_a_child_killed_later_tears_the_topology_down(topology):
+    proc = flotilla("launch", str(topology()))
+    pids = pids_from_table(read_until(proc, r"^endpoints: "))
+    os.kill(pids["echo/0"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "echo/0 failed" in err
+    assert not wait_gone(list(pids.values()))
+
+
+def test_one_actor_started_by_hand_joins_a_running_topology(topology):
+    topo = topology()
+    proc = flotilla("launch", str(topo), "--external", "echo")
+    try:
+        # the launcher waits for the hand-started echoes; it tells where the endpoints are
+        line = read_until(proc, r"waiting for external actor 'echo'", timeout=30, stream="stderr")
+        endpoints = re.search(r"--endpoints (\S+)`", line).group(1)
+        hand = [flotilla("actor", "echo", "--topology", str(topo), "--endpoints", endpoints, "--instance", str(i),
+                         "--trace") for i in range(2)]
+        pids = pids_from_table(read_until(proc, r"^endpoints: "))
+        assert pids["echo/0"] == hand[0].pid and pids["echo/1"] == hand[1].pid
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        for h in hand:  # the launcher's StopCmd reaches hand-started actors too
+            assert h.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+
+
+def test_actor_against_scripted_peers_prints_traffic(tmp_path, topology):
+    script = tmp_path / "msgs.jsonl"
+    script.write_text('# ping the relay twice\n'
+                      '{"type": "PingRequest", "seq": 1, "payload": [1, 2, 3], "reply_to": "inproc://nowhere"}\n'
+                      '{"type": "PingRequest", "seq": 2}\n')
+    proc = flotilla("actor", "relay", "--topology", str(topology()), "--script", str(script), "--trace",
+                    "--idle", "0.5")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    # the echo instances are sinks here; they receive the relayed pings with payload + 1, in turn
+    assert re.search(r"echo-?/?0 <- PingRequest\{\"seq\":1.*int32\[3\]\[2, 3, 4\]", out), out
+    assert re.search(r"echo-?/?1 <- PingRequest\{\"seq\":2", out), out
+    assert "relay/0 <- " in err and "relay/0 -> " in err  # --trace: every message in and out
+
+
+def test_help_explains_every_command_and_unbuilt_ones_say_so():
+    for args in ([], ["actor"], ["launch"], ["bench"], ["serve"], ["generate"]):
+        r = subprocess.run([sys.executable, "-m", "flotilla", *args, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage: flotilla" in r.stdout, (args, r.stderr)
+    top = subprocess.run([sys.executable, "-m", "flotilla", "--help"], capture_output=True, text=True).stdout
+    assert all(c in top for c in ("serve", "generate", "actor", "launch", "bench"))
+    actor = subprocess.run([sys.executable, "-m", "flotilla", "actor", "--help"], capture_output=True, text=True).stdout
+    assert "--trace" in actor and "--script" in actor and "--endpoints" in actor
+    r = subprocess.run([sys.executable, "-m", "flotilla", "launch", "/nonexistent.toml"], capture_output=True, text=True)
+    assert r.returncode == 2 and "not found" in r.stderr

@@ -1,0 +1,184 @@
+"""ZeroMQ sockets for the control plane, with the house rules built in.
+
+Rules: the receiver binds and senders connect (an actor's inbox is its one stable address);
+ROUTER binds and DEALERs connect with their rank as identity. High-water marks are set so PUSH
+*blocks* (awaits) rather than drops when a peer falls behind: a control message is never lost
+silently, and a slow consumer slows its producers (backpressure) instead of growing memory without
+bound. Linger is bounded so a stop flushes the last messages but a dead peer cannot hang shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from flotilla.transport.codec import Decoder, DecodeError, Encoder
+from flotilla.transport.messages import Message
+
+log = logging.getLogger(__name__)
+
+SEND_HWM = 10_000
+"""Messages queued per outgoing pipe before send awaits (backpressure, never drop)."""
+RECV_HWM = 10_000
+"""Messages queued per incoming pipe before the sender's send awaits."""
+LINGER_MS = 500
+"""How long close() may flush unsent messages, milliseconds."""
+
+
+class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Socket options of a channel (defaults suit the request path)."""
+
+    send_hwm: int = SEND_HWM
+    recv_hwm: int = RECV_HWM
+    linger_ms: int = LINGER_MS
+
+
+def _configure(sock: zmq.asyncio.Socket, opts: ChannelOptions) -> None:
+    sock.setsockopt(zmq.SNDHWM, opts.send_hwm)
+    sock.setsockopt(zmq.RCVHWM, opts.recv_hwm)
+    sock.setsockopt(zmq.LINGER, opts.linger_ms)
+    if sock.type in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
+        # Reconnects to a restarted peer are quick; a peer that never comes back is the supervisor's job.
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if sock.type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity is an error, not a silent drop
+
+
+class Inbox:
+    """An actor's PULL socket, bound at its address; yields typed messages, drops malformed ones."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
+                 opts: ChannelOptions = ChannelOptions()) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.PULL)
+        _configure(self.sock, opts)
+        self.sock.bind(address)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.decoder = Decoder(types)
+        self.dropped = 0
+        """Malformed or unexpected frame sets received and dropped."""
+
+    async def recv(self) -> Message:
+        """The next valid message; invalid frame sets are logged, counted and skipped."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return self.decoder.decode(frames)
+            except DecodeError as e:
+                self.dropped += 1
+                log.warning("dropped a malformed message on %s (%d frames): %s", self.address, len(frames), e)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Outbox:
+    """A PUSH socket connected to one peer's inbox."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, opts: ChannelOptions = ChannelOptions()) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.PUSH)
+        _configure(self.sock, opts)
+        self.sock.connect(address)
+        self.encoder = Encoder()
+
+    async def send(self, msg: Message) -> None:
+        """Send one message; awaits (does not drop) while the peer's queue is full."""
+        await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
+
+    def send_nowait(self, msg: Message) -> bool:
+        """Send if it can go without waiting; False when the peer's queue is full."""
+        try:
+            self.sock.send_multipart(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Router:
+    """ROUTER socket (binds): sends to and receives from DEALERs addressed by their identity."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
+                 opts: ChannelOptions = ChannelOptions()) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.ROUTER)
+        _configure(self.sock, opts)
+        self.sock.bind(address)
+        self.encoder = Encoder()
+        self.decoder = Decoder(types)
+        self.dropped = 0
+
+    async def send(self, identity: bytes, msg: Message) -> None:
+        """Send to one DEALER; zmq.ZMQError(EHOSTUNREACH) if no peer has that identity."""
+        await self.sock.send_multipart([identity, *self.encoder.encode(msg)], copy=False)
+
+    async def recv(self) -> tuple[bytes, Message]:
+        """(identity, message); malformed frame sets are logged and skipped."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return frames[0].bytes, self.decoder.decode(frames[1:])
+            except DecodeError as e:
+                self.dropped += 1
+                log.warning("dropped a malformed message on %s: %s", self.address, e)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Dealer:
+    """DEALER socket (connects) with a fixed identity, e.g. a worker's rank."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes, types: Sequence[type[Message]],
+                 opts: ChannelOptions = ChannelOptions()) -> None:
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        _configure(self.sock, opts)
+        self.sock.connect(address)
+        self.encoder = Encoder()
+        self.decoder = Decoder(types)
+        self.dropped = 0
+
+    async def send(self, msg: Message) -> None:
+        await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
+
+    async def recv(self) -> Message:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                return self.decoder.decode(frames)
+            except DecodeError as e:
+                self.dropped += 1
+                log.warning("dropped a malformed message on %s: %s", self.address, e)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rank_identity(rank: int) -> bytes:
+    """DEALER identity of a rank (ROUTER_MANDATORY makes a wrong rank an error)."""
+    return f"rank-{rank}".encode()
+
+
+def new_context() -> zmq.asyncio.Context:
+    """A fresh asyncio zmq Context (one per process; inproc needs the shared one)."""
+    return zmq.asyncio.Context()
+
+
+def raw_push(ctx: zmq.asyncio.Context, address: str) -> Any:
+    """A bare PUSH socket for tests and tools that must send frames the codec would never produce."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.connect(address)
+    return sock

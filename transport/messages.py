@@ -1,0 +1,312 @@
+"""Every control-plane message of flotilla, in one file: the wire schema is the single source of truth.
+
+A message is a tagged msgspec Struct (the tag is the class name), encoded as a msgpack array, with
+numeric arrays (token ids, block ids, logprobs) carried as numpy arrays that the codec moves as extra
+zero-copy frames. Names end in Request / Plan / Result / Delta / Event / Cmd. Read DESIGN.md's
+"One streaming chat request" next to this file: the messages below appear in that order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from flotilla.sampling_params import SamplingParams
+
+Array = np.ndarray
+"""A numeric array on the wire (1-D unless a field says otherwise); the codec ships it zero-copy."""
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """Base of every control-plane message (tag = class name)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. front end -> tokenizer
+
+
+class GenerateRequest(Message):
+    """A new request from the front end: a prompt (text, token ids or chat messages) to complete."""
+
+    rid: str
+    """Request id minted by the front end; unique while the request lives."""
+    sampling: SamplingParams
+    """How to sample and when to stop."""
+    prompt: str | None = None
+    """Raw text prompt (completions API)."""
+    prompt_token_ids: Array | None = None
+    """Pre-tokenized prompt, int32 token ids (used as given)."""
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages (OpenAI shape); the tokenizer applies the model's chat template."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI tool definitions handed to the chat template."""
+    add_generation_prompt: bool = True
+    """Append the assistant turn opener after the chat messages."""
+    arrival_time: float = 0.0
+    """time.time() when the front end received the request, seconds."""
+    priority: int = 0
+    """Lower runs first when the scheduler uses priority order; FIFO among equals."""
+
+
+class AbortCmd(Message):
+    """Drop a request wherever it is; travels the request's own path so it cannot overtake it."""
+
+    rid: str
+    """The request to abort."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. tokenizer -> scheduler
+
+
+class TokenizedRequest(Message):
+    """A validated, tokenized request ready for scheduling."""
+
+    rid: str
+    """Request id."""
+    prompt_ids: Array
+    """Prompt token ids, int32."""
+    sampling: SamplingParams
+    """How to sample and when to stop (max_tokens already resolved against max_model_len)."""
+    eos_token_ids: list[int] = []
+    """Token ids that end generation unless sampling.ignore_eos."""
+    arrival_time: float = 0.0
+    """time.time() when the front end received the request, seconds."""
+    priority: int = 0
+    """Lower runs first under priority scheduling."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 3./4. scheduler <-> GPU worker
+
+
+class NewSequence(Message):
+    """A sequence the worker has not seen: everything it needs to keep per-request state."""
+
+    rid: str
+    """Sequence id (a request with n > 1 has one sequence per completion)."""
+    token_ids: Array
+    """All known tokens, int32: the prompt, plus earlier output when resumed after preemption."""
+    num_computed_tokens: int
+    """Tokens whose KV is already in the cache (prefix-cache hit), tokens."""
+    block_ids: Array
+    """KV block ids, int32, covering at least the tokens computed after this step."""
+    sampling: SamplingParams
+    """Sampling options (seed, penalties, logprobs)."""
+    num_output_tokens: int = 0
+    """How many of token_ids are earlier output (a resumed sequence), tokens."""
+
+
+class StepPlan(Message):
+    """One step of the engine: which sequences run how many tokens. Carries only what changed."""
+
+    step: int
+    """Monotonic step number; StepResult echoes it."""
+    new_seqs: list[NewSequence] = []
+    """Sequences the worker sees for the first time (new requests and resumed ones)."""
+    rids: list[str] = []
+    """Every sequence computed this step, in batch order (new and running)."""
+    num_new_tokens: Array | None = None
+    """Per rid, tokens to compute this step, int32 (1 for a decode, a chunk length for prefill)."""
+    new_block_counts: Array | None = None
+    """Per rid, how many block ids were appended to its table, int32."""
+    new_block_ids: Array | None = None
+    """The appended block ids of all rids, concatenated in rid order, int32."""
+    finished_rids: list[str] = []
+    """Sequences the worker forgets before running this step (finished, aborted, preempted)."""
+
+
+class StepResult(Message):
+    """What a step produced: one sampled token per sequence that reached the end of its tokens."""
+
+    step: int
+    """The StepPlan's step number."""
+    rids: list[str] = []
+    """Sequences that sampled a token this step (prefill chunks that did not finish sample nothing)."""
+    token_ids: Array | None = None
+    """Sampled token per rid, int32."""
+    logprobs: Array | None = None
+    """Logprob of each sampled token, float32 (only when some sequence asked for logprobs)."""
+    top_ids: Array | None = None
+    """Top-n alternatives per rid, int32 [len(rids), n]."""
+    top_logprobs: Array | None = None
+    """Their logprobs, float32 [len(rids), n]."""
+    error: str | None = None
+    """Set when the step failed; the scheduler fails the step's requests."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. scheduler -> detokenizer -> front end
+
+
+class SeqTokens(Message):
+    """New tokens of one sequence in one step."""
+
+    rid: str
+    """Sequence id."""
+    token_ids: list[int]
+    """Tokens generated since the last delta."""
+    finish_reason: str | None = None
+    """"stop", "length" or "abort" on the sequence's last delta."""
+    stop_token: int | None = None
+    """The EOS / stop token id that ended it, if any."""
+    logprobs: list[float] | None = None
+    """Logprob per token in token_ids."""
+    top_ids: list[list[int]] | None = None
+    """Top-n alternatives per token."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs."""
+    num_prompt_tokens: int = 0
+    """Prompt length, tokens (for usage)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache, tokens."""
+
+
+class TokenDelta(Message):
+    """All sequences' new tokens of one step, batched into one message."""
+
+    items: list[SeqTokens]
+    """One entry per sequence that changed."""
+
+
+class SeqText(Message):
+    """New text of one sequence, ready for the client."""
+
+    rid: str
+    """Sequence id."""
+    text: str
+    """Text since the last delta (never ends inside a multi-byte character)."""
+    token_ids: list[int]
+    """Tokens since the last delta."""
+    finish_reason: str | None = None
+    """"stop", "length" or "abort" on the last delta."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that matched."""
+    logprobs: list[float] | None = None
+    """Logprob per token in token_ids."""
+    top_ids: list[list[int]] | None = None
+    """Top-n alternatives per token."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs."""
+    num_prompt_tokens: int = 0
+    """Prompt length, tokens."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache, tokens."""
+    num_output_tokens: int = 0
+    """Tokens generated so far, tokens."""
+
+
+class TextDelta(Message):
+    """All sequences' new text of one step."""
+
+    items: list[SeqText]
+    """One entry per sequence that changed."""
+
+
+class RequestFailedEvent(Message):
+    """A request was refused or failed; the front end answers the client with this error."""
+
+    rid: str
+    """Request id."""
+    message: str
+    """Human-readable reason."""
+    status: int = 400
+    """HTTP status the front end should answer with."""
+    param: str | None = None
+    """The request field at fault, OpenAI style."""
+    code: str | None = None
+    """Machine-readable error code."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Actor lifecycle: actors -> supervisor, supervisor -> actors
+
+
+class ReadyEvent(Message):
+    """An actor finished setup and listens on its address."""
+
+    actor: str
+    """Actor name in the topology."""
+    instance: int
+    """Replica index, 0-based."""
+    pid: int
+    """OS process id."""
+    host: str
+    """Host name of the process."""
+    address: str
+    """Where its inbox listens (a ZeroMQ URL)."""
+    detail: dict[str, str] = {}
+    """Actor-specific facts for the ready log (model, KV capacity, kernels)."""
+
+
+class HeartbeatEvent(Message):
+    """I am alive; sent every heartbeat interval."""
+
+    actor: str
+    """Actor name."""
+    instance: int
+    """Replica index."""
+    seq: int
+    """Heartbeat counter."""
+
+
+class StopCmd(Message):
+    """Stop gracefully: finish the current message, close sockets, exit."""
+
+    reason: str = ""
+    """Why (logged)."""
+
+
+class ActorFailedEvent(Message):
+    """The supervisor saw an actor die or go silent; the topology is being torn down."""
+
+    actor: str
+    """Actor name."""
+    instance: int
+    """Replica index."""
+    reason: str
+    """Exit code or missed heartbeats, readable."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics: a ping-pong pair to check a topology and measure the transport
+
+
+class PingRequest(Message):
+    """Echo me back: measures round trips and checks wiring."""
+
+    seq: int
+    """Sequence number chosen by the sender."""
+    sent_ns: int = 0
+    """Sender's time.perf_counter_ns() at send, nanoseconds."""
+    payload: Array | None = None
+    """Any numeric array, returned unchanged."""
+    reply_to: str = ""
+    """Inbox address (ZeroMQ URL) to answer to; lets a tool or test outside the topology be the client."""
+
+
+class PongResult(Message):
+    """The echo of a PingRequest."""
+
+    seq: int
+    """The ping's sequence number."""
+    sent_ns: int = 0
+    """The ping's sent_ns, nanoseconds."""
+    payload: Array | None = None
+    """The ping's payload."""
+    echoed_by: str = ""
+    """Name of the actor that answered."""
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = tuple(
+    cls for cls in list(globals().values()) if isinstance(cls, type) and issubclass(cls, Message) and cls is not Message
+)
+"""Every concrete message type (for the codec's catch-all decoder and the round-trip tests)."""
+
+LIFECYCLE = (ReadyEvent, HeartbeatEvent, StopCmd, ActorFailedEvent)
+"""Messages every actor and the supervisor understand."""
+
+AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]
+"""Union of every message: decoding against it accepts anything the schema knows."""
