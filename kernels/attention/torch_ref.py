@@ -1,0 +1,84 @@
+"""Torch reference for paged attention: the CPU backend and the oracle GPU backends are tested against.
+
+KV cache of one layer: ONE tensor [num_blocks, 2, block_size, num_kv_heads, head_dim] (flashinfer's
+NHD paged layout; index 0 of dim 1 = K, 1 = V). Everything is vectorized over the batch: K/V are
+gathered through the block tables into a padded [B, max_seq_len, ...] tensor and one masked SDPA runs
+over all sequences, so there is no python loop over sequences or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] of the new tokens into kv_cache at slot_mapping [T] (-1 = skip)."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
+
+
+def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, index within that sequence's new tokens) of every flat token, each int64 [T]."""
+    qsl = meta.query_start_loc.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_idx = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=qsl.device), query_lens, output_size=num_tokens
+    )
+    pos_in_query = torch.arange(num_tokens, device=qsl.device) - qsl[seq_idx]
+    return seq_idx, pos_in_query
+
+
+def gather_kv(kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[B, 2, Hkv, max_seq_len, D]: each sequence's context read through its block table; slots at or
+    beyond its seq_len are zeroed so stale or uninitialized cache memory (NaN) cannot leak in."""
+    num_seqs = meta.num_seqs
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    max_len = meta.max_seq_len
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables[:, :num_blocks].long()
+    kv = kv_cache[tables]  # [B, nb, 2, bs, Hkv, D]
+    kv = kv.permute(0, 2, 1, 3, 4, 5).reshape(num_seqs, 2, num_blocks * block_size, num_kv_heads, head_dim)
+    kv = kv[:, :, :max_len]
+    valid = torch.arange(max_len, device=kv.device)[None, :] < meta.seq_lens.long()[:, None]  # [B, S]
+    kv = kv.masked_fill(~valid[:, None, :, None, None], 0)
+    return kv.transpose(2, 3)  # [B, 2, Hkv, S, D]
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's cached context plus the new tokens up to
+    itself; query [T, Hq, D] (Hq a multiple of Hkv: GQA) -> [T, Hq, D] in query's dtype.
+
+    The new tokens' K/V must already be in kv_cache (store_kv first), which lets one code path serve
+    prefill, chunked prefill over a cached prefix, and decode alike.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = meta.num_seqs
+    max_q = meta.max_query_len
+    seq_idx, pos_in_query = _token_coordinates(meta, num_tokens)
+
+    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
+    q[seq_idx, pos_in_query] = query
+    q = q.transpose(1, 2)  # [B, Hq, Lq, D]
+
+    kv = gather_kv(kv_cache, meta).to(query.dtype)
+    k, v = kv[:, 0], kv[:, 1]  # [B, Hkv, S, D]
+
+    seq_lens = meta.seq_lens.long()
+    qsl = meta.query_start_loc.long()
+    cached_lens = seq_lens - (qsl[1:] - qsl[:-1])  # [B] context before this step's tokens
+    # New token i of sequence b sits at absolute position cached_b + i and sees keys at <= that position.
+    last_visible = cached_lens[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [B, Lq]
+    key_pos = torch.arange(meta.max_seq_len, device=query.device)
+    mask = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, Lq, S]; padded rows still see key 0
+
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != k.shape[1]
+    )  # [B, Hq, Lq, D]
+    return out.transpose(1, 2)[seq_idx, pos_in_query]

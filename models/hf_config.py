@@ -1,0 +1,144 @@
+"""HFModelConfig: what the model code needs from an HF config.json, parsed without transformers.
+
+Handles both config generations: transformers <5 (top-level rope_theta / rope_scaling with "type" or
+"rope_type", torch_dtype) and transformers >=5 (rope_parameters holding rope_theta, dtype).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HFModelConfig:
+    """Architecture hyper-parameters of a decoder-only checkpoint (sizes in elements, not bytes)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    """Scaling parameters with the kind under "rope_type"; None for plain RoPE."""
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    dtype: str | None
+    """Checkpoint dtype name ("bfloat16", ...), None when the config does not say."""
+    attention_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    sliding_window: int | None
+    """Effective sliding-window length in tokens; None when every layer attends to the full context."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The checkpoint dtype as a torch.dtype (None when unspecified)."""
+        if self.dtype is None:
+            return None
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported checkpoint dtype {self.dtype!r}; supported: {', '.join(_DTYPES)}")
+        return _DTYPES[self.dtype]
+
+
+def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either config generation."""
+    params = raw.get("rope_parameters") or {}
+    legacy = raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", legacy.get("rope_theta", 10000.0))))
+    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in ("rope_theta", "type")}
+    kind = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
+    if kind in (None, "default") and not set(scaling) - {"rope_type"}:
+        return theta, None
+    scaling["rope_type"] = kind
+    return theta, scaling
+
+
+def _sliding_window(raw: Mapping[str, Any]) -> int | None:
+    """The window in force, honouring Qwen's use_sliding_window switch and v5 layer_types."""
+    window = raw.get("sliding_window")
+    if window is None or raw.get("use_sliding_window") is False:
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _first_id(value: Any) -> int | None:
+    """A token id that configs write as an int, a one-element list, or null."""
+    if isinstance(value, list | tuple):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
+    """Parse a config.json dict; raises ValueError naming the missing key."""
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in raw
+    ]
+    if missing:
+        raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
+    heads = int(raw["num_attention_heads"])
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    theta, scaling = _rope(raw)
+    return HFModelConfig(
+        architectures=tuple(raw.get("architectures") or ()),
+        model_type=str(raw.get("model_type", "")),
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=_first_id(raw.get("bos_token_id")),
+        eos_token_ids=eos_ids,
+        dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        sliding_window=_sliding_window(raw),
+    )
+
+
+def load_hf_config(model_dir: str | Path) -> HFModelConfig:
+    """Read and parse <model_dir>/config.json."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        return parse_hf_config(json.load(f))

@@ -1,0 +1,306 @@
+"""Llama-family decoder (Llama 2/3/3.1 incl. llama3 RoPE scaling, SmolLM2, Mistral without sliding
+window) over flotilla's kernels; Qwen3 reuses it with per-head q/k RMSNorm switched on.
+
+Runs a flattened mixed batch: input_ids/positions [T] of prefill chunks and decodes in any order, with
+each layer writing its new K/V into a paged cache and attending through AttentionMetadata. q/k/v and
+gate/up are fused into one GEMM each; load_weights maps HF's separate tensors into those slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.kernels.activation import silu_and_mul
+from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_shape
+from flotilla.kernels.norm import fused_add_rms_norm, rms_norm
+from flotilla.kernels.rope import apply_rope, rope_cos_sin_cache
+from flotilla.models.hf_config import HFModelConfig
+
+# Checkpoint tensors that are derived state, not weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with uninitialized parameters: weights always come from a checkpoint, so random
+    init (seconds for an 8B model) is skipped; honours the default device/dtype context."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table [vocab, hidden], uninitialized like Linear."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; forward(x, residual) fuses the residual add (returns both)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the float32 cos/sin table [max_position, head_dim] shared by all layers."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.max_position = config.max_position_embeddings
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
+
+    def _build(self, device: torch.device | None) -> torch.Tensor:
+        return rope_cos_sin_cache(self.head_dim, self.max_position, self.theta, self.scaling, device=device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        """Rebuild the table after .to()/.half()/to_empty(): a bf16 table would round large angles, and
+        meta construction + to_empty leaves garbage; only the device is taken from the conversion."""
+        super()._apply(fn, recurse)
+        if self.cos_sin_cache.device.type != "meta":
+            self.cos_sin_cache = self._build(self.cos_sin_cache.device)
+        return self
+
+
+class LlamaAttention(nn.Module):
+    """qkv GEMM -> (q/k RMSNorm) -> RoPE -> store K/V in the paged cache -> paged attention -> o_proj."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(positions, q, k, cos_sin_cache)
+        self.backend.store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.forward(q, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one GEMM."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, backend, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged KV cache; the interface every flotilla model class implements."""
+
+    qk_norm: ClassVar[bool] = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    # (fused param, HF tensor it replaces, shard id): vLLM's stacked_params_mapping.
+    stacked_params: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", "gate"),
+        ("gate_up_proj", "up_proj", "up"),
+    )
+
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto") -> None:
+        super().__init__()
+        window = config.sliding_window
+        if window is not None and window < config.max_position_embeddings:
+            raise NotImplementedError(
+                f"{type(self).__name__}: sliding-window attention (window {window} < "
+                f"max_position_embeddings {config.max_position_embeddings}) is not supported"
+            )
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.model = LlamaModel(config, get_attention_backend(attention_backend), self.qk_norm)
+        # Tied models have no lm_head module at all, so meta construction + to_empty cannot untie it.
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        inter = config.intermediate_size
+        # shard id -> (row offset, rows) inside the fused parameter.
+        self._shards: dict[str, tuple[int, int]] = {
+            "q": (0, q),
+            "k": (q, kv),
+            "v": (q + kv, kv),
+            "gate": (0, inter),
+            "up": (inter, inter),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions int64 [T] -> final hidden states [T, hidden]; writes K/V into kv_caches."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (allocate one per layer)."""
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into the (fused) parameters; returns the names of the
+        parameters fully loaded (a fused one only once all its shards came) so the caller can report
+        missing ones. Raises ValueError naming the tensor on an unknown name or a shape mismatch."""
+        params = dict(self.named_parameters())
+        shards_of: dict[str, set[str]] = {}
+        for fused, _, shard in self.stacked_params:
+            shards_of.setdefault(fused, set()).add(shard)
+        shards_seen: dict[str, set[str]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            for fused, part, shard in self.stacked_params:
+                if f".{part}." not in name:
+                    continue
+                param_name = self._param_name(params, name.replace(f".{part}.", f".{fused}."), name)
+                start, rows = self._shards[shard]
+                _copy_checked(params[param_name].data.narrow(0, start, rows), tensor, name, param_name)
+                seen = shards_seen.setdefault(param_name, set())
+                seen.add(shard)
+                if seen == shards_of[fused]:
+                    loaded.add(param_name)
+                break
+            else:
+                param_name = self._param_name(params, name, name)
+                _copy_checked(params[param_name].data, tensor, name, param_name)
+                loaded.add(param_name)
+        return loaded
+
+    def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
+        """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""
+        for name in (candidate, f"model.{candidate}"):
+            if name in params:
+                return name
+        raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of {type(self).__name__}")
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, checkpoint_name: str, param_name: str) -> None:
+    """dst.copy_(src) (casting dtype/device) after checking shapes, naming both tensors on mismatch."""
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"checkpoint tensor {checkpoint_name!r} has shape {tuple(src.shape)} but parameter "
+            f"{param_name!r} expects {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(src)

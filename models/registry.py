@@ -1,0 +1,27 @@
+"""HF `architectures` name -> flotilla model class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from flotilla.models.llama import LlamaForCausalLM
+from flotilla.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    # Mistral is Llama's graph; configs with a real sliding window are refused by the constructor.
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architectures: Sequence[str]) -> type[nn.Module]:
+    """The class of the first supported name in a config's `architectures` list."""
+    for arch in architectures:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported model architecture(s) {list(architectures)}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

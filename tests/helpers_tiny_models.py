@@ -1,0 +1,143 @@
+"""Tiny random HF checkpoints and a paged-KV driver for model tests.
+
+write_tiny_model() saves a real HF folder (config.json + model.safetensors, fp32, fixed seed) through
+transformers' own classes, so flotilla is checked against the reference implementation with identical
+weights. PagedRunner drives a flotilla model over a paged cache the way the worker does: any mix of
+prefill chunks and decodes per step, blocks handed out in shuffled (non-contiguous) order.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors.torch import load_file
+from torch import nn
+
+from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
+from flotilla.models.hf_config import load_hf_config
+from flotilla.models.registry import get_model_class
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    # Wider than HF's 0.02 so greedy choices are not near-ties that float noise could flip.
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# name -> (transformers config class, model class, config overrides)
+TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, num_hidden_layers=3)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, eos_token_id=[2, 3]),
+    ),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def write_tiny_model(model_dir: str | Path, name: str, seed: int = 0) -> Path:
+    """Save the tiny random HF model `name` (a TINY_CONFIGS key) as a checkpoint folder; returns it."""
+    config_cls, model_cls, overrides = TINY_CONFIGS[name]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def load_hf_model(model_dir: str | Path) -> nn.Module:
+    """The transformers reference model of a checkpoint folder, fp32, eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def load_flotilla_model(model_dir: str | Path, attention_backend: str = "torch") -> nn.Module:
+    """A flotilla model built from config.json and loaded from model.safetensors; asserts nothing missing."""
+    config = load_hf_config(model_dir)
+    model = get_model_class(config.architectures)(config, attention_backend=attention_backend)
+    loaded = model.load_weights(load_file(str(Path(model_dir) / "model.safetensors")).items())
+    missing = set(dict(model.named_parameters())) - loaded
+    assert not missing, f"parameters not loaded: {sorted(missing)}"
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_logits(hf_model: nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """float32 [len, vocab]: the reference logits of every position of one sequence."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedRunner:
+    """Drives a flotilla model over a paged KV cache with per-sequence block tables, like the worker."""
+
+    def __init__(self, model: nn.Module, num_blocks: int = 128, block_size: int = 4, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        # NaN-filled so reading any slot that was never written poisons the result and fails the test.
+        self.kv_caches = [
+            torch.full(model.kv_cache_shape(num_blocks, block_size), float("nan"), dtype=dtype)
+            for _ in range(model.num_layers)
+        ]
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.blocks: dict[int, list[int]] = {}
+        self.num_cached: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run one step over (seq_id, new token ids) pairs; returns float32 logits [n_new, vocab] per
+        pair, in order. New sequence ids start from an empty cache."""
+        cached, new, tables = [], [], []
+        for seq_id, token_ids in batch:
+            blocks = self.blocks.setdefault(seq_id, [])
+            num_cached = self.num_cached.setdefault(seq_id, 0)
+            needed = -(-(num_cached + len(token_ids)) // self.block_size)
+            while len(blocks) < needed:
+                blocks.append(self.free_blocks.pop())
+            cached.append(num_cached)
+            new.append(len(token_ids))
+            tables.append(blocks)
+        meta = AttentionMetadata.from_lists(cached, new, tables, self.block_size)
+        input_ids = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64)
+        positions = positions_from_lists(cached, new)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        for seq_id, token_ids in batch:
+            self.num_cached[seq_id] += len(token_ids)
+        return list(logits.split(new))
+
+    def free(self, seq_id: int) -> None:
+        """Return a finished sequence's blocks to the pool."""
+        self.free_blocks.extend(self.blocks.pop(seq_id))
+        del self.num_cached[seq_id]
