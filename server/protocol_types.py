@@ -1,0 +1,189 @@
+"""OpenAI request schema: the msgspec Structs that /v1/chat/completions and /v1/completions bodies decode into.
+
+Schema only; validation beyond types, the error format and the mapping onto the engine live in
+server/protocol.py (which re-exports these names). Unknown fields are ignored because real clients
+send many. Optional fields are ``X | None`` because clients (LangChain, LiteLLM, ...) send explicit
+nulls for anything unset; None always means "use the default".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Request-side struct: unknown fields ignored (clients send extras), unset fields left out on dump."""
+
+
+class ContentPart(_Struct, kw_only=True):
+    """One part of a message's content list; only text (and refusal, in assistant turns) is served."""
+
+    type: str
+    """"text" | "refusal"; media types are refused with a 400."""
+    text: str | None = None
+    """The text of a "text" part."""
+    refusal: str | None = None
+    """The text of a "refusal" part."""
+
+
+Content = str | list[ContentPart]
+
+
+class FunctionCallParam(_Struct, kw_only=True):
+    name: str
+    """Function the assistant called."""
+    arguments: str
+    """Its arguments as a JSON string."""
+
+
+class ToolCallParam(_Struct, kw_only=True):
+    """A tool call in an earlier assistant turn of the conversation."""
+
+    id: str
+    """Tool call id; the tool message that answers it repeats it."""
+    function: FunctionCallParam
+    type: Literal["function"] = "function"
+
+
+class _Message(_Struct, tag_field="role", kw_only=True):
+    """Chat message; the ``role`` field picks the subclass (an unknown role is a 400 naming it)."""
+
+
+class SystemMessage(_Message, tag="system", kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(_Message, tag="developer", kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Message, tag="user", kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Message, tag="assistant", kw_only=True):
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(_Message, tag="tool", kw_only=True):
+    content: Content
+    tool_call_id: str
+    """The id of the assistant tool call this message answers."""
+
+
+ChatMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+class FunctionDefinition(_Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON Schema of the arguments."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Struct, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(_Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Struct, kw_only=True):
+    """``{"type": "function", "function": {"name": ...}}``: call this tool."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptions(_Struct, kw_only=True):
+    include_usage: bool | None = None
+    """Send a last chunk with usage and no choices (and "usage": null on every other chunk)."""
+
+
+class ResponseFormat(_Struct, kw_only=True):
+    type: str
+    """Only "text" is served (no guided decoding yet)."""
+
+
+class SamplingFields(_Struct, kw_only=True):
+    """Fields shared by both endpoints: OpenAI's plus vLLM's extensions that SamplingParams carries."""
+
+    model: str | None = None
+    """Served model name; None means the server's (only) model."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    priority: int | None = None
+    """Lower runs first under priority scheduling (vLLM extension)."""
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    """OpenAI's newer name for max_tokens; wins when both are set."""
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool | None = None
+    """Append the assistant turn opener (vLLM extension; default true)."""
+    functions: list[Any] | None = None
+    """Deprecated pre-tools API: refused with a pointer to ``tools``."""
+    function_call: Any | None = None
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: str | list[Any]
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: int | None = 16
+    """OpenAI's default for this endpoint is 16."""
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
