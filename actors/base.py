@@ -70,11 +70,11 @@ class ActorContext(msgspec.Struct, kw_only=True):
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
 def handler_name(msg_type: type[Message]) -> str:
-    """``StepResult`` -> ``on_step_result``."""
+    """``StepResult`` -> ``on_step_result``; ``KVCacheInfoEvent`` -> ``on_kv_cache_info_event``."""
     return "on_" + _snake(msg_type.__name__)
 
 
@@ -101,6 +101,7 @@ class Actor:
         self._outboxes: dict[str, Outbox] = {}
         self._inbox: Inbox | None = None
         self._hb_seq = 0
+        self._self_address = f"inproc://flotilla-self-{id(self):x}"
         self._trace_out = sys.stderr
 
     # ---- for subclasses -----------------------------------------------------------------------
@@ -119,14 +120,24 @@ class Actor:
         """Send to a peer actor's inbox by topology name."""
         await self.send_to(self.ctx.endpoints.of(peer, instance), msg)
 
-    async def send_to(self, address: str, msg: Message) -> None:
-        """Send to an inbox by address (outboxes are opened once and kept)."""
+    def send_nowait(self, peer: str, msg: Message, instance: int = 0) -> bool:
+        """Send if the peer's queue has room; False (message dropped) otherwise. For best-effort telemetry only."""
+        address = self.ctx.endpoints.of(peer, instance)
+        if self.ctx.trace:
+            self._trace("->", msg, address)
+        return self._outbox(address).send_nowait(msg)
+
+    def _outbox(self, address: str) -> Outbox:
         out = self._outboxes.get(address)
         if out is None:
             out = self._outboxes[address] = Outbox(self.zmq, address)
+        return out
+
+    async def send_to(self, address: str, msg: Message) -> None:
+        """Send to an inbox by address (outboxes are opened once and kept)."""
         if self.ctx.trace:
             self._trace("->", msg, address)
-        await out.send(msg)
+        await self._outbox(address).send(msg)
 
     @property
     def label(self) -> str:
@@ -137,6 +148,8 @@ class Actor:
     async def serve(self) -> None:
         """Bind, set up, say ready, handle messages until stopped; always closes its sockets."""
         self._inbox = Inbox(self.zmq, self.address, (*self.inbox, StopCmd))
+        # a second, in-process endpoint for request_stop: it works even when the ipc path was unlinked
+        self._inbox.sock.bind(self._self_address)
         heartbeat: asyncio.Task | None = None
         try:
             detail = await self.setup()
@@ -167,10 +180,7 @@ class Actor:
 
     def request_stop(self, reason: str = "") -> None:
         """Stop after the messages already queued (safe from a signal handler): StopCmd to our own inbox."""
-        out = self._outboxes.get(self.address)
-        if out is None:
-            out = self._outboxes[self.address] = Outbox(self.zmq, self.address)
-        out.send_nowait(StopCmd(reason=reason))
+        self._outbox(self._self_address).send_nowait(StopCmd(reason=reason))
 
     async def _dispatch(self, msg: Message) -> None:
         handler: Callable[[Message], Awaitable[None]] = getattr(self, self._handlers[type(msg)])
@@ -194,10 +204,7 @@ class Actor:
 
     async def _to_supervisor(self, msg: Message) -> None:
         if self.ctx.endpoints.supervisor:
-            out = self._outboxes.get(self.ctx.endpoints.supervisor)
-            if out is None:
-                out = self._outboxes[self.ctx.endpoints.supervisor] = Outbox(self.zmq, self.ctx.endpoints.supervisor)
-            out.send_nowait(msg)  # liveness must never block the actor
+            self._outbox(self.ctx.endpoints.supervisor).send_nowait(msg)  # liveness must never block the actor
 
     def _trace(self, arrow: str, msg: Message, address: str) -> None:
         stamp = time.strftime("%H:%M:%S")

@@ -79,9 +79,11 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Heartbeat and timeout settings."""
     actors: list[ActorSpec] = []
     """The actors."""
+    clients: list[str] = []
+    """Participants that are not actors but own an inbox (the HTTP front end, the offline LLM client)."""
 
     def __post_init__(self) -> None:
-        names = [a.name for a in self.actors]
+        names = [a.name for a in self.actors] + list(self.clients)
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:
             raise ValueError(f"duplicate actor names in topology: {', '.join(sorted(dupes))}")
@@ -132,12 +134,16 @@ def resolve(topo: Topology, run_id: str, run_dir: Path | None = None) -> ep.Endp
         supervisor = ep.inproc(run_id, "supervisor")
         for spec, i in topo.instances():
             actors[ep.key(spec.name, i)] = ep.inproc(run_id, ep.key(spec.name, i))
+        for c in topo.clients:
+            actors[ep.key(c, 0)] = ep.inproc(run_id, ep.key(c, 0))
     elif scheme == "ipc":
         if run_dir is None:
             raise ValueError("ipc addresses need a run directory")
         supervisor = ep.ipc(run_dir, "supervisor")
         for spec, i in topo.instances():
             actors[ep.key(spec.name, i)] = ep.ipc(run_dir, f"{spec.name}-{i}")
+        for c in topo.clients:
+            actors[ep.key(c, 0)] = ep.ipc(run_dir, f"{c}-0")
     else:
         supervisor = ep.tcp(topo.supervisor_host, topo.supervisor_port or _free_port(topo.supervisor_host))
         for spec, i in topo.instances():
@@ -145,6 +151,8 @@ def resolve(topo: Topology, run_id: str, run_dir: Path | None = None) -> ep.Endp
                 raise ValueError(f"actor {spec.name} on {spec.host}: set `port`; free ports are only picked locally")
             port = spec.port + i if spec.port else _free_port(spec.host)
             actors[ep.key(spec.name, i)] = ep.tcp(spec.host, port)
+        for c in topo.clients:
+            actors[ep.key(c, 0)] = ep.tcp(topo.supervisor_host, _free_port(topo.supervisor_host))
     return ep.Endpoints(supervisor=supervisor, actors=actors)
 
 

@@ -131,6 +131,7 @@ def test_a_child_killed_later_tears_the_topology_down(topology):
 def test_one_actor_started_by_hand_joins_a_running_topology(topology):
     topo = topology()
     proc = flotilla("launch", str(topo), "--external", "echo")
+    hand: list[subprocess.Popen] = []
     try:
         # the launcher waits for the hand-started echoes; it tells where the endpoints are
         line = read_until(proc, r"waiting for external actor 'echo'", timeout=30, stream="stderr")
@@ -145,6 +146,8 @@ def test_one_actor_started_by_hand_joins_a_running_topology(topology):
             assert h.wait(timeout=15) == 0
     finally:
         proc.kill()
+        for h in hand:
+            h.kill()
 
 
 def test_actor_against_scripted_peers_prints_traffic(tmp_path, topology):
