@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from flotilla import __version__
+from flotilla.sampling_params import SamplingParams
+from flotilla.server.cli import SERVE_DESCRIPTION, add_engine_arguments, add_serve_arguments, engine_config_from_args
 from flotilla.actors.standalone import endpoints_for, run_actor
 from flotilla.actors.topology import load_topology
 from flotilla.scripts import bench_transport, launch
@@ -71,6 +73,45 @@ def _run_actor(args: argparse.Namespace) -> int:
                      idle_s=args.idle)
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", formatter_class=_Formatter, help="run prompts offline and print the completions",
+                       description="""\
+Run prompts through the engine offline (the same actors as `serve`, no HTTP) and print the completions.
+
+  flotilla generate --prompt "The capital of France is"
+  flotilla generate --chat --prompt "What is the capital of France?" --temperature 0
+""")
+    p.add_argument("--model", default=None, help="HF model folder; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="treat each prompt as a user message (the chat template)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--placement", choices=["inline", "process"], default="inline",
+                   help="inline: every actor in this process; process: one process per actor")
+    add_engine_arguments(p)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    try:
+        config = engine_config_from_args(args, args.model)
+    except (TypeError, ValueError) as e:
+        print(f"flotilla generate: {e}", file=sys.stderr)
+        return 2
+    from flotilla.llm import LLM  # heavy: see main()
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    with LLM(config=config, placement=args.placement) as llm:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outs):
+        print(f"--- {prompt!r}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, "
+              f"finish_reason={out.outputs[0].finish_reason}]", flush=True)
+    return 0
+
+
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", formatter_class=_Formatter, help="start and supervise every process of a topology",
                        description=launch.__doc__)
@@ -102,10 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="logging verbosity")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    sub.add_parser("serve", formatter_class=_Formatter, help="start the OpenAI-compatible server",
-                   description="Start the OpenAI-compatible HTTP server and its engine. Not built yet.")
-    sub.add_parser("generate", formatter_class=_Formatter, help="run prompts offline",
-                   description="Run prompts through the engine offline and print the completions. Not built yet.")
+    p = sub.add_parser("serve", formatter_class=_Formatter, help="start the OpenAI-compatible server",
+                       description=SERVE_DESCRIPTION)
+    add_serve_arguments(p)
+    _add_generate(sub)
     _add_actor(sub)
     _add_launch(sub)
     _add_bench(sub)
@@ -117,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
     if args.command == "serve":
-        return _not_built("serve", "OpenAI server")
+        # torch, transformers and uvicorn load only for the commands that use them: `flotilla actor echo`
+        # and `flotilla --help` stay fast
+        from flotilla.server import serve
+
+        return serve.main(args)
     if args.command == "generate":
-        return _not_built("generate", "Scheduling and text")
+        return _run_generate(args)
     if args.command == "actor":
         return _run_actor(args)
     if args.command == "launch":

@@ -9,6 +9,10 @@ from flotilla.actors.base import Actor
 ACTOR_KINDS: dict[str, str] = {
     "echo": "flotilla.actors.diagnostics:EchoActor",
     "relay": "flotilla.actors.diagnostics:RelayActor",
+    "tokenizer": "flotilla.actors.tokenizer:TokenizerActor",
+    "scheduler": "flotilla.actors.scheduler:SchedulerActor",
+    "worker": "flotilla.actors.worker:GPUWorkerActor",
+    "detokenizer": "flotilla.actors.detokenizer:DetokenizerActor",
 }
 """kind -> "module:Class"."""
 

@@ -223,7 +223,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.model = LlamaModel(config, get_attention_backend(attention_backend), self.qk_norm)
+        backend = get_attention_backend(attention_backend)
+        self.attention_backend_name = backend.name
+        """The attention kernels chosen (for the ready log line)."""
+        self.model = LlamaModel(config, backend, self.qk_norm)
         # Tied models have no lm_head module at all, so meta construction + to_empty cannot untie it.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         q = config.num_attention_heads * config.head_dim

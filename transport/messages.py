@@ -137,6 +137,19 @@ class StepResult(Message):
     """Set when the step failed; the scheduler fails the step's requests."""
 
 
+class KVCacheInfoEvent(Message):
+    """A worker's KV cache, sent to the scheduler once at start: the scheduler admits nothing before it."""
+
+    rank: int
+    """The worker's rank."""
+    num_blocks: int
+    """KV blocks the worker allocated, blocks."""
+    block_size: int
+    """Tokens per block."""
+    max_model_len: int
+    """Longest sequence the worker accepts, tokens."""
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. scheduler -> detokenizer -> front end
 
@@ -162,6 +175,10 @@ class SeqTokens(Message):
     """Prompt length, tokens (for usage)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache, tokens."""
+    sampling: SamplingParams | None = None
+    """Set on a sequence's first delta only: stop strings and detokenization options."""
+    prompt_tail: list[int] | None = None
+    """Set on the first delta only: the last prompt tokens, so the first output token decodes in context."""
 
 
 class TokenDelta(Message):
@@ -203,6 +220,23 @@ class TextDelta(Message):
 
     items: list[SeqText]
     """One entry per sequence that changed."""
+
+
+class SchedulerStatsEvent(Message):
+    """The scheduler's state for /metrics, sent to the front end after steps (throttled) and when it idles."""
+
+    num_running: int
+    """Sequences in the running batch."""
+    num_waiting: int
+    """Sequences queued for admission."""
+    kv_usage: float
+    """Fraction of KV blocks in use [0, 1]."""
+    prefix_cache_hit_rate: float
+    """Prompt tokens served from the prefix cache / prompt tokens queried [0, 1]."""
+    num_preemptions: int
+    """Sequences preempted since start."""
+    kv_capacity_tokens: int
+    """KV cache capacity, tokens."""
 
 
 class RequestFailedEvent(Message):

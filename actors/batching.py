@@ -1,0 +1,290 @@
+"""The continuous-batching policy (pure: no sockets, no asyncio), wrapped by SchedulerActor.
+
+Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs` sequences:
+running sequences first (a decode costs one token, an unfinished prompt its next chunk), then waiting
+ones in FCFS or priority order, their prompts chunked to fit when chunked prefill is on. When KV blocks
+run out, the most recently admitted running sequence is preempted by recompute: its blocks are freed,
+it returns to the head of the queue, and later resumes with prompt + output as its new "prompt" (the
+prefix cache usually gives most of it back). Greedy output is unchanged by preemption.
+
+A plan carries only what changed (new sequences in full, running ones as token counts and appended
+block ids), and `num_computed` advances when a step is *planned*, so step N+1 can be planned before
+step N's result is in (the worker feeds each decode the token it sampled itself).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flotilla.actors.block_manager import BlockManager
+from flotilla.config import SchedulerConfig
+from flotilla.sampling_params import SamplingParams
+from flotilla.transport.messages import NewSequence, SeqTokens, StepPlan, StepResult, TokenizedRequest
+
+PROMPT_TAIL = 8
+"""Prompt tokens sent to the detokenizer so the first output token decodes in context."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """The scheduler's view of one sequence."""
+
+    rid: str
+    prompt_ids: np.ndarray
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    """EOS (unless ignore_eos) and stop_token_ids."""
+    priority: int
+    order: int
+    """Arrival counter: FIFO tie-break, and preempted sequences keep their place."""
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose KV is computed or being computed by a planned step."""
+    num_cached: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    in_worker: bool = False
+    """The worker holds state for it (so the next plan sends only changes)."""
+    new_blocks: list[int] = field(default_factory=list)
+    """Blocks appended since the last plan."""
+    sent_first: bool = False
+    aborted: bool = False
+    """Aborted while a step that computes it is in flight: finish when the result arrives."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> np.ndarray:
+        if not self.output_ids:
+            return self.prompt_ids
+        return np.concatenate((self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)))
+
+
+class BatchScheduler:
+    """Admission, step planning, preemption and stop checks."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, order, seq)
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self._step = itertools.count()
+        self._forget: list[str] = []  # rids the worker must drop before the next step
+        self.inflight: dict[int, list[tuple[Sequence, int]]] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.seqs) - len(self.running)
+
+    def add(self, req: TokenizedRequest) -> bool:
+        """Queue a request; False when the waiting queue is full (the caller answers 429)."""
+        if self.num_waiting >= self.config.max_waiting_requests:
+            return False
+        if req.rid in self.seqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        sp = req.sampling
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        prio = req.priority if self.config.policy == "priority" else 0
+        seq = Sequence(rid=req.rid, prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32), sampling=sp,
+                       stop_ids=frozenset(stop), priority=prio, order=next(self._order))
+        self.seqs[seq.rid] = seq
+        heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
+        return True
+
+    def abort(self, rid: str) -> SeqTokens | None:
+        """Drop a request; returns its final delta (None if unknown or already gone)."""
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return None
+        if any(seq is s for batch in self.inflight.values() for s, _ in batch):
+            seq.aborted = True  # a step is writing its KV: release its blocks when that step is done
+            return None
+        return self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- planning ------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step; None when there is nothing to run."""
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:  # its last token is still being computed by a step in flight
+                i += 1
+                continue
+            while (new := self.blocks.append_slots(seq.rid, n)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.rid not in self.seqs or seq not in self.running:
+                continue
+            seq.new_blocks.extend(new)
+            batch.append((seq, n))
+            budget -= n
+            i += 1
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            heapq.heappop(self.waiting)
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        if not batch and not self._forget:
+            return None
+        return self._plan(batch)
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self.waiting:
+            seq = self.waiting[0][2]
+            if seq.rid in self.seqs and seq not in self.running:
+                return seq
+            heapq.heappop(self.waiting)  # aborted while waiting
+        return None
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting sequence its blocks (prefix hits first); returns the tokens it runs now, 0 = not now."""
+        tokens = seq.token_ids()
+        cached = self.blocks.match_prefix(tokens).num_cached_tokens
+        remaining = len(tokens) - cached
+        if not self.config.enable_chunked_prefill and remaining > budget:
+            return 0
+        n = min(remaining, budget)
+        alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n)
+        if alloc is None:
+            return 0
+        if not seq.output_ids:
+            seq.num_cached = alloc.num_cached_tokens
+        seq.num_computed = alloc.num_cached_tokens
+        seq.new_blocks = []
+        return len(tokens) - alloc.num_cached_tokens if n == remaining else n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.rid)
+        if seq.in_worker:
+            self._forget.append(seq.rid)
+        seq.in_worker = False
+        seq.num_computed = 0
+        seq.new_blocks = []
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
+
+    def _plan(self, batch: list[tuple[Sequence, int]]) -> StepPlan:
+        step = next(self._step)
+        new_seqs, rids, counts, appended = [], [], [], []
+        for seq, n in batch:
+            rids.append(seq.rid)
+            if not seq.in_worker:
+                new_seqs.append(NewSequence(
+                    rid=seq.rid, token_ids=seq.token_ids(), num_computed_tokens=seq.num_computed,
+                    block_ids=np.asarray(self.blocks.block_ids(seq.rid), dtype=np.int32), sampling=seq.sampling,
+                    num_output_tokens=len(seq.output_ids)))
+                seq.in_worker = True
+                counts.append(0)
+            else:
+                counts.append(len(seq.new_blocks))
+                appended.extend(seq.new_blocks)
+            seq.new_blocks = []
+            seq.num_computed += n
+        plan = StepPlan(step=step, new_seqs=new_seqs, rids=rids,
+                        num_new_tokens=np.asarray([n for _, n in batch], dtype=np.int32),
+                        new_block_counts=np.asarray(counts, dtype=np.int32),
+                        new_block_ids=np.asarray(appended, dtype=np.int32), finished_rids=self._forget)
+        self._forget = []
+        self.inflight[step] = batch
+        return plan
+
+    # ---- results ---------------------------------------------------------------------------------------
+
+    def update(self, result: StepResult) -> list[SeqTokens]:
+        """Apply a step's sampled tokens: stop checks, finished sequences freed, one delta per sequence."""
+        batch = self.inflight.pop(result.step, [])
+        if result.error is not None:
+            return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
+        for seq, _ in batch:
+            if seq.rid in self.seqs:
+                self.blocks.commit(seq.rid, seq.token_ids(), min(seq.num_computed, seq.num_tokens))
+        deltas: list[SeqTokens] = []
+        sampled = dict(zip(result.rids, range(len(result.rids))))
+        tokens = result.token_ids.tolist() if result.token_ids is not None else []
+        for seq, _ in batch:
+            if seq.rid not in self.seqs:
+                continue
+            j = sampled.get(seq.rid)
+            if seq.aborted:
+                deltas.append(self._finish(seq, "abort"))
+                continue
+            if j is None:
+                continue
+            tok = tokens[j]
+            seq.output_ids.append(tok)
+            delta = self._delta(seq, [tok])
+            if result.logprobs is not None and seq.sampling.logprobs is not None:
+                k = seq.sampling.logprobs
+                delta.logprobs = [float(result.logprobs[j])]
+                delta.top_ids = [result.top_ids[j, :k].tolist()]
+                delta.top_logprobs = [result.top_logprobs[j, :k].tolist()]
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                delta.finish_reason = reason
+                if reason == "stop":
+                    delta.stop_token = tok
+                self._release(seq)
+            deltas.append(delta)
+        return deltas
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        n_out = len(seq.output_ids)
+        if tok in seq.stop_ids and n_out > seq.sampling.min_tokens:
+            return "stop"
+        if seq.sampling.max_tokens is not None and n_out >= seq.sampling.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _delta(self, seq: Sequence, tokens: list[int]) -> SeqTokens:
+        d = SeqTokens(rid=seq.rid, token_ids=tokens, num_prompt_tokens=len(seq.prompt_ids),
+                      num_cached_tokens=seq.num_cached)
+        if not seq.sent_first:
+            seq.sent_first = True
+            d.sampling = seq.sampling
+            d.prompt_tail = seq.prompt_ids[-PROMPT_TAIL:].tolist()
+        return d
+
+    def _finish(self, seq: Sequence, reason: str) -> SeqTokens:
+        delta = self._delta(seq, [])
+        delta.finish_reason = reason
+        self._release(seq)
+        return delta
+
+    def _release(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.rid, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq.rid)
+        if seq.in_worker:
+            self._forget.append(seq.rid)
+            seq.in_worker = False

@@ -1,0 +1,89 @@
+"""DetokenizerActor: token ids -> text deltas, with stop strings, one TextDelta per step.
+
+Per sequence it keeps an IncrementalDetokenizer (actors/incremental_detokenizer.py), created from the
+sequence's first delta (which carries its sampling options and the prompt's last tokens). When a stop
+string matches, the sequence ends here: the client gets its last text with finish_reason "stop", and
+the scheduler gets an AbortCmd so the sequence stops computing and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flotilla.actors.base import Actor, ActorContext
+from flotilla.actors.incremental_detokenizer import IncrementalDetokenizer, TokenizerInfo
+from flotilla.actors.tokenizer import load_tokenizer, model_dir
+from flotilla.config import EngineConfig
+from flotilla.transport.messages import AbortCmd, SeqText, SeqTokens, TextDelta, TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class DetokenizerActor(Actor):
+    """Incremental detokenization for every running sequence of an engine."""
+
+    kind = "detokenizer"
+    inbox = (TokenDelta,)
+
+    def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
+        super().__init__(ctx, zmq_ctx)
+        self.config = EngineConfig.from_dict(ctx.config.get("engine", {}))
+        self.scheduler = str(ctx.config.get("scheduler", "scheduler"))
+        self.frontend = str(ctx.config.get("frontend", "frontend"))
+        self.info: TokenizerInfo | None = None
+        self.states: dict[str, IncrementalDetokenizer] = {}
+        self.counts: dict[str, int] = {}
+        self.stopped: set[str] = set()
+        """Sequences this actor ended on a stop string, until the scheduler's final delta for them."""
+
+    async def setup(self) -> dict[str, str]:
+        self.info = TokenizerInfo(load_tokenizer(model_dir(self.config)))
+        return {}
+
+    async def on_token_delta(self, msg: TokenDelta) -> None:
+        out: list[SeqText] = []
+        stopped: list[str] = []
+        for item in msg.items:
+            text = self._text(item, stopped)
+            if text is not None:
+                out.append(text)
+        if out:
+            await self.send(self.frontend, TextDelta(items=out))
+        for rid in stopped:  # the scheduler stops computing it and frees its blocks
+            await self.send(self.scheduler, AbortCmd(rid=rid))
+
+    def _text(self, item: SeqTokens, stopped: list[str]) -> SeqText | None:
+        rid = item.rid
+        if rid in self.stopped:
+            if item.finish_reason is not None:
+                self.stopped.discard(rid)
+            return None
+        state = self.states.get(rid)
+        if state is None:
+            sp = item.sampling
+            assert sp is not None, f"first delta of {rid} carries no sampling options"
+            assert self.info is not None
+            state = self.states[rid] = IncrementalDetokenizer(
+                self.info, prompt_ids=item.prompt_tail or (), skip_special_tokens=sp.skip_special_tokens,
+                stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
+        text, stop = state.add(item.token_ids)
+        finish, stop_reason = item.finish_reason, item.stop_token
+        if stop is not None:
+            finish, stop_reason = "stop", stop
+            if item.finish_reason is None:
+                self.stopped.add(rid)
+                stopped.append(rid)
+        if finish is not None:
+            text += state.finish()
+            if state.stop_reason is not None and stop is None:
+                stop_reason = state.stop_reason
+            del self.states[rid]
+        n = self.counts.get(rid, 0) + len(item.token_ids)
+        if finish is None:
+            self.counts[rid] = n
+        else:
+            self.counts.pop(rid, None)
+        return SeqText(rid=rid, text=text, token_ids=item.token_ids, finish_reason=finish, stop_reason=stop_reason,
+                       logprobs=item.logprobs, top_ids=item.top_ids, top_logprobs=item.top_logprobs,
+                       num_prompt_tokens=item.num_prompt_tokens, num_cached_tokens=item.num_cached_tokens,
+                       num_output_tokens=n)

@@ -1,0 +1,168 @@
+"""ModelRunner: the compute core of the GPU worker (no sockets): StepPlan in, StepResult out.
+
+It owns the model, the paged KV cache (one tensor per layer) and per-sequence state, so a plan carries
+only what changed: new sequences in full, running ones as a token count and appended block ids. The
+token a decode step feeds is the one this runner sampled last step, which is why the scheduler can
+plan step N+1 before it has seen step N's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from flotilla.config import EngineConfig
+from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
+from flotilla.kernels.sampling import SamplingTensors, sample
+from flotilla.models.loader import LoadedModel, load_model
+from flotilla.sampling_params import SamplingParams
+from flotilla.transport.messages import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What the worker remembers about one running sequence."""
+
+    token_ids: list[int]
+    """Prompt followed by every token generated so far."""
+    num_prompt_tokens: int
+    """Length of the original prompt, tokens."""
+    num_computed: int
+    """Tokens whose KV is in the cache, tokens."""
+    block_ids: list[int]
+    """The sequence's KV block table."""
+    sampling: SamplingParams
+    needs_history: bool = field(default=False)
+    """Penalties need the prompt / output token ids at sampling time."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, executes plans."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.worker.device)
+        t0 = time.perf_counter()
+        self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
+                                              progress=progress,
+                                              model_kwargs={"attention_backend": config.worker.attention_backend})
+        self.load_seconds = time.perf_counter() - t0
+        self.model = self.loaded.module.eval()
+        self.hf_config = self.loaded.config
+        self.dtype = self.loaded.dtype
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.num_blocks = self._num_kv_blocks()
+        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        self.seqs: dict[str, SeqState] = {}
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
+        log.info("model %s loaded in %.2f s on %s (%s); KV cache %d blocks x %d = %d tokens",
+                 self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size)
+
+    # ---- sizing -------------------------------------------------------------------------------------
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        per_layer = int(np.prod(self.model.kv_cache_shape(1, self.block_size)))
+        return per_layer * self.model.num_layers * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_blocks is not None:
+            return cache.kv_cache_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cache.gpu_memory_utilization - (total - free) - _activation_reserve(self.config)
+        else:
+            budget = cache.cpu_kv_cache_gib * 2**30
+        blocks = int(budget // self.kv_bytes_per_block)
+        if blocks < 2:
+            raise RuntimeError(f"not enough memory for a KV cache: {budget / 2**30:.2f} GiB left for it; "
+                               "lower max_model_len, raise gpu_memory_utilization or set kv_cache_blocks")
+        return blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # ---- the step ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; the caller turns an exception into a StepResult with an error."""
+        for rid in plan.finished_rids:
+            self.seqs.pop(rid, None)
+        for ns in plan.new_seqs:
+            tokens = ns.token_ids.tolist()
+            self.seqs[ns.rid] = SeqState(
+                token_ids=tokens, num_prompt_tokens=len(tokens) - ns.num_output_tokens,
+                num_computed=ns.num_computed_tokens, block_ids=ns.block_ids.tolist(), sampling=ns.sampling,
+                needs_history=_needs_history(ns.sampling))
+        if not plan.rids:
+            return StepResult(step=plan.step)
+        seqs = [self.seqs[rid] for rid in plan.rids]
+        num_new = plan.num_new_tokens.tolist()
+        if plan.new_block_ids is not None and len(plan.new_block_ids):
+            offsets = np.concatenate(([0], np.cumsum(plan.new_block_counts)))
+            appended = plan.new_block_ids.tolist()
+            for s, lo, hi in zip(seqs, offsets[:-1].tolist(), offsets[1:].tolist()):
+                if hi > lo:
+                    s.block_ids.extend(appended[lo:hi])
+        cached = [s.num_computed for s in seqs]
+        input_ids = np.fromiter((t for s, c, n in zip(seqs, cached, num_new) for t in s.token_ids[c:c + n]),
+                                dtype=np.int64, count=sum(num_new))
+        meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
+                                            device=self.device)
+        positions = positions_from_lists(cached, num_new, device=self.device)
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions, self.kv_caches, meta)
+        # a sequence samples when this step reaches the end of its known tokens
+        sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == len(s.token_ids)]
+        for s, n in zip(seqs, num_new):
+            s.num_computed += n
+        if not sampling_rows:
+            return StepResult(step=plan.step)
+        last_token = (meta.query_start_loc[1:] - 1).long()
+        rows = torch.tensor(sampling_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[last_token[rows]])
+        sampled = [seqs[i] for i in sampling_rows]
+        history = any(s.needs_history for s in sampled)
+        st = SamplingTensors.build(
+            [s.sampling for s in sampled], [len(s.token_ids) - s.num_prompt_tokens for s in sampled],
+            device=self.device, vocab_size=logits.shape[1],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in sampled] if history else None,
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in sampled] if history else None)
+        want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
+        out = sample(logits, st, want, generator=self.generator)
+        token_ids = out.token_ids.to("cpu", torch.int32).numpy()
+        for s, t in zip(sampled, token_ids.tolist()):
+            s.token_ids.append(t)
+        result = StepResult(step=plan.step, rids=[plan.rids[i] for i in sampling_rows], token_ids=token_ids)
+        if want is not None:
+            result.logprobs = out.logprobs.float().cpu().numpy()
+            result.top_ids = out.top_token_ids.to("cpu", torch.int32).numpy()
+            result.top_logprobs = out.top_logprobs.float().cpu().numpy()
+        return result
+
+
+def _needs_history(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _activation_reserve(config: EngineConfig) -> int:
+    """Bytes kept free for activations and logits of the largest step (a coarse bound until profiling)."""
+    return 2 * 2**30 + config.scheduler.max_num_batched_tokens * 64 * 1024

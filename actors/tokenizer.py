@@ -1,0 +1,151 @@
+"""TokenizerActor: chat template + encode + length checks -> TokenizedRequest for the scheduler.
+
+The HF tokenizer (transformers' fast tokenizer over the model folder's tokenizer.json) renders the
+model's own chat template, so system prompts, tools and the generation prompt come out exactly as the
+model was trained on. A request that cannot run (empty, too long, max_tokens beyond max_model_len,
+token ids outside the vocabulary, a template error) is answered with RequestFailedEvent (HTTP 400)
+and never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import jinja2
+import msgspec
+import numpy as np
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from flotilla.actors.base import Actor, ActorContext
+from flotilla.config import EngineConfig
+from flotilla.models.default_model import default_model_dir
+from flotilla.transport.messages import AbortCmd, GenerateRequest, Message, RequestFailedEvent, TokenizedRequest
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; becomes an HTTP 4xx with an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def model_dir(config: EngineConfig) -> Path:
+    """The model folder (the embedded default model is converted on first use)."""
+    return Path(config.model.model) if config.model.model else default_model_dir()
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def max_model_len_of(config: EngineConfig, path: Path) -> int:
+    """max_model_len from the engine options, else the model's max_position_embeddings."""
+    if config.model.max_model_len is not None:
+        return config.model.max_model_len
+    hf = json.loads((path / "config.json").read_text())
+    return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path) -> list[int]:
+    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own EOS."""
+    ids: set[int] = set()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class RequestTokenizer:
+    """The pure part: GenerateRequest -> TokenizedRequest, or RequestError."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.vocab_size = len(tokenizer)
+
+    def prompt_ids(self, req: GenerateRequest) -> np.ndarray:
+        if req.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            except (jinja2.TemplateError, TypeError, KeyError, ValueError) as e:
+                raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+        elif req.prompt_token_ids is not None:
+            ids = req.prompt_token_ids
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        else:
+            raise RequestError("a request needs a prompt, prompt token ids or messages", "prompt")
+        return np.asarray(ids, dtype=np.int32)
+
+    def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
+        if req.sampling.n != 1:
+            raise RequestError("the engine runs one sequence per request; the front end fans out n > 1", "n")
+        ids = self.prompt_ids(req)
+        n, limit = len(ids), self.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                               f"{n} tokens, which leaves no room for output. Please shorten the prompt.",
+                               "messages" if req.messages is not None else "prompt", code="context_length_exceeded")
+        sampling = req.sampling
+        if sampling.max_tokens is None:
+            sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
+        elif n + sampling.max_tokens > limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{n + sampling.max_tokens} tokens ({n} in the prompt, {sampling.max_tokens} for the "
+                               f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
+                               code="context_length_exceeded")
+        return TokenizedRequest(rid=req.rid, prompt_ids=ids, sampling=sampling, eos_token_ids=self.eos_ids,
+                                arrival_time=req.arrival_time, priority=req.priority)
+
+
+class TokenizerActor(Actor):
+    """Turns GenerateRequests into TokenizedRequests; forwards aborts on the same path."""
+
+    kind = "tokenizer"
+    inbox = (GenerateRequest, AbortCmd)
+
+    def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
+        super().__init__(ctx, zmq_ctx)
+        self.config = EngineConfig.from_dict(ctx.config.get("engine", {}))
+        self.scheduler = str(ctx.config.get("scheduler", "scheduler"))
+        self.frontend = str(ctx.config.get("frontend", "frontend"))
+        self.core: RequestTokenizer | None = None
+
+    async def setup(self) -> dict[str, str]:
+        path = model_dir(self.config)
+        tok = load_tokenizer(path)
+        self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path))
+        return {"max_model_len": str(self.core.max_model_len)}
+
+    async def on_generate_request(self, req: GenerateRequest) -> None:
+        assert self.core is not None
+        try:
+            tokenized = self.core.tokenize(req)
+        except RequestError as e:
+            await self.send(self.frontend, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
+                                                              param=e.param, code=e.code))
+            return
+        await self.send(self.scheduler, tokenized)
+
+    async def on_abort_cmd(self, msg: AbortCmd) -> None:
+        await self.send(self.scheduler, msg)
+
+    async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
+        if isinstance(msg, GenerateRequest):
+            await self.send(self.frontend, RequestFailedEvent(rid=msg.rid, status=500,
+                                                              message=f"tokenizer failed: {type(exc).__name__}: {exc}"))

@@ -1,0 +1,119 @@
+"""Engine configuration: one small frozen struct per concern, composed by EngineConfig.
+
+Field names follow vLLM's where vLLM has one, so `LLM(max_num_seqs=...)` and `flotilla serve
+--max-num-seqs` mean what a vLLM user expects. Every field maps 1:1 to a CLI flag (server/cli.py).
+Structs travel to actor processes inside the topology (as JSON), so they hold only plain values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which model, in which dtype, how long a sequence may be."""
+
+    model: str | None = None
+    """HF folder (config.json + safetensors); None = the embedded default model (SmolLM2-135M-Instruct)."""
+    dtype: str = "auto"
+    """Weights and activations: auto (the checkpoint's dtype), float32, bfloat16, float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None = the model's max_position_embeddings."""
+    served_model_name: str | None = None
+    """Name clients use in the `model` field; default: the folder name."""
+    seed: int = 0
+    """Seed of the default generator used by requests without their own seed."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_blocks: int | None = None
+    """Number of KV blocks; overrides sizing from memory."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV) when sizing the KV cache."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV cache size on CPU, GiB (when kv_cache_blocks is not given)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
+            raise ValueError("kv_cache_blocks must be at least 2")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Continuous batching limits and policy."""
+
+    max_num_seqs: int = 256
+    """Most sequences running in one step."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing; off = a prompt runs whole or waits."""
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs: arrival order; priority: lower `priority` first, arrival order among equals."""
+    max_waiting_requests: int = 4096
+    """Requests queued beyond this are refused (HTTP 429) instead of growing memory without bound."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where and how the model runs."""
+
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    attention_backend: str = "auto"
+    """Attention kernels: auto picks the best importable backend; or force one by name."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything an engine needs; each actor reads the parts it uses."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from flat vLLM-style keyword options (`LLM(block_size=8, max_num_seqs=4)`)."""
+        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "worker": {}}
+        owners = {name: part for part, sub in _PARTS.items() for name in sub.__struct_fields__}
+        for name, value in options.items():
+            if name not in owners:
+                known = ", ".join(sorted(owners))
+                raise TypeError(f"unknown engine option {name!r}; known options: {known}")
+            parts[owners[name]][name] = value
+        return cls(**{part: msgspec.convert(values, _PARTS[part]) for part, values in parts.items()})
+
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EngineConfig:
+        return msgspec.convert(data, cls)
+
+
+_PARTS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
+}

@@ -1,0 +1,176 @@
+"""The offline API, as in vLLM: ``LLM(model).generate(prompts, SamplingParams(...))`` and ``LLM.chat``.
+
+LLM runs the real engine actors (in this process by default; ``placement="process"`` gives one
+process per actor) with an EngineClient on a private event loop in a background thread, so the
+calls here are plain synchronous functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import uvloop
+from tqdm.auto import tqdm
+
+from flotilla.config import EngineConfig
+from flotilla.sampling_params import SamplingParams
+from flotilla.server.engine_client import EngineClient
+from flotilla.transport.messages import GenerateRequest
+
+Prompt = str | dict[str, Any]
+"""A text prompt, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One generated token's logprob and its top alternatives (token id -> logprob)."""
+
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a prompt (vLLM's field names)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """All completions of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    outputs: list[CompletionOutput]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class LLM:
+    """An engine for offline batch generation."""
+
+    def __init__(self, model: str | None = None, *, placement: str = "inline", config: EngineConfig | None = None,
+                 **engine_options: Any) -> None:
+        """model: HF folder (None = the embedded default model); engine_options: vLLM-named options
+        (block_size, kv_cache_blocks, max_num_seqs, ...; see config.py), or a whole EngineConfig."""
+        if config is not None and (model is not None or engine_options):
+            raise TypeError("pass either config or model/engine options, not both")
+        self.config = config or EngineConfig.from_options(model=model, **engine_options)
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-llm", daemon=True)
+        self._thread.start()
+        self.client = EngineClient(self.config, placement=placement)
+        try:
+            self._run(self.client.start())
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self._closed = False
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; results in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        reqs = [self._request(p, self._params(sampling_params, i)) for i, p in enumerate(prompts)]
+        return self._run_all(reqs, [p if isinstance(p, str) else p.get("prompt") for p in prompts], use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Chat completions: one conversation (a list of messages) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        reqs = [GenerateRequest(rid=self.client.new_rid("chat"), sampling=self._params(sampling_params, i),
+                                messages=conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                arrival_time=time.time()) for i, conv in enumerate(convs)]
+        return self._run_all(reqs, [None] * len(reqs), use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop every engine actor (also on interpreter exit via __del__)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._run(self.client.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing left to report to
+            pass
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @staticmethod
+    def _params(params: SamplingParams | Sequence[SamplingParams] | None, i: int) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        return params if isinstance(params, SamplingParams) else params[i]
+
+    def _request(self, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+        rid = self.client.new_rid("cmpl")
+        if isinstance(prompt, str):
+            return GenerateRequest(rid=rid, sampling=params, prompt=prompt, arrival_time=time.time())
+        if "prompt_token_ids" in prompt:
+            ids = np.asarray(prompt["prompt_token_ids"], dtype=np.int32)
+            return GenerateRequest(rid=rid, sampling=params, prompt_token_ids=ids, arrival_time=time.time())
+        return GenerateRequest(rid=rid, sampling=params, prompt=prompt["prompt"], arrival_time=time.time())
+
+    def _run_all(self, reqs: list[GenerateRequest], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm or len(reqs) < 2)
+
+        async def one(req: GenerateRequest, prompt: str | None) -> RequestOutput:
+            subs = self.client.fan_out(req)
+            outs = await asyncio.gather(*(self._collect(sub, i) for i, sub in enumerate(subs)))
+            bar.update(1)
+            first = outs[0][1]
+            return RequestOutput(request_id=req.rid, prompt=prompt, outputs=[o for o, _ in outs],
+                                 num_prompt_tokens=first[0], num_cached_tokens=first[1])
+
+        async def all_of() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(one(r, p) for r, p in zip(reqs, prompts))))
+
+        try:
+            return self._run(all_of())
+        finally:
+            bar.close()
+
+    async def _collect(self, req: GenerateRequest, index: int) -> tuple[CompletionOutput, tuple[int, int]]:
+        out = CompletionOutput(index=index, logprobs=[] if req.sampling.logprobs is not None else None)
+        text: list[str] = []
+        usage = (0, 0)
+        async for delta in self.client.stream(req):
+            text.append(delta.text)
+            out.token_ids.extend(delta.token_ids)
+            if out.logprobs is not None and delta.logprobs is not None:
+                tops = delta.top_ids or [[] for _ in delta.logprobs]
+                toplps = delta.top_logprobs or [[] for _ in delta.logprobs]
+                out.logprobs.extend(Logprob(lp, dict(zip(ti, tl))) for lp, ti, tl in zip(delta.logprobs, tops, toplps))
+            usage = (delta.num_prompt_tokens, delta.num_cached_tokens)
+            if delta.finish_reason is not None:
+                out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        out.text = "".join(text)
+        return out, usage

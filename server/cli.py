@@ -1,0 +1,97 @@
+"""Engine options as command-line flags: every EngineConfig field becomes one flag, 1:1, with its doc.
+
+`--max-num-seqs 8` sets SchedulerConfig.max_num_seqs; the help text is the field's docstring, so
+`flotilla serve --help` and `flotilla generate --help` explain every option without a second copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import typing
+from typing import Any
+
+import msgspec
+
+from flotilla.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
+
+_GROUPS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
+}
+_SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a struct (the source is the single description of an option)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name) and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, grouped by concern, defaults shown."""
+    for group_name, cls in _GROUPS.items():
+        group = parser.add_argument_group(f"{group_name} options")
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in msgspec.structs.fields(cls):
+            if f.name in _SKIP:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            tp = hints[f.name]
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": docs.get(f.name, "")}
+            if tp is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                args = [a for a in typing.get_args(tp) if a is not type(None)]
+                base = args[0] if args and typing.get_origin(tp) is not typing.Literal else tp
+                if typing.get_origin(tp) is typing.Literal:
+                    kwargs["choices"] = list(typing.get_args(tp))
+                else:
+                    kwargs["type"] = base if base in (int, float, str) else str
+            group.add_argument(flag, **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """The EngineConfig the flags describe."""
+    options = {f.name: getattr(args, f.name) for cls in _GROUPS.values() for f in msgspec.structs.fields(cls)
+               if f.name not in _SKIP}
+    return EngineConfig.from_options(model=model, **options)
+
+
+SERVE_DESCRIPTION = """\
+Start the OpenAI-compatible HTTP server and the engine behind it (one process per actor by default).
+
+  flotilla serve                                   # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
+  flotilla serve /models/Qwen3-8B --port 8080 --max-num-seqs 128
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
+"""
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model folder (config.json + safetensors + tokenizer); default: the embedded "
+                        "SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--api-key", default=os.environ.get("FLOTILLA_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (also from $FLOTILLA_API_KEY); "
+                        "default: no key")
+    p.add_argument("--single-process", action="store_true",
+                   help="run every engine actor inside the server process (debugging); default: one process each")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="HTTP requests served at once before answering 429; default: max_num_seqs + "
+                        "max_waiting_requests")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight streams may take to finish, seconds")
+    p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+    add_engine_arguments(p)

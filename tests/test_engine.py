@@ -1,0 +1,178 @@
+"""The engine end to end through the offline LLM API: real actors, real sockets, tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flotilla import LLM, SamplingParams
+from flotilla.server.engine_client import RequestFailed
+from flotilla.transport.messages import GenerateRequest
+
+from helpers_engine import write_tiny_engine_model
+from helpers_tiny_models import load_hf_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_engine_model(tmp_path_factory.mktemp("tiny") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    engine = LLM(tiny, kv_cache_blocks=512, block_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def run(engine: LLM, ps: list[list[int]], max_tokens: int | list[int] = 12, **sp) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=m, **{**GREEDY, **sp})
+              for m in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ps))]
+    outs = engine.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def scheduler(engine: LLM):
+    return engine.client.runtime.actors["scheduler/0"].core
+
+
+def test_greedy_tokens_match_transformers(tiny, llm):
+    hf = load_hf_model(tiny)
+    ps = prompts(4, seed=1)
+    got = run(llm, ps, max_tokens=16)
+    for p, g in zip(ps, got):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))[0, len(p):].tolist()
+        assert g == ref
+
+
+def test_64_concurrent_requests_each_get_what_they_get_alone(llm):
+    ps = prompts(64, seed=2)
+    lengths = [random.Random(i).randrange(1, 20) for i in range(64)]
+    together = run(llm, ps, lengths)
+    alone = [run(llm, [p], m)[0] for p, m in zip(ps, lengths)]
+    assert together == alone
+    assert [len(t) for t in together] == lengths
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_greedy_outputs(tiny, llm):
+    ps = prompts(8, seed=3, lo=18, hi=24)
+    want = run(llm, ps, max_tokens=20)
+    with LLM(tiny, kv_cache_blocks=24, block_size=4, enable_prefix_caching=False) as small:
+        got = run(small, ps, max_tokens=20)
+        core = scheduler(small)
+        assert core.num_preemptions > 0
+        assert core.blocks.num_free_blocks == 24
+    assert got == want
+
+
+def test_chunked_prefill_equals_unchunked(tiny, llm):
+    ps = prompts(3, seed=4, lo=90, hi=120)
+    want = run(llm, ps)
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, max_num_batched_tokens=16) as chunked:
+        assert run(chunked, ps) == want
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=128) as whole:
+        assert run(whole, ps) == want
+
+
+def test_prefix_caching_hits_on_a_shared_system_prompt_and_changes_nothing(tiny, llm):
+    system = {"role": "system", "content": "You are a careful assistant. " * 6}
+    convs = [[system, {"role": "user", "content": q}] for q in ("What is the capital of France?", "Jump, fox!")]
+    sp = SamplingParams(max_tokens=10, **GREEDY)
+    first = llm.chat(convs[0], sp, use_tqdm=False)[0]
+    second = llm.chat(convs[1], sp, use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 32  # the system prompt's full blocks came from the cache
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, enable_prefix_caching=False) as cold:
+        ref = cold.chat(convs, sp, use_tqdm=False)
+        assert all(r.num_cached_tokens == 0 for r in ref)
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [r.outputs[0].token_ids for r in ref]
+    assert scheduler(llm).blocks.prefix_cache_hit_rate > 0
+
+
+def test_aborting_half_the_requests_mid_run_frees_every_block(llm):
+    client = llm.client
+    core = scheduler(llm)
+    total = core.blocks.num_blocks
+
+    async def main():
+        reqs = [GenerateRequest(rid=client.new_rid("abort"), prompt_token_ids=np.asarray(p, np.int32),
+                                sampling=SamplingParams(max_tokens=40, **GREEDY)) for p in prompts(16, seed=5)]
+
+        async def consume(req, abort_after):
+            n = 0
+            stream = client.stream(req)
+            async for delta in stream:
+                n += len(delta.token_ids)
+                if abort_after and n >= abort_after:
+                    await stream.aclose()  # the consumer goes away: the client aborts the request
+                    return n
+            return n
+
+        return await asyncio.gather(*(consume(r, 3 if i % 2 else 0) for i, r in enumerate(reqs)))
+
+    counts = llm._run(main())
+    assert [c for i, c in enumerate(counts) if i % 2 == 0] == [40] * 8
+    assert all(c < 40 for i, c in enumerate(counts) if i % 2)
+
+    async def settle():
+        for _ in range(200):
+            if not core.seqs and core.blocks.num_free_blocks == total:
+                return
+            await asyncio.sleep(0.01)
+
+    llm._run(settle())
+    assert not core.seqs and not core.running
+    assert core.blocks.num_free_blocks == total
+
+
+def test_one_process_per_actor_gives_the_same_outputs(tiny, llm):
+    ps = prompts(6, seed=6)
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, placement="process") as multi:
+        assert run(multi, ps) == run(llm, ps)
+
+
+def test_sampling_seeds_stops_and_logprobs(llm):
+    p = {"prompt_token_ids": prompts(1, seed=7)[0]}
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([p], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate([{"prompt_token_ids": q} for q in prompts(5, seed=8)] + [p],
+                         [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [seeded], use_tqdm=False)
+    assert crowd[-1].outputs[0].token_ids == alone
+    two = llm.generate([p], SamplingParams(temperature=1.0, seed=42, n=2, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(two.outputs) == 2 and two.outputs[0].token_ids == alone and two.outputs[1].token_ids != alone
+    lp = llm.generate([p], SamplingParams(max_tokens=5, logprobs=3, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert len(lp.logprobs) == 5
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert len(entry.top) == 3 and max(entry.top, key=entry.top.get) == tok  # greedy = the top token
+        assert entry.logprob == pytest.approx(entry.top[tok])
+    # a stop string ends the text before it; the tokens up to it are still reported
+    full = llm.generate(["The quick brown"], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.text[4:7]
+    cut = llm.generate(["The quick brown"], SamplingParams(max_tokens=20, stop=[stop], **GREEDY),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_requests_that_cannot_run_fail_clearly_and_the_engine_keeps_serving(llm):
+    with pytest.raises(RequestFailed, match="maximum context length is 256"):
+        llm.generate([{"prompt_token_ids": [5] * 300}], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(RequestFailed, match="max_tokens|requested"):
+        llm.generate([{"prompt_token_ids": [5] * 10}], SamplingParams(max_tokens=250), use_tqdm=False)
+    with pytest.raises(RequestFailed, match="token ids"):
+        llm.generate([{"prompt_token_ids": [5, 10_000]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(run(llm, prompts(2, seed=9))[0]) == 12
