@@ -62,6 +62,7 @@ class SchedulerActor(Actor):
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching)
         self.core = BatchScheduler(self.config.scheduler, blocks, max_len)
         log.info("scheduler: %d KV blocks x %d tokens, max_model_len %d", num_blocks, ev.block_size, max_len)
+        await self._stats()
         early, self._early = self._early, []
         for msg in early:
             await (self.on_tokenized_request(msg) if isinstance(msg, TokenizedRequest) else self.on_abort_cmd(msg))

@@ -375,7 +375,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         content = msg.content
         if isinstance(content, list):
             content = "\n".join(p.text if p.type == "text" else (p.refusal or "") for p in content)
-        d: dict[str, Any] = {"role": role, "content": content}
+        # None (an assistant turn that only calls tools) becomes "": templates index message['content']
+        d: dict[str, Any] = {"role": role, "content": "" if content is None else content}
         if getattr(msg, "name", None) is not None:
             d["name"] = msg.name
         if isinstance(msg, ToolMessage):

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP front end (Starlette): chat and text completions, streaming or not.
+
+Requests are validated by server/protocol.py, sent to the engine through the EngineClient, and the
+engine's TextDeltas are turned into OpenAI bodies or SSE chunks by server/protocol_output.py. Every
+error is an OpenAI error body with the right status; a bad request never disturbs another one.
+Backpressure: at most `max_in_flight` requests are served at once, beyond that 429 + Retry-After.
+A client that disconnects mid-stream aborts its sequences (their KV blocks are freed within a step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from flotilla.server.engine_client import EngineClient, EngineDeadError, RequestFailed
+from flotilla.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from flotilla.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    chat_messages,
+    chat_tools,
+    completion_prompts,
+    error_body,
+    model_not_found,
+    parse_chat_request,
+    parse_completion_request,
+    to_sampling_params,
+    tool_parsing_enabled,
+)
+from flotilla.server.protocol_output import (
+    ChatCompletionBuilder,
+    ChatStreamState,
+    CompletionBuilder,
+    CompletionStreamState,
+    TokenTexts,
+    new_response_id,
+)
+from flotilla.server.tool_parser import HermesToolParser
+from flotilla.transport.messages import GenerateRequest, SeqText
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+@dataclass
+class ServerState:
+    """What the routes share."""
+
+    client: EngineClient
+    model_name: str
+    max_model_len: int
+    token_texts: TokenTexts | None = None
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    max_in_flight: int = 1024
+    metrics: ServerMetrics = field(init=False)
+    in_flight: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.model_name)
+
+
+class HTTPError(Exception):
+    """An error answered before any engine work: status + OpenAI error body (+ headers)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, param=param, code=code), status_code=status, media_type=JSON,
+                    headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPError(413, f"request body is {declared} bytes; the limit is {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body is larger than the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _Merged:
+    """The deltas of several engine requests (n choices, several prompts) as one (index, SeqText) stream."""
+
+    def __init__(self, client: EngineClient, subs: list[tuple[int, GenerateRequest]]) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.remaining = len(subs)
+        self.tasks = [asyncio.create_task(self._pump(client, i, r)) for i, r in subs]
+
+    async def _pump(self, client: EngineClient, index: int, req: GenerateRequest) -> None:
+        try:
+            async for delta in client.stream(req):
+                self.queue.put_nowait((index, delta))
+        except (RequestFailed, EngineDeadError) as e:
+            self.queue.put_nowait((index, e))
+        finally:
+            self.queue.put_nowait((index, None))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, SeqText]]:
+        while self.remaining:
+            index, item = await self.queue.get()
+            if item is None:
+                self.remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+
+    async def aclose(self) -> None:
+        """Stop every engine request still running (the client went away or one choice failed)."""
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class _Usage:
+    """Per-request token accounting for metrics; each prompt counts once whatever n is."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.output = 0
+
+    def add(self, index: int, d: SeqText) -> None:
+        self.output += len(d.token_ids)
+        self.prompt[index // self.n] = d.num_prompt_tokens
+        self.cached[index // self.n] = d.num_cached_tokens
+
+    def done(self, timer: RequestTimer) -> None:
+        timer.done(time.monotonic(), sum(self.prompt.values()), self.output, sum(self.cached.values()))
+
+
+def build_app(state: ServerState) -> Starlette:
+    """The Starlette app; the EngineClient must already be started (serve.py owns its lifetime)."""
+
+    def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise HTTPError(401, "invalid API key; send it as `Authorization: Bearer <key>`", code="invalid_api_key")
+
+    def admit(request: Request) -> None:
+        if not state.client.alive:
+            raise HTTPError(503, "the engine is not running", code="engine_dead")
+        if state.in_flight >= state.max_in_flight:
+            raise HTTPError(429, f"the server is at its limit of {state.max_in_flight} requests in flight; retry "
+                                 "shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise model_not_found(model)
+
+    async def handle(request: Request, endpoint: str, chat: bool) -> Response:
+        status = 500
+        try:
+            authorized(request)
+            body = await _read_body(request, state.max_body_bytes)
+            req = parse_chat_request(body) if chat else parse_completion_request(body)
+            check_model(req.model)
+            admit(request)
+            state.in_flight += 1
+            state.metrics.in_flight.labels(state.model_name).set(state.in_flight)
+            try:
+                response = await (run_chat(req) if chat else run_completion(req))
+            except BaseException:
+                state.in_flight -= 1
+                raise
+            status = response.status_code
+            if isinstance(response, StreamingResponse):
+                response.background = _Release(state)  # the stream holds its slot until its last byte
+            else:
+                state.in_flight -= 1
+            return response
+        except ProtocolError as e:
+            status = e.status
+            return Response(e.body(), status_code=e.status, media_type=JSON)
+        except HTTPError as e:
+            status = e.status
+            return _error(e.status, str(e), e.param, e.code, e.headers)
+        except RequestFailed as e:
+            status = e.status
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            return _error(e.status, str(e), e.param, e.code, headers)
+        except EngineDeadError as e:
+            status = 503
+            return _error(503, str(e), code="engine_dead")
+        finally:
+            state.metrics.requests.labels(state.model_name, endpoint, str(status)).inc()
+            state.metrics.in_flight.labels(state.model_name).set(state.in_flight)
+
+    def engine_requests(rid: str, sampling: Any, prompts: list[dict[str, Any]]) -> list[tuple[int, GenerateRequest]]:
+        subs: list[tuple[int, GenerateRequest]] = []
+        n = sampling.n
+        for i, p in enumerate(prompts):
+            req = GenerateRequest(rid=f"{rid}-{i}", sampling=sampling, arrival_time=time.time(), **p)
+            subs.extend((i * n + j, sub) for j, sub in enumerate(state.client.fan_out(req)))
+        return subs
+
+    async def run_chat(req: ChatCompletionRequest) -> Response:
+        sampling = to_sampling_params(req)
+        rid = new_response_id(True)
+        prompt = {"messages": chat_messages(req), "tools": chat_tools(req),
+                  "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0}
+        parser = HermesToolParser if tool_parsing_enabled(req) else None
+        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts, tool_parser=parser)
+        if req.stream:
+            return await stream(ChatStreamState(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
+        return await collect(ChatCompletionBuilder(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
+
+    async def run_completion(req: CompletionRequest) -> Response:
+        sampling = to_sampling_params(req)
+        rid = new_response_id(False)
+        prompts = [{"prompt": p, "priority": req.priority or 0} if isinstance(p, str) else
+                   {"prompt_token_ids": np.asarray(p, dtype=np.int32), "priority": req.priority or 0}
+                   for p in completion_prompts(req)]
+        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts)
+        if req.stream:
+            return await stream(CompletionStreamState(req, **kw), engine_requests(rid, sampling, prompts), sampling.n)
+        return await collect(CompletionBuilder(req, **kw), engine_requests(rid, sampling, prompts), sampling.n)
+
+    async def collect(builder: Any, subs: list[tuple[int, GenerateRequest]], n: int) -> Response:
+        merged = _Merged(state.client, subs)
+        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n)
+        try:
+            async for index, delta in merged:
+                timer.delta(time.monotonic())
+                usage.add(index, delta)
+                builder.on_delta(index, delta)
+        finally:
+            await merged.aclose()  # a failure of one choice (or a disconnect) stops the others
+        usage.done(timer)
+        return Response(builder.body(), media_type=JSON)
+
+    async def stream(sse: Any, subs: list[tuple[int, GenerateRequest]], n: int) -> Response:
+        merged = _Merged(state.client, subs)
+        events = merged.__aiter__()
+        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n)
+        try:  # the first delta decides between an HTTP error and a 200 stream (e.g. a prompt that is too long)
+            first = await events.__anext__()
+        except BaseException:
+            await merged.aclose()
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            item: tuple[int, SeqText] | None = first
+            try:
+                while item is not None:
+                    timer.delta(time.monotonic())
+                    usage.add(*item)
+                    chunk = sse.on_delta(*item)
+                    if chunk:
+                        yield chunk
+                    item = await anext(events, None)
+                usage.done(timer)
+                yield sse.finish()
+            except (RequestFailed, EngineDeadError) as e:
+                yield sse.error(getattr(e, "status", 503), str(e))
+            finally:
+                await merged.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions", chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions", chat=False)
+
+    async def models(request: Request) -> Response:
+        try:
+            authorized(request)
+        except HTTPError as e:
+            return _error(e.status, str(e), code=e.code)
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "flotilla",
+            "root": state.model_name, "max_model_len": state.max_model_len}]})
+
+    async def health(request: Request) -> Response:
+        if state.client.alive:
+            return Response(status_code=200)
+        return _error(503, "the engine is not running", code="engine_dead")
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(state.client.stats), media_type=CONTENT_TYPE)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(404, f"no route {request.method} {request.url.path}", code="not_found")
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return _error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed,
+                                                        500: server_error})
+
+
+class _Release:
+    """Starlette background task: a streaming response gives its in-flight slot back when it ends."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def __call__(self) -> None:
+        self.state.in_flight -= 1
+        self.state.metrics.in_flight.labels(self.state.model_name).set(self.state.in_flight)

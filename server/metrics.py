@@ -1,0 +1,93 @@
+"""Prometheus metrics of the OpenAI server (GET /metrics), named like vLLM's where vLLM has one.
+
+Request-level numbers (status, latency histograms, tokens) are observed here in the front end, where
+the client's experience is; engine state (running / waiting, KV usage, prefix-cache hit rate,
+preemptions) comes from the scheduler's SchedulerStatsEvent. One registry per app, so several servers
+in one process (tests) do not share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from flotilla.transport.messages import SchedulerStatsEvent
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                    80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Every metric the server exports."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+        self.requests = Counter("flotilla_requests", "Finished HTTP requests by endpoint and status code.",
+                                ["model_name", "endpoint", "status"], registry=r)
+        self.ttft = Histogram("flotilla_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("flotilla_inter_token_latency_seconds", "Time between consecutive streamed deltas.",
+                             labels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("flotilla_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("flotilla_generation_tokens", "Generated tokens of finished requests.",
+                                         labels, registry=r)
+        self.cached_tokens = Counter("flotilla_prefix_cached_tokens", "Prompt tokens served from the prefix cache.",
+                                     labels, registry=r)
+        self.running = Gauge("flotilla_num_requests_running", "Sequences in the running batch.", labels, registry=r)
+        self.waiting = Gauge("flotilla_num_requests_waiting", "Sequences waiting for admission.", labels, registry=r)
+        self.in_flight = Gauge("flotilla_num_requests_in_flight", "HTTP requests being served.", labels, registry=r)
+        self.kv_usage = Gauge("flotilla_kv_cache_usage_perc", "Fraction of KV cache blocks in use.", labels,
+                              registry=r)
+        self.prefix_hit_rate = Gauge("flotilla_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / prompt tokens looked up.", labels,
+                                     registry=r)
+        self.preemptions = Gauge("flotilla_num_preemptions", "Sequences preempted since start.", labels, registry=r)
+        self.kv_capacity = Gauge("flotilla_kv_cache_capacity_tokens", "KV cache capacity in tokens.", labels,
+                                 registry=r)
+
+    def observe_engine(self, stats: SchedulerStatsEvent | None) -> None:
+        if stats is None:
+            return
+        m = self.model
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
+        self.preemptions.labels(m).set(stats.num_preemptions)
+        self.kv_capacity.labels(m).set(stats.kv_capacity_tokens)
+
+    def render(self, stats: SchedulerStatsEvent | None) -> bytes:
+        self.observe_engine(stats)
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """TTFT / inter-token / end-to-end timing of one request, fed by its deltas."""
+
+    __slots__ = ("metrics", "start", "last")
+
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
+        self.metrics, self.start, self.last = metrics, start, None
+
+    def delta(self, now: float) -> None:
+        m = self.metrics
+        if self.last is None:
+            m.ttft.labels(m.model).observe(now - self.start)
+        else:
+            m.itl.labels(m.model).observe(now - self.last)
+        self.last = now
+
+    def done(self, now: float, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
+        m = self.metrics
+        m.e2e.labels(m.model).observe(now - self.start)
+        m.prompt_tokens.labels(m.model).inc(prompt_tokens)
+        m.generation_tokens.labels(m.model).inc(output_tokens)
+        m.cached_tokens.labels(m.model).inc(cached_tokens)

@@ -1,0 +1,108 @@
+"""`flotilla serve`: start the engine's actors, then the OpenAI-compatible HTTP server in front of them.
+
+The engine runs one process per actor by default (`--single-process` keeps them all in this process,
+for debugging). Once the model is loaded and every actor is ready, one line says where the server
+listens, which model it serves, how many tokens fit the KV cache and which kernels were chosen.
+SIGTERM / Ctrl-C stop accepting connections, let in-flight streams finish (up to
+--shutdown-timeout), then stop every engine process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+import uvloop
+
+from flotilla.actors.tokenizer import load_tokenizer, max_model_len_of, model_dir
+from flotilla.config import EngineConfig
+from flotilla.server.app import ServerState, build_app
+from flotilla.server.cli import engine_config_from_args
+from flotilla.server.engine_client import EngineClient
+from flotilla.server.protocol_output import TokenTexts
+
+log = logging.getLogger("flotilla.serve")
+
+
+def served_name(config: EngineConfig, path: Path) -> str:
+    return config.model.served_model_name or path.name
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture: `serve` owns SIGINT/SIGTERM so it can stop the engine last."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    path = model_dir(config)
+    client = EngineClient(config, placement="inline" if args.single_process else "process", trace=args.trace)
+    server: _Server | None = None
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set() and server is not None:
+            server.force_exit = True  # a second Ctrl-C: do not wait for streams to finish
+        stop.set()
+        if server is not None:
+            server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    log.info("starting the engine for %s (%s)", path, "one process" if args.single_process else
+             "one process per actor")
+    starting = asyncio.ensure_future(client.start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await client.stop()
+        return 130
+    stopper.cancel()
+    starting.result()
+    try:
+        tokenizer = load_tokenizer(path)
+        state = ServerState(
+            client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
+            token_texts=TokenTexts(lambda i: tokenizer.decode([i])), api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests)
+        server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",
+                                        log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=args.shutdown_timeout))
+        failed = asyncio.Event()
+        client.runtime.on_failure.append(lambda ev: (failed.set(), setattr(server, "should_exit", True)))
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)  # uvicorn exposes no started event
+        if server.started:
+            worker = client.ready_detail.get("worker/0", {})
+            log.info("flotilla ready: http://%s:%d/v1 model=%s kv_capacity=%s tokens max_model_len=%d device=%s "
+                     "dtype=%s kernels=attention:%s,sampler:torch", args.host, args.port, state.model_name,
+                     worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
+                     worker.get("dtype", "?"), worker.get("attention", "?"))
+        await serving
+        return 1 if failed.is_set() or not server.started else 0
+    finally:
+        log.info("stopping the engine")
+        await client.stop()
+        log.info("stopped")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = engine_config_from_args(args, args.model)
+    except (TypeError, ValueError) as e:
+        print(f"flotilla serve: {e}")
+        return 2
+    return uvloop.run(serve(config, args))

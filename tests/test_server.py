@@ -1,0 +1,251 @@
+"""The OpenAI server as users meet it: a real `flotilla serve` process on the default model, the official
+`openai` client (sync and async), raw SSE, bad input, disconnects, backpressure, API keys, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from helpers_server import Server, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server("--kv-cache-blocks", "1024", "--max-num-seqs", "64")
+    children = srv.child_pids()
+    yield srv
+    assert srv.stop() == 0, "".join(srv.log[-30:])
+    assert not [p for p in children if _alive(p)], "an engine process outlived the server"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "Z" not in next(line for line in f if line.startswith("State:")).split()[1]
+    except FileNotFoundError:
+        return False
+
+
+def metric(server: Server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert metric(server, "flotilla_kv_cache_capacity_tokens") == 1024 * 16
+
+
+def test_chat_streaming_and_not_agree_and_report_usage(client):
+    full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    choice = full.choices[0]
+    assert "Paris" in choice.message.content and choice.finish_reason == "stop"
+    assert full.usage.prompt_tokens > 10 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_async_client_completions_n_seed_stop_and_logprobs(server):
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        prompt = "The capital of France is"
+        plain = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
+        stream = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True)
+        streamed = "".join([ch.choices[0].text async for ch in stream])
+        assert streamed == plain.choices[0].text
+        two = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=12)
+        again = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=12)
+        assert [x.text for x in two.choices] == [x.text for x in again.choices]
+        assert two.choices[0].text != two.choices[1].text and [x.index for x in two.choices] == [0, 1]
+        stop = plain.choices[0].text.strip().split()[0]
+        cut = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+        lp = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+        assert len(lp.choices[0].logprobs.tokens) == 4 and all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
+        chat = await c.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=4,
+                                               logprobs=True, top_logprobs=3)
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 4 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+        assert "".join(t.token for t in content) == chat.choices[0].message.content
+        await c.close()
+
+    asyncio.run(main())
+
+
+def test_tools_are_accepted_and_tool_turns_render(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [*FRANCE, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="auto",
+                                       temperature=0, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+def test_raw_sse_wire_format(server):
+    body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all("usage" in c for c in chunks)  # null on every chunk but the last, as OpenAI does
+
+
+def test_50_concurrent_streams_each_get_exactly_their_own_output(server, client):
+    questions = [f"Count from {i} to {i + 3}." for i in range(50)]
+
+    async def together():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(q):
+            s = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                temperature=0, max_tokens=8, stream=True)
+            return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+
+        out = await asyncio.gather(*(one(q) for q in questions))
+        await c.close()
+        return out
+
+    concurrent = asyncio.run(together())
+    alone = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], temperature=0,
+                                            max_tokens=8).choices[0].message.content for q in questions]
+    assert concurrent == alone
+    assert len(set(alone)) > 10  # distinct prompts, distinct answers: nothing was mixed up
+
+
+def test_a_disconnect_mid_stream_frees_the_sequence(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert metric(server, "flotilla_num_requests_running") >= 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if metric(server, "flotilla_num_requests_running") == 0 and metric(server, "flotilla_kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert metric(server, "flotilla_num_requests_running") == 0
+    assert metric(server, "flotilla_kv_cache_usage_perc") == 0
+    assert metric(server, "flotilla_generation_tokens_total") < 2000  # it did not run to the end
+
+
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
+    ("wrong type", "/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "temperature": "hot"}, 400, "temperature"),
+    ("out of range", "/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "temperature": 7}, 400, "temperature"),
+    ("no messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": FRANCE}, 404, None),
+    ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 9000}, 400, "prompt"),
+    ("max_tokens too large", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "max_tokens"),
+    ("bad n", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("body too large", "/v1/completions", b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}', 413, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, name, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if status == 404:
+        assert err["code"] == "model_not_found" and "gpt-9" in err["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_unknown_routes_and_methods_answer_in_openai_shape(server):
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_api_key_backpressure_and_sigterm_drain():
+    srv = start_server("--api-key", "sekret", "--max-in-flight", "2", "--kv-cache-blocks", "256")
+    children = srv.child_pids()
+    try:
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        assert c.models.list().data[0].id == MODEL
+
+        async def burst():
+            ac = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+
+            async def one():
+                try:
+                    await ac.completions.create(model=MODEL, prompt="Tell me a story", max_tokens=48,
+                                                extra_body={"ignore_eos": True})
+                    return 200
+                except openai.RateLimitError as e:
+                    assert e.response.headers["retry-after"] == "1"
+                    return 429
+
+            codes = await asyncio.gather(*(one() for _ in range(6)))
+            await ac.close()
+            return codes
+
+        codes = asyncio.run(burst())
+        assert codes.count(200) >= 2 and codes.count(429) >= 1
+
+        # SIGTERM while a stream is running: the stream still finishes, then every process exits
+        result: dict[str, object] = {}
+        started = threading.Event()
+
+        def consume():
+            chunks = []
+            for ch in c.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=40, stream=True,
+                                                extra_body={"ignore_eos": True}):
+                chunks.append(ch)
+                started.set()
+            result["finish"] = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert started.wait(timeout=60)  # the signal arrives mid-stream
+        code = srv.stop()
+        t.join(timeout=60)
+        assert result.get("finish") == "length", result
+        assert code == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    assert not [p for p in children if _alive(p)]
