@@ -124,16 +124,21 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", formatter_class=_Formatter, help="benchmarks",
-                       description="Benchmarks. `flotilla bench transport` measures the control plane; "
-                                   "offline and serving benchmarks come with the engine.")
+                       description="Benchmarks: `flotilla bench transport` (control plane), `flotilla bench offline` "
+                                   "(throughput through the engine; see `flotilla bench offline --help`). "
+                                   "The serving benchmark is not built yet.")
     p.add_argument("what", choices=["transport", "offline", "serving"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.what != "transport":
-        return _not_built(f"bench {args.what}", "GPU speed on the H200")
-    return bench_transport.main(args.rest)
+    if args.what == "transport":
+        return bench_transport.main(args.rest)
+    if args.what == "offline":
+        from flotilla.scripts import bench_offline  # heavy: see main()
+
+        return bench_offline.main(args.rest)
+    return _not_built(f"bench {args.what}", "GPU speed on the H200")
 
 
 def build_parser() -> argparse.ArgumentParser:

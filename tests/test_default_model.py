@@ -238,9 +238,16 @@ def test_flotilla_default_model_matches_transformers(
     (logits,) = runner.step([(0, ids)])
     torch.testing.assert_close(logits, hf_logits(hf_model, ids), rtol=1e-4, atol=2e-3)
     generated = [int(logits[-1].argmax())]
-    while len(generated) < 12 and generated[-1] != 2:
+    for step in range(31):  # 16 decode steps checked logit by logit, 32 greedy tokens in all
         (step_logits,) = runner.step([(0, [generated[-1]])])
+        if step < 16:
+            torch.testing.assert_close(step_logits[-1], hf_logits(hf_model, ids + generated)[-1], rtol=1e-4, atol=2e-3)
         generated.append(int(step_logits[-1].argmax()))
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        reference = hf_model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert generated == reference
     assert "Paris" in tokenizer.decode(generated)
 
 

@@ -255,7 +255,7 @@ def test_chat_messages_for_the_template():
     assert chat_messages(req) == [
         {"role": "system", "content": "be\nbrief"},
         {"role": "user", "content": "weather?", "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [
+        {"role": "assistant", "content": "", "tool_calls": [  # None -> "": templates index message['content']
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
             {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
