@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 class SeqState:
     """What the worker remembers about one running sequence."""
 
-    token_ids: list[int]
-    """Prompt followed by every token generated so far."""
+    buffer: np.ndarray
+    """int32 token storage with spare capacity: prompt, then every generated token (see `tokens`)."""
+    length: int
+    """Tokens stored in buffer."""
     num_prompt_tokens: int
     """Length of the original prompt, tokens."""
     num_computed: int
@@ -40,6 +42,23 @@ class SeqState:
     sampling: SamplingParams
     needs_history: bool = field(default=False)
     """Penalties need the prompt / output token ids at sampling time."""
+
+    @classmethod
+    def new(cls, token_ids: np.ndarray, **kw: object) -> SeqState:
+        buffer = np.empty(max(2 * len(token_ids), 64), dtype=np.int32)
+        buffer[:len(token_ids)] = token_ids
+        return cls(buffer=buffer, length=len(token_ids), **kw)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All known tokens (a view, no copy)."""
+        return self.buffer[:self.length]
+
+    def append(self, token: int) -> None:
+        if self.length == len(self.buffer):  # amortised O(1): double the storage
+            self.buffer = np.concatenate((self.buffer, np.empty_like(self.buffer)))
+        self.buffer[self.length] = token
+        self.length += 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,9 +127,8 @@ class ModelRunner:
         for rid in plan.finished_rids:
             self.seqs.pop(rid, None)
         for ns in plan.new_seqs:
-            tokens = ns.token_ids.tolist()
-            self.seqs[ns.rid] = SeqState(
-                token_ids=tokens, num_prompt_tokens=len(tokens) - ns.num_output_tokens,
+            self.seqs[ns.rid] = SeqState.new(
+                ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids.tolist(), sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling))
         if not plan.rids:
@@ -124,14 +142,13 @@ class ModelRunner:
                 if hi > lo:
                     s.block_ids.extend(appended[lo:hi])
         cached = [s.num_computed for s in seqs]
-        input_ids = np.fromiter((t for s, c, n in zip(seqs, cached, num_new) for t in s.token_ids[c:c + n]),
-                                dtype=np.int64, count=sum(num_new))
+        input_ids = np.concatenate([s.buffer[c:c + n] for s, c, n in zip(seqs, cached, num_new)]).astype(np.int64)
         meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
                                             device=self.device)
         positions = positions_from_lists(cached, num_new, device=self.device)
         hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions, self.kv_caches, meta)
         # a sequence samples when this step reaches the end of its known tokens
-        sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == len(s.token_ids)]
+        sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
         for s, n in zip(seqs, num_new):
             s.num_computed += n
         if not sampling_rows:
@@ -142,15 +159,15 @@ class ModelRunner:
         sampled = [seqs[i] for i in sampling_rows]
         history = any(s.needs_history for s in sampled)
         st = SamplingTensors.build(
-            [s.sampling for s in sampled], [len(s.token_ids) - s.num_prompt_tokens for s in sampled],
+            [s.sampling for s in sampled], [s.length - s.num_prompt_tokens for s in sampled],
             device=self.device, vocab_size=logits.shape[1],
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in sampled] if history else None,
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] for s in sampled] if history else None)
+            prompt_token_ids=[s.tokens[:s.num_prompt_tokens] for s in sampled] if history else None,
+            output_token_ids=[s.tokens[s.num_prompt_tokens:] for s in sampled] if history else None)
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
         out = sample(logits, st, want, generator=self.generator)
         token_ids = out.token_ids.to("cpu", torch.int32).numpy()
         for s, t in zip(sampled, token_ids.tolist()):
-            s.token_ids.append(t)
+            s.append(t)
         result = StepResult(step=plan.step, rids=[plan.rids[i] for i in sampling_rows], token_ids=token_ids)
         if want is not None:
             result.logprobs = out.logprobs.float().cpu().numpy()

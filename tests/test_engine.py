@@ -176,3 +176,12 @@ def test_requests_that_cannot_run_fail_clearly_and_the_engine_keeps_serving(llm)
     with pytest.raises(RequestFailed, match="token ids"):
         llm.generate([{"prompt_token_ids": [5, 10_000]}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(run(llm, prompts(2, seed=9))[0]) == 12
+
+
+def test_penalties_reach_the_sampler_through_the_worker(llm):
+    p = [{"prompt_token_ids": prompts(1, seed=10, lo=20, hi=21)[0]}]
+    plain = llm.generate(p, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    penal = llm.generate(p, SamplingParams(max_tokens=24, repetition_penalty=3.0, frequency_penalty=2.0,
+                                           presence_penalty=2.0, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(penal) == 24 and penal != plain
+    assert len(set(penal)) >= len(set(plain))  # penalising repeats never makes the output more repetitive here
