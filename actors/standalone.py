@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import uvloop
-import zmq.asyncio
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class

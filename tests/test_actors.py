@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import uvloop
 
-from flotilla.actors.base import Actor, ActorContext, RuntimeOptions, handler_name
+from flotilla.actors.base import Actor, RuntimeOptions, handler_name
 from flotilla.actors.runtime import ActorFailure, Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.transport import endpoints as ep
 from flotilla.transport.channels import Inbox, Outbox, new_context, raw_push
 from flotilla.transport.messages import PingRequest, PongResult, StepResult
+from helpers_procs import alive
 
 FAST = RuntimeOptions(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0, ready_timeout_s=60.0, stop_grace_s=5.0)
 
@@ -26,14 +27,6 @@ def pingpong(placement: str, transport: str | None = None, relay_peer: str = "ec
         ActorSpec(name="relay", kind="relay", config={"peer": relay_peer}),
         ActorSpec(name="echo", kind="echo", count=2),
     ])
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return False
 
 
 class Client:

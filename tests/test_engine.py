@@ -185,3 +185,16 @@ def test_penalties_reach_the_sampler_through_the_worker(llm):
                                            presence_penalty=2.0, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
     assert len(penal) == 24 and penal != plain
     assert len(set(penal)) >= len(set(plain))  # penalising repeats never makes the output more repetitive here
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_engine_on_cuda_gives_the_cpu_greedy_tokens(tiny, llm):
+    ps = prompts(8, seed=11)
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, device="cuda") as gpu:
+        assert run(gpu, ps, max_tokens=16) == run(llm, ps, max_tokens=16)
+        seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+        p = [{"prompt_token_ids": ps[0]}]
+        # seeded noise is bit-identical on CPU and CUDA, so even sampled tokens agree
+        assert gpu.generate(p, seeded, use_tqdm=False)[0].outputs[0].token_ids == \
+            llm.generate(p, seeded, use_tqdm=False)[0].outputs[0].token_ids

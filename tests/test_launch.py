@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers_procs import alive, wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = """
 name = "t"
@@ -32,21 +34,6 @@ name = "echo"
 kind = "echo"
 count = 2
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 def flotilla(*args: str, **kw) -> subprocess.Popen:

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from helpers_server import Server, start_server
+from helpers_procs import alive
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -25,20 +26,12 @@ def server():
     children = srv.child_pids()
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
-    assert not [p for p in children if _alive(p)], "an engine process outlived the server"
+    assert not [p for p in children if alive(p)], "an engine process outlived the server"
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "Z" not in next(line for line in f if line.startswith("State:")).split()[1]
-    except FileNotFoundError:
-        return False
 
 
 def metric(server: Server, name: str) -> float:
@@ -248,4 +241,4 @@ def test_api_key_backpressure_and_sigterm_drain():
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
-    assert not [p for p in children if _alive(p)]
+    assert not [p for p in children if alive(p)]

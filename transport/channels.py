@@ -50,7 +50,24 @@ def _configure(sock: zmq.asyncio.Socket, opts: ChannelOptions) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity is an error, not a silent drop
 
 
-class Inbox:
+class _Receiving:
+    """Typed decoding for a receiving socket: a malformed frame set is logged, counted and dropped."""
+
+    address: str
+    decoder: Decoder
+    dropped: int = 0
+    """Malformed or unexpected frame sets received and dropped."""
+
+    def _decode(self, frames: Sequence[Any]) -> Message | None:
+        try:
+            return self.decoder.decode(frames)
+        except DecodeError as e:
+            self.dropped += 1
+            log.warning("dropped a malformed message on %s (%d frames): %s", self.address, len(frames), e)
+            return None
+
+
+class Inbox(_Receiving):
     """An actor's PULL socket, bound at its address; yields typed messages, drops malformed ones."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
@@ -62,18 +79,12 @@ class Inbox:
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.decoder = Decoder(types)
-        self.dropped = 0
-        """Malformed or unexpected frame sets received and dropped."""
 
     async def recv(self) -> Message:
         """The next valid message; invalid frame sets are logged, counted and skipped."""
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                return self.decoder.decode(frames)
-            except DecodeError as e:
-                self.dropped += 1
-                log.warning("dropped a malformed message on %s (%d frames): %s", self.address, len(frames), e)
+        while (msg := self._decode(await self.sock.recv_multipart(copy=False))) is None:
+            pass
+        return msg
 
     def close(self) -> None:
         self.sock.close()
@@ -94,18 +105,24 @@ class Outbox:
         await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
 
     def send_nowait(self, msg: Message) -> bool:
-        """Send if it can go without waiting; False when the peer's queue is full."""
-        try:
-            self.sock.send_multipart(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        """Send if it can go without waiting; False (message not sent) when the peer's queue is full."""
+        # zmq.asyncio reports EAGAIN through the returned future, not by raising
+        fut = self.sock.send_multipart(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        if fut.done():
+            exc = fut.exception()
+            if isinstance(exc, zmq.Again):
+                return False
+            if exc is not None:
+                raise exc
             return True
-        except zmq.Again:
-            return False
+        fut.add_done_callback(_retrieve)  # queued behind an earlier send: it goes out, or fails, later
+        return True
 
     def close(self) -> None:
         self.sock.close()
 
 
-class Router:
+class Router(_Receiving):
     """ROUTER socket (binds): sends to and receives from DEALERs addressed by their identity."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
@@ -116,7 +133,6 @@ class Router:
         self.sock.bind(address)
         self.encoder = Encoder()
         self.decoder = Decoder(types)
-        self.dropped = 0
 
     async def send(self, identity: bytes, msg: Message) -> None:
         """Send to one DEALER; zmq.ZMQError(EHOSTUNREACH) if no peer has that identity."""
@@ -126,17 +142,14 @@ class Router:
         """(identity, message); malformed frame sets are logged and skipped."""
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            try:
-                return frames[0].bytes, self.decoder.decode(frames[1:])
-            except DecodeError as e:
-                self.dropped += 1
-                log.warning("dropped a malformed message on %s: %s", self.address, e)
+            if (msg := self._decode(frames[1:])) is not None:
+                return frames[0].bytes, msg
 
     def close(self) -> None:
         self.sock.close()
 
 
-class Dealer:
+class Dealer(_Receiving):
     """DEALER socket (connects) with a fixed identity, e.g. a worker's rank."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes, types: Sequence[type[Message]],
@@ -148,22 +161,22 @@ class Dealer:
         self.sock.connect(address)
         self.encoder = Encoder()
         self.decoder = Decoder(types)
-        self.dropped = 0
 
     async def send(self, msg: Message) -> None:
         await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
 
     async def recv(self) -> Message:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                return self.decoder.decode(frames)
-            except DecodeError as e:
-                self.dropped += 1
-                log.warning("dropped a malformed message on %s: %s", self.address, e)
+        while (msg := self._decode(await self.sock.recv_multipart(copy=False))) is None:
+            pass
+        return msg
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _retrieve(fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("a best-effort send failed: %s", fut.exception())
 
 
 def rank_identity(rank: int) -> bytes:

@@ -1,0 +1,61 @@
+"""Channels on real ZeroMQ sockets: rank-addressed ROUTER/DEALER, backpressure instead of drops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import uvloop
+import zmq
+
+from flotilla.transport.channels import ChannelOptions, Dealer, Inbox, Outbox, Router, new_context, rank_identity
+from flotilla.transport.messages import AbortCmd, PingRequest, PongResult
+
+
+def test_router_reaches_each_dealer_by_rank_and_hears_back_with_identities():
+    async def main():
+        ctx = new_context()
+        router = Router(ctx, "inproc://router", (PongResult,))
+        dealers = [Dealer(ctx, "inproc://router", rank_identity(r), (PingRequest,)) for r in range(2)]
+        for d in dealers:  # a DEALER announces its identity by sending first
+            await d.send(PongResult(seq=-1))
+        assert sorted([(await router.recv())[0] for _ in dealers]) == [rank_identity(0), rank_identity(1)]
+        for r in (1, 0):
+            await router.send(rank_identity(r), PingRequest(seq=r))
+        got = [await asyncio.wait_for(d.recv(), 5) for d in dealers]
+        assert [m.seq for m in got] == [0, 1]
+        await dealers[1].sock.send_multipart([b"\xc1junk"])  # malformed: dropped, then the next one arrives
+        await dealers[1].send(PongResult(seq=7, echoed_by="rank-1"))
+        ident, msg = await router.recv()
+        assert (ident, msg.seq, router.dropped) == (rank_identity(1), 7, 1)
+        with pytest.raises(zmq.ZMQError):  # ROUTER_MANDATORY: a wrong rank is an error, not a silent drop
+            await router.send(rank_identity(5), PingRequest(seq=0))
+        for s in (router, *dealers):
+            s.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
+def test_a_full_peer_makes_senders_wait_rather_than_lose_messages():
+    async def main():
+        ctx = new_context()
+        small = ChannelOptions(send_hwm=4, recv_hwm=4, linger_ms=0)
+        inbox = Inbox(ctx, "inproc://slow", (AbortCmd,), small)
+        out = Outbox(ctx, "inproc://slow", small)
+        sent = 0
+        while out.send_nowait(AbortCmd(rid=str(sent))):  # nobody reads: the queues fill up
+            sent += 1
+            assert sent < 1000
+        assert sent >= 4
+        pending = asyncio.ensure_future(out.send(AbortCmd(rid=str(sent))))
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # send awaits instead of dropping
+        got = [(await inbox.recv()).rid for _ in range(sent + 1)]
+        await asyncio.wait_for(pending, 5)
+        assert got == [str(i) for i in range(sent + 1)]  # every message, in order
+        inbox.close()
+        out.close()
+        ctx.term()
+
+    uvloop.run(main())
