@@ -43,28 +43,22 @@ class ActorFailure(RuntimeError):
 
 
 class Supervisor:
-    """Tracks ready handshakes and heartbeats; resolves ``failed`` with the first failure."""
+    """Tracks ready handshakes and heartbeats of every actor; reports the silent ones as failed."""
 
     def __init__(self, zmq_ctx: zmq.asyncio.Context, endpoints: Endpoints, expected: list[str],
-                 heartbeat_timeout_s: float) -> None:
+                 heartbeat_timeout_s: float, failed: asyncio.Future[ActorFailedEvent],
+                 fail: Callable[[str, str], None]) -> None:
         self.inbox = Inbox(zmq_ctx, endpoints.supervisor, (ReadyEvent, HeartbeatEvent))
         self.expected = list(expected)
         self.ready: dict[str, ReadyEvent] = {}
         self.last_seen: dict[str, float] = {}
         self.timeout = heartbeat_timeout_s
-        self.failed: asyncio.Future[ActorFailedEvent] = asyncio.get_running_loop().create_future()
+        self.failed = failed
+        self.fail = fail
+        """Report a failure (the runtime's: the first one wins)."""
         self._all_ready = asyncio.Event()
         self._tasks = [asyncio.create_task(self._receive(), name="supervisor-recv"),
                        asyncio.create_task(self._watch(), name="supervisor-watch")]
-
-    def fail(self, actor_key: str, reason: str) -> None:
-        """Record the first failure (later ones are consequences and only logged)."""
-        name, _, inst = actor_key.rpartition("/")
-        if self.failed.done():
-            log.debug("after the first failure: %s %s", actor_key, reason)
-            return
-        log.error("actor %s failed: %s", actor_key, reason)
-        self.failed.set_result(ActorFailedEvent(actor=name, instance=int(inst), reason=reason))
 
     async def wait_ready(self, timeout_s: float) -> dict[str, ReadyEvent]:
         """Every expected actor's ReadyEvent; ActorFailure if one fails or the timeout passes first."""
@@ -120,6 +114,9 @@ class Runtime:
         self.trace = trace
         self.host = host
         """Start only the actors placed on this host (multi-host tcp topologies); None = all."""
+        self.primary = host is None or host == topo.supervisor_host
+        """The primary runtime supervises the whole topology; one on another host only starts and watches
+        its own actors (their heartbeats go to the primary)."""
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.run_id = f"{topo.name}-{uuid.uuid4().hex[:8]}"
         self.run_dir: Path | None = None
@@ -132,6 +129,10 @@ class Runtime:
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopping = False
         self.on_failure: list[Callable[[ActorFailedEvent], None]] = []
+        self.failed: asyncio.Future[ActorFailedEvent] | None = None
+        """Resolved with the first failure."""
+        self.finished: asyncio.Event | None = None
+        """Set when every actor of a non-primary runtime exited cleanly (the primary stopped them)."""
 
     @property
     def local_instances(self) -> list[tuple[str, int]]:
@@ -153,26 +154,46 @@ class Runtime:
                 where = f"--endpoints {self.run_dir / 'endpoints.json'}" if self.run_dir else ""
                 print(f"waiting for external actor {spec.name!r}: start it with "
                       f"`flotilla actor {spec.name} --topology TOPOLOGY.toml {where}`", file=sys.stderr, flush=True)
-        expected = [key(s.name, i) for s, i in self.topo.instances() if self.host is None or s.host == self.host
-                    or s.external]
-        self.supervisor = Supervisor(self.zmq, self.endpoints, expected, self.topo.options.heartbeat_timeout_s)
-        self.supervisor.failed.add_done_callback(self._notify_failure)
+        self.failed = asyncio.get_running_loop().create_future()
+        self.failed.add_done_callback(self._notify_failure)
+        self.finished = asyncio.Event()
+        if self.primary:
+            expected = [key(s.name, i) for s, i in self.topo.instances()]
+            self.supervisor = Supervisor(self.zmq, self.endpoints, expected, self.topo.options.heartbeat_timeout_s,
+                                         self.failed, self.fail)
         try:
             for name, i in self.local_instances:
                 if self.topo.placement == "inline":
                     self._start_inline(name, i)
                 else:
                     await self._spawn(name, i)
-            self.ready = await self.supervisor.wait_ready(self.topo.options.ready_timeout_s)
+            if self.supervisor is not None:
+                self.ready = await self.supervisor.wait_ready(self.topo.options.ready_timeout_s)
         except BaseException:
             await self.stop("start-up failed")
             raise
         return self.ready
 
-    async def wait(self) -> ActorFailedEvent:
-        """Block until an actor fails (returns the failure; the caller decides to stop)."""
-        assert self.supervisor is not None
-        return await asyncio.shield(self.supervisor.failed)
+    async def wait(self) -> ActorFailedEvent | None:
+        """Block until an actor fails (returns the failure; the caller decides to stop), or, on a
+        non-primary host, until all its actors exited cleanly (returns None)."""
+        assert self.failed is not None and self.finished is not None
+        finished = asyncio.ensure_future(self.finished.wait())
+        try:
+            await asyncio.wait({asyncio.shield(self.failed), finished}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.cancel()
+        return self.failed.result() if self.failed.done() else None
+
+    def fail(self, actor_key: str, reason: str) -> None:
+        """Record the first failure (later ones are consequences and only logged)."""
+        assert self.failed is not None
+        if self.failed.done():
+            log.debug("after the first failure: %s %s", actor_key, reason)
+            return
+        name, _, inst = actor_key.rpartition("/")
+        log.error("actor %s failed: %s", actor_key, reason)
+        self.failed.set_result(ActorFailedEvent(actor=name, instance=int(inst), reason=reason))
 
     async def stop(self, reason: str = "stop requested") -> None:
         """StopCmd to every actor, then SIGTERM and SIGKILL for the ones that linger; idempotent."""
@@ -181,14 +202,14 @@ class Runtime:
         self._stopping = True
         grace = self.topo.options.stop_grace_s
         if self.endpoints is not None and self.zmq is not None:
-            # hand-started (external) actors are stopped too: their topology is going away
-            targets = [(s.name, i) for s, i in self.topo.instances() if s.external] + self.local_instances
+            # the primary stops every actor, hand-started and other hosts' ones too: the topology is going away
+            targets = [(s.name, i) for s, i in self.topo.instances()] if self.primary else self.local_instances
             outs = [Outbox(self.zmq, self.endpoints.of(n, i)) for n, i in targets]
             for out in outs:
                 out.send_nowait(StopCmd(reason=reason))
-        if self.supervisor is not None and self.supervisor.failed.done():
+        if self.failed is not None and self.failed.done():
             # the failed actor is dead or hung: waiting out its grace period would only delay the teardown
-            ev = self.supervisor.failed.result()
+            ev = self.failed.result()
             proc = self.procs.get(key(ev.actor, ev.instance))
             if proc is not None and proc.returncode is None:
                 _kill_group(proc.pid, signal.SIGKILL)
@@ -196,7 +217,7 @@ class Runtime:
         await self._reap_processes(grace)
         if self.endpoints is not None and self.zmq is not None:
             for out in outs:
-                out.sock.close(linger=0)
+                out.close()  # linger: a StopCmd to another host still goes out
         if self.supervisor is not None:
             await self.supervisor.close()
         if self.zmq is not None:
@@ -228,15 +249,15 @@ class Runtime:
         await actor.serve()
 
     def _inline_done(self, k: str, task: asyncio.Task) -> None:
-        if self._stopping or self.supervisor is None:
+        if self._stopping:
             return
         if task.cancelled():
-            self.supervisor.fail(k, "task cancelled")
+            self.fail(k, "task cancelled")
         elif task.exception() is not None:
             exc = task.exception()
-            self.supervisor.fail(k, f"{type(exc).__name__}: {exc}")
+            self.fail(k, f"{type(exc).__name__}: {exc}")
         else:
-            self.supervisor.fail(k, "stopped on its own")
+            self.fail(k, "stopped on its own")
 
     async def _reap_inline(self, grace: float) -> None:
         if not self._tasks:
@@ -269,9 +290,15 @@ class Runtime:
         rc = await proc.wait()
         # a grandchild may hold the pipe open: do not let it delay the failure report
         await asyncio.wait({relay}, timeout=0.5)
-        if not self._stopping and self.supervisor is not None:
-            how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-            self.supervisor.fail(k, f"process {proc.pid} {how}" + (f": {last[0]}" if rc > 0 and last[0] else ""))
+        if self._stopping:
+            return
+        if rc == 0 and not self.primary:  # the primary stopped it
+            if all(p.returncode is not None for p in self.procs.values()):
+                assert self.finished is not None
+                self.finished.set()
+            return
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        self.fail(k, f"process {proc.pid} {how}" + (f": {last[0]}" if rc > 0 and last[0] else ""))
 
     async def _reap_processes(self, grace: float) -> None:
         live = {k: p for k, p in self.procs.items() if p.returncode is None}

@@ -91,6 +91,11 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("inline placement uses inproc:// addresses; drop `transport` or use placement=process")
         if self.placement == "process" and self.transport == "inproc":
             raise ValueError("inproc:// only works within one process; use placement=inline")
+        hosts = {a.host for a in self.actors}
+        if len(hosts) > 1 and not (self.supervisor_port and all(a.port for a in self.actors)):
+            # every host's launcher resolves the addresses on its own: they must come out the same
+            raise ValueError(f"a topology over several hosts ({', '.join(sorted(hosts))}) needs fixed ports: "
+                             "set supervisor_port and every actor's port")
 
     @property
     def scheme(self) -> Transport:

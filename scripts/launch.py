@@ -71,19 +71,27 @@ async def launch(topo: Topology, host: str | None, trace: bool) -> int:
     except ActorFailure as e:
         print(f"flotilla launch: {e}; every actor stopped", file=sys.stderr, flush=True)
         return 1
-    print(f"topology {topo.name!r} ready: {len(rt.ready)} actor(s)", flush=True)
-    print_table(rt)
+    if rt.primary:
+        print(f"topology {topo.name!r} ready: {len(rt.ready)} actor(s)", flush=True)
+        print_table(rt)
+    else:
+        print(f"started {len(rt.procs)} actor process(es) of topology {topo.name!r} on {host}; the launcher on "
+              f"{topo.supervisor_host} supervises them", flush=True)
     if rt.run_dir is not None:
         print(f"endpoints: {rt.run_dir / 'endpoints.json'}", flush=True)
-    failed = asyncio.ensure_future(rt.wait())
-    done, _ = await asyncio.wait({failed, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if failed in done:
-        ev = failed.result()
+    ended = asyncio.ensure_future(rt.wait())
+    done, _ = await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if ended in done:
+        ev = ended.result()
+        if ev is None:  # another host's launcher stopped this host's actors
+            await rt.stop("topology stopped")
+            print("all actors stopped", flush=True)
+            return 0
         print(f"flotilla launch: actor {ev.actor}/{ev.instance} failed: {ev.reason}; stopping every actor",
               file=sys.stderr, flush=True)
         await rt.stop(f"{ev.actor}/{ev.instance} failed")
         return 1
-    failed.cancel()
+    ended.cancel()
     print("stopping (signal received)", flush=True)
     await rt.stop("launcher received a signal")
     print("all actors stopped", flush=True)

@@ -105,7 +105,7 @@ def test_heartbeats_arrive_and_malformed_frames_are_dropped_while_serving():
         finally:
             client.close(own_context=False)
             await rt.stop()
-        assert not rt.supervisor.failed.done()
+        assert not rt.failed.done()
 
     uvloop.run(main())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -13,8 +14,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import uvloop
 
+from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.endpoints import free_tcp_port
+from flotilla.transport.messages import PingRequest, PongResult
 from helpers_procs import alive, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,3 +168,66 @@ def test_help_explains_every_command_and_unbuilt_ones_say_so():
     assert "--trace" in actor and "--script" in actor and "--endpoints" in actor
     r = subprocess.run([sys.executable, "-m", "flotilla", "launch", "/nonexistent.toml"], capture_output=True, text=True)
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
+    # "127.0.0.1" and "localhost" stand for two hosts: each launcher starts only the actors placed on it
+    sup, relay, echo = free_tcp_port(), free_tcp_port(), free_tcp_port()
+    while echo + 1 in (sup, relay):
+        echo = free_tcp_port()
+    topo = tmp_path / "two-hosts.toml"
+    topo.write_text(f"""
+name = "two"
+placement = "process"
+transport = "tcp"
+supervisor_host = "127.0.0.1"
+supervisor_port = {sup}
+[options]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 5.0
+[[actors]]
+name = "relay"
+kind = "relay"
+host = "127.0.0.1"
+port = {relay}
+config = {{ peer = "echo" }}
+[[actors]]
+name = "echo"
+kind = "echo"
+count = 2
+host = "localhost"
+port = {echo}
+""")
+    primary = flotilla("launch", str(topo), "--host", "127.0.0.1")
+    secondary = flotilla("launch", str(topo), "--host", "localhost")
+    try:
+        read_until(secondary, r"started 2 actor process")
+        pids = pids_from_table(read_until(primary, r"^relay/0 "))
+        assert set(pids) == {"relay/0", "echo/0", "echo/1"}
+        reply = uvloop_ping(f"tcp://127.0.0.1:{relay}")
+        assert reply == [(0, [2, 3, 4], "echo/0"), (1, [2, 3, 4], "echo/1")]
+        primary.send_signal(signal.SIGTERM)
+        assert primary.wait(timeout=30) == 0
+        assert secondary.wait(timeout=30) == 0  # its actors were stopped by the primary; it follows
+    finally:
+        primary.kill()
+        secondary.kill()
+    assert not wait_gone(list(pids.values()))
+
+
+def uvloop_ping(relay_address: str) -> list[tuple[int, list[int], str]]:
+    """Two pings through the relay from a client outside the topology; the pongs, sorted."""
+
+    async def main():
+        ctx = new_context()
+        me = f"tcp://127.0.0.1:{free_tcp_port()}"
+        inbox, out = Inbox(ctx, me, (PongResult,)), Outbox(ctx, relay_address)
+        for seq in range(2):
+            await out.send(PingRequest(seq=seq, payload=np.array([1, 2, 3], np.int32), reply_to=me))
+        got = [await asyncio.wait_for(inbox.recv(), 20) for _ in range(2)]
+        inbox.close()
+        out.close()
+        ctx.term()
+        return sorted((p.seq, p.payload.tolist(), p.echoed_by) for p in got)
+
+    return uvloop.run(main())
