@@ -81,11 +81,12 @@ class LLM:
         self._closed = False
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; results in prompt order."""
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; results in prompt order. priority (with policy="priority"): lower runs first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        reqs = [self._request(p, self._params(sampling_params, i)) for i, p in enumerate(prompts)]
+        reqs = [self._request(p, self._params(sampling_params, i), priority[i] if priority else 0)
+                for i, p in enumerate(prompts)]
         return self._run_all(reqs, [p if isinstance(p, str) else p.get("prompt") for p in prompts], use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
@@ -130,14 +131,13 @@ class LLM:
             return SamplingParams()
         return params if isinstance(params, SamplingParams) else params[i]
 
-    def _request(self, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
-        rid = self.client.new_rid("cmpl")
+    def _request(self, prompt: Prompt, params: SamplingParams, priority: int) -> GenerateRequest:
+        common = dict(rid=self.client.new_rid("cmpl"), sampling=params, arrival_time=time.time(), priority=priority)
         if isinstance(prompt, str):
-            return GenerateRequest(rid=rid, sampling=params, prompt=prompt, arrival_time=time.time())
+            return GenerateRequest(prompt=prompt, **common)
         if "prompt_token_ids" in prompt:
-            ids = np.asarray(prompt["prompt_token_ids"], dtype=np.int32)
-            return GenerateRequest(rid=rid, sampling=params, prompt_token_ids=ids, arrival_time=time.time())
-        return GenerateRequest(rid=rid, sampling=params, prompt=prompt["prompt"], arrival_time=time.time())
+            return GenerateRequest(prompt_token_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int32), **common)
+        return GenerateRequest(prompt=prompt["prompt"], **common)
 
     def _run_all(self, reqs: list[GenerateRequest], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(reqs), desc="generating", unit="req", disable=not use_tqdm or len(reqs) < 2)

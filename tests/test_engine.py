@@ -198,3 +198,23 @@ def test_the_engine_on_cuda_gives_the_cpu_greedy_tokens(tiny, llm):
         # seeded noise is bit-identical on CPU and CUDA, so even sampled tokens agree
         assert gpu.generate(p, seeded, use_tqdm=False)[0].outputs[0].token_ids == \
             llm.generate(p, seeded, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_priority_policy_runs_lower_priority_values_first(tiny):
+    order: list[str] = []
+    with LLM(tiny, kv_cache_blocks=256, block_size=4, max_num_seqs=1, policy="priority") as engine:
+        client = engine.client
+
+        async def main():
+            async def one(name, prio, max_tokens):
+                req = GenerateRequest(rid=client.new_rid(name), prompt_token_ids=np.asarray(prompts(1, seed=12)[0], np.int32),
+                                      sampling=SamplingParams(max_tokens=max_tokens, **GREEDY), priority=prio)
+                async for d in client.stream(req):
+                    if d.finish_reason:
+                        order.append(name)
+
+            # "first" runs alone for 16 steps while the others queue; then they run lowest value first
+            await asyncio.gather(one("first", -1, 16), one("low", 5, 2), one("high", 0, 2), one("mid", 2, 2))
+
+        engine._run(main())
+    assert order == ["first", "high", "mid", "low"]
