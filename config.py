@@ -25,6 +25,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Name clients use in the `model` field; default: the folder name."""
     seed: int = 0
     """Seed of the default generator used by requests without their own seed."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """auto: read the safetensors; dummy: only config.json, random weights (benchmarks at real shapes)."""
+    skip_tokenizer_init: bool = False
+    """Run without a tokenizer: requests must be token ids, outputs are token ids (no text, no stop strings)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -37,7 +37,8 @@ class DetokenizerActor(Actor):
         """Sequences this actor ended on a stop string, until the scheduler's final delta for them."""
 
     async def setup(self) -> dict[str, str]:
-        self.info = TokenizerInfo(load_tokenizer(model_dir(self.config)))
+        if not self.config.model.skip_tokenizer_init:
+            self.info = TokenizerInfo(load_tokenizer(model_dir(self.config)))
         return {}
 
     async def on_token_delta(self, msg: TokenDelta) -> None:
@@ -58,6 +59,8 @@ class DetokenizerActor(Actor):
             if item.finish_reason is not None:
                 self.stopped.discard(rid)
             return None
+        if self.info is None:  # skip_tokenizer_init: token ids only
+            return self._seq_text(item, "", item.finish_reason, item.stop_token)
         state = self.states.get(rid)
         if state is None:
             sp = item.sampling
@@ -78,6 +81,10 @@ class DetokenizerActor(Actor):
             if state.stop_reason is not None and stop is None:
                 stop_reason = state.stop_reason
             del self.states[rid]
+        return self._seq_text(item, text, finish, stop_reason)
+
+    def _seq_text(self, item: SeqTokens, text: str, finish: str | None, stop_reason: str | int | None) -> SeqText:
+        rid = item.rid
         n = self.counts.get(rid, 0) + len(item.token_ids)
         if finish is None:
             self.counts[rid] = n

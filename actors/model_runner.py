@@ -76,7 +76,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
                                               progress=progress,
-                                              model_kwargs={"attention_backend": config.worker.attention_backend})
+                                              model_kwargs={"attention_backend": config.worker.attention_backend},
+                                              load_format=config.model.load_format)
         self.load_seconds = time.perf_counter() - t0
         self.model = self.loaded.module.eval()
         self.hf_config = self.loaded.config

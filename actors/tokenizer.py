@@ -51,28 +51,41 @@ def max_model_len_of(config: EngineConfig, path: Path) -> int:
     return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, path: Path) -> list[int]:
-    """EOS ids from generation_config.json (may be a list) plus the tokenizer's own EOS."""
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list[int]:
+    """EOS ids from generation_config.json or config.json (either may hold a list) plus the tokenizer's own."""
     ids: set[int] = set()
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
+    for name in ("generation_config.json", "config.json"):
+        if (path / name).exists():
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            break
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def vocab_size_of(path: Path) -> int:
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 class RequestTokenizer:
     """The pure part: GenerateRequest -> TokenizedRequest, or RequestError."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, eos_ids: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, eos_ids: list[int],
+                 vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
+        """None with skip_tokenizer_init: only token-id prompts, no stop strings."""
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
-        self.vocab_size = len(tokenizer)
+        self.vocab_size = len(tokenizer) if tokenizer is not None else vocab_size
 
     def prompt_ids(self, req: GenerateRequest) -> np.ndarray:
+        if self.tokenizer is None:
+            if req.prompt_token_ids is None:
+                raise RequestError("this engine runs without a tokenizer (skip_tokenizer_init): send prompt token "
+                                   "ids", "prompt")
+            if req.sampling.stop:
+                raise RequestError("stop strings need a tokenizer; this engine runs without one", "stop")
         if req.messages is not None:
             try:
                 text = self.tokenizer.apply_chat_template(
@@ -128,8 +141,9 @@ class TokenizerActor(Actor):
 
     async def setup(self) -> dict[str, str]:
         path = model_dir(self.config)
-        tok = load_tokenizer(path)
-        self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path))
+        tok = None if self.config.model.skip_tokenizer_init else load_tokenizer(path)
+        self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path),
+                                     vocab_size_of(path))
         return {"max_model_len": str(self.core.max_model_len)}
 
     async def on_generate_request(self, req: GenerateRequest) -> None:

@@ -74,18 +74,25 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load the HF model folder `model` (None: the embedded default model) onto `device`.
 
     dtype: "auto" (the checkpoint's dtype), a torch dtype, or a name ("bfloat16", "fp16", ...).
     progress: show a tqdm bar on stderr (only when stderr is a terminal).
     model_kwargs: extra keyword arguments for the model class, e.g. {"attention_backend": "torch"}.
+    load_format: "auto" reads the safetensors; "dummy" (vLLM's name) needs only config.json and fills every
+    parameter with small seeded random values on the device: real shapes for benchmarks, no weights to ship.
     """
     started = time.perf_counter()
+    if load_format not in ("auto", "dummy"):
+        raise ModelLoadError(f"load_format must be auto or dummy, got {load_format!r}")
     if not (isinstance(dtype, str) and dtype.lower() == "auto"):
         dtype = parse_dtype(dtype)  # refuse a bad request before touching the disk
     model_dir = _resolve_model_dir(model, progress)
     config = read_config(model_dir)
+    if load_format == "dummy":
+        return _load_dummy(config, model_dir, dtype, torch.device(device), dict(model_kwargs or {}), started)
     files = checkpoint_files(model_dir)
     target_dtype = resolve_dtype(dtype, config, files)
     torch_device = torch.device(device)
@@ -122,6 +129,22 @@ def load_model(
         time.perf_counter() - started,
     )
     return LoadedModel(module=module, config=config, model_dir=model_dir, dtype=target_dtype)
+
+
+def _load_dummy(config: HFModelConfig, model_dir: Path, dtype: torch.dtype | str, device: torch.device,
+                kwargs: dict[str, Any], started: float) -> LoadedModel:
+    target = (config.torch_dtype or torch.float32) if isinstance(dtype, str) else dtype
+    module = _build_module(config, model_dir, target, device, kwargs)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for _, param in module.named_parameters():
+            # small values keep activations finite through any depth; nothing is meant to be meaningful
+            param.uniform_(-1e-3, 1e-3, generator=generator)
+    module.eval()
+    size = sum(p.numel() * p.element_size() for p in module.parameters())
+    logger.info("built %s with dummy weights (%s, %s, %.0f MiB) in %.2f s", model_dir, type(module).__name__,
+                str(target).removeprefix("torch."), size / 2**20, time.perf_counter() - started)
+    return LoadedModel(module=module, config=config, model_dir=model_dir, dtype=target)
 
 
 def _resolve_model_dir(model: str | Path | None, progress: bool) -> Path:

@@ -1,80 +1,138 @@
-"""Offline throughput: the nano-vllm workload and batch-1 decode, through the real engine (LLM API).
+"""Offline throughput through the real engine (LLM API), on the same workloads as the vLLM peer.
 
-  nano:    N requests, prompt and output lengths uniform in [min_len, max_len] (random token ids,
-           ignore_eos, fixed seed) — nano-vllm's bench.py workload (256 x 100..1024 on a GPU).
-  decode1: one request, 128 prompt tokens, 256 output tokens: per-token latency at batch 1.
+  nano:    nano-vllm's bench.py recipe, as ../shared/gpu/vllm-peer/peer_bench.py runs it: random.seed(0),
+           N prompts of randint(100, 1024) random token ids, then N output lengths randint(100, 1024),
+           temperature 0.6, ignore_eos. Smaller --min-len/--max-len/--num-requests for toy runs.
+  decode1: one request, 128 random prompt tokens, 256 output tokens, greedy: per-token latency at batch 1
+           (timed on the second of two identical runs, as the peer does).
 
-    python -m flotilla.scripts.bench_offline --workload nano --num-requests 256 --min-len 100 --max-len 1024
-    python -m flotilla.scripts.bench_offline --workload decode1 --json out.json
+Models: an HF folder, the embedded default model (no --model), or a built-in real shape with random
+bf16 weights built on the device (`--model qwen3-8b` / `qwen3-0.6b`: load_format=dummy, no tokenizer).
 
-Any engine option can be given as a flag (see --help); the model defaults to the embedded one.
+    python -m flotilla.scripts.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
+    python -m flotilla.scripts.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
+from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
 
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+"""Real Qwen3 shapes (the same configs peer_bench.py gives vLLM)."""
 
-def nano_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-    outputs = [rng.randint(lo, hi) for _ in range(n)]
+
+def shape_dir(name: str) -> Path:
+    """A folder holding only the config.json of a built-in shape (weights come from load_format=dummy)."""
+    d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"
+    d.mkdir(exist_ok=True)
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, max_position_embeddings=40960,
+               rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+               torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, **SHAPES[name])
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
+                  vocab: int = 10000) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's recipe, call for call as peer_bench.py does it, so both engines get the same requests."""
+    random.seed(seed)
+    prompts = [[random.randint(0, vocab) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+    outputs = [random.randint(lo, hi) for _ in range(n)]
     return prompts, outputs
 
 
-def run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
-    params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True) for m in outputs]
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert generated == sum(outputs), "ignore_eos must make every output its full length"
+    assert generated == sum(p.max_tokens for p in params), "ignore_eos must make every output its full length"
+    return elapsed, generated
+
+
+def run_nano(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    prompts, outputs = nano_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed, args.vocab)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outputs]
+    elapsed, generated = timed_generate(llm, prompts, params)
     prompt_tokens = sum(map(len, prompts))
-    return {"requests": len(prompts), "prompt_tokens": prompt_tokens, "output_tokens": generated,
-            "seconds": elapsed, "output_tok_per_s": generated / elapsed,
-            "total_tok_per_s": (generated + prompt_tokens) / elapsed}
+    return {"nano_workload_seqs": len(prompts), "nano_prompt_tokens": prompt_tokens, "nano_output_tokens": generated,
+            "nano_workload_s": round(elapsed, 2), "nano_workload_out_tok_per_s": round(generated / elapsed, 1),
+            "nano_workload_total_tok_per_s": round((generated + prompt_tokens) / elapsed, 1)}
+
+
+def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    random.seed(args.workload_seed + 1)
+    prompt = [random.randint(0, args.vocab) for _ in range(args.decode_in)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_out)]
+    timed_generate(llm, [prompt], params)  # the first run warms up (and fills the prefix cache, if on)
+    elapsed, generated = timed_generate(llm, [prompt], params)
+    return {"b1_decode_tok_per_s": round(generated / elapsed, 1), "b1_decode_ms_per_token": round(1000 * elapsed / generated, 3)}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.model in SHAPES:
+        # the peer's settings: bf16, random weights, no tokenizer, max_model_len 4096, no prefix caching
+        args.load_format, args.skip_tokenizer_init, args.dtype = "dummy", True, "bfloat16"
+        args.max_model_len = args.max_model_len or 4096
+        args.enable_prefix_caching = False
+        return engine_config_from_args(args, str(shape_dir(args.model)))
+    return engine_config_from_args(args, args.model)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF model folder; default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1"], default="nano", help="which workload")
+    p.add_argument("--model", default=None,
+                   help=f"HF model folder, or a built-in shape with random weights ({', '.join(SHAPES)}); "
+                        "default: the embedded default model")
+    p.add_argument("--workload", choices=["nano", "decode1", "both"], default="both", help="which workload(s)")
     p.add_argument("--num-requests", type=int, default=256, help="nano: number of requests")
     p.add_argument("--min-len", type=int, default=100, help="nano: shortest prompt / output, tokens")
     p.add_argument("--max-len", type=int, default=1024, help="nano: longest prompt / output, tokens")
-    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator (peer: 0)")
+    p.add_argument("--vocab", type=int, default=10000, help="token ids are drawn from [0, vocab] (peer: 10000)")
+    p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
+    p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--json", default=None, help="write the result to this file too")
     add_engine_arguments(p)
     args = p.parse_args(argv)
-    config = engine_config_from_args(args, args.model)
+    config = engine_config(args)
     t0 = time.perf_counter()
     with LLM(config=config) as llm:
         start_s = time.perf_counter() - t0
         worker = llm.client.ready_detail.get("worker/0", {})
-        vocab = llm.client.runtime.actors["worker/0"].runner.hf_config.vocab_size if llm.client.runtime.actors else 32000
-        if args.workload == "nano":
-            prompts, outputs = nano_workload(args.num_requests, args.min_len, args.max_len, vocab, args.workload_seed)
-        else:
-            prompts, outputs = nano_workload(1, 128, 128, vocab, args.workload_seed)
-            outputs = [256]
-        result = run(llm, prompts, outputs)
-    result.update({"workload": args.workload, "engine_start_s": start_s, "model_load_s": float(worker.get("load_s", 0)),
-                   "device": worker.get("device", "?"), "dtype": worker.get("dtype", "?"),
-                   "model": worker.get("model", "?"), "kv_tokens": int(worker.get("kv_tokens", 0))})
-    print(json.dumps(result, indent=2))
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        result: dict[str, Any] = {"engine": "flotilla", "model": args.model or "default", "device": worker.get("device"),
+                                  "dtype": worker.get("dtype"), "attention": worker.get("attention"),
+                                  "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
+                                  "model_load_s": float(worker.get("load_s", 0))}
+        if args.workload in ("nano", "both"):
+            result.update(run_nano(llm, args))
+        if args.workload in ("decode1", "both"):
+            result.update(run_decode1(llm, args))
+    print(json.dumps(result), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    elif os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / f"flotilla-{args.model or 'default'}.json").write_text(json.dumps(result, indent=2))
     return 0
 
 

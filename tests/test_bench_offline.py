@@ -1,0 +1,48 @@
+"""Benchmarks' building blocks on CPU: dummy weights at any shape, token-id-only engines, bench_offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flotilla import LLM, SamplingParams
+from flotilla.scripts import bench_offline
+from flotilla.server.engine_client import RequestFailed
+
+from helpers_engine import write_tiny_engine_model
+
+
+def test_a_config_only_folder_runs_with_dummy_weights_and_no_tokenizer(tmp_path):
+    src = write_tiny_engine_model(tmp_path / "src", "qwen3")
+    only = tmp_path / "only-config"
+    only.mkdir()
+    (only / "config.json").write_text((src / "config.json").read_text())  # no weights, no tokenizer
+    with LLM(str(only), load_format="dummy", skip_tokenizer_init=True, kv_cache_blocks=64, block_size=4) as llm:
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 6 and out.text == "" and out.finish_reason == "length"
+        with pytest.raises(RequestFailed, match="without a tokenizer"):
+            llm.generate(["text needs a tokenizer"], SamplingParams(max_tokens=2), use_tqdm=False)
+        model = llm.client.runtime.actors["worker/0"].runner.model
+        values = [p.abs().max().item() for p in model.parameters()]
+        assert 0 < max(values) <= 1e-3  # every parameter was filled, small
+
+
+def test_the_nano_workload_is_the_peers_recipe():
+    prompts, outputs = bench_offline.nano_workload(3, seed=0)
+    again = bench_offline.nano_workload(3, seed=0)
+    assert (prompts, outputs) == again
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(100 <= m <= 1024 for m in outputs)
+    assert all(0 <= t <= 10000 for p in prompts for t in p)
+
+
+def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
+    model = write_tiny_engine_model(tmp_path / "tiny")
+    out = tmp_path / "result.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "both", "--num-requests", "6", "--min-len", "4",
+                               "--max-len", "20", "--vocab", "300", "--decode-in", "16", "--decode-out", "24",
+                               "--kv-cache-blocks", "128", "--block-size", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["nano_workload_seqs"] == 6 and result["nano_workload_out_tok_per_s"] > 0
+    assert result["b1_decode_tok_per_s"] > 0 and result["device"] == "cpu"
