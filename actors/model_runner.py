@@ -74,9 +74,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.worker.device)
         t0 = time.perf_counter()
+        backend = config.worker.attention_backend  # "auto" is resolved by the model for its device and head size
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
-                                              progress=progress,
-                                              model_kwargs={"attention_backend": config.worker.attention_backend},
+                                              progress=progress, model_kwargs={"attention_backend": backend},
                                               load_format=config.model.load_format)
         self.load_seconds = time.perf_counter() - t0
         self.model = self.loaded.module.eval()
@@ -84,12 +84,12 @@ class ModelRunner:
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.model.seed)
         self.num_blocks = self._num_kv_blocks()
         shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.model.seed)
         log.info("model %s loaded in %.2f s on %s (%s); KV cache %d blocks x %d = %d tokens",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size)
@@ -106,15 +106,55 @@ class ModelRunner:
         if cache.kv_cache_blocks is not None:
             return cache.kv_cache_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cache.gpu_memory_utilization - (total - free) - _activation_reserve(self.config)
+            budget = self._gpu_kv_budget()
         else:
             budget = cache.cpu_kv_cache_gib * 2**30
         blocks = int(budget // self.kv_bytes_per_block)
         if blocks < 2:
             raise RuntimeError(f"not enough memory for a KV cache: {budget / 2**30:.2f} GiB left for it; "
-                               "lower max_model_len, raise gpu_memory_utilization or set kv_cache_blocks")
+                               "lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization, "
+                               "or set kv_cache_blocks")
         return blocks
+
+    @torch.inference_mode()
+    def _gpu_kv_budget(self) -> float:
+        """Bytes the KV cache may take: gpu_memory_utilization of the GPU minus what the largest step needs.
+
+        A profiling run pushes max_num_batched_tokens through the model (prompts of up to max_model_len over
+        a scratch cache) and samples max_num_seqs rows; its peak memory (weights + activations + logits) and
+        everything other processes hold on the GPU are what the KV cache must leave free.
+        """
+        sched = self.config.scheduler
+        tokens = max(1, sched.max_num_batched_tokens)
+        per_seq = min(tokens, self.max_model_len)
+        lens = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
+        blocks_each = [-(-n // self.block_size) for n in lens]
+        scratch = [torch.empty(self.model.kv_cache_shape(sum(blocks_each), self.block_size), dtype=self.dtype,
+                               device=self.device) for _ in range(self.model.num_layers)]
+        starts = np.cumsum([0, *blocks_each])
+        tables = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata.from_lists([0] * len(lens), lens, tables, self.block_size, device=self.device)
+        positions = positions_from_lists([0] * len(lens), lens, device=self.device)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, scratch, meta)
+        rows = min(sched.max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        st = SamplingTensors.build([SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows, [0] * rows,
+                                   device=self.device, vocab_size=logits.shape[1])
+        sample(logits, st, 20, generator=self.generator)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
+        del scratch, hidden, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
+        budget = total * self.config.cache.gpu_memory_utilization - others - (peak - scratch_bytes)
+        log.info("profiling run: peak %.2f GiB for %d tokens; %.2f GiB of %.2f GiB left for the KV cache",
+                 (peak - scratch_bytes) / 2**30, tokens, budget / 2**30, total / 2**30)
+        return budget
 
     @property
     def capacity_tokens(self) -> int:
@@ -179,8 +219,3 @@ class ModelRunner:
 
 def _needs_history(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _activation_reserve(config: EngineConfig) -> int:
-    """Bytes kept free for activations and logits of the largest step (a coarse bound until profiling)."""
-    return 2 * 2**30 + config.scheduler.max_num_batched_tokens * 64 * 1024

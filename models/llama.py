@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        backend = get_attention_backend(attention_backend)
+        backend = get_attention_backend(attention_backend, device=torch.get_default_device(), head_dim=config.head_dim)
         self.attention_backend_name = backend.name
         """The attention kernels chosen (for the ready log line)."""
         self.model = LlamaModel(config, backend, self.qk_norm)

@@ -61,6 +61,8 @@ TINY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(tie_word_embeddings=False, head_dim=32, num_hidden_layers=3, eos_token_id=[2, 3]),
     ),
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True, head_dim=32)),
+    # a head size the GPU kernels (flashinfer: 64/128/256) take, for GPU engine tests
+    "qwen3_hd64": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=64)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
 }
 

@@ -218,3 +218,18 @@ def test_priority_policy_runs_lower_priority_values_first(tiny):
 
         engine._run(main())
     assert order == ["first", "high", "mid", "low"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_and_torch_attention_give_the_same_greedy_tokens_on_cuda(tmp_path):
+    pytest.importorskip("flashinfer")
+    model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))
+    ps = prompts(8, seed=13)
+    outs = {}
+    for backend in ("flashinfer", "torch"):
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16",
+                 attention_backend=backend) as engine:
+            assert engine.client.ready_detail["worker/0"]["attention"] == backend
+            outs[backend] = run(engine, ps, max_tokens=8)
+    assert outs["flashinfer"] == outs["torch"]

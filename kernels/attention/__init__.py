@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from flotilla.kernels.attention import torch_ref
+from flotilla.kernels.attention import flashinfer_backend, torch_ref
 from flotilla.kernels.attention.metadata import AttentionMetadata, positions_from_lists
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "available_attention_backends",
+    "best_attention_backend",
     "get_attention_backend",
     "kv_cache_shape",
     "positions_from_lists",
@@ -40,25 +41,45 @@ class AttentionBackend:
 _BACKENDS: dict[str, AttentionBackend] = {
     "torch": AttentionBackend(name="torch", store_kv=torch_ref.store_kv, forward=torch_ref.paged_attention),
 }
-# Preference order for "auto": the first importable/usable one wins (triton, flashinfer go first later).
-_AUTO_ORDER: tuple[str, ...] = ("torch",)
 _logged_auto_choice = False
+
+
+_OPTIONAL = ("flashinfer",)
+"""Backends built on first use, when their package and device are there."""
 
 
 def available_attention_backends() -> list[str]:
     """Names accepted by get_attention_backend, "auto" included."""
-    return ["auto", *_BACKENDS]
+    return ["auto", *_BACKENDS, *(n for n in _OPTIONAL if n not in _BACKENDS)]
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """The backend called `name`; "auto" picks the best one this machine supports (logged once)."""
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+"""Head sizes flashinfer's prebuilt / JIT kernels cover."""
+
+
+def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
+    """The fastest backend usable on `device` for this head size: flashinfer on CUDA when importable, else
+    the torch reference."""
+    if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS:
+        return "flashinfer"
+    return "torch"
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | None = None,
+                          head_dim: int | None = None) -> AttentionBackend:
+    """The backend called `name`; "auto" picks the best one for `device` (default: torch's current default
+    device) and head size, and logs the choice once."""
     global _logged_auto_choice
     if name == "auto":
-        backend = _BACKENDS[next(n for n in _AUTO_ORDER if n in _BACKENDS)]
+        name = best_attention_backend(device or torch.get_default_device(), head_dim)
         if not _logged_auto_choice:
-            logger.info("attention backend: %s (auto)", backend.name)
+            logger.info("attention backend: %s (auto)", name)
             _logged_auto_choice = True
-        return backend
+    if name == "flashinfer" and name not in _BACKENDS:
+        if not flashinfer_backend.importable():
+            raise ValueError("attention backend 'flashinfer' needs CUDA and the flashinfer package")
+        impl = flashinfer_backend.FlashInferAttention()
+        _BACKENDS[name] = AttentionBackend(name=name, store_kv=impl.store_kv, forward=impl.forward)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choices: {', '.join(available_attention_backends())}")
     return _BACKENDS[name]

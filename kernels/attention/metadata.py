@@ -13,6 +13,18 @@ import numpy as np
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class HostMetadata:
+    """Host (numpy) copies of the step's layout, built alongside the device tensors."""
+
+    query_start_loc: np.ndarray
+    """int64 [B+1]."""
+    seq_lens: np.ndarray
+    """int64 [B]."""
+    block_tables: np.ndarray
+    """int32 [B, max_blocks_per_seq]."""
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Per-step description of a flattened batch over a paged KV cache (all tensors on one device)."""
@@ -30,6 +42,10 @@ class AttentionMetadata:
     """Most new tokens of any one sequence in this step (python int: no device sync to read it)."""
     max_seq_len: int
     """Longest context (seq_lens.max()) in tokens (python int)."""
+    block_size: int = 0
+    """Tokens per KV block (0 when unknown)."""
+    host: HostMetadata | None = None
+    """The same layout in host memory, for kernels that plan on the CPU (flashinfer) without a device sync."""
 
     @property
     def num_seqs(self) -> int:
@@ -116,6 +132,8 @@ class AttentionMetadata:
             slot_mapping=tensor(slot_mapping, torch.int64),
             max_query_len=int(new.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),
+            block_size=block_size,
+            host=HostMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables),
         )
 
 

@@ -1,0 +1,89 @@
+"""FlashInfer paged attention (CUDA): batch decode and batch prefill/append over flotilla's KV layout.
+
+flotilla's per-layer cache `[num_blocks, 2, block_size, num_kv_heads, head_dim]` is exactly FlashInfer's
+"NHD" paged layout, so the cache is handed over as is. FlashInfer plans a step once on the host (page
+table in CSR form: indptr / indices / last_page_len) and every layer reuses the plan; the plan is made
+at the first layer of a step (the metadata object changes per step) from the metadata's host copies,
+so planning never waits on the device. Pure-decode steps use the decode kernel (tensor cores for GQA);
+any step with a longer query (prefill chunks, mixed batches) uses the causal prefill kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+
+WORKSPACE_BYTES = 256 * 2**20
+"""FlashInfer's scratch space per device (split-k partial results, plan info)."""
+
+
+def importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class FlashInferAttention:
+    """One instance per process; wrappers and workspace per device, one plan per step."""
+
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        import flashinfer  # optional dependency: only imported when this backend is chosen
+
+        self._fi = flashinfer
+        self._wrappers: dict[torch.device, tuple[object, object]] = {}
+        self._planned: AttentionMetadata | None = None
+        self._active: object | None = None
+
+    def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
+        if device not in self._wrappers:
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            self._wrappers[device] = (decode, prefill)
+        return self._wrappers[device]
+
+    def _plan(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+        host = meta.host
+        if host is None:
+            raise ValueError("the flashinfer backend needs AttentionMetadata built with host copies (from_lists)")
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        pages = -(-host.seq_lens // block_size)
+        kv_indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        np.cumsum(pages, out=kv_indptr[1:])
+        used = np.arange(host.block_tables.shape[1])[None, :] < pages[:, None]
+        kv_indices = host.block_tables[used].astype(np.int32)  # row-major: each sequence's pages in order
+        last_page_len = (host.seq_lens - (pages - 1) * block_size).astype(np.int32)
+        decode, prefill = self._wrappers_for(query.device)
+        common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
+                      q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)
+        indptr, indices, last = (torch.from_numpy(a) for a in (kv_indptr, kv_indices, last_page_len))
+        if meta.max_query_len == 1:
+            decode.plan(indptr, indices, last, head_dim=query.shape[2], **common)
+            self._active = decode
+        else:
+            qo_indptr = torch.from_numpy(host.query_start_loc.astype(np.int32))
+            prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=query.shape[2], causal=True, **common)
+            self._active = prefill
+        self._planned = meta
+
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """[T, Hq, D] attention of every new token over its sequence's paged context (causal)."""
+        if self._planned is not meta:
+            self._plan(query, kv_cache, meta, scale)
+        return self._active.run(query, kv_cache)
+
+    @staticmethod
+    def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write the new tokens' K/V to their slots with one indexed copy each (no host sync; no -1 slots)."""
+        num_blocks, _, block_size = kv_cache.shape[:3]
+        flat = kv_cache.view(num_blocks * 2 * block_size, *kv_cache.shape[3:])
+        k_rows = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
+        flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
+        flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
