@@ -125,8 +125,9 @@ def _run_launch(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", formatter_class=_Formatter, help="benchmarks",
                        description="Benchmarks: `flotilla bench transport` (control plane), `flotilla bench offline` "
-                                   "(throughput through the engine; see `flotilla bench offline --help`). "
-                                   "The serving benchmark is not built yet.")
+                                   "(throughput through the engine), `flotilla bench serving` (TTFT / TPOT / ITL / "
+                                   "throughput of a running OpenAI-compatible server, flotilla or vLLM, over HTTP "
+                                   "with SSE). `flotilla bench WHAT --help` lists each one's flags.")
     p.add_argument("what", choices=["transport", "offline", "serving"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
 
@@ -138,7 +139,9 @@ def _run_bench(args: argparse.Namespace) -> int:
         from flotilla.scripts import bench_offline  # heavy: see main()
 
         return bench_offline.main(args.rest)
-    return _not_built(f"bench {args.what}", "GPU speed on the H200")
+    from flotilla.scripts import bench_serving  # httpx: only this benchmark needs it
+
+    return bench_serving.main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:

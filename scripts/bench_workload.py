@@ -1,0 +1,110 @@
+"""Benchmark workloads and arrival schedules: pure, seeded, shared by the offline and online benchmarks.
+
+A benchmark is only comparable across engines and across days if every run sends the very same
+requests at the very same moments. Everything here is a function of its arguments and a seed (a
+private ``random.Random``, never the global one), so two runs of `bench_serving` against flotilla and
+vLLM, or `bench_offline` and `bench_serving` on one model, see identical prompts and output lengths.
+
+  random: prompt / output lengths uniform in [L * (1 - r), L * (1 + r)] around --input-len /
+          --output-len (r = --range-ratio; r = 0 gives fixed lengths), as vLLM's random dataset.
+  nano:   nano-vllm's bench.py recipe: random.seed(0); each prompt randint(100, 1024) ids long, then
+          each output randint(100, 1024) tokens. With vocab_size 10001 the token ids are bit-for-bit
+          nano-vllm's (it draws randint(0, 10000)); the default 10000 keeps every id below 10000.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+NANO_MIN_LEN = 100
+"""nano-vllm's shortest prompt and output, tokens."""
+NANO_MAX_LEN = 1024
+"""nano-vllm's longest prompt and output, tokens."""
+NANO_SEED = 0
+"""nano-vllm seeds Python's random module with 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The requests of one benchmark: prompt token ids and the exact output length of each (ignore_eos)."""
+
+    prompts: list[list[int]]
+    """Token ids of each prompt."""
+    output_lens: list[int]
+    """max_tokens of each request, tokens; with ignore_eos it is also the output length."""
+
+    def __post_init__(self) -> None:
+        assert len(self.prompts) == len(self.output_lens), "one output length per prompt"
+        assert all(self.prompts) and all(n >= 1 for n in self.output_lens), "empty prompt or output"
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def nano_workload(num_prompts: int, vocab_size: int = 10000, seed: int = NANO_SEED,
+                  min_len: int = NANO_MIN_LEN, max_len: int = NANO_MAX_LEN) -> Workload:
+    """nano-vllm's bench.py workload: every prompt first (its length, then its ids), then every output length.
+
+    The draw order is nano-vllm's, so the same seed gives its exact lengths whatever the vocabulary.
+    """
+    if vocab_size < 1 or not 1 <= min_len <= max_len:
+        raise ValueError(f"need vocab_size >= 1 and 1 <= min_len <= max_len (got {vocab_size}, {min_len}, {max_len})")
+    rng = random.Random(seed)
+    top = vocab_size - 1
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_prompts)]
+    output_lens = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
+    return Workload(prompts, output_lens)
+
+
+def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] of a length jittered by ``range_ratio`` (vLLM's random dataset rule), low >= 1."""
+    if length < 1 or not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"need length >= 1 and 0 <= range_ratio < 1 (got {length}, {range_ratio})")
+    return max(1, int(length * (1.0 - range_ratio))), max(1, int(length * (1.0 + range_ratio)))
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    vocab_size: int = 10000, seed: int = 0) -> Workload:
+    """Random token-id prompts; lengths uniform in ``length_bounds`` of the input and output lengths."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1 (got {vocab_size})")
+    in_lo, in_hi = length_bounds(input_len, range_ratio)
+    out_lo, out_hi = length_bounds(output_len, range_ratio)
+    rng = random.Random(seed)
+    input_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
+    output_lens = [rng.randint(out_lo, out_hi) for _ in range(num_prompts)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in input_lens]
+    return Workload(prompts, output_lens)
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
+    """When each request is sent, seconds after the start: a Poisson process at ``request_rate`` req/s.
+
+    Inter-arrival gaps are Gamma(shape=burstiness, mean=1/rate): burstiness 1 is exponential (Poisson
+    arrivals), below 1 burstier, above 1 more regular, at the same mean rate (vLLM's --burstiness).
+    An infinite rate sends everything at once. The first request leaves at 0 (as in vLLM), so the
+    measured duration holds no idle lead-in.
+    """
+    if not request_rate > 0.0 or burstiness <= 0.0:
+        raise ValueError(f"need request_rate > 0 and burstiness > 0 (got {request_rate}, {burstiness})")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    t = 0.0
+    offsets = []
+    for i in range(num_requests):
+        if i:
+            t += rng.gammavariate(burstiness, scale)
+        offsets.append(t)
+    return offsets
