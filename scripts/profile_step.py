@@ -1,0 +1,105 @@
+"""Where a decode step's time goes: the worker's ModelRunner alone (no actors), host vs device time.
+
+For each batch size: fill B sequences with a prompt, then time N decode steps end to end (wall), the
+model forward on the device (CUDA events), and the host-side parts (metadata, sampling tensors,
+copies). Host time per step = wall - device busy time.
+
+    python -m flotilla.scripts.profile_step --model qwen3-8b --batch 1,64 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+
+import numpy as np
+import torch
+
+from flotilla.actors.model_runner import ModelRunner
+from flotilla.config import EngineConfig
+from flotilla.sampling_params import SamplingParams
+from flotilla.scripts.bench_offline import SHAPES, shape_dir
+from flotilla.transport.messages import NewSequence, StepPlan
+
+
+def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> tuple[StepPlan, list[StepPlan]]:
+    bs = runner.block_size
+    per_seq = -(-(prompt_len + steps + 1) // bs)
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    new = [NewSequence(rid=f"s{i}", token_ids=rng.integers(0, 10000, prompt_len, dtype=np.int32),
+                       num_computed_tokens=0, block_ids=np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32),
+                       sampling=sp) for i in range(batch)]
+    rids = [n.rid for n in new]
+    prefill = StepPlan(step=0, new_seqs=new, rids=rids, num_new_tokens=np.full(batch, prompt_len, np.int32))
+    zeros = np.zeros(batch, np.int32)
+    decodes = [StepPlan(step=s + 1, rids=rids, num_new_tokens=np.ones(batch, np.int32), new_block_counts=zeros,
+                        new_block_ids=np.zeros(0, np.int32)) for s in range(steps)]
+    return prefill, decodes
+
+
+def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    prefill, decodes = decode_plans(runner, batch, prompt_len, steps)
+    runner.execute(prefill)
+    forward_ms: list[float] = []
+    original = runner.model.forward
+
+    def timed_forward(*args, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = original(*args, **kw)
+        end.record()
+        forward_ms.append((start, end))
+        return out
+
+    runner.model.forward = timed_forward
+    for plan in decodes[:3]:  # warm-up
+        runner.execute(plan)
+    forward_ms.clear()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for plan in decodes[3:]:
+        runner.execute(plan)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1000 / (steps - 3)
+    runner.model.forward = original
+    gpu_forward = sum(s.elapsed_time(e) for s, e in forward_ms) / len(forward_ms)
+    runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
+    return {"batch": batch, "step_ms": round(wall, 3), "forward_device_ms": round(gpu_forward, 3),
+            "host_overhead_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="profile_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b", help=f"a built-in shape ({', '.join(SHAPES)}) or an HF folder")
+    p.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    p.add_argument("--attention-backend", default="auto", help="force an attention backend")
+    p.add_argument("--cprofile", action="store_true", help="also print the host functions that cost the most")
+    args = p.parse_args(argv)
+    dummy = args.model in SHAPES
+    config = EngineConfig.from_options(
+        model=str(shape_dir(args.model)) if dummy else args.model, dtype="bfloat16",
+        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=8192, block_size=16,
+        attention_backend=args.attention_backend, device="cuda")
+    runner = ModelRunner(config, progress=False)
+    if args.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+    rows = [profile(runner, int(b), args.prompt_len, args.steps) for b in args.batch.split(",")]
+    if args.cprofile:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    for r in rows:
+        print(json.dumps({"model": args.model, "attention": runner.model.attention_backend_name, **r}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
