@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flotilla.actors.cuda_graphs import DecodeGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
 from flotilla.kernels.sampling import SamplingTensors, sample
@@ -87,9 +88,17 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
         self.num_blocks = self._num_kv_blocks()
-        shape = self.model.kv_cache_shape(self.num_blocks, self.block_size)
+        # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
+        shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
+        self.graphs: DecodeGraphs | None = None
+        if (self.device.type == "cuda" and not config.worker.enforce_eager
+                and self.model.attention_backend_name == "flashinfer"):
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
+                                       max_batch=config.scheduler.max_num_seqs,
+                                       max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                                       device=self.device)
         log.info("model %s loaded in %.2f s on %s (%s); KV cache %d blocks x %d = %d tokens",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size)
@@ -183,20 +192,27 @@ class ModelRunner:
                 if hi > lo:
                     s.block_ids.extend(appended[lo:hi])
         cached = [s.num_computed for s in seqs]
-        input_ids = np.concatenate([s.buffer[c:c + n] for s, c, n in zip(seqs, cached, num_new)]).astype(np.int64)
-        meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
-                                            device=self.device)
-        positions = positions_from_lists(cached, num_new, device=self.device)
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions, self.kv_caches, meta)
-        # a sequence samples when this step reaches the end of its known tokens
-        sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
-        for s, n in zip(seqs, num_new):
-            s.num_computed += n
-        if not sampling_rows:
-            return StepResult(step=plan.step)
-        last_token = (meta.query_start_loc[1:] - 1).long()
-        rows = torch.tensor(sampling_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[last_token[rows]])
+        if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):
+            hidden = self._decode_by_graph(seqs, cached)  # one new token per sequence: a captured decode step
+            sampling_rows = list(range(len(seqs)))
+            for s in seqs:
+                s.num_computed += 1
+            logits = self.model.compute_logits(hidden)
+        else:
+            input_ids = np.concatenate([s.buffer[c:c + n] for s, c, n in zip(seqs, cached, num_new)]).astype(np.int64)
+            meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
+                                                device=self.device)
+            positions = positions_from_lists(cached, num_new, device=self.device)
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions, self.kv_caches, meta)
+            # a sequence samples when this step reaches the end of its known tokens
+            sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
+            for s, n in zip(seqs, num_new):
+                s.num_computed += n
+            if not sampling_rows:
+                return StepResult(step=plan.step)
+            last_token = (meta.query_start_loc[1:] - 1).long()
+            rows = torch.tensor(sampling_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[last_token[rows]])
         sampled = [seqs[i] for i in sampling_rows]
         history = any(s.needs_history for s in sampled)
         st = SamplingTensors.build(
@@ -215,6 +231,15 @@ class ModelRunner:
             result.top_ids = out.top_token_ids.to("cpu", torch.int32).numpy()
             result.top_logprobs = out.top_logprobs.float().cpu().numpy()
         return result
+
+
+    def _decode_by_graph(self, seqs: list[SeqState], cached: list[int]) -> torch.Tensor:
+        bs = self.block_size
+        pos = np.asarray(cached, dtype=np.int64)
+        ids = np.fromiter((s.buffer[c] for s, c in zip(seqs, cached)), dtype=np.int64, count=len(seqs))
+        tables = [np.asarray(s.block_ids, dtype=np.int32) for s in seqs]
+        blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
+        return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables)
 
 
 def _needs_history(p: SamplingParams) -> bool:

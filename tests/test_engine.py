@@ -233,3 +233,19 @@ def test_flashinfer_and_torch_attention_give_the_same_greedy_tokens_on_cuda(tmp_
             assert engine.client.ready_detail["worker/0"]["attention"] == backend
             outs[backend] = run(engine, ps, max_tokens=8)
     assert outs["flashinfer"] == outs["torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
+    pytest.importorskip("flashinfer")
+    model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))
+    ps = prompts(12, seed=14)
+    lengths = [3 + i for i in range(12)]  # batches shrink step by step: several graph sizes replay
+    outs = {}
+    for eager in (True, False):
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                 enforce_eager=eager) as engine:
+            assert (engine.client.runtime.actors["worker/0"].runner.graphs is None) == eager
+            outs[eager] = run(engine, ps, max_tokens=lengths)
+    assert outs[False] == outs[True]

@@ -37,12 +37,13 @@ class FlashInferAttention:
 
         self._fi = flashinfer
         self._wrappers: dict[torch.device, tuple[object, object]] = {}
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._planned: AttentionMetadata | None = None
         self._active: object | None = None
 
     def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
         if device not in self._wrappers:
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            workspace = self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
             prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
             self._wrappers[device] = (decode, prefill)
@@ -72,6 +73,27 @@ class FlashInferAttention:
             self._active = prefill
         self._planned = meta
 
+    # ---- CUDA graphs: a fixed-batch decode wrapper per captured size, planned outside the graph ------------
+
+    def graph_decode_wrapper(self, device: torch.device, indptr: torch.Tensor, indices: torch.Tensor,
+                             last_page_len: torch.Tensor) -> object:
+        """A decode wrapper whose page-table buffers are fixed (len(last_page_len) = its batch size), so a
+        captured graph reads whatever the next plan() writes into them."""
+        self._wrappers_for(device)
+        workspace = self._workspaces[device]
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
+
+    def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: np.ndarray,
+                   last_page_len: np.ndarray, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                   page_size: int, dtype: torch.dtype, scale: float) -> None:
+        """Plan a graph wrapper for the next replay and make `meta`'s layers use it."""
+        wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len),
+                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                     q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+        self._planned, self._active = meta, wrapper
+
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """[T, Hq, D] attention of every new token over its sequence's paged context (causal)."""
@@ -87,3 +109,14 @@ class FlashInferAttention:
         k_rows = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
         flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
         flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+
+
+_SHARED: FlashInferAttention | None = None
+
+
+def shared() -> FlashInferAttention:
+    """The process's one instance (its plan is per step, shared by every layer and by the CUDA graphs)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = FlashInferAttention()
+    return _SHARED

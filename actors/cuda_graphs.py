@@ -1,0 +1,122 @@
+"""CUDA graphs for decode steps: the model's forward captured once per padded batch size, then replayed.
+
+A decode step of a small model is bound by the host, not the GPU: eager PyTorch launches ~50 kernels
+per layer, each costing ~10-20 us of Python and driver time, far more than the GPU needs for one token.
+A graph replays all of them with one launch. Batches are padded up to the next captured size; padded
+rows read and write a scratch KV block that the scheduler never hands out, and their outputs are dropped.
+
+What is captured is exactly `model(input_ids, positions, kv_caches, meta)` over static input buffers.
+Attention (flashinfer) is planned on the host before each replay into fixed page-table buffers the
+graph reads; logits and sampling stay outside the graph (their shapes depend on the real batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from flotilla.kernels.attention import flashinfer_backend
+from flotilla.kernels.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 beyond (the padding waste stays small)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
+    out = [s for s in sizes if s < max_batch]
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    """Captured decode forwards, one per batch size of the ladder."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, scratch_block: int,
+                 max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.device = device
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        self.sizes = capture_sizes(max_batch)
+        gmax = self.sizes[-1]
+        self.attn = flashinfer_backend.shared()
+        cfg = model.config
+        self.heads = dict(num_qo_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                          head_dim=cfg.head_dim, page_size=block_size, dtype=kv_caches[0].dtype,
+                          scale=cfg.head_dim ** -0.5)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(gmax, **i64)
+        self.positions = torch.zeros(gmax, **i64)
+        self.slots = torch.full((gmax,), self.scratch_slot, **i64)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.kv_indptr = torch.zeros(gmax + 1, **i32)
+        self.kv_indices = torch.zeros(gmax * max_blocks_per_seq, **i32)
+        self.kv_last = torch.zeros(gmax, **i32)
+        self.wrappers: dict[int, object] = {}
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        self._capture_all()
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - t0)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        # Only slot_mapping and the python ints matter inside the graph; flashinfer reads its own buffers.
+        ones = torch.ones(size, dtype=torch.int32, device=self.device)
+        return AttentionMetadata(query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
+                                 seq_lens=ones, block_tables=ones[:, None], slot_mapping=self.slots[:size],
+                                 max_query_len=1, max_seq_len=1, block_size=self.block_size)
+
+    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
+        """Page tables for `size` rows: the real sequences first, then padding rows on the scratch block."""
+        bs = self.block_size
+        pages = np.ones(size, dtype=np.int64)
+        last = np.ones(size, dtype=np.int32)
+        n = len(seq_lens)
+        pages[:n] = -(-seq_lens // bs)
+        last[:n] = seq_lens - (pages[:n] - 1) * bs
+        indptr = np.zeros(size + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        indices = np.full(int(indptr[-1]), self.scratch_block, dtype=np.int32)
+        for b in range(n):  # one slice copy per sequence
+            indices[indptr[b]:indptr[b + 1]] = tables[b][:pages[b]]
+        self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, indices, last, **self.heads)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            self.wrappers[size] = self.attn.graph_decode_wrapper(self.device, self.kv_indptr[:size + 1],
+                                                                 self.kv_indices, self.kv_last[:size])
+            self.metas[size] = self._meta(size)
+            self._plan(size, np.zeros(0, dtype=np.int64), [])
+            args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
+            self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.model(*args)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+            tables: list[np.ndarray]) -> torch.Tensor:
+        """Hidden states [B, hidden] of one decode step of B sequences, by graph replay."""
+        batch = len(input_ids)
+        size = next(s for s in self.sizes if s >= batch)
+        host = np.empty((3, size), dtype=np.int64)
+        host[0, :batch], host[1, :batch], host[2, :batch] = input_ids, positions, slots
+        host[0, batch:], host[1, batch:], host[2, batch:] = 0, 0, self.scratch_slot
+        staged = torch.from_numpy(host).to(self.device, non_blocking=True)
+        self.input_ids[:size].copy_(staged[0])
+        self.positions[:size].copy_(staged[1])
+        self.slots[:size].copy_(staged[2])
+        self._plan(size, seq_lens, tables)
+        self.graphs[size].replay()
+        return self.outputs[size][:batch]
