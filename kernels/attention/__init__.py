@@ -78,7 +78,7 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     if name == "flashinfer" and name not in _BACKENDS:
         if not flashinfer_backend.importable():
             raise ValueError("attention backend 'flashinfer' needs CUDA and the flashinfer package")
-        impl = flashinfer_backend.FlashInferAttention()
+        impl = flashinfer_backend.shared()
         _BACKENDS[name] = AttentionBackend(name=name, store_kv=impl.store_kv, forward=impl.forward)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choices: {', '.join(available_attention_backends())}")
