@@ -6,7 +6,9 @@ Every backend reads the same AttentionMetadata and the same per-layer KV cache l
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +46,7 @@ _BACKENDS: dict[str, AttentionBackend] = {
 _logged_auto_choice = False
 
 
-_OPTIONAL = ("flashinfer",)
+_OPTIONAL = ("flashinfer", "triton")
 """Backends built on first use, when their package and device are there."""
 
 
@@ -56,12 +58,26 @@ def available_attention_backends() -> list[str]:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 """Head sizes flashinfer's prebuilt / JIT kernels cover."""
 
+TRITON_IN_AUTO = False
+"""Whether "auto" may pick the triton backend on CUDA (after flashinfer, before torch). Off until the
+triton kernels have been validated and benchmarked on the GPU machine; "triton" can always be forced."""
+
+
+def triton_usable() -> bool:
+    """Triton is installed and can run here: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1,
+    which must be set before flotilla.kernels.triton is first imported). Does not import triton."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
-    """The fastest backend usable on `device` for this head size: flashinfer on CUDA when importable, else
-    the torch reference."""
+    """The fastest backend usable on `device` for this head size: flashinfer on CUDA when importable, then
+    triton on CUDA once TRITON_IN_AUTO is switched on, else the torch reference."""
     if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS:
         return "flashinfer"
+    if TRITON_IN_AUTO and device.type == "cuda" and triton_usable():
+        return "triton"
     return "torch"
 
 
@@ -80,6 +96,15 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
             raise ValueError("attention backend 'flashinfer' needs CUDA and the flashinfer package")
         impl = flashinfer_backend.shared()
         _BACKENDS[name] = AttentionBackend(name=name, store_kv=impl.store_kv, forward=impl.forward)
+    if name == "triton" and name not in _BACKENDS:
+        if not triton_usable():
+            raise ValueError("attention backend 'triton' needs the triton package and CUDA (or TRITON_INTERPRET=1)")
+        # Optional dependency (CPU-only installs lack it), so imported only when this backend is chosen.
+        from flotilla.kernels.triton import attention as triton_attention
+
+        _BACKENDS[name] = AttentionBackend(
+            name=name, store_kv=triton_attention.store_kv, forward=triton_attention.forward
+        )
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choices: {', '.join(available_attention_backends())}")
     return _BACKENDS[name]

@@ -1,0 +1,426 @@
+"""Triton kernels vs their torch references on fresh random inputs.
+
+Without CUDA the kernels run under triton's CPU interpreter at tiny sizes. TRITON_INTERPRET=1 is set
+below, before flotilla.kernels.triton is imported: triton.jit reads it when a kernel is *defined*, so
+it must precede the first import of the kernel modules in this pytest process (no other test module
+imports them, and the attention dispatch imports them lazily); a guard fails loudly otherwise. triton
+itself is usually imported earlier (torch imports it when transformers loads torch._dynamo), which
+leaves triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv) in compiled mode;
+_repair_interpreter rewraps them, so no subprocess is needed. With CUDA the same tiny tests run compiled
+on the GPU, and the `gpu`-marked tests add realistic sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
+if not ON_CUDA and not INTERPRET:
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+
+def _repair_interpreter() -> None:
+    """Make triton's CPU interpreter compute what the GPU computes, where (as of triton 3.6) it does not.
+    Only the interpreter's builder is patched: kernel bodies and compiled GPU runs are untouched.
+
+    - Scalars become python ints through int(ndarray of shape (1,)), which numpy >= 2.4 rejects, so
+      every loop with a runtime bound (`range(0, kv_end, BLOCK_N)`) fails; convert the one element.
+    - numpy has no bfloat16, so bf16 tensors are raw uint16 bits and tl.dot multiplies the bits as
+      integers; widen bf16 operands to float32 first (exact, as tensor cores take bf16 products).
+    - fp32 -> bf16 casts truncate; the GPU (and torch) round to nearest even.
+    - triton.language's @jit helpers (tl.max, tl.sum, tl.cdiv, ...) are compiled-mode JITFunctions,
+      which the interpreter refuses to call, when triton was imported before TRITON_INTERPRET=1 was set.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("triton.language") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    setattr(module, attr, interpreter.InterpretedFunction(value.fn))
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_flotilla_repaired", False):
+        return
+    patch_tensor, create_dot, cast_impl = interpreter._patch_lang_tensor, builder.create_dot, builder.cast_impl
+
+    def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+        return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widened_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (
+            interpreter.TensorHandle(bf16_bits_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+            for x in (a, b)
+        )
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def rounding_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return interpreter.TensorHandle(bf16_bits_to_f32(src.data), tl.float32)
+        return cast_impl(self, src, dst_type)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.create_dot = widened_dot
+    builder.cast_impl = rounding_cast
+    builder._flotilla_repaired = True
+
+
+if INTERPRET:
+    _repair_interpreter()
+
+from flotilla.kernels import activation, norm, rope  # noqa: E402
+from flotilla.kernels.attention import (  # noqa: E402
+    AttentionMetadata,
+    best_attention_backend,
+    get_attention_backend,
+    kv_cache_shape,
+    torch_ref,
+)
+from flotilla.kernels.triton import attention as tri_attn  # noqa: E402
+from flotilla.kernels.triton import fused as tri_fused  # noqa: E402
+
+if INTERPRET and type(tri_attn._decode_kernel).__name__ != "InterpretedFunction":
+    raise RuntimeError("flotilla.kernels.triton was imported before TRITON_INTERPRET=1 was set")
+
+DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
+TOLERANCE = {torch.float32: (2e-4, 1e-5), torch.float16: (5e-3, 3e-3), torch.bfloat16: (2e-2, 1e-2)}
+"""Attention per input dtype: (atol = rtol per element, bound on the relative RMS error). fp32 is exact up
+to summation order; half types round the probabilities and the output (~0.1-0.3% RMS for bf16). The RMS
+bound is what catches a lost tile at realistic sizes: outputs average ~2k values there, so dropping 64
+keys moves them by ~20% of their RMS while staying well inside a per-element atol."""
+
+
+def _assert_rounds_like_reference(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Close, and for half types rounded where the reference rounds: nearly every element bit-equal
+    (a kernel that skipped an intermediate rounding matches only ~75% of bf16 elements)."""
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got, want)
+    assert (got == want).float().mean().item() >= 0.99
+
+
+def gpu_test(fn):
+    """Marked `gpu` (deselect with -m "not gpu") and skipped unless triton compiles for a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not ON_CUDA or INTERPRET, reason="needs a CUDA device")(fn))
+
+
+def _paged_case(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, seed: int, device: torch.device = DEVICE):  # fmt: skip
+    """(meta, cache, q, k, v) for sequences of (cached, new) tokens: blocks shuffled, the cached history
+    random, every never-written slot NaN (so reading past a seq_len poisons the result), new K/V not
+    stored yet."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in seqs]
+    meta = AttentionMetadata.from_lists([c for c, _ in seqs], [n for _, n in seqs], tables, block_size, device=device)
+    cache = torch.full(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype,
+                       device=device)  # fmt: skip
+    history = [(c, t) for (c, _), t in zip(seqs, tables, strict=True) if c]
+    if history:
+        hist = AttentionMetadata.from_lists([0] * len(history), [c for c, _ in history], [t for _, t in history],
+                                            block_size, device=device)  # fmt: skip
+
+        def rand(n: int) -> torch.Tensor:
+            return torch.randn(n, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+
+        torch_ref.store_kv(rand(hist.num_tokens), rand(hist.num_tokens), cache, hist.slot_mapping)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    tokens = meta.num_tokens
+    return meta, cache, randn(tokens, num_heads, head_dim), randn(tokens, num_kv_heads, head_dim), \
+        randn(tokens, num_kv_heads, head_dim)  # fmt: skip
+
+
+def _check_attention(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed, run) -> None:
+    """Store with both backends (caches must match bit for bit, NaN holes included), then compare
+    run(q, cache, meta, scale) with the reference computed in float32 from the same inputs."""
+    meta, cache, q, k, v = _paged_case(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed)
+    ref_cache, tri_cache = cache, cache.clone()
+    torch_ref.store_kv(k, v, ref_cache, meta.slot_mapping)
+    tri_attn.store_kv(k, v, tri_cache, meta.slot_mapping)
+    torch.testing.assert_close(tri_cache, ref_cache, rtol=0, atol=0, equal_nan=True)
+    scale = head_dim**-0.5
+    want = torch_ref.paged_attention(q.float(), ref_cache.float(), meta, scale)
+    got = run(q, tri_cache, meta, scale)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol, rel_rms = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    error = ((got.float() - want).norm() / want.norm()).item()
+    assert error <= rel_rms, f"relative RMS error {error:.2e} > {rel_rms:.0e}"
+
+
+# (cached, new): fresh prefills, decodes, chunks over cached prefixes (block-aligned and not), a chunk
+# longer than one query tile.
+MIXED = [(0, 9), (5, 1), (13, 6), (37, 1), (0, 2), (16, 16), (3, 20)]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "head_dim", "block_m", "block_n", "dtype"),
+    [
+        (4, 4, 4, 16, 16, 16, torch.float32),  # MHA; tiles of 16 keys span 4 pages
+        (16, 8, 2, 32, 16, 16, torch.float32),  # GQA 4: 4 tokens per query tile, many tiles
+        (4, 6, 2, 24, 64, 64, torch.float32),  # group of 3 and head_dim 24: padded rows and columns
+        (16, 8, 1, 16, 32, 16, torch.bfloat16),  # MQA, bf16
+        (4, 4, 2, 32, 16, 16, torch.float16),
+    ],
+)
+def test_prefill_mixed_batch_matches_reference(block_size, num_heads, num_kv_heads, head_dim, block_m, block_n, dtype):
+    def run(q, cache, meta, scale):
+        return tri_attn.paged_prefill_attention(q, cache, meta, scale, block_m=block_m, block_n=block_n)
+
+    _check_attention(MIXED, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size + head_dim, run=run)
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "dtype"),
+    [(4, 4, 4, torch.float32), (16, 8, 2, torch.float32), (4, 6, 2, torch.bfloat16)],
+)
+def test_decode_matches_reference(num_splits, block_size, num_heads, num_kv_heads, dtype):
+    # seq_len 1 with 8 splits leaves splits empty; 101 ends mid-block and mid-tile.
+    seqs = [(c, 1) for c in (0, 3, 17, 40, 63, 100)]
+
+    def run(q, cache, meta, scale):
+        return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=num_splits, block_n=16)
+
+    _check_attention(seqs, block_size, num_heads, num_kv_heads, 16, dtype, seed=block_size + num_heads, run=run)
+
+
+def test_backend_dispatch_and_forward_picks_decode_or_prefill():
+    backend = get_attention_backend("triton")
+    assert backend.name == "triton" and backend.store_kv is tri_attn.store_kv and backend.forward is tri_attn.forward
+    if not ON_CUDA:  # "auto" must not change: torch on the CPU even with triton runnable
+        assert best_attention_backend(torch.device("cpu"), 16) == "torch"
+        assert get_attention_backend("auto").name == "torch"
+    for seqs in ([(7, 1), (0, 1), (30, 1)], [(7, 1), (0, 5), (30, 2)]):
+        _check_attention(seqs, 4, 4, 2, 16, torch.float32, seed=len(seqs), run=backend.forward)
+
+
+def test_store_kv_skips_padding_slots_and_casts():
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_dim, tokens = 6, 4, 3, 24, 10
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=gen, device=DEVICE)
+    cache = cache.to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+    slots[[1, 4, 9]] = -1
+    key = torch.randn(tokens, num_kv_heads, head_dim, generator=gen, device=DEVICE)  # fp32 into a bf16 cache
+    value = torch.randn(tokens, num_kv_heads, head_dim, generator=gen, device=DEVICE)
+    want, got = cache.clone(), cache.clone()
+    torch_ref.store_kv(key, value, want, slots)
+    tri_attn.store_kv(key, value, got, slots)
+    assert torch.equal(got, want)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(got.transpose(1, 2).reshape(-1, 2, num_kv_heads, head_dim)[untouched],
+                       cache.transpose(1, 2).reshape(-1, 2, num_kv_heads, head_dim)[untouched])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 40)])
+def test_rms_norm_and_fused_add_match_reference(shape, dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(len(shape))
+    x, residual = (torch.randn(shape, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen, device=DEVICE)).to(dtype)
+    _assert_rounds_like_reference(tri_fused.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
+    got_out, got_res = tri_fused.fused_add_rms_norm(x, residual, weight, 1e-6)
+    want_out, want_res = norm.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(got_res, want_res)
+    _assert_rounds_like_reference(got_out, want_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x = (3 * torch.randn(2, 7, 2 * 40, generator=gen, device=DEVICE)).to(dtype)
+    _assert_rounds_like_reference(tri_fused.silu_and_mul(x), activation.silu_and_mul(x))
+
+
+@pytest.mark.parametrize(("head_dim", "dtype"), [(16, torch.float32), (24, torch.bfloat16)])
+def test_rope_and_rope_with_store_match_reference(head_dim, dtype):
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    tokens, num_heads, num_kv_heads, block_size, num_blocks = 9, 4, 2, 4, 5
+    table = rope.rope_cos_sin_cache(head_dim, 512, 10000.0, device=DEVICE)
+    positions = torch.randint(0, 512, (tokens,), generator=gen, device=DEVICE)
+    # q/k as column slices of one fused qkv output: strided rows, like the model's split()
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=DEVICE).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    want_q, want_k = rope.apply_rope(positions, q, k, table)
+    got_q, got_k = tri_fused.apply_rope(positions, q, k, table)
+    _assert_rounds_like_reference(got_q, want_q)
+    _assert_rounds_like_reference(got_k, want_k)
+
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:tokens]
+    slots[[0, 5]] = -1
+    cache = torch.full(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype,
+                       device=DEVICE)  # fmt: skip
+    want_cache, got_cache = cache.clone(), cache.clone()
+    torch_ref.store_kv(want_k, v, want_cache, slots)
+    got_q = tri_fused.rope_and_store_kv(positions, q, k, v, table, got_cache, slots)
+    _assert_rounds_like_reference(got_q, want_q)
+    written = ~want_cache.isnan()
+    assert torch.equal(got_cache.isnan(), ~written)  # padding slots (-1) and unused slots untouched
+    _assert_rounds_like_reference(got_cache[written], want_cache[written])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
+def test_tiny_llama_with_triton_backend_matches_torch_backend(tmp_path):
+    from helpers_tiny_models import PagedRunner, load_flotilla_model, write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "llama", "llama")
+    runners = [PagedRunner(load_flotilla_model(model_dir, backend), block_size=4) for backend in ("torch", "triton")]
+    steps = [
+        [(0, list(range(10, 17))), (1, [5, 6, 7])],  # two prefills
+        [(0, [40]), (1, [41])],  # decode
+        [(1, [42]), (2, list(range(50, 62))), (0, [43, 44, 45])],  # decode + prefill + chunk
+    ]
+    for batch in steps:
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+_COMPILE_DRIVER = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
+for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[2]):
+    fn = getattr(importlib.import_module(module), name)
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
+                 for a in fn.arg_names}
+    triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
+"""
+
+
+def _compile_specs() -> list:
+    """(module, kernel, pointer element types, float args, constexprs, num_warps) at production shapes:
+    bf16 Llama-3-8B heads (GQA 4, head_dim 128), a group of 3, head_dim 256; fp32 for the "ieee" dots."""
+    att, fused = "flotilla.kernels.triton.attention", "flotilla.kernels.triton.fused"
+    specs: list = []
+    for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+        paged = {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qsl_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+        # fp32 only for the common shapes: its "ieee" dots take seconds each to compile
+        for direct in (True, False) if dt == "bf16" else (False,):
+            specs.append((att, "_decode_kernel", paged, ["sm_scale_log2"], dict(
+                PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision
+            ), 4))  # fmt: skip
+        for group, block_d, block_n in ((4, 128, 64), (3, 128, 64), (3, 256, 32)) if dt == "bf16" else ((4, 128, 64),):
+            specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2"], dict(
+                PAGE_SIZE=16, GROUP=group, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, BLOCK_D=block_d,
+                DOT_PRECISION=precision,
+            ), 4))  # fmt: skip
+    bf16 = {n: "*bf16" for n in ("key_ptr", "value_ptr", "cache_ptr", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr",
+                                 "k_out_ptr", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}  # fmt: skip
+    bf16.update(slot_ptr="*i64", pos_ptr="*i64", cos_sin_ptr="*fp32", qsl_ptr="*i32", part_o_ptr="*fp32",
+                part_lse_ptr="*fp32")  # fmt: skip
+    specs += [
+        (att, "_store_kv_kernel", bf16, [], dict(BLOCK_H=8, BLOCK_D=128), 4),
+        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128), 4),
+        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
+        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096), 16),
+        (fused, "_silu_and_mul_kernel", bf16, [], dict(BLOCK=1024), 4),
+        (fused, "_rope_kernel", bf16, [], dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64), 16),
+        (fused, "_rope_kernel", bf16, [], dict(STORE_KV=False, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64), 16),
+    ]
+    return specs
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter runs kernels as numpy and checks little of the language's typing, so compile each
+    kernel for an H100/H200 (sm_90, ptxas bundled with triton) in a child without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    child = subprocess.run(
+        [sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(_compile_specs())],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+
+
+# ---- realistic sizes on the GPU (bf16, Llama-3-8B-like heads, block_size 16) ----
+
+
+@gpu_test
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_gpu_decode_batch64_at_2k(num_splits):
+    rng = random.Random(0)
+    seqs = [(rng.randint(1900, 2100), 1) for _ in range(64)]
+
+    def run(q, cache, meta, scale):
+        return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=num_splits)
+
+    _check_attention(seqs, 16, 32, 8, 128, torch.bfloat16, seed=1, run=run)
+
+
+@gpu_test
+def test_gpu_decode_long_context_splits():
+    _check_attention([(16000, 1), (9000, 1)], 16, 32, 8, 128, torch.bfloat16, seed=2, run=tri_attn.forward)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mixed_prefill_batch(dtype):
+    seqs = [(0, 300), (128, 64), (1000, 1), (17, 1), (0, 5), (1500, 700), (0, 1024)] + [(2000, 1)] * 16
+    _check_attention(seqs, 16, 32, 8, 128, dtype, seed=3, run=tri_attn.forward)
+
+
+@gpu_test
+def test_gpu_fused_ops_at_llama8b_sizes():
+    dev, dtype, tokens = torch.device("cuda"), torch.bfloat16, 512
+    gen = torch.Generator(device=dev).manual_seed(4)
+    x, residual = (torch.randn(tokens, 4096, generator=gen, device=dev).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(4096, generator=gen, device=dev)).to(dtype)
+    _assert_rounds_like_reference(tri_fused.rms_norm(x, weight, 1e-5), norm.rms_norm(x, weight, 1e-5))
+    got, got_res = tri_fused.fused_add_rms_norm(x, residual, weight, 1e-5)
+    want, want_res = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(got_res, want_res)
+    _assert_rounds_like_reference(got, want)
+    gate_up = torch.randn(tokens, 2 * 14336, generator=gen, device=dev).to(dtype)
+    _assert_rounds_like_reference(tri_fused.silu_and_mul(gate_up), activation.silu_and_mul(gate_up))
+
+    table = rope.rope_cos_sin_cache(128, 8192, 500000.0, device=dev)
+    positions = torch.randint(0, 8192, (tokens,), generator=gen, device=dev)
+    q = torch.randn(tokens, 32, 128, generator=gen, device=dev).to(dtype)
+    k, v = (torch.randn(tokens, 8, 128, generator=gen, device=dev).to(dtype) for _ in range(2))
+    slots = torch.randperm(64 * 16, generator=gen, device=dev)[:tokens]
+    slots[::7] = -1
+    want_q, want_k = rope.apply_rope(positions, q, k, table)
+    want_cache = torch.full(kv_cache_shape(64, 16, 8, 128), float("nan"), dtype=dtype, device=dev)
+    got_cache = want_cache.clone()
+    torch_ref.store_kv(want_k, v, want_cache, slots)
+    got_q = tri_fused.rope_and_store_kv(positions, q, k, v, table, got_cache, slots)
+    _assert_rounds_like_reference(got_q, want_q)
+    written = ~want_cache.isnan()
+    assert torch.equal(got_cache.isnan(), ~written)
+    _assert_rounds_like_reference(got_cache[written], want_cache[written])
