@@ -32,11 +32,6 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     """Keep the descriptions' line breaks and show every default."""
 
 
-def _not_built(name: str, issue: str) -> int:
-    print(f"flotilla {name}: not built yet (see the open issue \"{issue}\"); nothing was started.", file=sys.stderr)
-    return 2
-
-
 def _add_actor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("actor", formatter_class=_Formatter, help="run one actor in the foreground",
                        description="""\
