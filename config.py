@@ -73,10 +73,15 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """fcfs: arrival order; priority: lower `priority` first, arrival order among equals."""
     max_waiting_requests: int = 4096
     """Requests queued beyond this are refused (HTTP 429) instead of growing memory without bound."""
+    max_steps_in_flight: int = 2
+    """Steps planned ahead of their results: 2 lets the scheduler plan step N+1 while the worker runs step
+    N (vLLM's async scheduling); 1 waits for each result before planning the next step."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_steps_in_flight < 1:
+            raise ValueError("max_steps_in_flight must be at least 1")
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -53,6 +53,12 @@ class Sequence:
     sent_first: bool = False
     aborted: bool = False
     """Aborted while a step that computes it is in flight: finish when the result arrives."""
+    pending: int = 0
+    """Tokens that planned steps will sample for it but whose results are not in yet."""
+    inflight: int = 0
+    """Planned steps that compute it and have not returned: while > 0 it cannot be preempted."""
+    num_done: int = 0
+    """Tokens whose KV is computed by steps that have returned (what the prefix cache may take)."""
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +112,7 @@ class BatchScheduler:
         seq = self.seqs.get(rid)
         if seq is None:
             return None
-        if any(seq is s for batch in self.inflight.values() for s, _ in batch):
+        if seq.inflight:
             seq.aborted = True  # a step is writing its KV: release its blocks when that step is done
             return None
         return self._finish(seq, "abort")
@@ -117,30 +123,41 @@ class BatchScheduler:
     # ---- planning ------------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
-        """Plan the next step; None when there is nothing to run."""
+        """Plan the next step; None when there is nothing to run.
+
+        Steps may be planned while earlier ones are in flight: a sequence whose sampled token is still
+        pending is planned as if it had it (the worker feeds it its own token), and one that will have hit
+        max_tokens when its pending tokens land is not planned again. Only sequences in no step in flight
+        are preempted; when none is, planning stops until results come back.
+        """
         budget = self.config.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
-        preempted = False
+        preempted = blocked = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if n <= 0:  # its last token is still being computed by a step in flight
+            n = min(seq.num_tokens + seq.pending - seq.num_computed, budget)
+            if n <= 0 or seq.aborted or self._will_finish(seq):
                 i += 1
                 continue
             while (new := self.blocks.append_slots(seq.rid, n)) is None:
-                victim = self.running[-1]
+                victim = next((v for v in reversed(self.running) if not v.inflight), None)
+                if victim is None:  # everyone is in flight: wait for results to free or finish someone
+                    blocked = True
+                    break
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
+            if blocked:
+                break
             if seq.rid not in self.seqs or seq not in self.running:
                 continue
             seq.new_blocks.extend(new)
             batch.append((seq, n))
             budget -= n
             i += 1
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not (preempted or blocked) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break
@@ -154,6 +171,14 @@ class BatchScheduler:
         if not batch and not self._forget:
             return None
         return self._plan(batch)
+
+    def _will_finish(self, seq: Sequence) -> bool:
+        """Its pending tokens already reach max_tokens or max_model_len: planning more would be waste."""
+        if not seq.pending:
+            return False
+        max_tokens = seq.sampling.max_tokens
+        return ((max_tokens is not None and len(seq.output_ids) + seq.pending >= max_tokens)
+                or seq.num_tokens + seq.pending >= self.max_model_len)
 
     def _peek_waiting(self) -> Sequence | None:
         while self.waiting:
@@ -176,7 +201,7 @@ class BatchScheduler:
             return 0
         if not seq.output_ids:
             seq.num_cached = alloc.num_cached_tokens
-        seq.num_computed = alloc.num_cached_tokens
+        seq.num_computed = seq.num_done = alloc.num_cached_tokens
         seq.new_blocks = []
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
 
@@ -186,7 +211,7 @@ class BatchScheduler:
         if seq.in_worker:
             self._forget.append(seq.rid)
         seq.in_worker = False
-        seq.num_computed = 0
+        seq.num_computed = seq.num_done = 0
         seq.new_blocks = []
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
@@ -207,7 +232,10 @@ class BatchScheduler:
                 counts.append(len(seq.new_blocks))
                 appended.extend(seq.new_blocks)
             seq.new_blocks = []
+            if seq.num_computed + n == seq.num_tokens + seq.pending:  # reaches its end: samples a token
+                seq.pending += 1
             seq.num_computed += n
+            seq.inflight += 1
         plan = StepPlan(step=step, new_seqs=new_seqs, rids=rids,
                         num_new_tokens=np.asarray([n for _, n in batch], dtype=np.int32),
                         new_block_counts=np.asarray(counts, dtype=np.int32),
@@ -221,20 +249,26 @@ class BatchScheduler:
     def update(self, result: StepResult) -> list[SeqTokens]:
         """Apply a step's sampled tokens: stop checks, finished sequences freed, one delta per sequence."""
         batch = self.inflight.pop(result.step, [])
+        sampled = dict(zip(result.rids, range(len(result.rids))))
+        for seq, n in batch:
+            seq.inflight -= 1
+            seq.num_done += n
+            if seq.rid in sampled:
+                seq.pending -= 1
         if result.error is not None:
             return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
         for seq, _ in batch:
             if seq.rid in self.seqs:
-                self.blocks.commit(seq.rid, seq.token_ids(), min(seq.num_computed, seq.num_tokens))
+                self.blocks.commit(seq.rid, seq.token_ids(), min(seq.num_done, seq.num_tokens))
         deltas: list[SeqTokens] = []
-        sampled = dict(zip(result.rids, range(len(result.rids))))
         tokens = result.token_ids.tolist() if result.token_ids is not None else []
         for seq, _ in batch:
             if seq.rid not in self.seqs:
                 continue
             j = sampled.get(seq.rid)
             if seq.aborted:
-                deltas.append(self._finish(seq, "abort"))
+                if not seq.inflight:  # the last step writing its KV is done: its blocks may go
+                    deltas.append(self._finish(seq, "abort"))
                 continue
             if j is None:
                 continue

@@ -50,7 +50,8 @@ class SchedulerActor(Actor):
         self.core: BatchScheduler | None = None
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
         self._early: list[TokenizedRequest | AbortCmd] = []
-        self._inflight: StepPlan | None = None
+        self._inflight: dict[int, StepPlan] = {}
+        self._max_inflight = self.config.scheduler.max_steps_in_flight
         self._stats_at = 0.0
 
     async def on_kv_cache_info_event(self, ev: KVCacheInfoEvent) -> None:
@@ -88,25 +89,24 @@ class SchedulerActor(Actor):
 
     async def on_step_result(self, result: StepResult) -> None:
         assert self.core is not None
-        if self._inflight is None or result.step != self._inflight.step:
+        if self._inflight.pop(result.step, None) is None:
             log.warning("scheduler: result of step %d was not expected; ignored", result.step)
             return
-        self._inflight = None
         if result.error is not None:
             log.error("scheduler: step %d failed in the worker: %s", result.step, result.error)
-        await self._emit(self.core.update(result))
-        await self._step()
+        deltas = self.core.update(result)
+        await self._step()  # the worker gets its next plan before the detokenizer gets this step's tokens
+        await self._emit(deltas)
 
     async def _step(self) -> None:
-        """Plan and send the next step unless one is in flight."""
-        if self._inflight is not None or self.core is None:
-            return
-        plan = self.core.schedule()
-        if plan is None:
-            return
-        self._inflight = plan
-        for rank in range(self.num_ranks):
-            await self.send(self.workers, plan, instance=rank)
+        """Plan and send steps until max_steps_in_flight are out or there is nothing to run."""
+        while self.core is not None and len(self._inflight) < self._max_inflight:
+            plan = self.core.schedule()
+            if plan is None:
+                return
+            self._inflight[plan.step] = plan
+            for rank in range(self.num_ranks):
+                await self.send(self.workers, plan, instance=rank)
 
     async def _emit(self, deltas: list[SeqTokens]) -> None:
         if deltas:

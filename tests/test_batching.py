@@ -1,0 +1,145 @@
+"""The batching policy against a fake worker that checks every KV read: pipelining, preemption, prefix
+caching, chunked prefill and aborts must never feed an unknown token or read another sequence's KV."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import deque
+
+import numpy as np
+import pytest
+
+from flotilla.actors.batching import BatchScheduler
+from flotilla.actors.block_manager import BlockManager
+from flotilla.config import SchedulerConfig
+from flotilla.sampling_params import SamplingParams
+from flotilla.transport.messages import StepPlan, StepResult, TokenizedRequest
+
+VOCAB, EOS = 50, 7
+
+
+def next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole history (like greedy decoding)."""
+    return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) % VOCAB
+
+
+class FakeWorker:
+    """Executes plans like the GPU worker; its KV cache stores (position, token) so reads can be checked."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.bs = block_size
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.seqs: dict[str, dict] = {}
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished_rids:
+            self.seqs.pop(rid, None)
+        for ns in plan.new_seqs:
+            self.seqs[ns.rid] = {"tokens": ns.token_ids.tolist(), "done": ns.num_computed_tokens,
+                                 "blocks": ns.block_ids.tolist()}
+        counts = plan.new_block_counts.tolist() if plan.new_block_counts is not None else [0] * len(plan.rids)
+        appended = plan.new_block_ids.tolist() if plan.new_block_ids is not None else []
+        at = 0
+        sampled, tokens = [], []
+        for rid, n, c in zip(plan.rids, (plan.num_new_tokens.tolist() if plan.rids else []), counts):
+            s = self.seqs[rid]
+            s["blocks"].extend(appended[at:at + c])
+            at += c
+            start = s["done"]
+            assert start + n <= len(s["tokens"]), f"{rid}: asked to compute a token the worker does not know"
+            for pos in range(start):  # the context it attends to is its own (or an identical prefix's)
+                assert self.kv[self.slot(s, pos)] == (pos, s["tokens"][pos]), f"{rid}: wrong KV at {pos}"
+            for pos in range(start, start + n):
+                self.kv[self.slot(s, pos)] = (pos, s["tokens"][pos])
+            s["done"] = start + n
+            if s["done"] == len(s["tokens"]):
+                tok = next_token(s["tokens"])
+                s["tokens"].append(tok)
+                sampled.append(rid)
+                tokens.append(tok)
+        return StepResult(step=plan.step, rids=sampled, token_ids=np.asarray(tokens, dtype=np.int32))
+
+    def slot(self, s: dict, pos: int) -> int:
+        return s["blocks"][pos // self.bs] * self.bs + pos % self.bs
+
+
+def reference(prompt: list[int], max_tokens: int) -> list[int]:
+    out: list[int] = []
+    tokens = list(prompt)
+    while len(out) < max_tokens:
+        tok = next_token(tokens)
+        tokens.append(tok)
+        out.append(tok)
+        if tok == EOS:
+            break
+    return out
+
+
+def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
+          chunked: bool = True, prefix: bool = True, abort: set[str] = frozenset(), seed: int = 0):
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                          max_steps_in_flight=depth)
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    sched = BatchScheduler(cfg, blocks, max_model_len=512)
+    worker = FakeWorker(num_blocks, block_size)
+    for rid, prompt, max_tokens in requests:
+        sched.add(TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS],
+                                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0)))
+    outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    finished: dict[str, str] = {}
+    inflight: deque[StepPlan] = deque()
+    for _ in range(20_000):
+        while len(inflight) < depth and (plan := sched.schedule()) is not None:
+            inflight.append(plan)
+        if not inflight:
+            break
+        for d in sched.update(worker.execute(inflight.popleft())):
+            outputs[d.rid].extend(d.token_ids)
+            if d.finish_reason:
+                finished[d.rid] = d.finish_reason
+        for rid in list(abort):  # abort some requests once they produced a token, at a random moment
+            if outputs[rid] and rid not in finished and rng.random() < 0.3:
+                d = sched.abort(rid)
+                if d is not None:
+                    finished[rid] = d.finish_reason
+        blocks.check_invariants()
+    assert not inflight and not sched.seqs, "every request must end"
+    assert blocks.num_free_blocks == num_blocks, "every block must come back"
+    return outputs, finished, sched
+
+
+def workload(n: int = 16, seed: int = 1):
+    rng = random.Random(seed)
+    system = [rng.randrange(8, VOCAB) for _ in range(13)]  # a shared prefix: prefix-cache hits
+    reqs = []
+    for i in range(n):
+        tail = [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 30))]
+        reqs.append((f"r{i}", (system if i % 2 else []) + tail, rng.randrange(1, 25)))
+    return reqs
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("num_blocks,budget,chunked", [(400, 64, True), (24, 16, True), (30, 128, False)])
+def test_every_request_gets_its_reference_output(depth, num_blocks, budget, chunked):
+    reqs = workload()
+    outputs, finished, sched = drive(reqs, num_blocks, depth, budget=budget, chunked=chunked)
+    for rid, prompt, max_tokens in reqs:
+        want = reference(prompt, max_tokens)
+        assert outputs[rid] == want, rid
+        assert finished[rid] == ("stop" if want[-1] == EOS else "length")
+    if num_blocks == 24:
+        assert sched.num_preemptions > 0  # the tiny cache forced recomputation
+
+
+def test_aborts_at_random_moments_with_steps_in_flight_release_everything():
+    reqs = workload(20, seed=3)
+    aborted = {rid for rid, _, _ in reqs[::3]}
+    outputs, finished, _ = drive(reqs, 60, depth=2, budget=24, abort=aborted, seed=4)
+    for rid, prompt, max_tokens in reqs:
+        want = reference(prompt, max_tokens)
+        if rid in aborted and finished[rid] == "abort":
+            assert outputs[rid] == want[:len(outputs[rid])]  # what it produced before the abort is right
+        else:
+            assert outputs[rid] == want
