@@ -1,0 +1,136 @@
+"""The service registry: in memory (injected clock) and in a real redis-server (real TTLs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import redis.asyncio
+import uvloop
+
+from flotilla.transport.endpoints import free_tcp_port
+from flotilla.transport.registry import EngineInfo, Heartbeat, InMemoryRegistry, RedisRegistry
+
+
+def engine(engine_id: str, role: str = "both", load: float = 0.0, model: str = "m") -> EngineInfo:
+    return EngineInfo(engine_id=engine_id, role=role, model=model, addresses={"tokenizer": f"tcp://h:{len(engine_id)}"},
+                      kv_capacity_tokens=1000, load=load)
+
+
+async def _semantics(reg, expire) -> None:
+    """The contract both stores keep; `expire()` lets the entries' TTL run out."""
+    await reg.register(engine("p1", "prefill", load=3))
+    await reg.register(engine("p2", "prefill", load=1))
+    await reg.register(engine("d1", "decode", load=2))
+    await reg.register(engine("c1", "both", load=5, model="other"))
+    assert [e.engine_id for e in await reg.engines("prefill")] == ["p2", "p1", "c1"]  # least loaded first
+    assert [e.engine_id for e in await reg.engines("decode", model="m")] == ["d1"]
+    assert (await reg.engines(model="m"))[0].addresses == {"tokenizer": "tcp://h:2"}
+    assert await reg.heartbeat("p1", 0.5)
+    assert [e.engine_id for e in await reg.engines("prefill", model="m")] == ["p1", "p2"]
+    await reg.deregister("p2")
+    assert [e.engine_id for e in await reg.engines("prefill", model="m")] == ["p1"]
+    await expire()
+    assert await reg.engines() == []  # nobody heartbeated: all evicted
+    assert not await reg.heartbeat("p1", 0.0)  # an expired engine must register again
+    await reg.register(engine("p1", "prefill"))
+    assert [e.engine_id for e in await reg.engines()] == ["p1"]
+
+
+def test_in_memory_registry_evicts_silent_engines():
+    now = [100.0]
+    reg = InMemoryRegistry(ttl_s=3.0, clock=lambda: now[0])
+
+    async def expire():
+        now[0] += 3.01
+
+    uvloop.run(_semantics(reg, expire))
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install redis-server (.ci/run does)")
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_tcp_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def ping():
+        r = redis.asyncio.from_url(url)
+        try:
+            return await r.ping()
+        finally:
+            await r.aclose()
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if uvloop.run(ping()):
+                break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("redis-server did not start")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_redis_registry_keeps_the_same_contract_with_real_ttls(redis_url):
+    async def main():
+        reg = RedisRegistry(redis_url, ttl_s=0.3, prefix="t1")
+
+        async def expire():
+            await _until(lambda: _empty(reg))
+
+        await _semantics(reg, expire)
+        await reg.close()
+
+    uvloop.run(main())
+
+
+async def _empty(reg) -> bool:
+    return not await reg.engines()
+
+
+def test_a_dead_engine_is_evicted_within_three_heartbeats_and_a_live_one_comes_back(redis_url):
+    async def main():
+        reg = RedisRegistry(redis_url, ttl_s=0.3, prefix="t2")
+        load = [7.0]
+        live = Heartbeat(reg, engine("live", "decode"), lambda: load[0], interval_s=0.1)
+        dead = Heartbeat(reg, engine("dead", "prefill"), lambda: 1.0, interval_s=0.1)
+        await live.start()
+        await dead.start()
+        assert {e.engine_id for e in await reg.engines()} == {"live", "dead"}
+        dead._task.cancel()  # the process dies: no deregistration, its heartbeats just stop
+        t0 = time.monotonic()
+        await _until(lambda: _ids_are(reg, {"live"}))
+        assert time.monotonic() - t0 < 0.3 + 0.5
+        assert (await reg.engines())[0].load == 7.0  # heartbeats carry the load
+        await reg._redis.delete(reg._key("live"))  # a partition long enough to expire the entry
+        await _until(lambda: _ids_are(reg, {"live"}))  # its heartbeat registers it again
+        await live.stop()
+        assert await reg.engines() == []
+        await reg.close()
+
+    uvloop.run(main())
+
+
+async def _ids_are(reg, ids: set[str]) -> bool:
+    return {e.engine_id for e in await reg.engines()} == ids
