@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis.asyncio
+import redis.exceptions
 import uvloop
 
 from flotilla.transport.endpoints import free_tcp_port
@@ -75,8 +76,8 @@ def redis_url():
         try:
             if uvloop.run(ping()):
                 break
-        except OSError:
-            time.sleep(0.05)
+        except (OSError, redis.exceptions.ConnectionError):
+            time.sleep(0.05)  # not listening yet
     else:
         proc.kill()
         pytest.fail("redis-server did not start")
