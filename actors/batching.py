@@ -59,6 +59,8 @@ class Sequence:
     """Planned steps that compute it and have not returned: while > 0 it cannot be preempted."""
     num_done: int = 0
     """Tokens whose KV is computed by steps that have returned (what the prefix cache may take)."""
+    full_blocks_offered: int = 0
+    """Full computed blocks already offered to the prefix cache (skip the hashing call when none is new)."""
 
     @property
     def num_tokens(self) -> int:
@@ -202,6 +204,7 @@ class BatchScheduler:
         if not seq.output_ids:
             seq.num_cached = alloc.num_cached_tokens
         seq.num_computed = seq.num_done = alloc.num_cached_tokens
+        seq.full_blocks_offered = 0
         seq.new_blocks = []
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
 
@@ -258,8 +261,10 @@ class BatchScheduler:
         if result.error is not None:
             return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
         for seq, _ in batch:
-            if seq.rid in self.seqs:
-                self.blocks.commit(seq.rid, seq.token_ids(), min(seq.num_done, seq.num_tokens))
+            done = min(seq.num_done, seq.num_tokens)
+            if seq.rid in self.seqs and done // self.blocks.block_size > seq.full_blocks_offered:
+                self.blocks.commit(seq.rid, seq.token_ids(), done)  # O(L) concat only when a block filled up
+                seq.full_blocks_offered = done // self.blocks.block_size
         deltas: list[SeqTokens] = []
         tokens = result.token_ids.tolist() if result.token_ids is not None else []
         for seq, _ in batch:
