@@ -1,0 +1,400 @@
+"""KV data plane: move KV-cache bytes between engines, apart from the ZeroMQ control plane.
+
+A decode engine pulls the KV blocks a prefill engine computed. Both sides register the memory that holds
+their blocks; the prefill side sends its `EndpointInfo` and `RegionInfo`s over the control plane (they are
+msgspec Structs, so they ride inside any message); the decode side `connect`s and issues batched
+`(local_offset, remote_offset, length)` reads that complete asynchronously. KV bytes never touch ZeroMQ.
+
+Backends (chosen by name with `create_kv_transfer_engine`):
+
+  local        LocalCopyEngine: both engines in one process (colocated roles, tests): a tensor copy.
+  dlslime_tcp  DlslimeTCPEngine: CPU buffers over dlslime's TCP transport (transport/kv_transfer_dlslime.py).
+
+Every read goes through `plan_reads` first: each range is checked against both registered regions (the
+backends do no bounds checks, and dlslime would happily read any address of the peer process), adjacent
+ranges are merged (dlslime opens one TCP connection per range), and the result is cut into calls of at
+most `MAX_RANGES_PER_CALL` (dlslime signals completion through a 32-bit mask: more ranges in one call can
+report completion before all data landed).
+
+`kv_block_ranges` turns (src_block, dst_block) pairs into byte ranges for the paged KV layout of
+kernels/attention/metadata.py: one tensor per layer, [num_blocks, 2, block_size, num_kv_heads, head_dim],
+so block b of layer l starts at the layer's offset + b * block_bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, Self
+
+import msgspec
+import numpy as np
+import torch
+
+Range = tuple[int, int, int]
+"""(local_offset, remote_offset, length), bytes, offsets relative to the start of each registered region."""
+
+MAX_RANGES_PER_CALL = 32
+"""Most ranges handed to a backend in one call (dlslime's completion mask has 32 bits)."""
+DEFAULT_TIMEOUT_S = 30.0
+"""A read that has not completed after this long fails with KVTransferError, seconds."""
+
+Buffer = torch.Tensor | np.ndarray | bytearray | memoryview
+"""Memory a backend can register: a contiguous tensor or array, or a writable byte buffer."""
+
+
+class KVTransferError(RuntimeError):
+    """The one error of the data plane: bad ranges, unknown regions, timeouts, a peer that is gone."""
+
+
+class EndpointInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """How a peer reaches this engine; sent over the control plane and given to the peer's `connect`."""
+
+    backend: str
+    """Backend name (`local`, `dlslime_tcp`); a peer of another backend cannot connect."""
+    engine_id: str
+    """Unique id of the transfer engine; RegionInfo.engine_id names its owner with it."""
+    host: str = ""
+    """Address the engine serves reads on (network backends only)."""
+    port: int = 0
+    """TCP port the engine serves reads on (network backends only)."""
+
+
+class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """One registered memory region, as its owner describes it to a peer that will read from it."""
+
+    name: str
+    """Region name, unique within its engine (e.g. `kv.layer3` or `kv`)."""
+    engine_id: str
+    """The owning engine (EndpointInfo.engine_id)."""
+    backend: str
+    """Backend that registered it."""
+    length: int
+    """Size of the region, bytes; every range must stay inside it."""
+    addr: int = 0
+    """Start address in the owner's process (network backends address remote memory with it)."""
+
+
+def as_byte_tensor(buffer: Buffer) -> torch.Tensor:
+    """A flat uint8 tensor sharing `buffer`'s memory (so ranges are byte offsets, whatever the dtype)."""
+    if isinstance(buffer, torch.Tensor):
+        if not buffer.is_contiguous():
+            raise KVTransferError("cannot register a non-contiguous tensor: its bytes are not one range")
+        return buffer.detach().reshape(-1).view(torch.uint8)
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise KVTransferError("cannot register a non-contiguous array: its bytes are not one range")
+        return torch.from_numpy(buffer.reshape(-1).view(np.uint8))
+    view = memoryview(buffer)
+    if view.readonly:
+        raise KVTransferError("cannot register a read-only buffer: reads land in local regions")
+    return torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# range math (pure)
+
+
+def validate_ranges(ranges: Sequence[Range], local: RegionInfo, remote: RegionInfo) -> None:
+    """Raise KVTransferError naming the first range that is malformed or leaves either region."""
+    for i, (local_offset, remote_offset, length) in enumerate(ranges):
+        where = f"range #{i} (local_offset={local_offset}, remote_offset={remote_offset}, length={length})"
+        if length <= 0:
+            raise KVTransferError(f"{where}: length must be positive")
+        if local_offset < 0 or remote_offset < 0:
+            raise KVTransferError(f"{where}: offsets must not be negative")
+        if local_offset + length > local.length:
+            raise KVTransferError(f"{where} leaves local region {local.name!r} of {local.length} bytes")
+        if remote_offset + length > remote.length:
+            raise KVTransferError(f"{where} leaves remote region {remote.name!r} of {remote.length} bytes")
+
+
+def merge_ranges(ranges: Iterable[Range]) -> list[Range]:
+    """Sort by local offset and join ranges that continue each other on both sides (fewer connections)."""
+    merged: list[Range] = []
+    for local_offset, remote_offset, length in sorted(ranges):
+        if merged:
+            last_local, last_remote, last_length = merged[-1]
+            if last_local + last_length == local_offset and last_remote + last_length == remote_offset:
+                merged[-1] = (last_local, last_remote, last_length + length)
+                continue
+        merged.append((local_offset, remote_offset, length))
+    return merged
+
+
+def split_ranges(ranges: Sequence[Range], max_per_call: int = MAX_RANGES_PER_CALL) -> list[list[Range]]:
+    """Cut `ranges` into consecutive calls of at most `max_per_call` ranges each."""
+    if max_per_call <= 0:
+        raise ValueError(f"max_per_call must be positive, got {max_per_call}")
+    return [list(ranges[i : i + max_per_call]) for i in range(0, len(ranges), max_per_call)]
+
+
+def plan_reads(
+    ranges: Sequence[Range], local: RegionInfo, remote: RegionInfo, max_per_call: int = MAX_RANGES_PER_CALL
+) -> list[list[Range]]:
+    """Validate, merge and split: the backend calls that perform `ranges`, each safe to hand to a backend."""
+    validate_ranges(ranges, local, remote)
+    return split_ranges(merge_ranges(ranges), max_per_call)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV block ids -> byte ranges
+
+
+def kv_block_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block of one layer's cache [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+    if cache.dim() != 5 or cache.shape[1] != 2:
+        shape = tuple(cache.shape)
+        raise ValueError(f"expected a KV cache [num_blocks, 2, block_size, kv_heads, head_dim], got {shape}")
+    if not cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous: block b of a layer starts at b * block_bytes")
+    return cache[0].numel() * cache.element_size()
+
+
+def kv_layer_offsets(caches: Sequence[torch.Tensor], region_base: int) -> list[int]:
+    """Offset of each layer's cache inside a region that starts at address `region_base` and holds them all."""
+    return [cache.data_ptr() - region_base for cache in caches]
+
+
+def kv_block_ranges(
+    block_pairs: Sequence[tuple[int, int]],
+    local_layer_offsets: Sequence[int],
+    remote_layer_offsets: Sequence[int],
+    block_bytes: int,
+) -> list[Range]:
+    """Byte ranges that copy remote block `src` into local block `dst` in every layer, for each (src, dst).
+
+    The reader is the local side (decode pulls from prefill), so `src` blocks live in the remote region and
+    `dst` blocks in the local one. Runs where both src and dst ids are consecutive become one range per layer.
+    Offsets come from `kv_layer_offsets` (all layers in one region) or are 0 (one region per layer).
+    """
+    if len(local_layer_offsets) != len(remote_layer_offsets):
+        raise ValueError(f"{len(local_layer_offsets)} local layers but {len(remote_layer_offsets)} remote layers")
+    runs: list[tuple[int, int, int]] = []  # (src_start, dst_start, num_blocks)
+    for src, dst in sorted(block_pairs):
+        if src < 0 or dst < 0:
+            raise KVTransferError(f"block pair ({src}, {dst}) has a negative block id")
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return [
+        (local_base + dst * block_bytes, remote_base + src * block_bytes, count * block_bytes)
+        for local_base, remote_base in zip(local_layer_offsets, remote_layer_offsets)
+        for src, dst, count in runs
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the interface
+
+
+class KVTransferEngine(ABC):
+    """One engine's end of the data plane: registered regions, connected peers, batched one-sided reads.
+
+    Subclasses implement `_register`, `endpoint_info`, `connect`, `_read_call` and `_close`; the base owns
+    validation, merging and splitting so no backend ever sees a range that leaves a registered region.
+    """
+
+    backend: ClassVar[str]
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.engine_id = f"{self.backend}-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self._regions: dict[str, tuple[RegionInfo, torch.Tensor]] = {}
+        self._closed = False
+        self.bytes_read = 0
+        """Bytes this engine has pulled from peers (for /metrics)."""
+
+    def register(self, name: str, buffer: Buffer) -> RegionInfo:
+        """Register `buffer` under `name` and describe it for peers. The engine keeps `buffer` alive."""
+        self._check_open()
+        if name in self._regions:
+            raise KVTransferError(f"region {name!r} is already registered")
+        data = as_byte_tensor(buffer)
+        if data.numel() == 0:
+            raise KVTransferError(f"region {name!r} is empty")
+        info = RegionInfo(
+            name=name, engine_id=self.engine_id, backend=self.backend, length=data.numel(), addr=data.data_ptr()
+        )
+        self._register(info, data)
+        self._regions[name] = (info, data)
+        return info
+
+    def region(self, name: str) -> RegionInfo:
+        """The RegionInfo of a local region."""
+        if name not in self._regions:
+            raise KVTransferError(f"no local region named {name!r}")
+        return self._regions[name][0]
+
+    @abstractmethod
+    def endpoint_info(self) -> EndpointInfo:
+        """What a peer needs to connect to this engine."""
+
+    @abstractmethod
+    def connect(self, peer: EndpointInfo) -> None:
+        """Make the peer readable; raise KVTransferError when it cannot be reached."""
+
+    async def read(
+        self,
+        peer_region: RegionInfo,
+        ranges: Sequence[Range],
+        local_region: RegionInfo | str,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Copy each (local_offset, remote_offset, length) of `peer_region` into `local_region`.
+
+        Returns when every byte has landed; raises KVTransferError on a bad range, an unknown region, a
+        peer that is gone, or when `timeout_s` (default: the engine's) passes first.
+        """
+        self._check_open()
+        name = local_region if isinstance(local_region, str) else local_region.name
+        local = self.region(name)
+        if peer_region.backend != self.backend:
+            raise KVTransferError(f"region {peer_region.name!r} is a {peer_region.backend} region, not {self.backend}")
+        calls = plan_reads(ranges, local, peer_region)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for call in calls:
+            await self._read_call(peer_region, local, self._regions[name][1], call, deadline)
+            self.bytes_read += sum(length for _, _, length in call)
+
+    def close(self) -> None:
+        """Stop serving and reading; registered buffers are released. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+            self._regions.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVTransferError(f"transfer engine {self.engine_id} is closed")
+
+    @abstractmethod
+    def _register(self, info: RegionInfo, data: torch.Tensor) -> None:
+        """Backend registration of a validated region (`data` is its flat uint8 view)."""
+
+    @abstractmethod
+    async def _read_call(
+        self, peer: RegionInfo, local: RegionInfo, local_data: torch.Tensor, ranges: list[Range], deadline: float
+    ) -> None:
+        """One backend call of at most MAX_RANGES_PER_CALL validated, merged ranges; done by `deadline`
+        (event-loop time) or KVTransferError."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release backend resources."""
+
+
+# ---------------------------------------------------------------------------------------------
+# same-process backend
+
+_local_engines: weakref.WeakValueDictionary[str, LocalCopyEngine] = weakref.WeakValueDictionary()
+
+
+class LocalCopyEngine(KVTransferEngine):
+    """Both engines in one process: a read is a tensor copy (host or device memory, any mix).
+
+    The colocated path and the reference the network backends are tested against. Peers find each other
+    through a process-wide table of live engines keyed by engine_id.
+    """
+
+    backend: ClassVar[str] = "local"
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(timeout_s)
+        self._peers: dict[str, LocalCopyEngine] = {}
+        _local_engines[self.engine_id] = self
+
+    def endpoint_info(self) -> EndpointInfo:
+        return EndpointInfo(backend=self.backend, engine_id=self.engine_id)
+
+    def connect(self, peer: EndpointInfo) -> None:
+        self._check_open()
+        if peer.backend != self.backend:
+            raise KVTransferError(f"cannot connect a {self.backend} engine to a {peer.backend} peer")
+        engine = _local_engines.get(peer.engine_id)
+        if engine is None or engine._closed:
+            raise KVTransferError(f"local peer {peer.engine_id} is not in this process (or closed)")
+        self._peers[peer.engine_id] = engine
+
+    def _register(self, info: RegionInfo, data: torch.Tensor) -> None:
+        pass  # nothing to pin: the peer copies straight from the tensor
+
+    async def _read_call(
+        self, peer: RegionInfo, local: RegionInfo, local_data: torch.Tensor, ranges: list[Range], deadline: float
+    ) -> None:
+        engine = self._peers.get(peer.engine_id)
+        if engine is None:
+            raise KVTransferError(f"not connected to {peer.engine_id}")
+        if engine._closed:
+            raise KVTransferError(f"peer {peer.engine_id} is gone (closed)")
+        entry = engine._regions.get(peer.name)
+        if entry is None or entry[0] != peer:
+            raise KVTransferError(f"peer {peer.engine_id} has no region {peer.name!r} as described")
+        remote_data = entry[1]
+
+        def copy() -> None:
+            for local_offset, remote_offset, length in ranges:
+                source = remote_data[remote_offset : remote_offset + length]
+                local_data[local_offset : local_offset + length].copy_(source)
+
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:  # torch copies release the GIL: large ones run off the event loop
+            await asyncio.wait_for(asyncio.to_thread(copy), timeout=max(remaining, 0.0))
+        except TimeoutError as e:
+            raise KVTransferError(f"local copy from {peer.engine_id} timed out") from e
+
+    def _close(self) -> None:
+        self._peers.clear()
+        _local_engines.pop(self.engine_id, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# backend choice
+
+
+def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
+    """Build a transfer engine by backend name (`local`, `dlslime_tcp`); options go to its constructor."""
+    if backend == LocalCopyEngine.backend:
+        return LocalCopyEngine(**options)
+    if backend == "dlslime_tcp":
+        try:  # dlslime is an optional extra (`pd`): import it only when this backend is chosen
+            from flotilla.transport.kv_transfer_dlslime import DlslimeTCPEngine
+        except ImportError as e:
+            raise KVTransferError(
+                f"the dlslime_tcp backend needs dlslime (pip install 'flotilla[pd]') and libibverbs1: {e}"
+            ) from e
+        return DlslimeTCPEngine(**options)
+    raise KVTransferError(f"unknown KV transfer backend {backend!r} (known: local, dlslime_tcp)")
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MAX_RANGES_PER_CALL",
+    "EndpointInfo",
+    "KVTransferEngine",
+    "KVTransferError",
+    "LocalCopyEngine",
+    "Range",
+    "RegionInfo",
+    "as_byte_tensor",
+    "create_kv_transfer_engine",
+    "kv_block_bytes",
+    "kv_block_ranges",
+    "kv_layer_offsets",
+    "merge_ranges",
+    "plan_reads",
+    "split_ranges",
+    "validate_ranges",
+]
