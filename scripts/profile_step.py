@@ -1,8 +1,10 @@
 """Where a decode step's time goes: the worker's ModelRunner alone (no actors), host vs device time.
 
-For each batch size: fill B sequences with a prompt, then time N decode steps end to end (wall), the
-model forward on the device (CUDA events), and the host-side parts (metadata, sampling tensors,
-copies). Host time per step = wall - device busy time.
+For each batch size: fill B sequences with a prompt, then time N decode steps end to end (wall) and
+the forward window on the device's timeline (CUDA events around the module's forward, or around the
+graph replay with its input copies and attention plan). A forward window much longer than the GPU's
+work means the host could not launch kernels fast enough (eager); wall minus the window is the step's
+work outside the forward (metadata, sampling, copies).
 
     python -m flotilla.scripts.profile_step --model qwen3-8b --batch 1,64 --steps 50
 """
@@ -71,8 +73,8 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dic
     setattr(owner, attr, original)
     gpu_forward = sum(s.elapsed_time(e) for s, e in forward_ms) / len(forward_ms)
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
-    return {"batch": batch, "step_ms": round(wall, 3), "forward_device_ms": round(gpu_forward, 3),
-            "host_overhead_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1)}
+    return {"batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
+            "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
