@@ -277,6 +277,8 @@ class Runtime:
         if self.trace:
             cmd.append("--trace")
         env = {**os.environ, "FLOTILLA_PARENT_PID": str(os.getpid())}
+        if sys.stderr.isatty():  # the child's stderr is our pipe, but its progress bars end on our terminal
+            env["FLOTILLA_PROGRESS"] = "1"
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True,
                                                     stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         k = key(name, instance)
@@ -325,12 +327,17 @@ class Runtime:
 
 
 async def _relay_stderr(proc: asyncio.subprocess.Process, last: list[str]) -> None:
+    """Pass the child's stderr through as it comes (chunks, not lines: progress bars redraw with \\r)
+    and remember its last non-empty line."""
     assert proc.stderr is not None
-    async for line in proc.stderr:
-        sys.stderr.buffer.write(line)
+    tail = b""
+    while chunk := await proc.stderr.read(65536):
+        sys.stderr.buffer.write(chunk)
         sys.stderr.buffer.flush()
-        if line.strip():
-            last[0] = line.decode(errors="replace").strip()
+        tail = (tail + chunk)[-8192:]
+        lines = [x for x in tail.replace(b"\r", b"\n").split(b"\n") if x.strip()]
+        if lines:
+            last[0] = lines[-1].decode(errors="replace").strip()
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:

@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm.auto import tqdm
 
+from flotilla.models.progress import progress_disabled
+
 # Bump whenever the folder this module writes changes, so cached conversions are redone.
 GGUF_CONVERTER_VERSION = 1
 
@@ -265,7 +267,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True, de
         total=len(reader.tensors),
         desc=desc or f"Converting {gguf_path.name}",
         unit="tensor",
-        disable=not progress or None,
+        disable=progress_disabled(progress),
     )
     for name, array in bar:
         tensors[name] = torch.from_numpy(array)

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from flotilla.models.default_model import DefaultModelError, default_model_dir
 from flotilla.models.gguf import GGUFError
 from flotilla.models.hf_config import HFModelConfig, parse_hf_config
+from flotilla.models.progress import progress_disabled
 from flotilla.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def load_model(
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        disable=not progress or None,
+        disable=progress_disabled(progress),
     )
     last: list[tuple[str, Path]] = []  # the tensor being loaded, to name it when load_weights fails
     with bar:
