@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +42,18 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def check_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen there (None if it can): checked before the model loads, not after."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    return None
 
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -91,7 +105,10 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                      "dtype=%s kernels=attention:%s,sampler:torch", args.host, args.port, state.model_name,
                      worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
                      worker.get("dtype", "?"), worker.get("attention", "?"))
-        await serving
+        try:
+            await serving
+        except SystemExit:  # uvicorn exits this way when it cannot start; the engine still stops cleanly
+            return 1
         return 1 if failed.is_set() or not server.started else 0
     finally:
         log.info("stopping the engine")
@@ -103,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, args.model)
     except (TypeError, ValueError) as e:
-        print(f"flotilla serve: {e}")
+        print(f"flotilla serve: {e}", file=sys.stderr)
+        return 2
+    if (problem := check_listen(args.host, args.port)) is not None:
+        print(f"flotilla serve: {problem}", file=sys.stderr)
         return 2
     return uvloop.run(serve(config, args))

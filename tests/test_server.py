@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -242,3 +245,14 @@ def test_api_key_backpressure_and_sigterm_drain():
         if srv.proc.poll() is None:
             srv.proc.kill()
     assert not [p for p in children if alive(p)]
+
+
+def test_serve_refuses_a_busy_port_before_loading_anything():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "flotilla", "serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "starting the engine" not in r.stderr
