@@ -44,7 +44,7 @@ Run one actor of a topology in the foreground, for debugging.
   to the actor's inbox:
       flotilla actor NAME --topology TOPO.toml --script messages.jsonl --trace
 """)
-    p.add_argument("name", help="actor name in the topology")
+    p.add_argument("name", help="actor name in the topology (NAME,NAME runs several in this one process)")
     p.add_argument("--topology", required=True, type=Path, help="topology file (TOML, or the JSON a runtime wrote)")
     p.add_argument("--endpoints", type=Path, default=None,
                    help="address table of the running topology (printed by `flotilla launch`)")
@@ -59,7 +59,8 @@ Run one actor of a topology in the foreground, for debugging.
 def _run_actor(args: argparse.Namespace) -> int:
     try:
         topo = load_topology(args.topology)
-        topo.spec(args.name)
+        for name in args.name.split(","):
+            topo.spec(name)
         endpoints = None if args.script else endpoints_for(topo, args.endpoints)
     except (ValueError, KeyError) as e:
         print(f"flotilla actor: {e}", file=sys.stderr)

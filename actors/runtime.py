@@ -162,11 +162,16 @@ class Runtime:
             self.supervisor = Supervisor(self.zmq, self.endpoints, expected, self.topo.options.heartbeat_timeout_s,
                                          self.failed, self.fail)
         try:
-            for name, i in self.local_instances:
-                if self.topo.placement == "inline":
+            if self.topo.placement == "inline":
+                for name, i in self.local_instances:
                     self._start_inline(name, i)
-                else:
-                    await self._spawn(name, i)
+            else:
+                local = set(self.local_instances)
+                for members in self.topo.process_groups().values():
+                    for i in range(members[0].count):
+                        names = [m.name for m in members if (m.name, i) in local]
+                        if names:
+                            await self._spawn(names, i)
             if self.supervisor is not None:
                 self.ready = await self.supervisor.wait_ready(self.topo.options.ready_timeout_s)
         except BaseException:
@@ -269,9 +274,10 @@ class Runtime:
 
     # ---- process placement -----------------------------------------------------------------------
 
-    async def _spawn(self, name: str, instance: int) -> None:
+    async def _spawn(self, names: list[str], instance: int) -> None:
+        """One process for these actors' instance `instance` (several when they share a process group)."""
         assert self.run_dir is not None
-        cmd = [sys.executable, "-m", "flotilla", "--log-level", self.log_level, "actor", name,
+        cmd = [sys.executable, "-m", "flotilla", "--log-level", self.log_level, "actor", ",".join(names),
                "--topology", str(self.run_dir / "topology.json"), "--endpoints", str(self.run_dir / "endpoints.json"),
                "--instance", str(instance)]
         if self.trace:
@@ -281,9 +287,10 @@ class Runtime:
             env["FLOTILLA_PROGRESS"] = "1"
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True,
                                                     stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-        k = key(name, instance)
-        self.procs[k] = proc
-        asyncio.create_task(self._watch_process(k, proc), name=f"watch-{k}")
+        keys = [key(n, instance) for n in names]
+        for k in keys:
+            self.procs[k] = proc
+        asyncio.create_task(self._watch_process(keys[0], proc), name=f"watch-{keys[0]}")
 
     async def _watch_process(self, k: str, proc: asyncio.subprocess.Process) -> None:
         # The child's stderr passes through to ours; its last line explains a crash in the failure reason.
@@ -295,7 +302,7 @@ class Runtime:
         if self._stopping:
             return
         if rc == 0 and not self.primary:  # the primary stopped it
-            if all(p.returncode is not None for p in self.procs.values()):
+            if all(p.returncode is not None for p in self.procs.values()):  # (shared processes repeat)
                 assert self.finished is not None
                 self.finished.set()
             return
@@ -303,14 +310,14 @@ class Runtime:
         self.fail(k, f"process {proc.pid} {how}" + (f": {last[0]}" if rc > 0 and last[0] else ""))
 
     async def _reap_processes(self, grace: float) -> None:
-        live = {k: p for k, p in self.procs.items() if p.returncode is None}
+        live = {p.pid: p for p in self.procs.values() if p.returncode is None}  # one entry per process
         if not live:
             return
         for sig, wait_s in ((None, grace), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             if sig is not None:
-                for k, p in live.items():
+                for p in live.values():
                     if p.returncode is None:
-                        log.warning("actor %s (pid %d) did not stop in time: %s", k, p.pid, sig.name)
+                        log.warning("actor process %d did not stop in time: %s", p.pid, sig.name)
                         _kill_group(p.pid, sig)
             _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in live.values()], timeout=wait_s)
             for t in pending:

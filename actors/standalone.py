@@ -59,27 +59,43 @@ def endpoints_for(topo: Topology, endpoints_file: Path | None) -> Endpoints:
 
 def run_actor(topo: Topology, name: str, instance: int = 0, *, endpoints: Endpoints | None = None,
               trace: bool = False, script: Path | None = None, idle_s: float = 1.0) -> int:
-    """Run one actor until it is stopped (or, with a script, until it falls idle); returns an exit code."""
+    """Run an actor until it is stopped (or, with a script, until it falls idle); returns an exit code.
+
+    `name` may list several actors ("worker,kv_migration"): they run in this one process, on one event
+    loop, as the members of a process group do.
+    """
     die_with_parent()
-    spec = topo.spec(name)
-    cls = actor_class(spec.kind)
+    names = name.split(",")
     if script is not None:
-        return uvloop.run(_run_scripted(topo, name, instance, cls, script, idle_s, trace))
+        if len(names) > 1:
+            raise ValueError("--script drives one actor at a time")
+        return uvloop.run(_run_scripted(topo, name, instance, actor_class(topo.spec(name).kind), script, idle_s,
+                                        trace))
     assert endpoints is not None
-    ctx = ActorContext(name=name, instance=instance, endpoints=endpoints, config=spec.config,
-                       options=topo.options, trace=trace)
-    return uvloop.run(_run_attached(cls, ctx))
+    ctxs = [(actor_class(topo.spec(n).kind), ActorContext(name=n, instance=instance, endpoints=endpoints,
+                                                          config=topo.spec(n).config, options=topo.options,
+                                                          trace=trace)) for n in names]
+    return uvloop.run(_run_attached(ctxs))
 
 
-async def _run_attached(cls: type[Actor], ctx: ActorContext) -> int:
+async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
     zctx = new_context()
-    actor = cls(ctx, zctx)
+    actors = [cls(ctx, zctx) for cls, ctx in ctxs]
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, actor.request_stop, f"signal {sig.name}")
+        loop.add_signal_handler(sig, lambda s=sig: [a.request_stop(f"signal {s.name}") for a in actors])
+    tasks = [asyncio.create_task(a.serve(), name=a.label) for a in actors]
     try:
-        await actor.serve()
+        # one failing actor fails the whole process (the supervisor then tears the topology down)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if t.exception() is not None]
+        if failed:
+            raise failed[0].exception()
+        await asyncio.gather(*tasks)
     finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         zctx.term()
     return 0
 

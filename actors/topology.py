@@ -52,6 +52,9 @@ class ActorSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """First tcp port (instance i gets port + i); 0 picks free ports (one-host topologies only)."""
     external: bool = False
     """Started by hand (``flotilla actor``); the launcher only waits for its ready handshake."""
+    process: str = ""
+    """Process group: actors naming the same group share one OS process per instance index (e.g. a
+    worker and an actor that must see its memory); empty = a process of its own."""
     config: dict[str, Any] = {}
     """Actor-specific settings."""
 
@@ -91,6 +94,9 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("inline placement uses inproc:// addresses; drop `transport` or use placement=process")
         if self.placement == "process" and self.transport == "inproc":
             raise ValueError("inproc:// only works within one process; use placement=inline")
+        for group, members in self.process_groups().items():
+            if len(members) > 1 and len({(m.count, m.host, m.external) for m in members}) > 1:
+                raise ValueError(f"process group {group!r}: its actors need the same count, host and external flag")
         hosts = {a.host for a in self.actors}
         if len(hosts) > 1 and not (self.supervisor_port and all(a.port for a in self.actors)):
             # every host's launcher resolves the addresses on its own: they must come out the same
@@ -111,6 +117,13 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 return a
         raise KeyError(f"no actor named {name!r} in topology {self.name!r} "
                        f"(actors: {', '.join(a.name for a in self.actors)})")
+
+    def process_groups(self) -> dict[str, list[ActorSpec]]:
+        """Actors by process group; an actor without a group is a group of one, keyed by its name."""
+        groups: dict[str, list[ActorSpec]] = {}
+        for a in self.actors:
+            groups.setdefault(a.process or f"/{a.name}", []).append(a)
+        return groups
 
     def instances(self) -> list[tuple[ActorSpec, int]]:
         """Every (spec, instance index) of the topology."""

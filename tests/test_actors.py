@@ -155,3 +155,48 @@ def test_actor_classes_must_handle_every_message_they_accept():
         class Broken(Actor):
             inbox = (PongResult,)
     assert handler_name(StepResult) == "on_step_result"
+
+
+def test_actors_of_one_process_group_share_a_process():
+    async def main():
+        topo = Topology(name="grp", placement="process", options=FAST, actors=[
+            ActorSpec(name="relay", kind="relay", config={"peer": "echo"}, process="pair"),
+            ActorSpec(name="echo", kind="echo", process="pair"),
+        ])
+        rt = Runtime(topo)
+        await rt.start()
+        client = Client(rt)
+        try:
+            assert rt.ready["relay/0"].pid == rt.ready["echo/0"].pid != os.getpid()
+            assert [r[2] for r in await client.round(4)] == ["echo/0"] * 4
+            pid = rt.ready["echo/0"].pid
+            os.kill(pid, signal.SIGKILL)  # the shared process dies: the topology fails as a whole
+            failure = await asyncio.wait_for(rt.wait(), timeout=10)
+            assert failure.actor in ("relay", "echo") and "signal 9" in failure.reason
+        finally:
+            client.close(own_context=True)
+            await rt.stop()
+        assert not alive(pid)
+
+    uvloop.run(main())
+
+
+def test_a_process_group_needs_matching_counts():
+    with pytest.raises(ValueError, match="same count"):
+        Topology(actors=[ActorSpec(name="a", kind="echo", process="g"),
+                         ActorSpec(name="b", kind="echo", count=2, process="g")])
+
+
+def test_a_process_group_stops_cleanly():
+    async def main():
+        topo = Topology(name="grp2", placement="process", options=FAST, actors=[
+            ActorSpec(name="relay", kind="relay", config={"peer": "echo"}, process="pair"),
+            ActorSpec(name="echo", kind="echo", process="pair"),
+        ])
+        rt = Runtime(topo)
+        await rt.start()
+        await rt.stop()
+        procs = set(rt.procs.values())
+        assert len(procs) == 1 and all(p.returncode == 0 for p in procs)
+
+    uvloop.run(main())
