@@ -61,6 +61,8 @@ class Sequence:
     """Tokens whose KV is computed by steps that have returned (what the prefix cache may take)."""
     full_blocks_offered: int = 0
     """Full computed blocks already offered to the prefix cache (skip the hashing call when none is new)."""
+    transfer_id: str | None = None
+    """Disaggregated requests: the id shared by the prefill and the decode side."""
 
     @property
     def num_tokens(self) -> int:
@@ -278,6 +280,8 @@ class BatchScheduler:
             if j is None:
                 continue
             tok = tokens[j]
+            if self._hand_off(seq, tok):
+                continue
             seq.output_ids.append(tok)
             delta = self._delta(seq, [tok])
             if result.logprobs is not None and seq.sampling.logprobs is not None:
@@ -293,6 +297,10 @@ class BatchScheduler:
                 self._release(seq)
             deltas.append(delta)
         return deltas
+
+    def _hand_off(self, seq: Sequence, tok: int) -> bool:
+        """A sampled token that leaves this engine (disaggregated prefill); True = handled, no delta."""
+        return False
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         n_out = len(seq.output_ids)

@@ -76,6 +76,8 @@ class TokenizedRequest(Message):
     """time.time() when the front end received the request, seconds."""
     priority: int = 0
     """Lower runs first under priority scheduling."""
+    transfer_id: str | None = None
+    """Set for a disaggregated request: the prefill and decode engines both get it with this id."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +150,56 @@ class KVCacheInfoEvent(Message):
     """Tokens per block."""
     max_model_len: int
     """Longest sequence the worker accepts, tokens."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Disaggregated prefill -> decode: KV blocks move on the data plane, these messages only coordinate
+
+
+class KVReadyEvent(Message):
+    """Prefill scheduler -> decode scheduler: the prompt's KV is computed and pinned; here is where."""
+
+    transfer_id: str
+    """The request's transfer id."""
+    block_ids: Array
+    """Prefill-side KV blocks holding the prompt, in order, int32."""
+    num_tokens: int
+    """Prompt tokens whose KV those blocks hold, tokens."""
+    first_token: int
+    """The token the prefill engine sampled after the prompt."""
+    src_engine: str = ""
+    """Name of the prefill engine whose KV memory the migration reads."""
+    error: str | None = None
+    """Set when the prefill failed; the decode side fails the request and releases."""
+
+
+class MigrateKVCmd(Message):
+    """Decode scheduler -> its KV-migration actor: copy these prefill blocks into these decode blocks."""
+
+    transfer_id: str
+    """The request's transfer id."""
+    src_engine: str
+    """Prefill engine to read from."""
+    src_block_ids: Array
+    """Prefill-side blocks, int32."""
+    dst_block_ids: Array
+    """Decode-side blocks, int32, pairwise with src_block_ids."""
+
+
+class MigrationDoneEvent(Message):
+    """KV-migration actor -> decode scheduler: the copy finished (or failed)."""
+
+    transfer_id: str
+    """The request's transfer id."""
+    error: str | None = None
+    """Why it failed, if it did."""
+
+
+class BlocksReleasedEvent(Message):
+    """Decode scheduler -> prefill scheduler: nothing will read the transfer's blocks any more."""
+
+    transfer_id: str
+    """The request's transfer id."""
 
 
 # ---------------------------------------------------------------------------------------------

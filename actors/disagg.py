@@ -1,0 +1,215 @@
+"""Prefill-decode disaggregation, the pure part: what each side's scheduler does with a transfer.
+
+A disaggregated request reaches both engines with one transfer id.
+
+Prefill side (PrefillBatchScheduler): runs the prompt like any request, but the token it samples after
+the prompt leaves the engine: the prompt's blocks are pinned under the transfer id, the sequence is
+released, and a KVReadyEvent says which blocks hold the KV. The pin holds until BlocksReleasedEvent, so
+an abort on either side never lets those blocks be reused while the decode side may still read them.
+
+Decode side (DecodeBatchScheduler): reserves blocks for the whole prompt when the request arrives (a
+queue retries when the cache is full), sends MigrateKVCmd once both the reservation and KVReady are
+there (only for the blocks its own prefix cache does not already hold), and on MigrationDoneEvent
+starts the sequence with the prompt computed and the prefill's first token as its first output. Every
+path ends with exactly one BlocksReleasedEvent to the prefill side, aborts included, and blocks being
+written by a migration are not freed before it reports.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from flotilla.actors.batching import BatchScheduler, Sequence
+from flotilla.transport.messages import (
+    BlocksReleasedEvent,
+    KVReadyEvent,
+    Message,
+    MigrateKVCmd,
+    MigrationDoneEvent,
+    SeqTokens,
+    TokenizedRequest,
+)
+
+
+class PrefillBatchScheduler(BatchScheduler):
+    """The prefill engine's policy."""
+
+    def __init__(self, *args, engine: str = "prefill", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+        self.outbox: list[Message] = []
+        """KVReadyEvents for the decode side, drained by the actor after each call."""
+        self._transfers: set[str] = set()  # rids of disaggregated requests: the decode side streams them
+
+    def add(self, req: TokenizedRequest) -> bool:
+        if req.transfer_id is not None:  # only the first token is sampled here
+            req = msgspec.structs.replace(req, sampling=msgspec.structs.replace(req.sampling, max_tokens=1))
+        if not super().add(req):
+            return False
+        self.seqs[req.rid].transfer_id = req.transfer_id
+        if req.transfer_id is not None:
+            self._transfers.add(req.rid)
+        return True
+
+    def update(self, result) -> list[SeqTokens]:
+        return self._own(super().update(result))
+
+    def abort(self, rid: str) -> SeqTokens | None:
+        return next(iter(self._own([d] if (d := super().abort(rid)) is not None else [])), None)
+
+    def _own(self, deltas: list[SeqTokens]) -> list[SeqTokens]:
+        """Deltas of colocated requests; a disaggregated request's ending is the decode side's to stream."""
+        out = []
+        for d in deltas:
+            if d.rid in self._transfers:
+                if d.finish_reason is not None:
+                    self._transfers.discard(d.rid)
+            else:
+                out.append(d)
+        return out
+
+    def _hand_off(self, seq: Sequence, tok: int) -> bool:
+        if seq.transfer_id is None:
+            return False
+        prompt_blocks = -(-len(seq.prompt_ids) // self.blocks.block_size)
+        self.blocks.pin(seq.rid, seq.transfer_id)
+        self.outbox.append(KVReadyEvent(
+            transfer_id=seq.transfer_id, num_tokens=len(seq.prompt_ids), first_token=tok, src_engine=self.engine,
+            block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32)))
+        self._release(seq)  # its table goes; the pin keeps the blocks until BlocksReleased
+        self._transfers.discard(seq.rid)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> SeqTokens:
+        if seq.transfer_id is not None:  # aborted or failed before the hand-off: the decode side must not wait
+            self.outbox.append(KVReadyEvent(transfer_id=seq.transfer_id, block_ids=np.zeros(0, np.int32),
+                                            num_tokens=0, first_token=-1, src_engine=self.engine,
+                                            error=f"prefill ended: {reason}"))
+        return super()._finish(seq, reason)
+
+    def on_blocks_released(self, ev: BlocksReleasedEvent) -> None:
+        self.blocks.unpin(ev.transfer_id)
+
+
+@dataclass(slots=True)
+class _Transfer:
+    seq: Sequence
+    reserved: bool = False
+    ready: KVReadyEvent | None = None
+    migrating: bool = False
+    aborted: bool = False
+
+
+class DecodeBatchScheduler(BatchScheduler):
+    """The decode engine's policy."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.transfers: dict[str, _Transfer] = {}
+        self._early: dict[str, KVReadyEvent] = {}  # KVReady that overtook its request
+        self._released: set[str] = set()  # aborted before KVReady: answer it with BlocksReleased at once
+        self.outbox: list[Message] = []
+        """MigrateKVCmds for the migration actor and BlocksReleasedEvents for the prefill side."""
+
+    def add(self, req: TokenizedRequest) -> bool:
+        if req.transfer_id is None:
+            return super().add(req)
+        if not super().add(req):
+            return False
+        seq = self.seqs[req.rid]
+        seq.transfer_id = req.transfer_id
+        self.waiting = [w for w in self.waiting if w[2] is not seq]  # not admitted through the queue
+        heapq.heapify(self.waiting)
+        self.transfers[req.transfer_id] = _Transfer(seq=seq, ready=self._early.pop(req.transfer_id, None))
+        self._advance(self.transfers[req.transfer_id])
+        return True
+
+    def on_kv_ready(self, ev: KVReadyEvent) -> list[SeqTokens]:
+        t = self.transfers.get(ev.transfer_id)
+        if t is None:
+            if ev.transfer_id in self._released:  # the request was aborted first
+                self._released.discard(ev.transfer_id)
+                self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
+            else:
+                self._early[ev.transfer_id] = ev
+            return []
+        t.ready = ev
+        if ev.error is not None:
+            return [self._end(t, "error")]
+        self._advance(t)
+        return []
+
+    def on_migration_done(self, ev: MigrationDoneEvent) -> list[SeqTokens]:
+        t = self.transfers.get(ev.transfer_id)
+        if t is None or not t.migrating:
+            return []
+        t.migrating = False
+        if t.aborted or ev.error is not None:
+            return [self._end(t, "abort" if t.aborted else "error")]
+        seq, ready = t.seq, t.ready
+        del self.transfers[ev.transfer_id]
+        self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
+        seq.num_computed = seq.num_done = ready.num_tokens
+        self.blocks.commit(seq.rid, seq.prompt_ids, ready.num_tokens)
+        seq.output_ids.append(ready.first_token)
+        delta = self._delta(seq, [ready.first_token])
+        reason = self._stop_reason(seq, ready.first_token)
+        if reason is not None:
+            delta.finish_reason = reason
+            delta.stop_token = ready.first_token if reason == "stop" else None
+            self._release(seq)
+        else:
+            self.running.append(seq)  # in_worker is False: the next plan sends it in full
+        return [delta]
+
+    def abort(self, rid: str) -> SeqTokens | None:
+        seq = self.seqs.get(rid)
+        t = self.transfers.get(seq.transfer_id) if seq is not None and seq.transfer_id else None
+        if t is None:
+            return super().abort(rid)
+        if t.migrating:  # the migration writes into its blocks: finish when it reports
+            t.aborted = True
+            return None
+        return self._end(t, "abort")
+
+    def schedule(self):
+        for t in list(self.transfers.values()):
+            if not t.reserved:
+                self._advance(t)
+        return super().schedule()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.seqs) - len(self.running) - len(self.transfers)
+
+    def _advance(self, t: _Transfer) -> None:
+        seq = t.seq
+        if not t.reserved:
+            alloc = self.blocks.allocate(seq.rid, seq.prompt_ids, num_new_tokens=None)
+            if alloc is None:
+                return  # retried at the next schedule()
+            t.reserved = True
+            seq.num_cached = alloc.num_cached_tokens
+        if t.ready is None or t.migrating:
+            return
+        skip = seq.num_cached // self.blocks.block_size  # blocks our own prefix cache already holds
+        table = self.blocks.block_ids(seq.rid)
+        pages = len(t.ready.block_ids)
+        self.outbox.append(MigrateKVCmd(transfer_id=t.ready.transfer_id, src_engine=t.ready.src_engine,
+                                        src_block_ids=t.ready.block_ids[skip:pages],
+                                        dst_block_ids=np.asarray(table[skip:pages], dtype=np.int32)))
+        t.migrating = True
+
+    def _end(self, t: _Transfer, reason: str) -> SeqTokens:
+        """Finish a transfer that will not decode; the prefill side is told it may release."""
+        tid = t.seq.transfer_id
+        self.transfers.pop(tid, None)
+        if t.ready is not None:
+            self.outbox.append(BlocksReleasedEvent(transfer_id=tid))
+        else:
+            self._released.add(tid)  # its KVReady is still to come: answer that one
+        return self._finish(t.seq, reason)
