@@ -79,7 +79,7 @@ class PrefillBatchScheduler(BatchScheduler):
         self.blocks.pin(seq.rid, seq.transfer_id)
         self.outbox.append(KVReadyEvent(
             transfer_id=seq.transfer_id, num_tokens=len(seq.prompt_ids), first_token=tok, src_engine=self.engine,
-            block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32)))
+            block_size=self.blocks.block_size, block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32)))
         self._release(seq)  # its table goes; the pin keeps the blocks until BlocksReleased
         self._transfers.discard(seq.rid)
         return True
@@ -137,6 +137,9 @@ class DecodeBatchScheduler(BatchScheduler):
             else:
                 self._early[ev.transfer_id] = ev
             return []
+        if ev.error is None and ev.block_size != self.blocks.block_size:
+            ev = msgspec.structs.replace(ev, error=f"block size {ev.block_size} on the prefill side, "
+                                                   f"{self.blocks.block_size} here: the KV cannot be moved")
         t.ready = ev
         if ev.error is not None:
             return [self._end(t, "error")]

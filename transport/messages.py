@@ -169,6 +169,8 @@ class KVReadyEvent(Message):
     """The token the prefill engine sampled after the prompt."""
     src_engine: str = ""
     """Name of the prefill engine whose KV memory the migration reads."""
+    block_size: int = 0
+    """Tokens per block on the prefill side (the decode side must use the same)."""
     error: str | None = None
     """Set when the prefill failed; the decode side fails the request and releases."""
 
