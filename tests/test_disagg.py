@@ -142,3 +142,15 @@ def test_aborts_anywhere_in_the_transfer_release_both_sides():
             else:
                 assert outputs[rid] == want
     assert ended_by_abort >= 4  # aborts really landed, at different points of the transfer
+
+
+def test_a_block_size_mismatch_fails_the_request_and_releases_the_prefill_side():
+    dec = Engine(DecodeBatchScheduler, 50, 1)
+    req = TokenizedRequest(rid="r", prompt_ids=np.arange(8, 20, dtype=np.int32), transfer_id="r",
+                           sampling=SamplingParams(max_tokens=4, temperature=0))
+    assert dec.sched.add(req)
+    deltas = dec.sched.on_kv_ready(KVReadyEvent(transfer_id="r", block_ids=np.arange(2, dtype=np.int32),
+                                                num_tokens=12, first_token=9, src_engine="p", block_size=8))
+    assert [d.finish_reason for d in deltas] == ["error"]
+    assert [type(m) for m in dec.sched.outbox] == [BlocksReleasedEvent]
+    assert dec.blocks.num_free_blocks == 50
