@@ -98,8 +98,16 @@ class BatchScheduler:
 
     def add(self, req: TokenizedRequest) -> bool:
         """Queue a request; False when the waiting queue is full (the caller answers 429)."""
-        if self.num_waiting >= self.config.max_waiting_requests:
+        seq = self._register(req)
+        if seq is None:
             return False
+        heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
+        return True
+
+    def _register(self, req: TokenizedRequest) -> Sequence | None:
+        """The request's Sequence, known to the scheduler but not yet queued; None when full."""
+        if self.num_waiting >= self.config.max_waiting_requests:
+            return None
         if req.rid in self.seqs:
             raise ValueError(f"duplicate request id {req.rid!r}")
         sp = req.sampling
@@ -108,8 +116,7 @@ class BatchScheduler:
         seq = Sequence(rid=req.rid, prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32), sampling=sp,
                        stop_ids=frozenset(stop), priority=prio, order=next(self._order))
         self.seqs[seq.rid] = seq
-        heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
-        return True
+        return seq
 
     def abort(self, rid: str) -> SeqTokens | None:
         """Drop a request; returns its final delta (None if unknown or already gone)."""

@@ -70,7 +70,7 @@ class DecodeGraphs:
                                  seq_lens=ones, block_tables=ones[:, None], slot_mapping=self.slots[:size],
                                  max_query_len=1, max_seq_len=1, block_size=self.block_size)
 
-    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
+    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[list[int]]) -> None:
         """Page tables for `size` rows: the real sequences first, then padding rows on the scratch block."""
         bs = self.block_size
         pages = np.ones(size, dtype=np.int64)
@@ -82,7 +82,7 @@ class DecodeGraphs:
         np.cumsum(pages, out=indptr[1:])
         indices = np.full(int(indptr[-1]), self.scratch_block, dtype=np.int32)
         for b in range(n):  # one slice copy per sequence
-            indices[indptr[b]:indptr[b + 1]] = tables[b][:pages[b]]
+            indices[indptr[b]:indptr[b + 1]] = tables[b][:int(pages[b])]
         self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, indices, last, **self.heads)
 
     @torch.inference_mode()
@@ -106,7 +106,7 @@ class DecodeGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: list[np.ndarray]) -> torch.Tensor:
+            tables: list[list[int]]) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode step of B sequences, by graph replay."""
         batch = len(input_ids)
         size = next(s for s in self.sizes if s >= batch)

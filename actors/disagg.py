@@ -17,7 +17,6 @@ written by a migration are not freed before it reports.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import msgspec
@@ -59,7 +58,9 @@ class PrefillBatchScheduler(BatchScheduler):
         return self._own(super().update(result))
 
     def abort(self, rid: str) -> SeqTokens | None:
-        return next(iter(self._own([d] if (d := super().abort(rid)) is not None else [])), None)
+        delta = super().abort(rid)
+        kept = self._own([delta]) if delta is not None else []
+        return kept[0] if kept else None
 
     def _own(self, deltas: list[SeqTokens]) -> list[SeqTokens]:
         """Deltas of colocated requests; a disaggregated request's ending is the decode side's to stream."""
@@ -118,12 +119,10 @@ class DecodeBatchScheduler(BatchScheduler):
     def add(self, req: TokenizedRequest) -> bool:
         if req.transfer_id is None:
             return super().add(req)
-        if not super().add(req):
+        seq = self._register(req)  # admitted by its transfer, not through the waiting queue
+        if seq is None:
             return False
-        seq = self.seqs[req.rid]
         seq.transfer_id = req.transfer_id
-        self.waiting = [w for w in self.waiting if w[2] is not seq]  # not admitted through the queue
-        heapq.heapify(self.waiting)
         self.transfers[req.transfer_id] = _Transfer(seq=seq, ready=self._early.pop(req.transfer_id, None))
         self._advance(self.transfers[req.transfer_id])
         return True

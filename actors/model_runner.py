@@ -237,7 +237,7 @@ class ModelRunner:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
         ids = np.fromiter((s.buffer[c] for s, c in zip(seqs, cached)), dtype=np.int64, count=len(seqs))
-        tables = [np.asarray(s.block_ids, dtype=np.int32) for s in seqs]
+        tables = [s.block_ids for s in seqs]
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
         return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables)
 

@@ -157,13 +157,17 @@ def test_actor_classes_must_handle_every_message_they_accept():
     assert handler_name(StepResult) == "on_step_result"
 
 
+def grouped_pair(name: str) -> Topology:
+    """A relay and an echo in one process group."""
+    return Topology(name=name, placement="process", options=FAST, actors=[
+        ActorSpec(name="relay", kind="relay", config={"peer": "echo"}, process="pair"),
+        ActorSpec(name="echo", kind="echo", process="pair"),
+    ])
+
+
 def test_actors_of_one_process_group_share_a_process():
     async def main():
-        topo = Topology(name="grp", placement="process", options=FAST, actors=[
-            ActorSpec(name="relay", kind="relay", config={"peer": "echo"}, process="pair"),
-            ActorSpec(name="echo", kind="echo", process="pair"),
-        ])
-        rt = Runtime(topo)
+        rt = Runtime(grouped_pair("grp"))
         await rt.start()
         client = Client(rt)
         try:
@@ -189,11 +193,7 @@ def test_a_process_group_needs_matching_counts():
 
 def test_a_process_group_stops_cleanly():
     async def main():
-        topo = Topology(name="grp2", placement="process", options=FAST, actors=[
-            ActorSpec(name="relay", kind="relay", config={"peer": "echo"}, process="pair"),
-            ActorSpec(name="echo", kind="echo", process="pair"),
-        ])
-        rt = Runtime(topo)
+        rt = Runtime(grouped_pair("grp2"))
         await rt.start()
         await rt.stop()
         procs = set(rt.procs.values())
