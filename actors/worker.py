@@ -17,6 +17,15 @@ from flotilla.transport.messages import KVCacheInfoEvent, Message, StepPlan, Ste
 
 log = logging.getLogger(__name__)
 
+_LOCAL_RUNNERS: dict[tuple[str, int], ModelRunner] = {}
+"""Runners of this process by (worker actor name, rank): actors of the worker's process group (the
+KV-migration actor) reach the KV cache memory through here, never over a socket."""
+
+
+def local_runner(worker: str, rank: int = 0) -> ModelRunner | None:
+    """The ModelRunner of worker actor `worker`, rank `rank`, if it lives in this process and has loaded."""
+    return _LOCAL_RUNNERS.get((worker, rank))
+
 
 class GPUWorkerActor(Actor):
     """One model replica (rank) of an engine."""
@@ -34,11 +43,16 @@ class GPUWorkerActor(Actor):
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest
         self.runner = await asyncio.to_thread(ModelRunner, self.config)
         r = self.runner
+        _LOCAL_RUNNERS[(self.ctx.name, self.ctx.instance)] = r
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.ctx.instance, num_blocks=r.num_blocks,
                                                          block_size=r.block_size, max_model_len=r.max_model_len))
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "attention": r.model.attention_backend_name,
                 "load_s": f"{r.load_seconds:.2f}"}
+
+    async def teardown(self) -> None:
+        _LOCAL_RUNNERS.pop((self.ctx.name, self.ctx.instance), None)
+        await super().teardown()
 
     async def on_step_plan(self, plan: StepPlan) -> None:
         assert self.runner is not None
