@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -106,15 +107,20 @@ class DecodeGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: list[list[int]]) -> torch.Tensor:
-        """Hidden states [B, hidden] of one decode step of B sequences, by graph replay."""
+            tables: list[list[int]], patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Hidden states [B, hidden] of one decode step of B sequences, by graph replay.
+
+        patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).
+        """
         batch = len(input_ids)
         size = next(s for s in self.sizes if s >= batch)
         host = np.empty((3, size), dtype=np.int64)
         host[0, :batch], host[1, :batch], host[2, :batch] = input_ids, positions, slots
         host[0, batch:], host[1, batch:], host[2, batch:] = 0, 0, self.scratch_slot
-        staged = torch.from_numpy(host).to(self.device, non_blocking=True)
+        staged = torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(staged[0])
+        if patch is not None:
+            patch(self.input_ids)
         self.positions[:size].copy_(staged[1])
         self.slots[:size].copy_(staged[2])
         self._plan(size, seq_lens, tables)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,23 +44,29 @@ class SeqState:
     sampling: SamplingParams
     needs_history: bool = field(default=False)
     """Penalties need the prompt / output token ids at sampling time."""
+    host_length: int = 0
+    """Tokens of `buffer` written; the ones after it (up to `length`) are sampled but still on the device."""
+    device_tokens: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    """position -> (device tensor, row) for each token sampled by a step not yet finished."""
 
     @classmethod
     def new(cls, token_ids: np.ndarray, **kw: object) -> SeqState:
         buffer = np.empty(max(2 * len(token_ids), 64), dtype=np.int32)
         buffer[:len(token_ids)] = token_ids
-        return cls(buffer=buffer, length=len(token_ids), **kw)
+        return cls(buffer=buffer, length=len(token_ids), host_length=len(token_ids), **kw)
 
     @property
     def tokens(self) -> np.ndarray:
-        """All known tokens (a view, no copy)."""
-        return self.buffer[:self.length]
+        """All tokens on the host (a view, no copy)."""
+        return self.buffer[:self.host_length]
 
-    def append(self, token: int) -> None:
-        if self.length == len(self.buffer):  # amortised O(1): double the storage
+    def settle(self, token: int) -> None:
+        """The next sampled token reached the host: store it (tokens settle in the order they were sampled)."""
+        if self.host_length == len(self.buffer):  # amortised O(1): double the storage
             self.buffer = np.concatenate((self.buffer, np.empty_like(self.buffer)))
-        self.buffer[self.length] = token
-        self.length += 1
+        self.buffer[self.host_length] = token
+        self.device_tokens.pop(self.host_length, None)
+        self.host_length += 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,6 +99,7 @@ class ModelRunner:
         shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
+        self._pending: deque[_Pending] = deque()
         self.graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and not config.worker.enforce_eager
                 and self.model.attention_backend_name == "flashinfer"):
@@ -170,10 +178,51 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     # ---- the step ---------------------------------------------------------------------------------------
+    #
+    # A step is launched (inputs staged, forward and sampling queued on the device, the sampled tokens'
+    # copy to pinned host memory queued behind them) and later finished (wait for that copy, append the
+    # tokens, build the StepResult). Between the two the host is free to launch the next step: a token
+    # the next step feeds that is not on the host yet is gathered from the previous step's device tensor,
+    # so the device never waits for the host to learn a token it produced (SGLang's overlap scheduler and
+    # vLLM's async scheduling do the same).
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; the caller turns an exception into a StepResult with an error."""
+        """Launch a step and wait for its result; for callers that do not overlap steps."""
+        if self._pending:
+            raise RuntimeError("execute() while launched steps are pending: finish them first")
+        self.launch(plan)
+        return self.finish_oldest()
+
+    @property
+    def num_pending(self) -> int:
+        """Launched steps not yet finished."""
+        return len(self._pending)
+
+    def oldest(self) -> tuple[int, torch.cuda.Event | None]:
+        """The oldest pending step's number and the event that marks its results as on the host (None: there
+        is nothing to wait for)."""
+        p = self._pending[0]
+        return p.step, p.event
+
+    def finish_oldest(self) -> StepResult:
+        """Finish the oldest launched step (blocks until its device work is done) and return its result."""
+        p = self._pending.popleft()
+        try:
+            return p.finish()
+        finally:
+            p.release()
+
+    def fail(self, step: int, error: str) -> None:
+        """Queue a failed step's result in order (its launch raised)."""
+        self._pending.append(_Pending.done(StepResult(step=step, error=error)))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> None:
+        """Stage and queue one step; its result comes from a later finish_oldest() (steps finish in order).
+
+        The caller turns an exception into a StepResult with an error; the runner stays usable.
+        """
         for rid in plan.finished_rids:
             self.seqs.pop(rid, None)
         for ns in plan.new_seqs:
@@ -182,7 +231,8 @@ class ModelRunner:
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids.tolist(), sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling))
         if not plan.rids:
-            return StepResult(step=plan.step)
+            self._pending.append(_Pending.done(StepResult(step=plan.step)))
+            return
         seqs = [self.seqs[rid] for rid in plan.rids]
         num_new = plan.num_new_tokens.tolist()
         if plan.new_block_ids is not None and len(plan.new_block_ids):
@@ -193,28 +243,34 @@ class ModelRunner:
                     s.block_ids.extend(appended[lo:hi])
         cached = [s.num_computed for s in seqs]
         if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):
-            hidden = self._decode_by_graph(seqs, cached)  # one new token per sequence: a captured decode step
+            # one new token per sequence: a captured decode step
+            ids, patch = self._input_ids(seqs, cached, num_new)
+            hidden = self._decode_by_graph(seqs, cached, ids, patch)
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
             logits = self.model.compute_logits(hidden)
         else:
-            input_ids = np.concatenate([s.buffer[c:c + n] for s, c, n in zip(seqs, cached, num_new)]).astype(np.int64)
+            ids, patch = self._input_ids(seqs, cached, num_new)
+            input_ids = _upload(ids, self.device)
+            _apply_patch(input_ids, patch, self.device)
             meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
                                                 device=self.device)
             positions = positions_from_lists(cached, num_new, device=self.device)
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
             # a sequence samples when this step reaches the end of its known tokens
             sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
             for s, n in zip(seqs, num_new):
                 s.num_computed += n
             if not sampling_rows:
-                return StepResult(step=plan.step)
-            last_token = (meta.query_start_loc[1:] - 1).long()
-            rows = torch.tensor(sampling_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[last_token[rows]])
+                self._pending.append(_Pending.done(StepResult(step=plan.step)))
+                return
+            ends = np.cumsum(num_new)[sampling_rows] - 1
+            logits = self.model.compute_logits(hidden[_upload(ends, self.device)])
         sampled = [seqs[i] for i in sampling_rows]
         history = any(s.needs_history for s in sampled)
+        if history and any(s.host_length < s.length for s in sampled):
+            self._drain()  # penalties read every output token on the host
         st = SamplingTensors.build(
             [s.sampling for s in sampled], [s.length - s.num_prompt_tokens for s in sampled],
             device=self.device, vocab_size=logits.shape[1],
@@ -222,24 +278,109 @@ class ModelRunner:
             output_token_ids=[s.tokens[s.num_prompt_tokens:] for s in sampled] if history else None)
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
         out = sample(logits, st, want, generator=self.generator)
-        token_ids = out.token_ids.to("cpu", torch.int32).numpy()
-        for s, t in zip(sampled, token_ids.tolist()):
-            s.append(t)
-        result = StepResult(step=plan.step, rids=[plan.rids[i] for i in sampling_rows], token_ids=token_ids)
-        if want is not None:
-            result.logprobs = out.logprobs.float().cpu().numpy()
-            result.top_ids = out.top_token_ids.to("cpu", torch.int32).numpy()
-            result.top_logprobs = out.top_logprobs.float().cpu().numpy()
-        return result
+        token_ids = out.token_ids
+        for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
+            s.device_tokens[s.length] = (token_ids, row)
+            s.length += 1
+        self._pending.append(_Pending.launch(plan.step, [plan.rids[i] for i in sampling_rows], sampled, out,
+                                             want is not None, self.device))
 
+    def _drain(self) -> None:
+        """Finish every pending step's host side now (their results stay queued for finish_oldest)."""
+        for p in self._pending:
+            p.finish()
 
-    def _decode_by_graph(self, seqs: list[SeqState], cached: list[int]) -> torch.Tensor:
+    def _input_ids(self, seqs: list[SeqState], cached: list[int],
+                   num_new: list[int]) -> tuple[np.ndarray, list[tuple[int, torch.Tensor, int]]]:
+        """The step's flat input ids from host buffers, and (flat index, device tensor, row) for each token
+        only the device knows yet (sampled by a step not finished)."""
+        ids = np.empty(sum(num_new), dtype=np.int64)
+        patch: list[tuple[int, torch.Tensor, int]] = []
+        at = 0
+        for s, c, n in zip(seqs, cached, num_new):
+            known = min(c + n, s.host_length)
+            if known > c:
+                ids[at:at + known - c] = s.buffer[c:known]
+            for pos in range(max(c, known), c + n):
+                ids[at + pos - c] = 0
+                patch.append((at + pos - c, *s.device_tokens[pos]))
+            at += n
+        return ids, patch
+
+    def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
+                         patch: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
-        ids = np.fromiter((s.buffer[c] for s, c in zip(seqs, cached)), dtype=np.int64, count=len(seqs))
         tables = [s.block_ids for s in seqs]
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
-        return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables)
+        return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables,
+                               patch=lambda input_ids: _apply_patch(input_ids, patch, self.device))
+
+
+class _Pending:
+    """A launched step: its sampled tokens on the device and their copy to the host in flight."""
+
+    __slots__ = ("step", "rids", "seqs", "out", "host", "event", "logprobs", "result")
+
+    @classmethod
+    def done(cls, result: StepResult) -> _Pending:
+        p = cls()
+        p.step, p.result, p.event = result.step, result, None
+        return p
+
+    @classmethod
+    def launch(cls, step: int, rids: list[str], seqs: list[SeqState], out, logprobs: bool,
+               device: torch.device) -> _Pending:
+        p = cls()
+        p.step, p.rids, p.seqs, p.out, p.logprobs, p.result = step, rids, seqs, out, logprobs, None
+        blocking = device.type != "cuda"
+        p.host = [out.token_ids.to("cpu", torch.int32, non_blocking=not blocking)]
+        if logprobs:
+            p.host += [out.logprobs.float().to("cpu", non_blocking=not blocking),
+                       out.top_token_ids.to("cpu", torch.int32, non_blocking=not blocking),
+                       out.top_logprobs.float().to("cpu", non_blocking=not blocking)]
+        p.event = None
+        if not blocking:
+            p.event = torch.cuda.Event()
+            p.event.record()
+        return p
+
+    def finish(self) -> StepResult:
+        if self.result is not None:
+            return self.result
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host[0].numpy()
+        for s, t in zip(self.seqs, token_ids.tolist()):
+            s.settle(t)
+        result = StepResult(step=self.step, rids=self.rids, token_ids=token_ids)
+        if self.logprobs:
+            result.logprobs, result.top_ids, result.top_logprobs = (t.numpy() for t in self.host[1:])
+        self.result = result
+        return result
+
+    def release(self) -> None:
+        self.out = self.seqs = self.host = self.event = None
+
+
+def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without stalling the host (pinned staging on CUDA)."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _apply_patch(input_ids: torch.Tensor, patch: list[tuple[int, torch.Tensor, int]], device: torch.device) -> None:
+    """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step)."""
+    by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for dst, src, row in patch:
+        entry = by_source.setdefault(id(src), (src, [], []))
+        entry[1].append(dst)
+        entry[2].append(row)
+    for src, dst, rows in by_source.values():
+        index = _upload(np.array([dst, rows], dtype=np.int64), device)
+        input_ids.index_copy_(0, index[0], src.index_select(0, index[1]).to(input_ids.dtype))
 
 
 def _needs_history(p: SamplingParams) -> bool:

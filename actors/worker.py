@@ -1,19 +1,23 @@
 """GPUWorkerActor: executes StepPlans on the model and answers each with a StepResult.
 
-The shell around ModelRunner (actors/model_runner.py). The forward pass runs in a worker thread so
-this actor's event loop keeps heartbeating and receiving while the device computes; plans are still
-executed strictly one at a time, in order, because the runner's per-sequence state depends on it.
+The shell around ModelRunner (actors/model_runner.py). Every runner call happens on one thread of its
+own, in arrival order (the runner's per-sequence state depends on it), so this actor's event loop keeps
+heartbeating and receiving while the host stages a step. A plan is launched as soon as it arrives; a
+completer task waits (on another thread) for the oldest launched step's results to reach the host and
+sends its StepResult. So while the device runs step N the next plan is already being staged and queued
+behind it, and results still leave strictly in step order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
-from flotilla.transport.messages import KVCacheInfoEvent, Message, StepPlan, StepResult
+from flotilla.transport.messages import KVCacheInfoEvent, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +42,12 @@ class GPUWorkerActor(Actor):
         self.config = EngineConfig.from_dict(ctx.config.get("engine", {}))
         self.scheduler = str(ctx.config.get("scheduler", "scheduler"))
         self.runner: ModelRunner | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.name}{ctx.instance}-runner")
+        self._completer: asyncio.Task | None = None
 
     async def setup(self) -> dict[str, str]:
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest
-        self.runner = await asyncio.to_thread(ModelRunner, self.config)
+        self.runner = await asyncio.get_running_loop().run_in_executor(self._thread, ModelRunner, self.config)
         r = self.runner
         _LOCAL_RUNNERS[(self.ctx.name, self.ctx.instance)] = r
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.ctx.instance, num_blocks=r.num_blocks,
@@ -52,14 +58,33 @@ class GPUWorkerActor(Actor):
 
     async def teardown(self) -> None:
         _LOCAL_RUNNERS.pop((self.ctx.name, self.ctx.instance), None)
+        if self._completer is not None:
+            self._completer.cancel()
+        self._thread.shutdown(wait=True, cancel_futures=True)
         await super().teardown()
 
     async def on_step_plan(self, plan: StepPlan) -> None:
-        assert self.runner is not None
-        result = await asyncio.to_thread(self.runner.execute, plan)
-        await self.send(self.scheduler, result)
+        runner = self.runner
+        assert runner is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, runner.launch, plan)
+        except Exception as exc:  # actor boundary: the step fails, queued in order behind the earlier ones
+            log.exception("worker: step %d failed", plan.step)
+            runner.fail(plan.step, f"{type(exc).__name__}: {exc}")
+        if self._completer is None or self._completer.done():
+            self._completer = asyncio.create_task(self._complete(), name=f"{self.ctx.name}-completer")
 
-    async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
-        # the scheduler must not wait forever for a step that failed: fail the step's requests instead
-        if isinstance(msg, StepPlan):
-            await self.send(self.scheduler, StepResult(step=msg.step, error=f"{type(exc).__name__}: {exc}"))
+    async def _complete(self) -> None:
+        """Send launched steps' results, oldest first, as the device finishes them."""
+        runner = self.runner
+        loop = asyncio.get_running_loop()
+        while runner.num_pending:
+            step, event = runner.oldest()
+            if event is not None and not event.query():
+                await asyncio.to_thread(event.synchronize)  # not on the runner's thread: it stages the next step
+            try:
+                result = await loop.run_in_executor(self._thread, runner.finish_oldest)
+            except Exception as exc:  # actor boundary
+                log.exception("worker: step %d failed", step)
+                result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
+            await self.send(self.scheduler, result)

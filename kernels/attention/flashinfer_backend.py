@@ -40,6 +40,7 @@ class FlashInferAttention:
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._planned: AttentionMetadata | None = None
         self._active: object | None = None
+        self._plan_copied: torch.cuda.Event | None = None
 
     def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
         if device not in self._wrappers:
@@ -63,7 +64,8 @@ class FlashInferAttention:
         decode, prefill = self._wrappers_for(query.device)
         common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
                       q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)
-        indptr, indices, last = (torch.from_numpy(a) for a in (kv_indptr, kv_indices, last_page_len))
+        indptr, indices, last = _pinned(kv_indptr, kv_indices, last_page_len)
+        self._before_plan()
         if meta.max_query_len == 1:
             decode.plan(indptr, indices, last, head_dim=query.shape[2], **common)
             self._active = decode
@@ -71,6 +73,20 @@ class FlashInferAttention:
             qo_indptr = torch.from_numpy(host.query_start_loc.astype(np.int32))
             prefill.plan(qo_indptr, indptr, indices, last, head_dim_qk=query.shape[2], causal=True, **common)
             self._active = prefill
+        self._after_plan(meta)
+
+    # A plan fills a pinned host buffer of the wrapper and queues its copy to the device. With steps
+    # launched ahead of the device (the overlapped step loop) the next plan could overwrite that buffer
+    # before the copy ran: wait until the previous plan's copy has run (the device has started the
+    # previous step, so this almost never waits).
+
+    def _before_plan(self) -> None:
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+
+    def _after_plan(self, meta: AttentionMetadata) -> None:
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
         self._planned = meta
 
     # ---- CUDA graphs: a fixed-batch decode wrapper per captured size, planned outside the graph ------------
@@ -89,10 +105,12 @@ class FlashInferAttention:
                    last_page_len: np.ndarray, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    page_size: int, dtype: torch.dtype, scale: float) -> None:
         """Plan a graph wrapper for the next replay and make `meta`'s layers use it."""
-        wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last_page_len),
+        self._before_plan()
+        wrapper.plan(*_pinned(indptr, indices, last_page_len),
                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                      q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
-        self._planned, self._active = meta, wrapper
+        self._active = wrapper
+        self._after_plan(meta)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -109,6 +127,12 @@ class FlashInferAttention:
         k_rows = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
         flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
         flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+
+
+def _pinned(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Host tensors in pinned memory: their copies to the device are queued, never waited for (a pageable
+    source makes the driver synchronise). torch's host allocator keeps each block until its copy ran."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory() for a in arrays)
 
 
 _SHARED: FlashInferAttention | None = None
