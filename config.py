@@ -93,6 +93,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Attention kernels: auto picks the best importable backend; or force one by name."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
+    fused_ops: str = "auto"
+    """Elementwise kernels of each layer (RMSNorm, SiLU-and-mul, RoPE + KV store): auto (triton on CUDA,
+    torch elsewhere), triton, or torch (the references)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

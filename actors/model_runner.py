@@ -82,9 +82,12 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.worker.device)
         t0 = time.perf_counter()
-        backend = config.worker.attention_backend  # "auto" is resolved by the model for its device and head size
+        # "auto" choices are resolved by the model for its device and head size
+        kwargs = {"attention_backend": config.worker.attention_backend}
+        if config.worker.fused_ops != "auto":
+            kwargs["fused_ops"] = config.worker.fused_ops
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
-                                              progress=progress, model_kwargs={"attention_backend": backend},
+                                              progress=progress, model_kwargs=kwargs,
                                               load_format=config.model.load_format)
         self.load_seconds = time.perf_counter() - t0
         self.model = self.loaded.module.eval()

@@ -54,6 +54,7 @@ class GPUWorkerActor(Actor):
                                                          block_size=r.block_size, max_model_len=r.max_model_len))
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "attention": r.model.attention_backend_name,
+                "fused_ops": r.model.fused_ops_name,
                 "load_s": f"{r.load_seconds:.2f}"}
 
     async def teardown(self) -> None:

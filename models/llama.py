@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flotilla.kernels.activation import silu_and_mul
 from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_shape
-from flotilla.kernels.norm import fused_add_rms_norm, rms_norm
-from flotilla.kernels.rope import apply_rope, rope_cos_sin_cache
+from flotilla.kernels.ops import current_ops, get_ops, use_ops
+from flotilla.kernels.rope import rope_cos_sin_cache
 from flotilla.models.hf_config import HFModelConfig
 
 # Checkpoint tensors that are derived state, not weights.
@@ -56,13 +55,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = current_ops()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -104,6 +104,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.ops = current_ops()
 
     def forward(
         self,
@@ -120,8 +121,11 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(positions, q, k, cos_sin_cache)
-        self.backend.store_kv(k, v, kv_cache, meta.slot_mapping)
+        if self.ops.rope_and_store_kv is not None:  # one launch: rotated K goes straight to its cache slot
+            q = self.ops.rope_and_store_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+        else:
+            q, k = self.ops.apply_rope(positions, q, k, cos_sin_cache)
+            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.backend.forward(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -135,18 +139,19 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
 
-    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -172,11 +177,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
+    def __init__(
+        self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool, make_mlp: Callable[[int], nn.Module]
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, qk_norm, make_mlp(i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -211,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "up_proj", "up"),
     )
 
-    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto") -> None:
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto") -> None:
         super().__init__()
         window = config.sliding_window
         if window is not None and window < config.max_position_embeddings:
@@ -226,7 +233,11 @@ class LlamaForCausalLM(nn.Module):
         backend = get_attention_backend(attention_backend, device=torch.get_default_device(), head_dim=config.head_dim)
         self.attention_backend_name = backend.name
         """The attention kernels chosen (for the ready log line)."""
-        self.model = LlamaModel(config, backend, self.qk_norm)
+        ops = get_ops(fused_ops, device=torch.get_default_device())
+        self.fused_ops_name = ops.name
+        """The elementwise kernels chosen (kernels/ops.py)."""
+        with use_ops(ops):
+            self.model = LlamaModel(config, backend, self.qk_norm, self._make_mlp)
         # Tied models have no lm_head module at all, so meta construction + to_empty cannot untie it.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         q = config.num_attention_heads * config.head_dim
@@ -240,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
             "gate": (0, inter),
             "up": (inter, inter),
         }
+
+    def _make_mlp(self, layer_idx: int) -> nn.Module:
+        """The MLP of decoder layer `layer_idx` (MoE models override this; called during __init__)."""
+        return LlamaMLP(self.config)
 
     def forward(
         self,

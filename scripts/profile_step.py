@@ -4,7 +4,10 @@ For each batch size: fill B sequences with a prompt, then time N decode steps en
 the forward window on the device's timeline (CUDA events around the module's forward, or around the
 graph replay with its input copies and attention plan). A forward window much longer than the GPU's
 work means the host could not launch kernels fast enough (eager); wall minus the window is the step's
-work outside the forward (metadata, sampling, copies).
+work outside the forward (metadata, sampling, copies). Then the same steps again as the worker runs
+them, overlapped (step k+1 launched before step k's tokens are waited for): overlapped_step_ms, and
+launch_host_ms, the host time to stage and launch one step; when it is below the device's step time
+the device never waits for the host.
 
     python -m flotilla.scripts.profile_step --model qwen3-8b --batch 1,64 --steps 50
 """
@@ -30,8 +33,8 @@ from flotilla.transport.messages import NewSequence, StepPlan
 
 def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> tuple[StepPlan, list[StepPlan]]:
     bs = runner.block_size
-    per_seq = -(-(prompt_len + steps + 1) // bs)
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    per_seq = -(-(prompt_len + 2 * steps + 1) // bs)  # room for the timed pass and the overlapped pass
+    sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
     rng = np.random.default_rng(0)
     new = [NewSequence(rid=f"s{i}", token_ids=rng.integers(0, 10000, prompt_len, dtype=np.int32),
                        num_computed_tokens=0, block_ids=np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32),
@@ -72,9 +75,32 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dic
     wall = (time.perf_counter() - t0) * 1000 / (steps - 3)
     setattr(owner, attr, original)
     gpu_forward = sum(s.elapsed_time(e) for s, e in forward_ms) / len(forward_ms)
+    # the worker's overlapped loop: step k+1 is launched before step k's tokens are waited for
+    launch_s = 0.0
+    overlapped = decodes_for_overlap(decodes)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for k, plan in enumerate(overlapped):
+        t1 = time.perf_counter()
+        runner.launch(plan)
+        launch_s += time.perf_counter() - t1
+        if k:
+            runner.finish_oldest()
+    runner.finish_oldest()
+    torch.cuda.synchronize()
+    overlap_wall = (time.perf_counter() - t0) * 1000 / len(overlapped)
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
     return {"batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
-            "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1)}
+            "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1),
+            "overlapped_step_ms": round(overlap_wall, 3), "launch_host_ms": round(launch_s * 1000 / len(overlapped), 3),
+            "overlapped_tok_per_s": round(batch * 1000 / overlap_wall, 1)}
+
+
+def decodes_for_overlap(decodes: list[StepPlan]) -> list[StepPlan]:
+    """The same decode plans again under fresh step numbers, for a second, overlapped, pass."""
+    import msgspec
+    base = decodes[-1].step + 1
+    return [msgspec.structs.replace(p, step=base + i) for i, p in enumerate(decodes[3:])]
 
 
 def main(argv: list[str] | None = None) -> int:

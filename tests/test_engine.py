@@ -249,3 +249,22 @@ def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
             assert (engine.client.runtime.actors["worker/0"].runner.graphs is None) == eager
             outs[eager] = run(engine, ps, max_tokens=lengths)
     assert outs[False] == outs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_fused_ops_give_the_torch_ops_greedy_tokens_on_cuda(tmp_path):
+    model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))
+    ps = prompts(8, seed=15)
+    outs = {}
+    for ops in ("triton", "torch"):
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", fused_ops=ops) as engine:
+            assert engine.client.ready_detail["worker/0"]["fused_ops"] == ops
+            outs[ops] = run(engine, ps, max_tokens=8)
+    assert outs["triton"] == outs["torch"]
+
+
+def test_unknown_fused_ops_fail_the_start_with_the_choices(tiny):
+    with pytest.raises(Exception, match="triton"):
+        with LLM(tiny, kv_cache_blocks=64, block_size=4, fused_ops="fastest"):
+            pass
