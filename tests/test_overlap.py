@@ -36,6 +36,18 @@ def runner_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def cuda_runner_factory(tmp_path_factory):
+    """The CUDA path: flashinfer attention, CUDA-graph decodes, tokens copied back behind events."""
+    model_dir = write_tiny_model(Path(tmp_path_factory.mktemp("overlap-cuda")) / "m", "qwen3_hd64")
+
+    def make(num_blocks: int) -> ModelRunner:
+        config = EngineConfig.from_options(model=str(model_dir), device="cuda", dtype="float16",
+                                           kv_cache_blocks=num_blocks, block_size=4, max_num_seqs=8)
+        return ModelRunner(config, progress=False)
+    return make
+
+
 def requests() -> list[TokenizedRequest]:
     rng = np.random.default_rng(7)
     kinds = [
@@ -87,6 +99,19 @@ def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(runner_factory, 
             np.testing.assert_allclose(got_logprobs[rid], want_logprobs[rid], rtol=1e-5, atol=1e-6)
         if num_blocks == 14:
             assert preemptions > 0  # the tiny cache forced recomputation with steps pending
+
+
+@pytest.mark.gpu
+def test_overlapped_steps_on_cuda_with_graphs_give_the_tokens_of_one_step_at_a_time(cuda_runner_factory):
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runner = cuda_runner_factory(200)
+    assert runner.graphs is not None
+    want_tokens, _, _ = run(runner, depth=1, budget=48)
+    for depth in (2, 3):
+        got_tokens, _, _ = run(cuda_runner_factory(200), depth=depth, budget=48)
+        assert got_tokens == want_tokens, depth
 
 
 def test_a_step_that_feeds_unsettled_tokens_really_reads_them_from_the_device(runner_factory):
