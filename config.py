@@ -98,6 +98,26 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     torch elsewhere), triton, or torch (the references)."""
 
 
+class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Prefill-decode disaggregation: the engine's role and how its KV blocks move."""
+
+    role: Literal["both", "prefill", "decode"] = "both"
+    """both: a colocated engine (prompt and generation here); prefill: runs prompts, samples the first token and
+    hands the prompt's KV to a decode engine; decode: pulls that KV and generates (vLLM/SGLang call it the
+    disaggregation mode)."""
+    kv_transfer_backend: Literal["dlslime_tcp", "local"] = "dlslime_tcp"
+    """How KV blocks move between engines: dlslime_tcp (CPU KV cache, between processes or hosts); local (both
+    engines in one process: a tensor copy)."""
+    kv_host: str = "127.0.0.1"
+    """Interface the KV data plane serves this engine's blocks on; never a wildcard (dlslime checks no access)."""
+    kv_transfer_timeout_s: float = 30.0
+    """A KV migration (or the peer's endpoint exchange) not done after this long fails its request, seconds."""
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be positive")
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything an engine needs; each actor reads the parts it uses."""
 
@@ -105,11 +125,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from flat vLLM-style keyword options (`LLM(block_size=8, max_num_seqs=4)`)."""
-        parts: dict[str, dict[str, object]] = {"model": {}, "cache": {}, "scheduler": {}, "worker": {}}
+        parts: dict[str, dict[str, object]] = {part: {} for part in _PARTS}
         owners = {name: part for part, sub in _PARTS.items() for name in sub.__struct_fields__}
         for name, value in options.items():
             if name not in owners:
@@ -128,4 +149,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 _PARTS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
+    "disagg": DisaggConfig,
 }

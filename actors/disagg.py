@@ -43,6 +43,7 @@ class PrefillBatchScheduler(BatchScheduler):
         self.outbox: list[Message] = []
         """KVReadyEvents for the decode side, drained by the actor after each call."""
         self._transfers: set[str] = set()  # rids of disaggregated requests: the decode side streams them
+        self._released_early: set[str] = set()  # transfer ids released before their hand-off (decode side died)
 
     def add(self, req: TokenizedRequest) -> bool:
         if req.transfer_id is not None:  # only the first token is sampled here
@@ -76,6 +77,11 @@ class PrefillBatchScheduler(BatchScheduler):
     def _hand_off(self, seq: Sequence, tok: int) -> bool:
         if seq.transfer_id is None:
             return False
+        if seq.transfer_id in self._released_early:  # nobody will read these blocks: no pin, no KVReady
+            self._released_early.discard(seq.transfer_id)
+            self._release(seq)
+            self._transfers.discard(seq.rid)
+            return True
         prompt_blocks = -(-len(seq.prompt_ids) // self.blocks.block_size)
         self.blocks.pin(seq.rid, seq.transfer_id)
         self.outbox.append(KVReadyEvent(
@@ -86,14 +92,20 @@ class PrefillBatchScheduler(BatchScheduler):
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> SeqTokens:
-        if seq.transfer_id is not None:  # aborted or failed before the hand-off: the decode side must not wait
+        if seq.transfer_id in self._released_early:
+            self._released_early.discard(seq.transfer_id)
+        elif seq.transfer_id is not None:  # aborted or failed before the hand-off: the decode side must not wait
             self.outbox.append(KVReadyEvent(transfer_id=seq.transfer_id, block_ids=np.zeros(0, np.int32),
                                             num_tokens=0, first_token=-1, src_engine=self.engine,
                                             error=f"prefill ended: {reason}"))
         return super()._finish(seq, reason)
 
     def on_blocks_released(self, ev: BlocksReleasedEvent) -> None:
-        self.blocks.unpin(ev.transfer_id)
+        if self.blocks.unpin(ev.transfer_id):
+            return
+        # no pin yet: the front end releases a transfer whose decode engine died before the hand-off
+        if any(self.seqs[rid].transfer_id == ev.transfer_id for rid in self._transfers if rid in self.seqs):
+            self._released_early.add(ev.transfer_id)
 
 
 @dataclass(slots=True)
@@ -127,6 +139,13 @@ class DecodeBatchScheduler(BatchScheduler):
         self._advance(self.transfers[req.transfer_id])
         return True
 
+    def refuse(self, transfer_id: str) -> None:
+        """A transfer's request was refused here (queue full): answer its KVReady with BlocksReleased."""
+        if self._early.pop(transfer_id, None) is not None:
+            self.outbox.append(BlocksReleasedEvent(transfer_id=transfer_id))
+        else:
+            self._released.add(transfer_id)
+
     def on_kv_ready(self, ev: KVReadyEvent) -> list[SeqTokens]:
         t = self.transfers.get(ev.transfer_id)
         if t is None:
@@ -136,6 +155,13 @@ class DecodeBatchScheduler(BatchScheduler):
             else:
                 self._early[ev.transfer_id] = ev
             return []
+        if t.ready is not None:  # a second KVReady: the front end's word that the prefill engine died
+            if ev.error is None:
+                return []
+            if t.migrating:  # the read fails or lands; the blocks wait for its MigrationDone
+                t.aborted = True
+                return []
+            return [self._end(t, "error")]
         if ev.error is None and ev.block_size != self.blocks.block_size:
             ev = msgspec.structs.replace(ev, error=f"block size {ev.block_size} on the prefill side, "
                                                    f"{self.blocks.block_size} here: the KV cannot be moved")

@@ -4,6 +4,13 @@ It admits TokenizedRequests, plans a step whenever none is in flight, sends the 
 worker rank, applies the StepResult (stop checks, freeing blocks) and pushes one TokenDelta per step
 to the detokenizer. Nothing is admitted before the workers reported their KV cache (KVCacheInfoEvent);
 requests arriving earlier wait in order.
+
+Roles (EngineConfig.disagg.role): a colocated engine runs BatchScheduler; a prefill engine runs
+PrefillBatchScheduler and a decode engine DecodeBatchScheduler (actors/disagg.py). For a disaggregated
+request the shell routes what those policies put in their outbox: KVReadyEvent to the decode engine's
+scheduler, BlocksReleasedEvent back to the prefill engine's, MigrateKVCmd to this engine's KV-migration
+actors (one per worker rank; every rank reports MigrationDoneEvent and the policy hears of the migration
+once all have). The peer's addresses come with the request (TokenizedRequest.peer).
 """
 
 from __future__ import annotations
@@ -12,13 +19,21 @@ import logging
 import time
 
 from flotilla.actors.base import Actor, ActorContext
+import msgspec
+import numpy as np
+
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
+from flotilla.actors.disagg import DecodeBatchScheduler, PrefillBatchScheduler
 from flotilla.config import EngineConfig
 from flotilla.transport.messages import (
     AbortCmd,
+    BlocksReleasedEvent,
     KVCacheInfoEvent,
+    KVReadyEvent,
     Message,
+    MigrateKVCmd,
+    MigrationDoneEvent,
     RequestFailedEvent,
     SchedulerStatsEvent,
     SeqTokens,
@@ -26,6 +41,7 @@ from flotilla.transport.messages import (
     StepResult,
     TokenDelta,
     TokenizedRequest,
+    TransferPeer,
 )
 
 log = logging.getLogger(__name__)
@@ -38,7 +54,8 @@ class SchedulerActor(Actor):
     """Continuous batching for one engine."""
 
     kind = "scheduler"
-    inbox = (TokenizedRequest, AbortCmd, StepResult, KVCacheInfoEvent)
+    inbox = (TokenizedRequest, AbortCmd, StepResult, KVCacheInfoEvent, KVReadyEvent, MigrationDoneEvent,
+             BlocksReleasedEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -49,10 +66,16 @@ class SchedulerActor(Actor):
         self.num_ranks = len(ctx.endpoints.instances(self.workers))
         self.core: BatchScheduler | None = None
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
-        self._early: list[TokenizedRequest | AbortCmd] = []
+        self._early: list[Message] = []
         self._inflight: dict[int, StepPlan] = {}
         self._max_inflight = self.config.scheduler.max_steps_in_flight
         self._stats_at = 0.0
+        self.role = self.config.disagg.role
+        self.engine_id = str(ctx.config.get("engine_id", "engine"))
+        self.kv_migration = str(ctx.config.get("kv_migration", "kv_migration"))
+        self._peers: dict[str, TransferPeer] = {}  # transfer id -> the other engine, until BlocksReleased
+        self._done: dict[str, list[MigrationDoneEvent]] = {}  # transfer id -> reports of the ranks so far
+        self.kv_migrated_bytes = 0
 
     async def on_kv_cache_info_event(self, ev: KVCacheInfoEvent) -> None:
         self._kv_info[ev.rank] = ev
@@ -61,29 +84,119 @@ class SchedulerActor(Actor):
         num_blocks = min(e.num_blocks for e in self._kv_info.values())
         max_len = min(e.max_model_len for e in self._kv_info.values())
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching)
-        self.core = BatchScheduler(self.config.scheduler, blocks, max_len)
-        log.info("scheduler: %d KV blocks x %d tokens, max_model_len %d", num_blocks, ev.block_size, max_len)
+        if self.role == "prefill":
+            self.core = PrefillBatchScheduler(self.config.scheduler, blocks, max_len, engine=self.engine_id)
+        elif self.role == "decode":
+            self.core = DecodeBatchScheduler(self.config.scheduler, blocks, max_len)
+        else:
+            self.core = BatchScheduler(self.config.scheduler, blocks, max_len)
+        log.info("scheduler (%s, role %s): %d KV blocks x %d tokens, max_model_len %d", self.engine_id, self.role,
+                 num_blocks, ev.block_size, max_len)
         await self._stats()
         early, self._early = self._early, []
         for msg in early:
-            await (self.on_tokenized_request(msg) if isinstance(msg, TokenizedRequest) else self.on_abort_cmd(msg))
+            await getattr(self, self._handlers[type(msg)])(msg)
 
     async def on_tokenized_request(self, req: TokenizedRequest) -> None:
         if self.core is None:
             self._early.append(req)
             return
+        if req.transfer_id is not None:
+            if self.role == "both" or req.peer is None:
+                await self.send(self.frontend, RequestFailedEvent(
+                    rid=req.rid, status=400, message=f"engine {self.engine_id} (role {self.role}) cannot take a "
+                                                     "disaggregated request" + ("" if req.peer else " without a peer")))
+                return
+            self._peers[req.transfer_id] = req.peer
         if not self.core.add(req):
             await self.send(self.frontend, RequestFailedEvent(
                 rid=req.rid, status=429, code="rate_limit_exceeded",
                 message=f"the engine has {self.core.num_waiting} requests waiting; retry later"))
+            if req.transfer_id is not None:
+                self._refused(req)
+                await self._route()
             return
+        await self._route()
         await self._step()
+
+    def _refused(self, req: TokenizedRequest) -> None:
+        """A disaggregated request refused here: the other side must not wait for it."""
+        if isinstance(self.core, PrefillBatchScheduler):
+            self.core.outbox.append(KVReadyEvent(
+                transfer_id=req.transfer_id, block_ids=np.zeros(0, np.int32), num_tokens=0, first_token=-1,
+                src_engine=self.engine_id, error=f"prefill engine {self.engine_id} refused it: queue full"))
+        elif isinstance(self.core, DecodeBatchScheduler):
+            self.core.refuse(req.transfer_id)
+
+    # ---- disaggregation: messages between the two engines' schedulers and the migration actors ----------
+
+    async def on_kv_ready_event(self, ev: KVReadyEvent) -> None:
+        if self.core is None:
+            self._early.append(ev)
+            return
+        if not isinstance(self.core, DecodeBatchScheduler):
+            log.warning("scheduler %s (role %s): KVReady for %s ignored", self.engine_id, self.role, ev.transfer_id)
+            return
+        deltas = self.core.on_kv_ready(ev)
+        await self._route()
+        await self._emit(deltas)
+        await self._step()
+
+    async def on_migration_done_event(self, ev: MigrationDoneEvent) -> None:
+        if not isinstance(self.core, DecodeBatchScheduler):
+            log.warning("scheduler %s (role %s): MigrationDone for %s ignored", self.engine_id, self.role,
+                        ev.transfer_id)
+            return
+        reports = self._done.setdefault(ev.transfer_id, [])
+        reports.append(ev)
+        if len(reports) < self.num_ranks:
+            return
+        del self._done[ev.transfer_id]
+        self.kv_migrated_bytes += sum(r.num_bytes for r in reports)
+        errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error is not None]
+        deltas = self.core.on_migration_done(MigrationDoneEvent(
+            transfer_id=ev.transfer_id, error="; ".join(errors) if errors else None))
+        await self._route()
+        await self._emit(deltas)
+        await self._step()
+
+    async def on_blocks_released_event(self, ev: BlocksReleasedEvent) -> None:
+        if self.core is None:
+            self._early.append(ev)
+            return
+        self._peers.pop(ev.transfer_id, None)
+        if isinstance(self.core, PrefillBatchScheduler):
+            self.core.on_blocks_released(ev)
+        await self._step()
+        await self._stats()
+
+    async def _route(self) -> None:
+        """Send what the disaggregation policy queued to where it goes."""
+        core = self.core
+        if not isinstance(core, (PrefillBatchScheduler, DecodeBatchScheduler)) or not core.outbox:
+            return
+        out, core.outbox = core.outbox, []
+        for msg in out:
+            if isinstance(msg, MigrateKVCmd):
+                peer = self._peers[msg.transfer_id]
+                cmd = msgspec.structs.replace(msg, src_kv=peer.kv)
+                for rank in range(self.num_ranks):
+                    await self.send(self.kv_migration, cmd, instance=rank)
+                continue
+            # KVReady (prefill -> decode) keeps the peer for the BlocksReleased to come; BlocksReleased ends it
+            peer = (self._peers.get if isinstance(msg, KVReadyEvent) else self._peers.pop)(msg.transfer_id, None)
+            if peer is None:
+                log.warning("scheduler %s: no peer engine known for transfer %s; %s dropped", self.engine_id,
+                            msg.transfer_id, type(msg).__name__)
+                continue
+            await self.send_to(peer.scheduler, msg)
 
     async def on_abort_cmd(self, msg: AbortCmd) -> None:
         if self.core is None:
             self._early = [m for m in self._early if not (isinstance(m, TokenizedRequest) and m.rid == msg.rid)]
             return
         delta = self.core.abort(msg.rid)
+        await self._route()
         await self._emit([delta] if delta is not None else [])
         await self._step()
 
@@ -95,6 +208,7 @@ class SchedulerActor(Actor):
         if result.error is not None:
             log.error("scheduler: step %d failed in the worker: %s", result.step, result.error)
         deltas = self.core.update(result)
+        await self._route()  # a prefill hands its KV off as soon as its first token is sampled
         await self._step()  # the worker gets its next plan before the detokenizer gets this step's tokens
         await self._emit(deltas)
 
@@ -126,7 +240,8 @@ class SchedulerActor(Actor):
         self.send_nowait(self.frontend, SchedulerStatsEvent(
             num_running=len(core.running), num_waiting=core.num_waiting, kv_usage=blocks.usage,
             prefix_cache_hit_rate=blocks.prefix_cache_hit_rate, num_preemptions=core.num_preemptions,
-            kv_capacity_tokens=blocks.num_blocks * blocks.block_size))
+            kv_capacity_tokens=blocks.num_blocks * blocks.block_size, num_transfers=len(self._peers),
+            kv_migrated_bytes=self.kv_migrated_bytes))
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, TokenizedRequest):

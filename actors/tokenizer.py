@@ -123,7 +123,8 @@ class RequestTokenizer:
                                f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
                                code="context_length_exceeded")
         return TokenizedRequest(rid=req.rid, prompt_ids=ids, sampling=sampling, eos_token_ids=self.eos_ids,
-                                arrival_time=req.arrival_time, priority=req.priority)
+                                arrival_time=req.arrival_time, priority=req.priority, transfer_id=req.transfer_id,
+                                peer=req.peer)
 
 
 class TokenizerActor(Actor):

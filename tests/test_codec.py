@@ -33,7 +33,7 @@ def _strategy(tp: typing.Any) -> st.SearchStrategy:
         return _arrays
     if tp is SamplingParams:
         return _sampling
-    if isinstance(tp, type) and issubclass(tp, m.Message):
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):  # messages and the structs inside them
         return _message(tp)
     if origin in (typing.Union, types.UnionType):
         return st.one_of([_strategy(a) for a in args])

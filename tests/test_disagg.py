@@ -154,3 +154,51 @@ def test_a_block_size_mismatch_fails_the_request_and_releases_the_prefill_side()
     assert [d.finish_reason for d in deltas] == ["error"]
     assert [type(m) for m in dec.sched.outbox] == [BlocksReleasedEvent]
     assert dec.blocks.num_free_blocks == 50
+
+
+def _req(rid: str = "r") -> TokenizedRequest:
+    return TokenizedRequest(rid=rid, prompt_ids=np.arange(8, 20, dtype=np.int32), transfer_id=rid,
+                            sampling=SamplingParams(max_tokens=4, temperature=0))
+
+
+def _ready(rid: str = "r", error: str | None = None) -> KVReadyEvent:
+    return KVReadyEvent(transfer_id=rid, block_ids=np.arange(3, dtype=np.int32), num_tokens=12, first_token=9,
+                        src_engine="p", block_size=BS, error=error)
+
+
+def test_a_request_refused_by_the_decode_side_answers_its_kv_ready_with_a_release():
+    for kv_first in (False, True):
+        dec = Engine(DecodeBatchScheduler, 50, 1)
+        if kv_first:
+            assert dec.sched.on_kv_ready(_ready()) == []
+        dec.sched.refuse("r")
+        if not kv_first:
+            assert dec.sched.on_kv_ready(_ready()) == []
+        assert [type(m) for m in dec.sched.outbox] == [BlocksReleasedEvent]
+        assert not (dec.sched._early or dec.sched._released)
+
+
+def test_a_prefill_death_reported_during_the_migration_frees_the_decode_blocks_only_after_it():
+    dec = Engine(DecodeBatchScheduler, 50, 1)
+    assert dec.sched.add(_req())
+    dec.sched.on_kv_ready(_ready())
+    assert [type(m) for m in dec.sched.outbox] == [MigrateKVCmd]
+    dec.sched.outbox.clear()
+    # the front end's word that the prefill engine died, while the data plane still writes the blocks
+    assert dec.sched.on_kv_ready(_ready(error="prefill engine p died")) == []
+    assert dec.blocks.num_free_blocks < 50
+    deltas = dec.sched.on_migration_done(MigrationDoneEvent(transfer_id="r", error="peer gone"))
+    assert [d.finish_reason for d in deltas] == ["abort"]
+    assert dec.blocks.num_free_blocks == 50
+    assert [type(m) for m in dec.sched.outbox] == [BlocksReleasedEvent]
+
+
+def test_a_release_before_the_hand_off_leaves_no_pin_behind():
+    pre = Engine(PrefillBatchScheduler, 50, 1, engine="p")
+    assert pre.sched.add(_req())
+    pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id="r"))  # its decode engine died meanwhile
+    assert pre.step() == []
+    assert pre.sched.outbox == [] and not pre.blocks._pins and not pre.sched.seqs
+    assert pre.blocks.num_free_blocks == 50
+    pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id="unknown"))  # and a stray one is harmless
+    assert not pre.sched._released_early

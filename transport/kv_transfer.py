@@ -30,9 +30,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Self
 
-import msgspec
 import numpy as np
 import torch
+
+from flotilla.transport.messages import EndpointInfo, RegionInfo
 
 Range = tuple[int, int, int]
 """(local_offset, remote_offset, length), bytes, offsets relative to the start of each registered region."""
@@ -48,34 +49,6 @@ Buffer = torch.Tensor | np.ndarray | bytearray | memoryview
 
 class KVTransferError(RuntimeError):
     """The one error of the data plane: bad ranges, unknown regions, timeouts, a peer that is gone."""
-
-
-class EndpointInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
-    """How a peer reaches this engine; sent over the control plane and given to the peer's `connect`."""
-
-    backend: str
-    """Backend name (`local`, `dlslime_tcp`); a peer of another backend cannot connect."""
-    engine_id: str
-    """Unique id of the transfer engine; RegionInfo.engine_id names its owner with it."""
-    host: str = ""
-    """Address the engine serves reads on (network backends only)."""
-    port: int = 0
-    """TCP port the engine serves reads on (network backends only)."""
-
-
-class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
-    """One registered memory region, as its owner describes it to a peer that will read from it."""
-
-    name: str
-    """Region name, unique within its engine (e.g. `kv.layer3` or `kv`)."""
-    engine_id: str
-    """The owning engine (EndpointInfo.engine_id)."""
-    backend: str
-    """Backend that registered it."""
-    length: int
-    """Size of the region, bytes; every range must stay inside it."""
-    addr: int = 0
-    """Start address in the owner's process (network backends address remote memory with it)."""
 
 
 def as_byte_tensor(buffer: Buffer) -> torch.Tensor:

@@ -24,6 +24,49 @@ class Message(msgspec.Struct, tag=True, kw_only=True, array_like=True, omit_defa
 
 
 # ---------------------------------------------------------------------------------------------
+# Parts of messages (plain structs that ride inside them)
+
+
+class TransferPeer(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """The other engine of a disaggregated request: where its scheduler and KV-migration actors listen."""
+
+    engine: str
+    """The peer engine's id."""
+    scheduler: str
+    """Its scheduler's inbox (a ZeroMQ URL): KVReady goes there (prefill -> decode), BlocksReleased back."""
+    kv: list[str] = []
+    """A prefill peer's KV-migration actors' inboxes, by worker rank (the decode side reads from them)."""
+
+
+class EndpointInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """How a peer reaches a KV transfer engine (transport/kv_transfer.py); given to the peer's `connect`."""
+
+    backend: str
+    """Backend name (`local`, `dlslime_tcp`); a peer of another backend cannot connect."""
+    engine_id: str
+    """Unique id of the transfer engine; RegionInfo.engine_id names its owner with it."""
+    host: str = ""
+    """Address the engine serves reads on (network backends only)."""
+    port: int = 0
+    """TCP port the engine serves reads on (network backends only)."""
+
+
+class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """One registered memory region, as its owner describes it to a peer that will read from it."""
+
+    name: str
+    """Region name, unique within its engine (e.g. `kv.layer3` or `kv`)."""
+    engine_id: str
+    """The owning engine (EndpointInfo.engine_id)."""
+    backend: str
+    """Backend that registered it."""
+    length: int
+    """Size of the region, bytes; every range must stay inside it."""
+    addr: int = 0
+    """Start address in the owner's process (network backends address remote memory with it)."""
+
+
+# ---------------------------------------------------------------------------------------------
 # 1. front end -> tokenizer
 
 
@@ -48,6 +91,10 @@ class GenerateRequest(Message):
     """time.time() when the front end received the request, seconds."""
     priority: int = 0
     """Lower runs first when the scheduler uses priority order; FIFO among equals."""
+    transfer_id: str | None = None
+    """Disaggregated request: the router sends it to a prefill and a decode engine with this one id."""
+    peer: TransferPeer | None = None
+    """Disaggregated request: the other engine of the pair."""
 
 
 class AbortCmd(Message):
@@ -78,6 +125,8 @@ class TokenizedRequest(Message):
     """Lower runs first under priority scheduling."""
     transfer_id: str | None = None
     """Set for a disaggregated request: the prefill and decode engines both get it with this id."""
+    peer: TransferPeer | None = None
+    """Set for a disaggregated request: the other engine of the pair."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,15 +235,49 @@ class MigrateKVCmd(Message):
     """Prefill-side blocks, int32."""
     dst_block_ids: Array
     """Decode-side blocks, int32, pairwise with src_block_ids."""
+    src_kv: list[str] = []
+    """The prefill engine's KV-migration actors' inboxes, by rank (the scheduler shell fills them in)."""
 
 
 class MigrationDoneEvent(Message):
-    """KV-migration actor -> decode scheduler: the copy finished (or failed)."""
+    """KV-migration actor -> decode scheduler: the copy finished (or failed). One per worker rank."""
 
     transfer_id: str
     """The request's transfer id."""
     error: str | None = None
     """Why it failed, if it did."""
+    rank: int = 0
+    """The migration actor's worker rank."""
+    num_bytes: int = 0
+    """KV bytes this rank pulled for the transfer, bytes."""
+
+
+class KVEndpointRequest(Message):
+    """Decode-side KV-migration actor -> prefill-side one of the same rank: describe your KV memory."""
+
+    rank: int
+    """Worker rank whose memory is wanted."""
+    reply_to: str
+    """Inbox address to answer to (a ZeroMQ URL)."""
+    key: str = ""
+    """Echoed in the answer, so the asker knows which of its requests it answers."""
+
+
+class KVEndpointEvent(Message):
+    """The answer to KVEndpointRequest: how to reach the rank's KV memory on the data plane."""
+
+    rank: int
+    """Worker rank."""
+    endpoint: EndpointInfo
+    """The transfer engine to connect to."""
+    key: str = ""
+    """The request's key."""
+    regions: list[RegionInfo] = []
+    """One region per layer, in layer order; block b of a layer starts at b * block_bytes."""
+    block_bytes: int = 0
+    """Bytes of one block of one layer, bytes."""
+    error: str | None = None
+    """Set when the rank cannot serve its KV (then the other fields are empty)."""
 
 
 class BlocksReleasedEvent(Message):
@@ -291,6 +374,10 @@ class SchedulerStatsEvent(Message):
     """Sequences preempted since start."""
     kv_capacity_tokens: int
     """KV cache capacity, tokens."""
+    num_transfers: int = 0
+    """Disaggregated transfers this engine still holds KV blocks for (prefill: pinned until BlocksReleased)."""
+    kv_migrated_bytes: int = 0
+    """KV bytes pulled into this engine by migrations since start (decode role), bytes."""
 
 
 class RequestFailedEvent(Message):
