@@ -13,6 +13,7 @@ ACTOR_KINDS: dict[str, str] = {
     "scheduler": "flotilla.actors.scheduler:SchedulerActor",
     "worker": "flotilla.actors.worker:GPUWorkerActor",
     "detokenizer": "flotilla.actors.detokenizer:DetokenizerActor",
+    "kv_migration": "flotilla.actors.kv_migration:KVMigrationActor",
 }
 """kind -> "module:Class"."""
 
