@@ -4,6 +4,11 @@ Starts every process of a topology (those placed on this host), waits for every 
 prints where each actor listens, then supervises: Ctrl-C or SIGTERM stops every actor gracefully; an
 actor that dies or hangs tears the whole topology down and the launcher exits non-zero. No process is
 left behind, also when a child dies at start or the launcher itself is killed (children die with it).
+
+A file with an `engines` list is a served deployment instead (scripts/topologies/pd-1p1d.toml): the
+launcher becomes the OpenAI front end and router (`flotilla serve --engines ...`) in front of those
+engines, each engine's actors in their own processes under their own supervisor, so one engine's death
+is not the others'. `--model` and `--port` fill in or override the file's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import asyncio
 import logging
 import signal
 import sys
+import tomllib
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import uvloop
@@ -32,6 +40,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not start actor NAME; wait for it to be started by hand with `flotilla actor NAME "
                         "--endpoints ...` (debug one actor against the live topology). Repeatable")
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+    p.add_argument("--model", default=None, help="deployment files only: the model folder (overrides the file's)")
+    p.add_argument("--port", type=int, default=None, help="deployment files only: the HTTP port (overrides the file's)")
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A served deployment: one front end (HTTP server + router) and the engines it routes requests to."""
+
+    name: str = "flotilla"
+    """Used in log lines."""
+    engines: list[str]
+    """One engine per entry, by role: prefill, decode, both (what `flotilla serve --engines` takes)."""
+    model: str | None = None
+    """HF model folder; `--model` overrides it; none = the embedded default model."""
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on."""
+    port: int = 8000
+    """HTTP port; `--port` overrides it."""
+    registry: str = "memory"
+    """Service registry: memory, or redis://HOST:PORT/DB."""
+    engine: dict[str, Any] = {}
+    """Engine options for every engine, named like the `flotilla serve` flags with underscores (block_size = 16)."""
+
+
+def load_deployment(path: str | Path) -> Deployment | None:
+    """The deployment a file describes, or None when it is an actor topology."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"topology file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"invalid topology {path}: {e}") from None
+    if "engines" not in data:
+        return None
+    try:
+        return msgspec.convert(data, Deployment)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid deployment {path}: {e}") from None
+
+
+def serve_argv(dep: Deployment, model: str | None, port: int | None, trace: bool) -> list[str]:
+    """The `flotilla serve` command line that runs a deployment."""
+    argv = [a for a in [model or dep.model] if a]
+    argv += ["--host", dep.host, "--port", str(port or dep.port), "--engines", ",".join(dep.engines),
+             "--registry", dep.registry]
+    for key, value in dep.engine.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv + (["--trace"] if trace else [])
+
+
+def run_deployment(dep: Deployment, args: argparse.Namespace) -> int:
+    from flotilla.server import serve
+    from flotilla.server.cli import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog=f"flotilla launch {args.topology}")
+    add_serve_arguments(parser)
+    log.info("deployment %r: a front end and engines %s", dep.name, ", ".join(dep.engines))
+    return serve.main(parser.parse_args(serve_argv(dep, args.model, args.port, args.trace)))
 
 
 def with_externals(topo: Topology, names: list[str]) -> Topology:
@@ -99,6 +169,17 @@ async def launch(topo: Topology, host: str | None, trace: bool) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        deployment = load_deployment(args.topology)
+    except ValueError as e:
+        print(f"flotilla launch: {e}", file=sys.stderr)
+        return 2
+    if deployment is not None:
+        if args.host or args.external:
+            print("flotilla launch: --host and --external apply to actor topologies, not to a deployment",
+                  file=sys.stderr)
+            return 2
+        return run_deployment(deployment, args)
     try:
         topo = with_externals(load_topology(args.topology), args.external)
     except (ValueError, KeyError) as e:

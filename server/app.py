@@ -307,7 +307,8 @@ def build_app(state: ServerState) -> Starlette:
         return _error(503, "the engine is not running", code="engine_dead")
 
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(state.client.stats), media_type=CONTENT_TYPE)
+        engines = state.client.engine_stats() if hasattr(state.client, "engine_stats") else None
+        return Response(state.metrics.render(state.client.stats, engines), media_type=CONTENT_TYPE)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, f"no route {request.method} {request.url.path}", code="not_found")

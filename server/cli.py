@@ -15,10 +15,11 @@ from typing import Any
 
 import msgspec
 
-from flotilla.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from flotilla.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
+    "disaggregation": DisaggConfig,
 }
 _SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
 
@@ -71,6 +72,7 @@ Start the OpenAI-compatible HTTP server and the engine behind it (one process pe
 
   flotilla serve                                   # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
   flotilla serve /models/Qwen3-8B --port 8080 --max-num-seqs 128
+  flotilla serve /models/Qwen3-8B --engines prefill,decode          # prefill-decode disaggregation (CPU KV)
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics.
 """
@@ -94,4 +96,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may take to finish, seconds")
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+    p.add_argument("--engines", default=None, metavar="ROLE[,ROLE...]",
+                   help="start several engines behind this server, one per role listed, each in its own supervised "
+                        "processes, and route every request: `prefill,decode` = prefill-decode disaggregation "
+                        "(1P1D), `prefill,decode,decode` = 1P2D, `both,both` = two colocated engines (data "
+                        "parallel); default: one engine of --role (which must then be both)")
+    p.add_argument("--registry", default=None, metavar="URL",
+                   help="service registry of the engines: `memory` (this process) or redis://HOST:PORT/DB (shared "
+                        "with other nodes); default: memory")
     add_engine_arguments(p)
+
+
+def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None) -> list[tuple[str, EngineConfig]] | None:
+    """The engines of `--engines` as (name, config) with each role set; None = one plain engine (no fleet).
+
+    Names are ROLE-INDEX (prefill-0, decode-0, decode-1, engine-0 for a colocated one)."""
+    if spec is None:
+        if config.disagg.role != "both":
+            raise ValueError(f"a {config.disagg.role} engine alone cannot serve requests: start the pair with "
+                             "--engines prefill,decode (or `flotilla launch scripts/topologies/pd-1p1d.toml`)")
+        return None if registry is None else [("engine-0", config)]
+    roles = [r.strip() for r in spec.split(",") if r.strip()]
+    if not roles or any(r not in ("prefill", "decode", "both") for r in roles):
+        raise ValueError(f"--engines takes roles prefill, decode or both, comma-separated; got {spec!r}")
+    if ("prefill" in roles) != ("decode" in roles):
+        raise ValueError(f"--engines {spec}: prefill engines need decode engines and the other way round")
+    counts: dict[str, int] = {}
+    engines = []
+    for role in roles:
+        i = counts[role] = counts.get(role, -1) + 1
+        name = f"{'engine' if role == 'both' else role}-{i}"
+        engines.append((name, msgspec.structs.replace(config, disagg=msgspec.structs.replace(config.disagg,
+                                                                                             role=role))))
+    return engines

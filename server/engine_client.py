@@ -50,27 +50,65 @@ class RequestFailed(RuntimeError):
         self.status, self.param, self.code = ev.status, ev.param, ev.code
 
 
+class Outcome:
+    """How a request's stream ended: `ended` once the engine said its last word (finish, failure, death),
+    `failed` when that word was a failure or a death."""
+
+    __slots__ = ("ended", "failed")
+
+    def __init__(self) -> None:
+        self.ended = self.failed = False
+
+
+async def deltas(queue: asyncio.Queue, outcome: Outcome) -> AsyncIterator[SeqText]:
+    """A request's SeqTexts from its queue until the last one; RequestFailed / EngineDeadError end it too."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, SeqText):
+            outcome.ended = item.finish_reason is not None
+            yield item
+            if outcome.ended:
+                return
+        elif isinstance(item, RequestFailedEvent):
+            outcome.ended = outcome.failed = True
+            raise RequestFailed(item)
+        else:
+            outcome.ended = outcome.failed = True
+            raise EngineDeadError(str(item))
+
+
 def engine_topology(config: EngineConfig, placement: str = "inline", name: str = "engine",
                     options: RuntimeOptions | None = None) -> Topology:
-    """The actors of one engine, wired by name; each gets the whole EngineConfig."""
+    """The actors of one engine, wired by name; each gets the whole EngineConfig.
+
+    A prefill or decode engine also runs a KV-migration actor per worker rank, in the worker's process
+    (process group "worker") so it can register the rank's KV cache with the data plane."""
     engine = config.to_dict()
-    common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND}
-    return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND], actors=[
+    common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
+    disagg = config.disagg.role != "both"
+    actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
         ActorSpec(name="scheduler", kind="scheduler", config={**common, "workers": "worker",
-                                                             "detokenizer": "detokenizer"}),
-        ActorSpec(name="worker", kind="worker", config=common),
+                                                             "detokenizer": "detokenizer",
+                                                             "kv_migration": "kv_migration"}),
+        ActorSpec(name="worker", kind="worker", config=common, process="worker" if disagg else ""),
         ActorSpec(name="detokenizer", kind="detokenizer", config=common),
-    ])
+    ]
+    if disagg:
+        actors.append(ActorSpec(name="kv_migration", kind="kv_migration", process="worker",
+                                config={**common, "workers": "worker"}))
+    return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
+                    actors=actors)
 
 
 class EngineClient:
     """Start the engine, submit requests, stream their text deltas, abort them."""
 
     def __init__(self, config: EngineConfig, placement: str = "inline", trace: bool = False,
-                 options: RuntimeOptions | None = None) -> None:
+                 options: RuntimeOptions | None = None, name: str = "engine") -> None:
         self.config = config
-        self.topology = engine_topology(config, placement, options=options)
+        self.name = name
+        self.topology = engine_topology(config, placement, name=name, options=options)
         self.runtime = Runtime(self.topology, trace=trace)
         self._pending: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -131,25 +169,14 @@ class EngineClient:
             raise ValueError("stream() takes one sequence; use fan_out() for n > 1")
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[req.rid] = queue
-        finished = False
+        outcome = Outcome()
         try:
             await self.to_tokenizer.send(req)
-            while True:
-                item = await queue.get()
-                if isinstance(item, SeqText):
-                    finished = item.finish_reason is not None
-                    yield item
-                    if finished:
-                        return
-                elif isinstance(item, RequestFailedEvent):
-                    finished = True
-                    raise RequestFailed(item)
-                else:
-                    finished = True
-                    raise EngineDeadError(str(item))
+            async for item in deltas(queue, outcome):
+                yield item
         finally:
             self._pending.pop(req.rid, None)
-            if not finished and self._dead is None:
+            if not outcome.ended and self._dead is None:
                 # the consumer went away (client disconnect, cancellation): free the sequence's blocks
                 await self.abort(req.rid)
 
@@ -174,6 +201,6 @@ class EngineClient:
                     q.put_nowait(msg)
 
     def _engine_died(self, ev: ActorFailedEvent) -> None:
-        self._dead = f"engine actor {ev.actor}/{ev.instance} failed: {ev.reason}"
+        self._dead = f"engine {self.name}: actor {ev.actor}/{ev.instance} failed: {ev.reason}"
         for q in self._pending.values():
             q.put_nowait(self._dead)

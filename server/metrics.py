@@ -52,6 +52,20 @@ class ServerMetrics:
         self.preemptions = Gauge("flotilla_num_preemptions", "Sequences preempted since start.", labels, registry=r)
         self.kv_capacity = Gauge("flotilla_kv_cache_capacity_tokens", "KV cache capacity in tokens.", labels,
                                  registry=r)
+        # several engines behind one front end (server/fleet.py): per engine
+        per_engine = ["model_name", "engine", "role"]
+        self.engine_alive = Gauge("flotilla_engine_alive", "1 while the engine serves, 0 once it died.", per_engine,
+                                  registry=r)
+        self.engine_kv_usage = Gauge("flotilla_engine_kv_cache_usage_perc", "Fraction of the engine's KV blocks "
+                                     "held by sequences or migration pins.", per_engine, registry=r)
+        self.engine_load = Gauge("flotilla_engine_num_requests", "Sequences running or waiting in the engine.",
+                                 per_engine, registry=r)
+        self.kv_transfers = Gauge("flotilla_kv_transfers_in_flight", "Disaggregated transfers the engine holds KV "
+                                  "blocks for (prefill: pinned until the decode side releases them).", per_engine,
+                                  registry=r)
+        self.kv_migration_bytes = Counter("flotilla_kv_migration_bytes", "KV bytes pulled into the engine over the "
+                                          "KV data plane (decode role).", per_engine, registry=r)
+        self._migrated: dict[str, int] = {}
 
     def observe_engine(self, stats: SchedulerStatsEvent | None) -> None:
         if stats is None:
@@ -64,8 +78,26 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.kv_capacity.labels(m).set(stats.kv_capacity_tokens)
 
-    def render(self, stats: SchedulerStatsEvent | None) -> bytes:
+    def observe_engines(self, engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool]]) -> None:
+        """Per-engine state: engine id -> (role, latest stats, alive)."""
+        m = self.model
+        for name, (role, stats, alive) in engines.items():
+            self.engine_alive.labels(m, name, role).set(1 if alive else 0)
+            if stats is None:
+                continue
+            self.engine_kv_usage.labels(m, name, role).set(stats.kv_usage)
+            self.engine_load.labels(m, name, role).set(stats.num_running + stats.num_waiting)
+            self.kv_transfers.labels(m, name, role).set(stats.num_transfers)
+            grown = stats.kv_migrated_bytes - self._migrated.get(name, 0)
+            if grown > 0:
+                self.kv_migration_bytes.labels(m, name, role).inc(grown)
+                self._migrated[name] = stats.kv_migrated_bytes
+
+    def render(self, stats: SchedulerStatsEvent | None,
+               engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool]] | None = None) -> bytes:
         self.observe_engine(stats)
+        if engines:
+            self.observe_engines(engines)
         return generate_latest(self.registry)
 
 

@@ -25,8 +25,9 @@ import uvloop
 from flotilla.actors.tokenizer import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
-from flotilla.server.cli import engine_config_from_args
+from flotilla.server.cli import engine_config_from_args, fleet_engines
 from flotilla.server.engine_client import EngineClient
+from flotilla.server.fleet import Fleet
 from flotilla.server.protocol_output import TokenTexts
 
 log = logging.getLogger("flotilla.serve")
@@ -58,7 +59,13 @@ def check_listen(host: str, port: int) -> str | None:
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     path = model_dir(config)
-    client = EngineClient(config, placement="inline" if args.single_process else "process", trace=args.trace)
+    placement = "inline" if args.single_process else "process"
+    engines = fleet_engines(args.engines, config, args.registry)
+    if engines is None:
+        client: EngineClient | Fleet = EngineClient(config, placement=placement, trace=args.trace)
+    else:
+        client = Fleet(engines, served_name(config, path), placement=placement, trace=args.trace,
+                       registry=args.registry)
     server: _Server | None = None
     stop = asyncio.Event()
 
@@ -72,8 +79,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    log.info("starting the engine for %s (%s)", path, "one process" if args.single_process else
-             "one process per actor")
+    log.info("starting the engine%s for %s (%s)", "s " + ",".join(n for n, _ in engines) if engines else "", path,
+             "one process" if args.single_process else "one process per actor")
     starting = asyncio.ensure_future(client.start())
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -95,16 +102,21 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                                         log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=args.shutdown_timeout))
         failed = asyncio.Event()
-        client.runtime.on_failure.append(lambda ev: (failed.set(), setattr(server, "should_exit", True)))
+        on_failure = (lambda *_: (failed.set(), setattr(server, "should_exit", True)))
+        if isinstance(client, Fleet):  # one engine's death is that engine's: stop only when none is left
+            client.on_all_dead.append(on_failure)
+        else:
+            client.runtime.on_failure.append(on_failure)
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)  # uvicorn exposes no started event
         if server.started:
             worker = client.ready_detail.get("worker/0", {})
             log.info("flotilla ready: http://%s:%d/v1 model=%s kv_capacity=%s tokens max_model_len=%d device=%s "
-                     "dtype=%s kernels=attention:%s,sampler:torch", args.host, args.port, state.model_name,
+                     "dtype=%s kernels=attention:%s,sampler:torch%s", args.host, args.port, state.model_name,
                      worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
-                     worker.get("dtype", "?"), worker.get("attention", "?"))
+                     worker.get("dtype", "?"), worker.get("attention", "?"),
+                     f" engines={','.join(n for n, _ in engines)}" if engines else "")
         try:
             await serving
         except SystemExit:  # uvicorn exits this way when it cannot start; the engine still stops cleanly
@@ -119,6 +131,9 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, args.model)
+        engines = fleet_engines(args.engines, config, args.registry)  # bad --engines / --role: fail before loading
+        if args.single_process and engines and any(c.disagg.role != "both" for _, c in engines):
+            raise ValueError("prefill and decode engines talk across processes: drop --single-process")
     except (TypeError, ValueError) as e:
         print(f"flotilla serve: {e}", file=sys.stderr)
         return 2

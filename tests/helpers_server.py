@@ -40,10 +40,11 @@ class Server:
             raise
 
 
-def start_server(*args: str, timeout: float = 120.0) -> Server:
-    """`flotilla serve ARGS --port <free>`; returns once the ready line is logged (fails with the log if not)."""
+def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> Server:
+    """`flotilla serve ARGS --port <free>` (or another command that ends up serving, e.g. `launch` of a
+    deployment file); returns once the ready line is logged (fails with the log if not)."""
     port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flotilla", "serve", "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "flotilla", command, "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     server = Server(proc, port)

@@ -1,0 +1,253 @@
+"""Prefill-decode disaggregation end to end: real processes, ZeroMQ, dlslime TCP, the openai client.
+
+One deployment for the module, started the way an operator would (`flotilla launch DEPLOYMENT.toml
+--model M --port P`): a front end + router and three engines (1 prefill, 2 decode), each engine's actors
+in their own processes; the service registry is a real redis-server when one is installed. A colocated
+engine (`flotilla serve --single-process`) gives the reference outputs. The tests run in file order;
+the last one kills a decode engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from flotilla.scripts.launch import load_deployment, serve_argv
+from flotilla.transport.endpoints import free_tcp_port
+from helpers_engine import write_tiny_engine_model
+from helpers_server import start_server
+
+pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
+
+ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
+WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
+         "Continuous batching keeps the GPU busy ; paged attention keeps memory tidy").split()
+
+
+def _prompt(i: int) -> str:
+    # shared prefixes (the decode side's prefix cache skips blocks it holds) and lengths over many blocks
+    return " ".join(WORDS[: 3 + (i * 7) % 28]) + f" {i % 5}"
+
+
+def _requests(n: int, offset: int = 0) -> list[dict]:
+    out = []
+    for i in range(offset, offset + n):
+        kind = "chat" if i % 2 else "completion"
+        out.append({"kind": kind, "stream": (i // 2) % 2 == 1, "prompt": _prompt(i), "max_tokens": (1, 3, 8, 17)[i % 4]})
+    return out
+
+
+def _run(client: openai.OpenAI, r: dict) -> str:
+    common = dict(model="m", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
+                  extra_body=r.get("extra_body"))
+    if r["kind"] == "chat":
+        res = client.chat.completions.create(messages=[{"role": "user", "content": r["prompt"]}], **common)
+        if r["stream"]:
+            return "".join(c.choices[0].delta.content or "" for c in res if c.choices)
+        return res.choices[0].message.content
+    res = client.completions.create(prompt=r["prompt"], **common)
+    if r["stream"]:
+        return "".join(c.choices[0].text for c in res if c.choices)
+    return res.choices[0].text
+
+
+def _run_all(url: str, reqs: list[dict]) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda r: _run(client, r), reqs))
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _engine_metric(m: dict[str, float], metric: str, engine: str) -> float:
+    return next(v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k)
+
+
+def _wait_idle(url: str, engines: list[str], timeout: float = 15.0) -> dict[str, float]:
+    """Every engine's KV blocks free and no transfer held (stats arrive when an engine idles)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        busy = [(e, _engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e),
+                 _engine_metric(m, "flotilla_kv_transfers_in_flight", e)) for e in engines]
+        if all(u == 0 and t == 0 for _, u, t in busy):
+            return m
+        assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install redis-server (.ci/run does)")
+        yield None  # the deployment falls back to the in-memory registry; the Redis test skips
+        return
+    port = free_tcp_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            r.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    r.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_engine_model(tmp_path_factory.mktemp("pd") / "m")
+
+
+@pytest.fixture(scope="module")
+def servers(model, redis_url, tmp_path_factory):
+    toml = tmp_path_factory.mktemp("pd-topo") / "pd-1p2d.toml"
+    registry = redis_url or "memory"
+    toml.write_text(f'name = "pd-1p2d"\nengines = ["prefill", "decode", "decode"]\nregistry = "{registry}"\n'
+                    '[engine]\nblock_size = 4\nkv_cache_blocks = 160\nmax_num_seqs = 16\n'
+                    'kv_transfer_backend = "dlslime_tcp"\n')
+    pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
+    try:
+        colocated = start_server(str(model), "--single-process", *ENGINE_OPTIONS, timeout=180)
+    except BaseException:
+        pd.stop()
+        raise
+    yield pd, colocated
+    colocated.stop()
+    assert pd.stop() == 0, "".join(pd.log[-30:])
+
+
+def test_the_shipped_1p1d_deployment_describes_one_prefill_and_one_decode_engine():
+    dep = load_deployment(Path(__file__).parent.parent / "scripts/topologies/pd-1p1d.toml")
+    assert dep is not None and dep.engines == ["prefill", "decode"]
+    argv = serve_argv(dep, "/models/x", 9000, trace=False)
+    assert argv[:1] == ["/models/x"] and argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--engines") + 1] == "prefill,decode"
+
+
+def test_1p2d_gives_the_colocated_greedy_outputs_and_moves_kv_over_dlslime(servers):
+    pd, colocated = servers
+    reqs = _requests(32)
+    expected = _run_all(colocated.url, reqs)
+    got = _run_all(pd.url, reqs)
+    for r, e, g in zip(reqs, expected, got):
+        assert g == e, r
+    m = _wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])  # prefill's pinned blocks were all released
+    moved = [_engine_metric(m, "flotilla_kv_migration_bytes_total", d) for d in ("decode-0", "decode-1")]
+    assert all(b > 0 for b in moved), moved  # the router used both decode engines, KV crossed dlslime TCP
+    assert not [k for k in m if k.startswith("flotilla_kv_migration_bytes_total") and 'engine="prefill-0"' in k
+                and m[k] > 0]
+    registered = [x for x in pd.log if re.search(r"engine (prefill|decode)-\d \(\w+\) registered", x)]
+    assert len(registered) == 3 and all("kv_backend=dlslime_tcp kv_endpoint=127.0.0.1:" in x for x in registered)
+
+
+def test_aborted_streams_free_nothing_early_and_everything_in_the_end(servers):
+    pd, colocated = servers
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def abort_early(i: int) -> None:
+        stream = client.completions.create(model="m", prompt=_prompt(i), max_tokens=60, temperature=0, stream=True)
+        if i % 3:
+            next(iter(stream))  # after the migration: the decode side runs it
+        stream.close()  # i % 3 == 0: at once, likely before or during the migration
+
+    keep = _requests(12, offset=40)
+    with ThreadPoolExecutor(16) as pool:
+        aborted = [pool.submit(abort_early, i) for i in range(24)]
+        kept = pool.submit(_run_all, pd.url, keep)
+        for f in aborted:
+            f.result()
+        got = kept.result()
+    # the requests that ran beside the aborts read only their own KV
+    assert got == _run_all(colocated.url, keep)
+    _wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])
+
+
+def test_engines_register_in_redis_and_come_back_when_their_entry_expires(servers, redis_url):
+    if redis_url is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    r = redis.Redis.from_url(redis_url)
+    try:
+        entries = {k.decode(): v for k, v in ((k, r.get(k)) for k in r.scan_iter("flotilla:engine:*"))}
+        assert set(entries) == {f"flotilla:engine:{e}" for e in ("prefill-0", "decode-0", "decode-1")}
+        assert b'"role":"prefill"' in entries["flotilla:engine:prefill-0"]
+        assert b'"kv_capacity_tokens":640' in entries["flotilla:engine:decode-0"]
+        assert b"scheduler/0" in entries["flotilla:engine:decode-0"]
+        r.delete("flotilla:engine:decode-0")  # as if its entry expired (a partition, a stalled heartbeat)
+        deadline = time.monotonic() + 5
+        while not r.exists("flotilla:engine:decode-0"):
+            assert time.monotonic() < deadline, "the engine did not register again"
+            time.sleep(0.05)
+    finally:
+        r.close()
+
+
+def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_serving(servers, redis_url):
+    pd, colocated = servers
+    line = next(x for x in pd.log if "engine decode-1 (decode) registered" in x)
+    worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    # ignore_eos: every request is still decoding when the engine dies
+    reqs = [{"kind": "completion", "stream": True, "prompt": _prompt(60 + i), "max_tokens": 150,
+             "extra_body": {"ignore_eos": True}} for i in range(8)]
+    expected = _run_all(colocated.url, reqs)
+    streams = [client.completions.create(model="m", prompt=r["prompt"], max_tokens=150, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}) for r in reqs]
+    firsts = [next(iter(s)).choices[0].text for s in streams]  # every request is decoding now
+    os.kill(worker_pid, signal.SIGKILL)
+
+    def finish(i: int) -> str | Exception:
+        try:
+            return firsts[i] + "".join(c.choices[0].text for c in streams[i] if c.choices)
+        except openai.APIError as e:
+            return e
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(finish, range(8)))
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    assert failed and len(failed) < len(outcomes), outcomes  # the router had spread them over both decoders
+    for o in failed:
+        assert "engine decode-1" in str(o) and "killed by signal 9" in str(o), o
+    for o, e in zip(outcomes, expected):
+        if not isinstance(o, Exception):
+            assert o == e
+    # the router and the other engines keep serving; the dead engine left the registry
+    assert urllib.request.urlopen(pd.url + "/health", timeout=10).status == 200
+    reqs = _requests(6, offset=80)
+    assert _run_all(pd.url, reqs) == _run_all(colocated.url, reqs)
+    m = _wait_idle(pd.url, ["prefill-0", "decode-0"])  # the dead engine's transfers were released on the prefill side
+    assert _engine_metric(m, "flotilla_engine_alive", "decode-1") == 0
+    if redis_url is not None:
+        r = redis.Redis.from_url(redis_url)
+        try:
+            assert not r.exists("flotilla:engine:decode-1") and r.exists("flotilla:engine:decode-0")
+        finally:
+            r.close()
