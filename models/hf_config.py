@@ -24,6 +24,28 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Sparse-MLP hyper-parameters of a Qwen2/3-MoE-style config (no shared experts)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (HF: num_experts; transformers 5 writes num_local_experts)."""
+    num_experts_per_tok: int
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int
+    """Intermediate size of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool
+    """Renormalize the top-k routing weights to sum to 1."""
+    decoder_sparse_step: int
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 (and it is not in mlp_only_layers)."""
+    mlp_only_layers: tuple[int, ...]
+    """Layers that keep a dense MLP of intermediate_size."""
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has the MoE block (HF's rule)."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True, slots=True)
 class HFModelConfig:
     """Architecture hyper-parameters of a decoder-only checkpoint (sizes in elements, not bytes)."""
 
@@ -51,6 +73,8 @@ class HFModelConfig:
     hidden_act: str
     sliding_window: int | None
     """Effective sliding-window length in tokens; None when every layer attends to the full context."""
+    moe: MoEConfig | None = None
+    """The sparse MLPs' parameters; None for a dense model."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -100,6 +124,24 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _moe(raw: Mapping[str, Any]) -> MoEConfig | None:
+    """The MoE parameters of a Qwen2/3-MoE-style config; None when it routes to no experts."""
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if num_experts == 0:
+        return None
+    missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in raw]
+    if missing:
+        raise ValueError(f"config.json has experts but lacks {', '.join(missing)}")
+    return MoEConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    )
+
+
 def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     """Parse a config.json dict; raises ValueError naming the missing key."""
     missing = [
@@ -135,6 +177,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
         sliding_window=_sliding_window(raw),
+        moe=_moe(raw),
     )
 
 

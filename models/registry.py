@@ -8,12 +8,14 @@ from torch import nn
 
 from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
+from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     # Mistral is Llama's graph; configs with a real sliding window are refused by the constructor.
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

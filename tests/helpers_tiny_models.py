@@ -143,3 +143,42 @@ class PagedRunner:
         """Return a finished sequence's blocks to the pool."""
         self.free_blocks.extend(self.blocks.pop(seq_id))
         del self.num_cached[seq_id]
+
+
+# Qwen3-MoE: name -> config overrides of transformers' Qwen3MoeConfig (kept apart from TINY_CONFIGS so
+# the dense models' parametrized tests do not grow; tests/test_qwen3_moe.py runs these).
+TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    # every layer sparse except layer 1 (a dense MLP of intermediate_size), renormalized top-2 of 8
+    "qwen3_moe": dict(
+        tie_word_embeddings=False,
+        head_dim=32,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        eos_token_id=[2, 3],
+    ),
+    # every second layer sparse, raw softmax weights (norm_topk_prob off), top-3 of 6, tied embeddings
+    "qwen3_moe_step2": dict(
+        tie_word_embeddings=True,
+        head_dim=32,
+        num_hidden_layers=2,
+        num_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+    ),
+}
+
+
+def write_tiny_moe_model(model_dir: str | Path, name: str = "qwen3_moe", seed: int = 0) -> Path:
+    """Save the tiny random Qwen3-MoE model `name` (a TINY_MOE_CONFIGS key) as a checkpoint folder."""
+    config = transformers.Qwen3MoeConfig(**{**_COMMON, **TINY_MOE_CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir

@@ -1,0 +1,79 @@
+"""MoE routing: which experts each token goes to (top-k over the router's softmax), and the token
+order the grouped GEMMs want (each expert's tokens contiguous, padded to the GEMM's row tile).
+
+Routing is kept apart from expert compute on purpose: an expert-parallel layer routes here, sends
+each token to the ranks owning its experts, and runs the same expert kernels on what it receives.
+Everything here is plain torch with static shapes (no host sync, no data-dependent sizes), so it
+runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (Qwen2/3-MoE, Mixtral): router_logits [T, E] -> (weights float32 [T, top_k],
+    expert ids int32 [T, top_k]). The softmax runs in float32; with `renormalize` (HF's norm_topk_prob)
+    the k weights are rescaled to sum to 1."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlocks:
+    """The (token, k) slots of a routing grouped by expert, each expert's run padded to `block_m` rows.
+
+    A slot is token * top_k + j: the j-th expert choice of a token (its row in topk_ids.flatten()).
+    Sizes are the worst case for the batch (num_slots + E * (block_m - 1), rounded up to block_m), so
+    they depend only on the batch shape; `num_padded` says how many rows are really in use.
+    """
+
+    sorted_slots: torch.Tensor
+    """int32 [max_rows]: slot ids grouped by expert (ascending expert, slots in order within one);
+    padding rows hold num_slots."""
+    block_experts: torch.Tensor
+    """int32 [max_rows // block_m]: the expert of each block of block_m rows (meaningful for blocks
+    below num_padded; later ones repeat the last expert and must be skipped)."""
+    num_padded: torch.Tensor
+    """int32 [1]: rows in use (a multiple of block_m), on the device so no one waits for it."""
+    num_slots: int
+    """Number of real slots (tokens * top_k); the padding sentinel."""
+    block_m: int
+    """Rows per block: every block holds one expert's slots only."""
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """Group the slots of topk_ids [T, top_k] by expert and pad each expert's run to block_m rows."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_slots = flat.numel()
+    device = flat.device
+    # scatter_add, not bincount: bincount reads the maximum back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    first_slot_rank = counts.cumsum(0) - counts  # rank of each expert's first slot in sorted order
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    rank = torch.arange(num_slots, device=device)
+    dest = starts[experts_sorted] + rank - first_slot_rank[experts_sorted]
+
+    max_rows = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_slots = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots[dest] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    block_experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return ExpertBlocks(
+        sorted_slots=sorted_slots,
+        block_experts=block_experts.to(torch.int32),
+        num_padded=ends[-1:].to(torch.int32),
+        num_slots=num_slots,
+        block_m=block_m,
+    )

@@ -1,0 +1,276 @@
+"""MoE kernels: routing and token sorting, the torch reference against transformers' Qwen3-MoE block,
+and the fused backends (triton, the deep_gemm layout) against the reference on fresh random inputs.
+
+Without CUDA the triton kernel runs under triton's CPU interpreter at tiny sizes (TRITON_INTERPRET=1 is
+set below, before kernels/moe/triton_experts.py is imported: triton.jit reads it when a kernel is
+defined). The kernel uses only triton.language builtins, so it needs none of the interpreter repairs
+that tests/test_kernels_triton.py makes. `gpu`-marked tests add realistic sizes on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+from flotilla.kernels.moe import (  # noqa: E402
+    available_moe_backends,
+    best_moe_backend,
+    deep_gemm_experts,
+    get_moe_backend,
+    select_experts,
+    sort_by_expert,
+    torch_ref,
+)
+from flotilla.models.hf_config import MoEConfig  # noqa: E402
+from flotilla.models.qwen3_moe import Qwen3MoeSparseBlock  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install -e '.[dev]')")
+
+
+def gpu_test(fn):
+    """Marked `gpu` and skipped unless triton compiles for a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not ON_CUDA or INTERPRET, reason="needs a CUDA device")(fn))
+
+
+def _case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int,
+          renormalize: bool = True, device: torch.device = DEVICE):  # fmt: skip
+    """(hidden, w13, w2, topk_weights, topk_ids) with weights scaled so activations stay O(1)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x = randn(tokens, hidden)
+    w13 = randn(experts, 2 * inter, hidden, scale=hidden**-0.5)
+    w2 = randn(experts, hidden, inter, scale=inter**-0.5)
+    logits = torch.randn(tokens, experts, generator=gen, device=device)
+    weights, ids = select_experts(logits, top_k, renormalize)
+    return x, w13, w2, weights, ids
+
+
+# ---- routing and sorting ----
+
+
+def test_select_experts_is_softmax_top_k_renormalized_or_not():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, dim=-1)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.tolist() == [[1, 2], [3, 0]]
+    torch.testing.assert_close(weights, probs.gather(1, ids.long()))
+    renormed, same_ids = select_experts(logits.to(torch.bfloat16), 2, renormalize=True)
+    assert torch.equal(same_ids, ids) and renormed.dtype == torch.float32
+    torch.testing.assert_close(renormed.sum(-1), torch.ones(2))
+    torch.testing.assert_close(renormed, weights / weights.sum(-1, keepdim=True), atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"), [(1, 8, 2, 16), (13, 6, 3, 4), (40, 4, 1, 16),
+                                                                     (7, 32, 4, 2), (64, 3, 2, 1)])  # fmt: skip
+def test_sort_by_expert_groups_every_slot_once_in_single_expert_blocks(tokens, experts, top_k, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    blocks = sort_by_expert(ids, experts, block_m)
+    num_slots = tokens * top_k
+    slots = blocks.sorted_slots.tolist()
+    num_padded = int(blocks.num_padded)
+    counts = torch.bincount(ids.flatten().long(), minlength=experts)
+    assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert len(slots) % block_m == 0 and len(slots) >= num_padded
+    assert sorted(s for s in slots if s < num_slots) == list(range(num_slots))  # each slot exactly once
+    assert all(s == num_slots for s in slots[num_padded:])  # nothing real past the padded length
+    flat = ids.flatten().tolist()
+    previous = -1
+    for b in range(num_padded // block_m):
+        expert = int(blocks.block_experts[b])
+        run = slots[b * block_m : (b + 1) * block_m]
+        assert all(flat[s] == expert for s in run if s < num_slots)
+        assert any(s < num_slots for s in run)  # no block is only padding
+        real = [s for s in run if s < num_slots]
+        assert real == sorted(real) and expert >= previous  # ascending experts, slots in order within one
+        previous = expert
+
+
+# ---- the reference against transformers ----
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_sparse_block_matches_transformers_qwen3_moe_block(norm_topk_prob):
+    config = transformers.Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=24, num_experts=8,
+                                         num_experts_per_tok=3, norm_topk_prob=norm_topk_prob)  # fmt: skip
+    hf_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config).eval()
+    gen = torch.Generator().manual_seed(int(norm_topk_prob))
+    with torch.no_grad():
+        for param in hf_block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=norm_topk_prob,
+                    decoder_sparse_step=1, mlp_only_layers=())  # fmt: skip
+    block = Qwen3MoeSparseBlock(48, moe, get_moe_backend("torch"))
+    block.load_state_dict(hf_block.state_dict())  # same names: gate.weight, experts.{gate_up,down}_proj
+    x = torch.randn(2, 9, 48, generator=gen)
+    with torch.inference_mode():
+        want = hf_block(x)
+        got = block(x.view(-1, 48)).view(2, 9, 48)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # bf16: both round per expert; ours sums the k outputs in float32
+        want16 = hf_block.to(torch.bfloat16)(x.to(torch.bfloat16)).float()
+        got16 = block.to(torch.bfloat16)(x.view(-1, 48).to(torch.bfloat16)).view(2, 9, 48).float()
+    torch.testing.assert_close(got16, want16, atol=3e-2, rtol=3e-2)
+
+
+# ---- fused backends against the reference ----
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _check_fused(run, tokens, hidden, inter, experts, top_k, dtype, seed, device=DEVICE):
+    x, w13, w2, weights, ids = _case(tokens, hidden, inter, experts, top_k, dtype, seed, device=device)
+    want = torch_ref.fused_experts(x.float(), w13.float(), w2.float(), weights, ids)
+    got = run(x, w13, w2, weights, ids)
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    if dtype != torch.float32:  # and rounded where the reference rounds: equal to its own-dtype run
+        same_dtype = torch_ref.fused_experts(x, w13, w2, weights, ids)
+        assert (got == same_dtype).float().mean().item() >= 0.9
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "experts", "top_k", "block_m", "block_n", "block_k", "dtype"),
+    [
+        (1, 32, 16, 4, 2, 16, 16, 16, torch.float32),  # one decode token: two blocks, one row each
+        (5, 48, 24, 8, 2, 16, 16, 16, torch.float32),  # K and N not multiples of the tiles; idle experts
+        (20, 32, 32, 4, 3, 16, 32, 16, torch.float32),  # experts with more than one block of rows
+        (9, 40, 16, 6, 1, 32, 16, 32, torch.float16),  # top-1, a row tile larger than any expert's run
+        (0, 32, 16, 4, 2, 16, 16, 16, torch.float32),  # an empty batch
+    ],
+)
+def test_triton_fused_experts_match_reference(tokens, hidden, inter, experts, top_k, block_m, block_n, block_k,
+                                              dtype):  # fmt: skip
+    from flotilla.kernels.moe import triton_experts
+
+    def run(x, w13, w2, weights, ids):
+        return triton_experts.fused_experts(x, w13, w2, weights, ids, block_m=block_m, block_n=block_n,
+                                            block_k=block_k)  # fmt: skip
+
+    _check_fused(run, tokens, hidden, inter, experts, top_k, dtype, seed=tokens + hidden)
+
+
+@pytest.mark.parametrize(("tokens", "alignment", "dtype"), [(1, 8, torch.float32), (11, 4, torch.float32),
+                                                            (30, 16, torch.bfloat16)])  # fmt: skip
+def test_deep_gemm_layout_with_its_gemm_contract_matches_reference(tokens, alignment, dtype):
+    """The deep_gemm backend's gather / grouped GEMMs / scatter / combine, with DeepGEMM's GEMM replaced by
+    a torch implementation of its contract (padding rows marked -1 are filled with NaN first: a layout
+    that read them would poison the result)."""
+
+    def nan_padding_gemm(a, b, d, m_indices):
+        d.fill_(float("nan"))
+        deep_gemm_experts.grouped_gemm_reference(a, b, d, m_indices)
+
+    def run(x, w13, w2, weights, ids):
+        return deep_gemm_experts.fused_experts(x, w13, w2, weights, ids, gemm=nan_padding_gemm, alignment=alignment)
+
+    _check_fused(run, tokens, 32, 16, 6, 2, dtype, seed=tokens, device=torch.device("cpu"))
+
+
+def test_backend_dispatch_by_name_and_capability():
+    assert set(available_moe_backends()) == {"auto", "torch", "triton", "deep_gemm"}
+    assert get_moe_backend("torch").fused_experts is torch_ref.fused_experts
+    assert best_moe_backend(torch.device("cpu")) == "torch"  # even with the triton interpreter on
+    with pytest.raises(ValueError, match="unknown MoE backend 'cutlass'; choices: auto, torch"):
+        get_moe_backend("cutlass")
+    if deep_gemm_experts.import_deep_gemm() is None:
+        with pytest.raises(ValueError, match="'deep_gemm' needs the deep_gemm package"):
+            get_moe_backend("deep_gemm")
+    if HAS_TRITON and (ON_CUDA or INTERPRET):
+        from flotilla.kernels.moe import triton_experts
+
+        assert get_moe_backend("triton").fused_experts is triton_experts.fused_experts
+        if ON_CUDA:
+            assert best_moe_backend(torch.device("cuda"), torch.bfloat16) in ("triton", "deep_gemm")
+
+
+@needs_triton
+def test_tiny_qwen3_moe_with_triton_experts_matches_torch_experts(tmp_path):
+    from helpers_tiny_models import PagedRunner, write_tiny_moe_model
+    from safetensors.torch import load_file
+
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    model_dir = write_tiny_moe_model(tmp_path / "moe", "qwen3_moe")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    runners = []
+    for backend in ("torch", "triton"):
+        model = Qwen3MoeForCausalLM(load_hf_config(model_dir), attention_backend="torch", moe_backend=backend)
+        model.load_weights(weights.items())
+        assert model.moe_backend_name == backend
+        runners.append(PagedRunner(model.eval(), block_size=4))
+    for batch in ([(0, list(range(10, 19))), (1, [5, 6, 7])], [(0, [40]), (1, [41])]):
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+_COMPILE_DRIVER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flotilla.kernels.moe.triton_experts import _expert_gemm_kernel as fn
+for pointers, constexprs in json.loads(sys.argv[1]):
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+    triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+"""
+
+
+@needs_triton
+@pytest.mark.slow
+def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter checks little of the language's typing: compile both passes for an H200 (sm_90) at
+    Qwen3-30B-A3B's shapes (bf16, H 2048, I 768, top-8) in a child without TRITON_INTERPRET."""
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_slots_ptr": "*i32",
+                "block_experts_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
+    specs = [
+        (pointers, dict(N=768, K=2048, TOP_K=8, GATE_UP=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                        DOT_PRECISION="tf32")),
+        (pointers, dict(N=2048, K=768, TOP_K=8, GATE_UP=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                        DOT_PRECISION="tf32")),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, json.dumps(specs)], env=env,
+                           capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+
+
+# ---- realistic sizes on the GPU (bf16, Qwen3-30B-A3B's expert shapes) ----
+
+
+@gpu_test
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512, 4096])
+def test_gpu_triton_fused_experts_at_qwen3_30b_sizes(tokens):
+    from flotilla.kernels.moe import triton_experts
+
+    _check_fused(triton_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+
+
+@gpu_test
+@pytest.mark.skipif(deep_gemm_experts.import_deep_gemm() is None, reason="deep_gemm is not installed")
+@pytest.mark.parametrize("tokens", [64, 4096])
+def test_gpu_deep_gemm_fused_experts_at_qwen3_30b_sizes(tokens):
+    _check_fused(deep_gemm_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
