@@ -15,11 +15,19 @@ from typing import Any
 
 import msgspec
 
-from flotilla.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from flotilla.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
-    "disaggregation": DisaggConfig,
+    "parallel": ParallelConfig, "disaggregation": DisaggConfig,
 }
 _SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
 
@@ -107,7 +115,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None) -> list[tuple[str, EngineConfig]] | None:
+def fleet_engines(spec: str | None, config: EngineConfig,
+                  registry: str | None) -> list[tuple[str, EngineConfig]] | None:
     """The engines of `--engines` as (name, config) with each role set; None = one plain engine (no fleet).
 
     Names are ROLE-INDEX (prefill-0, decode-0, decode-1, engine-0 for a colocated one)."""

@@ -54,9 +54,32 @@ from flotilla.transport.messages import (
     SeqText,
     TransferPeer,
 )
-from flotilla.transport.registry import HEARTBEAT_INTERVAL_S, EngineInfo, Heartbeat, InMemoryRegistry, Registry
+from flotilla.transport.registry import (
+    HEARTBEAT_INTERVAL_S,
+    EngineInfo,
+    Heartbeat,
+    InMemoryRegistry,
+    Registry,
+    Role,
+)
 
 log = logging.getLogger(__name__)
+
+
+class RegistryView:
+    """The registry as the router reads it: answers cached for `max_age_s` (no Redis round trip per request),
+    and engines this process saw die left out at once, before their entry is gone."""
+
+    def __init__(self, registry: Registry, alive: Callable[[str], bool], max_age_s: float) -> None:
+        self.registry, self.alive, self.max_age_s = registry, alive, max_age_s
+        self._cache: dict[tuple[str | None, str | None], tuple[float, list[EngineInfo]]] = {}
+
+    async def engines(self, role: Role | None = None, model: str | None = None) -> list[EngineInfo]:
+        now = time.monotonic()
+        hit = self._cache.get((role, model))
+        if hit is None or now - hit[0] > self.max_age_s:
+            hit = self._cache[(role, model)] = (now, await self.registry.engines(role, model))
+        return [e for e in hit[1] if self.alive(e.engine_id)]
 
 
 def open_registry(url: str | None, ttl_s: float) -> Registry:
@@ -82,20 +105,29 @@ class Fleet:
         self.clients = {name: EngineClient(cfg, placement, trace, options, name=name) for name, cfg in engines}
         self.roles = {name: cfg.disagg.role for name, cfg in engines}
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.registry_url = registry or "memory"
         self.registry = open_registry(registry, heartbeat_interval_s * 3)
-        self.router = Router(self.registry, model_name)
+        self.view = RegistryView(self.registry, self._alive, max_age_s=heartbeat_interval_s / 4)
+        self.router = Router(self.view, model_name)
         self._heartbeats: dict[str, Heartbeat] = {}
         self._schedulers: dict[str, Outbox] = {}
         self._transfers: dict[str, tuple[str, str]] = {}  # transfer id -> (prefill, decode) while streaming
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{int(time.time()):x}"
         self._tasks: set[asyncio.Task] = set()
+        self.routed = {name: 0 for name in self.clients}
+        """Requests the router gave each engine (a disaggregated one counts for both of its engines)."""
         self.on_all_dead: list[Callable[[], None]] = []
-        """Called once no engine is left alive."""
+        """Called once no engine is left alive (until then the server answers what it can, 503 otherwise)."""
 
     # ---- life -----------------------------------------------------------------------------------------
 
+    def _alive(self, engine_id: str) -> bool:
+        client = self.clients.get(engine_id)
+        return client is not None and client._dead is None  # engines of other front ends are not ours to route to
+
     async def start(self) -> None:
+        await self._check_registry()  # before loading any model
         results = await asyncio.gather(*(c.start() for c in self.clients.values()), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -112,6 +144,18 @@ class Fleet:
             log.info("engine %s (%s) registered: %s%s", name, self.roles[name], " ".join(
                 f"{k}=pid:{ev.pid}" for k, ev in sorted(client.runtime.ready.items())),
                 f" kv_backend={kv['kv_backend']} kv_endpoint={kv['kv_endpoint']}" if kv else "")
+
+    async def _check_registry(self) -> None:
+        errors: tuple[type[BaseException], ...] = (OSError,)
+        if not isinstance(self.registry, InMemoryRegistry):
+            import redis.exceptions  # the Redis registry is in use, so redis is installed
+
+            errors += (redis.exceptions.RedisError,)
+        try:
+            await self.registry.engines()
+        except errors as e:
+            await self.registry.close()
+            raise RuntimeError(f"cannot reach the registry {self.registry_url}: {e}") from None
 
     async def stop(self) -> None:
         await asyncio.gather(*self._tasks, return_exceptions=True)  # engines being retired
@@ -138,7 +182,9 @@ class Fleet:
 
     @property
     def alive(self) -> bool:
-        return any(c.alive for c in self.clients.values())
+        """Some request can be served: a live colocated engine, or a live prefill and a live decode engine."""
+        roles = {self.roles[n] for n, c in self.clients.items() if c.alive}
+        return "both" in roles or {"prefill", "decode"} <= roles
 
     @property
     def num_pending(self) -> int:
@@ -161,11 +207,12 @@ class Fleet:
             prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
             num_preemptions=sum(s.num_preemptions for s in stats),
             kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
-            num_transfers=sum(s.num_transfers for s in stats), kv_migrated_bytes=sum(s.kv_migrated_bytes for s in stats))
+            num_transfers=sum(s.num_transfers for s in stats),
+            kv_migrated_bytes=sum(s.kv_migrated_bytes for s in stats))
 
-    def engine_stats(self) -> dict[str, tuple[str, SchedulerStatsEvent | None, bool]]:
-        """Per engine: (role, latest stats, alive)."""
-        return {name: (self.roles[name], c.stats, c.alive) for name, c in self.clients.items()}
+    def engine_stats(self) -> dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]:
+        """Per engine: (role, latest stats, alive, requests routed to it)."""
+        return {name: (self.roles[name], c.stats, c.alive, self.routed[name]) for name, c in self.clients.items()}
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{self._prefix}-{next(self._ids)}"
@@ -176,8 +223,7 @@ class Fleet:
     async def stream(self, req: GenerateRequest) -> AsyncIterator[SeqText]:
         """Route one engine request (n == 1) and yield its deltas."""
         try:
-            live = await self.registry.engines(model=self.model)
-            roles = {e.role for e in live if e.engine_id in self.clients}
+            roles = {e.role for e in await self.view.engines(model=self.model)}
             if "prefill" in roles and "decode" in roles:
                 prefill, decode = await self.router.pick_pair()
                 engines = [prefill.engine_id, decode.engine_id]
@@ -185,8 +231,12 @@ class Fleet:
             else:
                 engines = [(await self.router.pick()).engine_id]
                 source = self.clients[engines[0]].stream(req)
-        except NoEngineError as e:
-            raise EngineDeadError(str(e)) from None
+        except NoEngineError:
+            live = ", ".join(f"{n} ({self.roles[n]})" for n, c in self.clients.items() if c.alive) or "none"
+            raise EngineDeadError(f"no engine can serve this request: it needs a colocated engine or a prefill and a "
+                                  f"decode engine; live engines: {live}") from None
+        for name in engines:
+            self.routed[name] += 1
         try:
             async for item in source:
                 yield item
@@ -214,7 +264,12 @@ class Fleet:
                 engine=prefill.name, scheduler=p_eps.of("scheduler"), kv=p_eps.instances("kv_migration"))))
             await prefill.to_tokenizer.send(msgspec.structs.replace(req, transfer_id=tid, peer=TransferPeer(
                 engine=decode.name, scheduler=d_eps.of("scheduler"))))
+            detached = False
             async for item in deltas(queue, outcome):
+                if not detached:  # the decode side has the KV now: the prefill engine's fate is not this request's
+                    detached = True
+                    prefill._pending.pop(req.rid, None)
+                    self._transfers.pop(tid, None)
                 yield item
         finally:
             self._transfers.pop(tid, None)
@@ -249,7 +304,7 @@ class Fleet:
         if out is not None:
             out.close()
         await self.clients[name].stop()  # closes its sockets, then stops (kills) what is left of its actors
-        if not self.alive:
+        if not any(c.alive for c in self.clients.values()):
             for cb in self.on_all_dead:
                 cb()
 

@@ -65,7 +65,11 @@ class ServerMetrics:
                                   registry=r)
         self.kv_migration_bytes = Counter("flotilla_kv_migration_bytes", "KV bytes pulled into the engine over the "
                                           "KV data plane (decode role).", per_engine, registry=r)
+        self.engine_routed = Counter("flotilla_engine_requests_routed", "Requests the router gave the engine (a "
+                                     "disaggregated one counts for its prefill and its decode engine).", per_engine,
+                                     registry=r)
         self._migrated: dict[str, int] = {}
+        self._routed: dict[str, int] = {}
 
     def observe_engine(self, stats: SchedulerStatsEvent | None) -> None:
         if stats is None:
@@ -78,11 +82,13 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.kv_capacity.labels(m).set(stats.kv_capacity_tokens)
 
-    def observe_engines(self, engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool]]) -> None:
-        """Per-engine state: engine id -> (role, latest stats, alive)."""
+    def observe_engines(self, engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]) -> None:
+        """Per-engine state: engine id -> (role, latest stats, alive, requests routed to it)."""
         m = self.model
-        for name, (role, stats, alive) in engines.items():
+        for name, (role, stats, alive, routed) in engines.items():
             self.engine_alive.labels(m, name, role).set(1 if alive else 0)
+            self.engine_routed.labels(m, name, role).inc(routed - self._routed.get(name, 0))
+            self._routed[name] = routed
             if stats is None:
                 continue
             self.engine_kv_usage.labels(m, name, role).set(stats.kv_usage)
@@ -94,7 +100,7 @@ class ServerMetrics:
                 self._migrated[name] = stats.kv_migrated_bytes
 
     def render(self, stats: SchedulerStatsEvent | None,
-               engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool]] | None = None) -> bytes:
+               engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]] | None = None) -> bytes:
         self.observe_engine(stats)
         if engines:
             self.observe_engines(engines)

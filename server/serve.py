@@ -90,7 +90,11 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         await client.stop()
         return 130
     stopper.cancel()
-    starting.result()
+    try:
+        starting.result()
+    except RuntimeError as e:  # an actor failed at start (its runtime already stopped), an unreachable registry
+        print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
+        return 1
     try:
         tokenizer = load_tokenizer(path)
         state = ServerState(

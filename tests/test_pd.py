@@ -4,7 +4,7 @@ One deployment for the module, started the way an operator would (`flotilla laun
 --model M --port P`): a front end + router and three engines (1 prefill, 2 decode), each engine's actors
 in their own processes; the service registry is a real redis-server when one is installed. A colocated
 engine (`flotilla serve --single-process`) gives the reference outputs. The tests run in file order;
-the last one kills a decode engine.
+the last two kill a decode engine, then the prefill engine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,7 +45,8 @@ def _requests(n: int, offset: int = 0) -> list[dict]:
     out = []
     for i in range(offset, offset + n):
         kind = "chat" if i % 2 else "completion"
-        out.append({"kind": kind, "stream": (i // 2) % 2 == 1, "prompt": _prompt(i), "max_tokens": (1, 3, 8, 17)[i % 4]})
+        out.append({"kind": kind, "stream": (i // 2) % 2 == 1, "prompt": _prompt(i),
+                    "max_tokens": (1, 3, 8, 17)[i % 4]})
     return out
 
 
@@ -165,6 +167,9 @@ def test_1p2d_gives_the_colocated_greedy_outputs_and_moves_kv_over_dlslime(serve
     assert all(b > 0 for b in moved), moved  # the router used both decode engines, KV crossed dlslime TCP
     assert not [k for k in m if k.startswith("flotilla_kv_migration_bytes_total") and 'engine="prefill-0"' in k
                 and m[k] > 0]
+    routed = {e: _engine_metric(m, "flotilla_engine_requests_routed_total", e)
+              for e in ("prefill-0", "decode-0", "decode-1")}
+    assert routed["prefill-0"] == 32 and routed["decode-0"] + routed["decode-1"] == 32, routed
     registered = [x for x in pd.log if re.search(r"engine (prefill|decode)-\d \(\w+\) registered", x)]
     assert len(registered) == 3 and all("kv_backend=dlslime_tcp kv_endpoint=127.0.0.1:" in x for x in registered)
 
@@ -251,3 +256,33 @@ def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_se
             assert not r.exists("flotilla:engine:decode-1") and r.exists("flotilla:engine:decode-0")
         finally:
             r.close()
+
+
+def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
+    pd, colocated = servers
+    line = next(x for x in pd.log if "engine prefill-0 (prefill) registered" in x)
+    worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    reqs = [{"kind": "completion", "stream": True, "prompt": _prompt(90 + i), "max_tokens": 100,
+             "extra_body": {"ignore_eos": True}} for i in range(4)]
+    expected = _run_all(colocated.url, reqs)
+    streams = [client.completions.create(model="m", prompt=r["prompt"], max_tokens=100, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}) for r in reqs]
+    firsts = [next(iter(s)).choices[0].text for s in streams]  # their KV is on the decode engine now
+    os.kill(worker_pid, signal.SIGKILL)
+    got = [f + "".join(c.choices[0].text for c in s if c.choices) for f, s in zip(firsts, streams)]
+    assert got == expected
+    # without a prefill engine nothing new can be served, and the server says so instead of hanging
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(pd.url + "/health", timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            break
+        assert time.monotonic() < deadline, "the prefill engine's death was not noticed"
+        time.sleep(0.05)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
+    _wait_idle(pd.url, ["decode-0"])

@@ -1,0 +1,53 @@
+"""Several colocated engines behind one front end: the router spreads requests (data parallelism)."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from helpers_engine import write_tiny_engine_model
+from helpers_server import start_server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = write_tiny_engine_model(tmp_path_factory.mktemp("dp") / "m")
+    srv = start_server(str(model), "--engines", "both,both", "--single-process", "--block-size", "4",
+                       "--kv-cache-blocks", "64", timeout=120)
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_two_colocated_engines_share_the_load_and_answer_alike(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    prompts = ["The quick brown fox", "What is the capital of France?"] * 8
+
+    def run(p: str) -> str:
+        return client.completions.create(model="m", prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(run, prompts))
+    assert len({o for o, p in zip(outs, prompts) if p == prompts[0]}) == 1  # whichever engine ran it
+    assert len({o for o, p in zip(outs, prompts) if p == prompts[1]}) == 1
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    routed = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("flotilla_engine_requests_routed_total{")}
+    assert set(routed) == {"engine-0", "engine-1"} and sum(routed.values()) == len(prompts)
+    assert min(routed.values()) >= 4, routed  # least loaded first: neither engine took (almost) everything
+
+
+def test_an_unreachable_registry_is_a_clear_error_before_any_model_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from flotilla.transport.endpoints import free_tcp_port
+
+    port = free_tcp_port()  # nothing listens there
+    out = subprocess.run([sys.executable, "-m", "flotilla", "serve", "--engines", "both", "--registry",
+                          f"redis://127.0.0.1:{port}/0", "--port", str(free_tcp_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"cannot reach the registry redis://127.0.0.1:{port}/0" in out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr  # checked before the engines start
