@@ -15,19 +15,11 @@ from typing import Any
 
 import msgspec
 
-from flotilla.config import (
-    CacheConfig,
-    DisaggConfig,
-    EngineConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    WorkerConfig,
-)
+from flotilla.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
-    "parallel": ParallelConfig, "disaggregation": DisaggConfig,
+    "disaggregation": DisaggConfig,
 }
 _SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
 
