@@ -96,6 +96,21 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     fused_ops: str = "auto"
     """Elementwise kernels of each layer (RMSNorm, SiLU-and-mul, RoPE + KV store): auto (triton on CUDA,
     torch elsewhere), triton, or torch (the references)."""
+    moe_backend: Literal["auto", "torch", "triton", "deep_gemm"] = "auto"
+    """Kernels of a MoE model's experts: auto (triton on CUDA, torch elsewhere), or force one (deep_gemm needs
+    deep_gemm and a Hopper GPU); a model without experts refuses a forced one."""
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one engine's model is spread over devices."""
+
+    tensor_parallel_size: int = 1
+    """Worker ranks that each hold a slice of every layer (attention heads, MLP and experts' intermediate dim,
+    vocabulary) and all-reduce; one process per rank (gloo on CPU, nccl on CUDA: cuda:RANK)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
 
 
 class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -125,6 +140,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     worker: WorkerConfig = WorkerConfig()
+    parallel: ParallelConfig = ParallelConfig()
     disagg: DisaggConfig = DisaggConfig()
 
     @classmethod
@@ -149,5 +165,5 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 _PARTS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
-    "disagg": DisaggConfig,
+    "parallel": ParallelConfig, "disagg": DisaggConfig,
 }

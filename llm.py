@@ -72,8 +72,8 @@ class LLM:
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-llm", daemon=True)
         self._thread.start()
-        self.client = EngineClient(self.config, placement=placement)
         try:
+            self.client = EngineClient(self.config, placement=placement)
             self._run(self.client.start())
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -45,7 +45,8 @@ class DecodeGraphs:
         gmax = self.sizes[-1]
         self.attn = flashinfer_backend.shared()
         cfg = model.config
-        self.heads = dict(num_qo_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+        attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
+        self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                           head_dim=cfg.head_dim, page_size=block_size, dtype=kv_caches[0].dtype,
                           scale=cfg.head_dim ** -0.5)
         i64 = dict(dtype=torch.int64, device=device)

@@ -4,11 +4,17 @@ It owns the model, the paged KV cache (one tensor per layer) and per-sequence st
 only what changed: new sequences in full, running ones as a token count and appended block ids. The
 token a decode step feeds is the one this runner sampled last step, which is why the scheduler can
 plan step N+1 before it has seen step N's result.
+
+Under tensor parallelism every rank runs a runner with the same plans; the model's layers all-reduce
+between them (models/parallel.py). Rank 0 alone samples and broadcasts the sampled tokens, so every rank
+feeds the same tokens to the next step (each keeps them on its device) whatever floating-point noise or
+sampler state could otherwise tell the ranks apart; only rank 0's StepResult is sent to the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,8 +25,9 @@ import torch
 from flotilla.actors.cuda_graphs import DecodeGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
-from flotilla.kernels.sampling import SamplingTensors, sample
+from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.models.loader import LoadedModel, load_model
+from flotilla.models.parallel import broadcast_from_first, init_tensor_parallel
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult
 
@@ -69,23 +76,42 @@ class SeqState:
         self.host_length += 1
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int | None = None) -> torch.device:
+    """The device `name` means; with a tensor-parallel `rank`, that rank's GPU (the first one + rank)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if rank is not None and device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
 
 
 class ModelRunner:
     """Loads the model, sizes and allocates the KV cache, executes plans."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True, rank: int = 0,
+                 dist_init_method: str | None = None) -> None:
+        """rank, dist_init_method: this runner's tensor-parallel rank and the group's rendezvous (tcp://host:port),
+        needed when config.parallel.tensor_parallel_size > 1."""
         self.config = config
-        self.device = resolve_device(config.worker.device)
+        self.rank = rank
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
+        if self.tp_size > 1:
+            if dist_init_method is None:
+                raise ValueError("tensor_parallel_size > 1 needs the ranks' rendezvous address (dist_init_method)")
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            else:  # the ranks share the host's cores; more threads than cores each would only thrash
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+            init_tensor_parallel(rank, self.tp_size, dist_init_method, self.device)
         t0 = time.perf_counter()
         # "auto" choices are resolved by the model for its device and head size
         kwargs = {"attention_backend": config.worker.attention_backend}
         if config.worker.fused_ops != "auto":
             kwargs["fused_ops"] = config.worker.fused_ops
+        if config.worker.moe_backend != "auto":  # only MoE models take it: a dense model refuses it at load
+            kwargs["moe_backend"] = config.worker.moe_backend
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
                                               progress=progress, model_kwargs=kwargs,
                                               load_format=config.model.load_format)
@@ -104,14 +130,16 @@ class ModelRunner:
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[_Pending] = deque()
         self.graphs: DecodeGraphs | None = None
-        if (self.device.type == "cuda" and not config.worker.enforce_eager
+        # with tensor parallelism the decode graphs would capture the all-reduces: not validated on a GPU yet
+        if (self.device.type == "cuda" and not config.worker.enforce_eager and self.tp_size == 1
                 and self.model.attention_backend_name == "flashinfer"):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs,
                                        max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                                        device=self.device)
-        log.info("model %s loaded in %.2f s on %s (%s); KV cache %d blocks x %d = %d tokens",
+        log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
+                 f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size)
 
     # ---- sizing -------------------------------------------------------------------------------------
@@ -271,6 +299,19 @@ class ModelRunner:
             ends = np.cumsum(num_new)[sampling_rows] - 1
             logits = self.model.compute_logits(hidden[_upload(ends, self.device)])
         sampled = [seqs[i] for i in sampling_rows]
+        if self.rank == 0:
+            out, want = self._sample(sampled, logits)
+        else:  # rank 0 samples for the group: these ranks only need its tokens (broadcast below)
+            out, want = SamplerOutput(token_ids=torch.empty(len(sampled), dtype=torch.int64, device=self.device)), None
+        token_ids = broadcast_from_first(out.token_ids)  # (int64 on every rank; in place)
+        for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
+            s.device_tokens[s.length] = (token_ids, row)
+            s.length += 1
+        self._pending.append(_Pending.launch(plan.step, [plan.rids[i] for i in sampling_rows], sampled, out,
+                                             want is not None, self.device))
+
+    def _sample(self, sampled: list[SeqState], logits: torch.Tensor) -> tuple[SamplerOutput, int | None]:
+        """Sample the next token of each sequence; also the most logprobs any of them asked for."""
         history = any(s.needs_history for s in sampled)
         if history and any(s.host_length < s.length for s in sampled):
             self._drain()  # penalties read every output token on the host
@@ -280,13 +321,7 @@ class ModelRunner:
             prompt_token_ids=[s.tokens[:s.num_prompt_tokens] for s in sampled] if history else None,
             output_token_ids=[s.tokens[s.num_prompt_tokens:] for s in sampled] if history else None)
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
-        out = sample(logits, st, want, generator=self.generator)
-        token_ids = out.token_ids
-        for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
-            s.device_tokens[s.length] = (token_ids, row)
-            s.length += 1
-        self._pending.append(_Pending.launch(plan.step, [plan.rids[i] for i in sampling_rows], sampled, out,
-                                             want is not None, self.device))
+        return sample(logits, st, want, generator=self.generator), want
 
     def _drain(self) -> None:
         """Finish every pending step's host side now (their results stay queued for finish_oldest)."""

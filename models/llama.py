@@ -4,6 +4,10 @@ window) over flotilla's kernels; Qwen3 reuses it with per-head q/k RMSNorm switc
 Runs a flattened mixed batch: input_ids/positions [T] of prefill chunks and decodes in any order, with
 each layer writing its new K/V into a paged cache and attending through AttentionMetadata. q/k/v and
 gate/up are fused into one GEMM each; load_weights maps HF's separate tensors into those slices.
+
+Under tensor parallelism (models/parallel.py) the same classes hold one rank's share: its attention heads
+(and KV cache heads), its slice of the MLP's intermediate dim and of the vocabulary; o_proj and down_proj
+all-reduce. With one rank they are the plain layers.
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.rope import rope_cos_sin_cache
 from flotilla.models.hf_config import HFModelConfig
+from flotilla.models.parallel import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -35,17 +47,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab, hidden], uninitialized like Linear."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -89,19 +90,22 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """qkv GEMM -> (q/k RMSNorm) -> RoPE -> store K/V in the paged cache -> paged attention -> o_proj."""
+    """qkv GEMM -> (q/k RMSNorm) -> RoPE -> store K/V in the paged cache -> paged attention -> o_proj.
+    Heads are this rank's (all of them with one rank)."""
 
     def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.ops = current_ops()
@@ -137,8 +141,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, config.intermediate_size, ("gate", "up"),
+                                                       bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +186,7 @@ class LlamaModel(nn.Module):
         self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool, make_mlp: Callable[[int], nn.Module]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, qk_norm, make_mlp(i)) for i in range(config.num_hidden_layers)
         )
@@ -228,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         backend = get_attention_backend(attention_backend, device=torch.get_default_device(), head_dim=config.head_dim)
         self.attention_backend_name = backend.name
@@ -238,19 +242,11 @@ class LlamaForCausalLM(nn.Module):
         """The elementwise kernels chosen (kernels/ops.py)."""
         with use_ops(ops):
             self.model = LlamaModel(config, backend, self.qk_norm, self._make_mlp)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        """KV heads of this rank's cache."""
         # Tied models have no lm_head module at all, so meta construction + to_empty cannot untie it.
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        q = config.num_attention_heads * config.head_dim
-        kv = config.num_key_value_heads * config.head_dim
-        inter = config.intermediate_size
-        # shard id -> (row offset, rows) inside the fused parameter.
-        self._shards: dict[str, tuple[int, int]] = {
-            "q": (0, q),
-            "k": (q, kv),
-            "v": (q + kv, kv),
-            "gate": (0, inter),
-            "up": (inter, inter),
-        }
+        self.lm_head = (None if config.tie_word_embeddings
+                        else VocabParallelEmbedding(config.vocab_size, config.hidden_size))
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer `layer_idx` (MoE models override this; called during __init__)."""
@@ -267,9 +263,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab] (on every rank)."""
+        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor (allocate one per layer)."""
@@ -280,6 +275,9 @@ class LlamaForCausalLM(nn.Module):
         parameters fully loaded (a fused one only once all its shards came) so the caller can report
         missing ones. Raises ValueError naming the tensor on an unknown name or a shape mismatch."""
         params = dict(self.named_parameters())
+        # the layer that slices a parameter's checkpoint tensor to this rank's part (tensor parallelism)
+        owners = {f"{prefix}.{p}" if prefix else p: m for prefix, m in self.named_modules() if hasattr(m, "load")
+                  for p, _ in m.named_parameters(recurse=False)}
         shards_of: dict[str, set[str]] = {}
         for fused, _, shard in self.stacked_params:
             shards_of.setdefault(fused, set()).add(shard)
@@ -292,8 +290,10 @@ class LlamaForCausalLM(nn.Module):
                 if f".{part}." not in name:
                     continue
                 param_name = self._param_name(params, name.replace(f".{part}.", f".{fused}."), name)
-                start, rows = self._shards[shard]
-                _copy_checked(params[param_name].data.narrow(0, start, rows), tensor, name, param_name)
+                owner = owners.get(param_name)
+                if not isinstance(owner, ColumnParallelLinear):
+                    raise ValueError(f"checkpoint tensor {name!r}: parameter {param_name!r} is not a fused one")
+                owner.load(params[param_name], tensor, (name, param_name), shard)
                 seen = shards_seen.setdefault(param_name, set())
                 seen.add(shard)
                 if seen == shards_of[fused]:
@@ -301,7 +301,11 @@ class LlamaForCausalLM(nn.Module):
                 break
             else:
                 param_name = self._param_name(params, name, name)
-                _copy_checked(params[param_name].data, tensor, name, param_name)
+                owner = owners.get(param_name)
+                if owner is None or isinstance(owner, ColumnParallelLinear):  # (an already fused tensor: whole)
+                    _copy_checked(params[param_name].data, tensor, name, param_name)
+                else:
+                    owner.load(params[param_name], tensor, (name, param_name))
                 loaded.add(param_name)
         return loaded
 

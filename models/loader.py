@@ -13,6 +13,7 @@ widening a model would double its memory. Pass dtype explicitly to cast.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import struct
@@ -256,6 +257,11 @@ def _build_module(
         cls = get_model_class(config.architectures)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
+    accepted = inspect.signature(cls).parameters
+    if unknown := [f"{k}={v!r}" for k, v in kwargs.items() if k not in accepted]:
+        # e.g. a moe_backend forced for a model without experts: say so instead of ignoring it
+        raise ModelLoadError(f"{model_dir.name} ({cls.__name__}) takes no {', '.join(unknown)}: that option does not "
+                             "apply to this model; leave it at auto")
     try:
         with torch.device(device), _default_dtype(dtype):
             module = cls(config, **kwargs)

@@ -10,6 +10,10 @@ what the Hub's Qwen3-MoE folders and transformers 5's save_pretrained both write
 load into gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]. Checkpoints that
 already hold the stacked tensors (transformers 5's in-memory names `mlp.experts.gate_up_proj` /
 `mlp.experts.down_proj`) load as they are.
+
+Tensor parallelism splits every expert's intermediate dim: each rank keeps I / tp rows of each expert's gate
+and up and the matching columns of its down projection, runs the same routing on the same tokens, and the
+block's output is summed over the ranks by one all-reduce after the experts' combine.
 """
 
 from __future__ import annotations
@@ -23,18 +27,27 @@ from torch import nn
 
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
 from flotilla.models.hf_config import HFModelConfig, MoEConfig
-from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP, _copy_checked
+from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
+from flotilla.models.parallel import all_reduce, check_shape, divide, tp_group
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class StackedExperts(nn.Module):
-    """The routed experts of one layer as stacked weights (transformers 5's Qwen3MoeExperts layout)."""
+    """The routed experts of one layer as stacked weights (transformers 5's Qwen3MoeExperts layout), each
+    expert's intermediate dim cut to this rank's share under tensor parallelism."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend) -> None:
         super().__init__()
+        tp = tp_group()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = divide(intermediate_size, tp.size, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
+        """This rank's rows of each expert's gate (and of its up)."""
+        self.first = tp.rank * intermediate_size
+        """The first of them in the checkpoint's intermediate dim."""
         self.backend = backend
         # Uninitialized like Linear: weights always come from a checkpoint (or load_format=dummy).
         self.gate_up_proj = nn.Parameter(
@@ -45,6 +58,38 @@ class StackedExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] and the routing [T, k] -> the weighted sum of each token's experts [T, H]."""
         return self.backend.fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def load_expert(self, param: nn.Parameter, expert: int, proj: str, src: torch.Tensor,
+                    names: tuple[str, str]) -> None:
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] checkpoint tensor, this rank's part."""
+        if expert >= self.num_experts:
+            raise ValueError(f"checkpoint tensor {names[0]!r} names expert {expert}, but the model has "
+                             f"{self.num_experts} experts")  # fmt: skip
+        inter, first = self.intermediate_size, self.first
+        if proj == "down_proj":
+            check_shape(src, (self.hidden_size, self.full_intermediate_size), *names)
+            dst, src = param.data[expert], src.narrow(1, first, inter)
+        else:
+            check_shape(src, (self.full_intermediate_size, self.hidden_size), *names)
+            at = 0 if proj == "gate_proj" else inter
+            dst, src = param.data[expert].narrow(0, at, inter), src.narrow(0, first, inter)
+        with torch.no_grad():
+            dst.copy_(src)
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        """A stacked checkpoint tensor (gate_up_proj [E, 2I, H], down_proj [E, H, I]), this rank's part."""
+        e, h, full = self.num_experts, self.hidden_size, self.full_intermediate_size
+        inter, first = self.intermediate_size, self.first
+        if param is self.down_proj:
+            check_shape(src, (e, h, full), *names)
+            parts = [(param.data, src.narrow(2, first, inter))]
+        else:
+            check_shape(src, (e, 2 * full, h), *names)
+            parts = [(param.data.narrow(1, 0, inter), src.narrow(1, first, inter)),
+                     (param.data.narrow(1, inter, inter), src.narrow(1, full + first, inter))]
+        with torch.no_grad():
+            for dst, part in parts:
+                dst.copy_(part)
 
 
 class Qwen3MoeSparseBlock(nn.Module):
@@ -59,7 +104,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
-        return self.experts(hidden, topk_weights, topk_ids)
+        return all_reduce(self.experts(hidden, topk_weights, topk_ids))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -105,14 +150,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 param_name = self._param_name(params, f"{match['prefix']}.{fused}", name)
                 param = params[param_name]
                 expert = int(match["expert"])
-                if expert >= param.shape[0]:
-                    raise ValueError(f"checkpoint tensor {name!r} names expert {expert}, but the model has "
-                                     f"{param.shape[0]} experts")  # fmt: skip
-                dst = param.data[expert]
-                if fused == "gate_up_proj":
-                    inter = param.shape[1] // 2
-                    dst = dst.narrow(0, 0 if proj == "gate_proj" else inter, inter)
-                _copy_checked(dst, tensor, name, param_name)
+                experts = self.get_submodule(param_name.rpartition(".")[0])
+                experts.load_expert(param, expert, proj, tensor, (name, param_name))
                 shards = seen.setdefault(param_name, set())
                 shards.add((expert, proj))
                 if len(shards) == param.shape[0] * (2 if fused == "gate_up_proj" else 1):

@@ -15,11 +15,19 @@ from typing import Any
 
 import msgspec
 
-from flotilla.config import CacheConfig, DisaggConfig, EngineConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from flotilla.config import (
+    CacheConfig,
+    DisaggConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
-    "disaggregation": DisaggConfig,
+    "parallel": ParallelConfig, "disaggregation": DisaggConfig,
 }
 _SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
 

@@ -23,6 +23,7 @@ from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import EngineConfig
 from flotilla.transport.channels import Inbox, Outbox
+from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.messages import (
     AbortCmd,
     ActorFailedEvent,
@@ -82,20 +83,29 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     """The actors of one engine, wired by name; each gets the whole EngineConfig.
 
     A prefill or decode engine also runs a KV-migration actor per worker rank, in the worker's process
-    (process group "worker") so it can register the rank's KV cache with the data plane."""
+    (process group "worker") so it can register the rank's KV cache with the data plane. Tensor parallelism
+    runs tensor_parallel_size worker instances (instance = rank), one process each, that meet at a
+    rendezvous address chosen here (torch.distributed's tcp:// init)."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
     disagg = config.disagg.role != "both"
+    tp = config.parallel.tensor_parallel_size
+    worker = common
+    if tp > 1:
+        if placement != "process":
+            raise ValueError(f"tensor_parallel_size={tp} runs one process per rank: use placement='process' "
+                             "(--placement process; flotilla serve without --single-process)")
+        worker = {**common, "dist_init_method": f"tcp://127.0.0.1:{free_tcp_port()}"}
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
         ActorSpec(name="scheduler", kind="scheduler", config={**common, "workers": "worker",
                                                              "detokenizer": "detokenizer",
                                                              "kv_migration": "kv_migration"}),
-        ActorSpec(name="worker", kind="worker", config=common, process="worker" if disagg else ""),
+        ActorSpec(name="worker", kind="worker", count=tp, config=worker, process="worker" if disagg else ""),
         ActorSpec(name="detokenizer", kind="detokenizer", config=common),
     ]
     if disagg:
-        actors.append(ActorSpec(name="kv_migration", kind="kv_migration", process="worker",
+        actors.append(ActorSpec(name="kv_migration", kind="kv_migration", count=tp, process="worker",
                                 config={**common, "workers": "worker"}))
     return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
                     actors=actors)

@@ -1,0 +1,249 @@
+"""Tensor parallelism (Megatron-style): the process's rank in its tensor-parallel group and the layers that
+split a model's weights over that group.
+
+One process holds one rank; `init_tensor_parallel` joins the group (gloo on CPU, nccl on CUDA) before the
+model is built, and every layer reads the group from `tp_group()` while it is constructed. With one rank
+(the default, nothing initialised) every layer is the plain GEMM / lookup it replaces: no collective runs
+and no branch beyond one `if` per layer.
+
+- Column-parallel (`QKVParallelLinear`, `MergedColumnParallelLinear`): each rank keeps a slice of the
+  output rows of every fused part (its q heads and kv heads; its gate and up columns), so the attention and
+  the SiLU-and-mul that follow run on local data.
+- Row-parallel (`RowParallelLinear`): each rank keeps the input columns matching that slice; the partial
+  products are summed with one all-reduce (o_proj, down_proj).
+- Vocab-parallel (`VocabParallelEmbedding`, `vocab_parallel_logits`): each rank keeps a contiguous range of
+  the vocabulary; a lookup outside it gives zeros and an all-reduce fills them in; the LM head's logits are
+  all-gathered and the padding of the last range cut off.
+
+Checkpoints hold whole tensors: each layer's `load(...)` narrows a tensor to the rank's part (the loader
+reads whole tensors and the model slices them).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    """None with one rank: no collective ever runs."""
+
+
+_TP = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    """The tensor-parallel group of this process (rank 0 of 1 unless init_tensor_parallel ran)."""
+    return _TP
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
+                         timeout_s: float = 600.0) -> TPGroup:
+    """Join the group of `size` ranks at rendezvous `init_method` (tcp://host:port) as `rank`; blocks until
+    every rank has joined. gloo for CPU tensors, nccl for CUDA ones. One group per process."""
+    global _TP
+    if size == 1:
+        return _TP
+    if _TP.size > 1:
+        raise RuntimeError(f"this process already is rank {_TP.rank} of a tensor-parallel group of {_TP.size}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _TP = TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+    return _TP
+
+
+def destroy_tensor_parallel() -> None:
+    global _TP
+    if _TP.size > 1:
+        dist.destroy_process_group()
+    _TP = TPGroup()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of x over the ranks (in place); x itself with one rank."""
+    tp = _TP
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' x concatenated along the last dim, in rank order."""
+    tp = _TP
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank (in place)."""
+    tp = _TP
+    if tp.size > 1:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+def check_shape(src: torch.Tensor, shape: tuple[int, ...], checkpoint_name: str, param_name: str) -> None:
+    """ValueError naming both tensors unless the checkpoint tensor has the (whole, unsharded) shape."""
+    if tuple(src.shape) != tuple(shape):
+        raise ValueError(f"checkpoint tensor {checkpoint_name!r} has shape {tuple(src.shape)} but parameter "
+                         f"{param_name!r} expects {tuple(shape)}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    # Uninitialized: weights always come from a checkpoint (or load_format=dummy); honours the default
+    # device/dtype context the loader builds the model in.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) for a weight fused from parts (shard ids) stacked along the output dim; each rank keeps
+    its slice of every part. `parts` maps a shard id to (full rows, this rank's rows, first row taken from
+    the checkpoint tensor), in the order the parts are stacked."""
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int, int]], bias: bool) -> None:
+        super().__init__()
+        self.parts = parts
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for shard, (_, rows, _) in parts.items():
+            self.offsets[shard] = at
+            at += rows
+        self.in_features = in_features
+        self.out_features = at
+        """Rows on this rank."""
+        self.weight = _empty(at, in_features)
+        self.bias = _empty(at) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str) -> None:
+        """Copy this rank's rows of checkpoint tensor `src` (part `shard`, all its rows) into `param` (weight
+        or bias); names = (checkpoint tensor, parameter) for errors."""
+        full, rows, first = self.parts[shard]
+        check_shape(src, (full, *param.shape[1:]), *names)
+        _copy(param.data.narrow(0, self.offsets[shard], rows), src.narrow(0, first, rows))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q/k/v projection split by heads: each rank keeps num_heads / tp query heads and
+    num_kv_heads / tp kv heads, or, with more ranks than kv heads, one kv head shared by tp / num_kv_heads
+    ranks (the kv head its query heads attend to)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        tp = tp_group()
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+            kv_first = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"the tensor-parallel size {tp.size} is neither a divisor nor a multiple of "
+                                 f"num_key_value_heads ({num_kv_heads})")
+            self.num_kv_heads = 1  # replicated: rank r keeps kv head r // (tp / num_kv_heads)
+            kv_first = tp.rank // (tp.size // num_kv_heads)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, {
+            "q": (num_heads * head_dim, q, tp.rank * q),
+            "k": (num_kv_heads * head_dim, kv, kv_first * head_dim),
+            "v": (num_kv_heads * head_dim, kv, kv_first * head_dim),
+        }, bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Equal-sized parts (gate and up) fused along the output dim, each split evenly over the ranks."""
+
+    def __init__(self, in_features: int, part_size: int, shards: tuple[str, ...], bias: bool) -> None:
+        tp = tp_group()
+        rows = divide(part_size, tp.size, "intermediate_size")
+        super().__init__(in_features, {s: (part_size, rows, tp.rank * rows) for s in shards}, bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (+ b): each rank keeps the input columns of its column-parallel
+    input's slice; one all-reduce, then the bias once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        tp = self.tp = tp_group()
+        self.in_features = divide(in_features, tp.size, "the input size of a row-parallel layer")
+        self.full_in_features = in_features
+        self.weight = _empty(out_features, self.in_features)
+        self.bias = _empty(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        if param is self.bias:
+            check_shape(src, tuple(param.shape), *names)
+            _copy(param.data, src)
+            return
+        check_shape(src, (param.shape[0], self.full_in_features), *names)
+        _copy(param.data, src.narrow(1, self.tp.rank * self.in_features, self.in_features))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding [vocab, hidden] split by vocabulary range: rank r keeps rows [r * n, (r + 1) * n) with
+    n = ceil(vocab / tp) (the last range padded with rows never looked up). The same split serves as a
+    vocab-parallel LM head (`vocab_parallel_logits`), tied or not."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        tp = self.tp = tp_group()
+        self.num_embeddings = num_embeddings
+        self.rows = -(-num_embeddings // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = _empty(self.rows, embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        check_shape(src, (self.num_embeddings, param.shape[1]), *names)
+        rows = max(0, min(self.rows, self.num_embeddings - self.start))
+        _copy(param.data.narrow(0, 0, rows), src.narrow(0, self.start, rows))
+        if rows < self.rows:  # padding: zeros, so a padded logit is finite (and cut off anyway)
+            param.data[rows:].zero_()
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
+    """hidden [N, H] -> float32 logits [N, vocab] on every rank: each rank's vocabulary range, gathered."""
+    local = F.linear(hidden, head.weight)
+    if head.tp.size == 1:
+        return local.float()
+    return all_gather_last_dim(local)[:, :head.num_embeddings].float()
