@@ -25,7 +25,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """Sparse-MLP hyper-parameters of a Qwen2/3-MoE-style config (no shared experts)."""
+    """Sparse-MLP hyper-parameters of a Qwen2/3-MoE or DeepSeek-V3-style config."""
 
     num_experts: int
     """Routed experts per MoE layer (HF: num_experts; transformers 5 writes num_local_experts)."""
@@ -39,10 +39,44 @@ class MoEConfig:
     """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 (and it is not in mlp_only_layers)."""
     mlp_only_layers: tuple[int, ...]
     """Layers that keep a dense MLP of intermediate_size."""
+    first_k_dense_replace: int = 0
+    """DeepSeek: layers below this one keep a dense MLP of intermediate_size."""
+    num_shared_experts: int = 0
+    """DeepSeek (n_shared_experts): a dense MLP of num_shared_experts * moe_intermediate_size beside the
+    routed experts, seen by every token."""
+    routed_scaling_factor: float = 1.0
+    """DeepSeek: the routing weights are multiplied by this."""
+    num_groups: int = 1
+    """DeepSeek (n_group): the experts form this many groups for grouped top-k."""
+    topk_groups: int = 1
+    """DeepSeek (topk_group): only the experts of this many best groups are chosen from."""
+    scoring_func: str | None = None
+    """DeepSeek: how router logits become scores ("sigmoid" in V3); None when the config does not say."""
+    topk_method: str | None = None
+    """DeepSeek: the top-k rule ("noaux_tc" in V3: grouped, with e_score_correction_bias); None when unsaid."""
 
     def is_sparse(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` has the MoE block (HF's rule)."""
-        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+        """Whether layer `layer_idx` has the MoE block (HF's rules: Qwen's and DeepSeek's)."""
+        return (layer_idx >= self.first_k_dense_replace and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention sizes (DeepSeek-V2/V3, Kimi-K2), in elements per head or per token."""
+
+    q_lora_rank: int | None
+    """Rank of the low-rank query (q_a_proj -> q_a_layernorm -> q_b_proj); None: one q_proj."""
+    kv_lora_rank: int
+    """Width of the compressed latent c_kv that the cache holds per token."""
+    qk_nope_head_dim: int
+    """Per-head query/key dims without RoPE."""
+    qk_rope_head_dim: int
+    """Per-head query dims with RoPE; the rotated key part (k_pe) of this width is shared by all heads."""
+    v_head_dim: int
+    """Per-head value dims."""
+    rope_interleave: bool
+    """RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout) rather than halves."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +109,8 @@ class HFModelConfig:
     """Effective sliding-window length in tokens; None when every layer attends to the full context."""
     moe: MoEConfig | None = None
     """The sparse MLPs' parameters; None for a dense model."""
+    mla: MLAConfig | None = None
+    """Latent-attention sizes; None for a model with ordinary (GQA) attention."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -126,7 +162,7 @@ def _first_id(value: Any) -> int | None:
 
 def _moe(raw: Mapping[str, Any]) -> MoEConfig | None:
     """The MoE parameters of a Qwen2/3-MoE-style config; None when it routes to no experts."""
-    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
     if num_experts == 0:
         return None
     missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in raw]
@@ -139,6 +175,31 @@ def _moe(raw: Mapping[str, Any]) -> MoEConfig | None:
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        num_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
+        scoring_func=raw.get("scoring_func"),
+        topk_method=raw.get("topk_method"),
+    )
+
+
+def _mla(raw: Mapping[str, Any]) -> MLAConfig | None:
+    """The latent-attention sizes of a DeepSeek-V2/V3-style config; None when it has no kv_lora_rank."""
+    if raw.get("kv_lora_rank") is None:
+        return None
+    missing = [k for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if raw.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json has kv_lora_rank but lacks {', '.join(missing)}")
+    q_lora_rank = raw.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+        v_head_dim=int(raw["v_head_dim"]),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
     )
 
 
@@ -178,6 +239,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         hidden_act=str(raw.get("hidden_act", "silu")),
         sliding_window=_sliding_window(raw),
         moe=_moe(raw),
+        mla=_mla(raw),
     )
 
 

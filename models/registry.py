@@ -6,11 +6,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
 from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
 from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    # Kimi-K2's config.json names this architecture too (its own sizes; n_group = topk_group = 1).
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     # Mistral is Llama's graph; configs with a real sliding window are refused by the constructor.
     "MistralForCausalLM": LlamaForCausalLM,

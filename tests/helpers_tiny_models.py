@@ -182,3 +182,73 @@ def write_tiny_moe_model(model_dir: str | Path, name: str = "qwen3_moe", seed: i
     model_dir = Path(model_dir)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+# DeepSeek-V3: name -> config overrides of transformers' DeepseekV3Config (tests/test_deepseek_v3.py runs these).
+# num_key_value_heads must equal num_attention_heads: transformers' MLA repeats K/V by heads // kv_heads.
+TINY_DEEPSEEK_CONFIGS: dict[str, dict[str, Any]] = {
+    # low-rank q, YaRN (its cos/sin factor != 1 and the softmax mscale), interleaved rope, 8 experts in 4
+    # groups (top-2 groups, top-3 experts), one shared expert, a dense first layer
+    "deepseek_v3": dict(
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-5,
+        rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             mscale=1.0, mscale_all_dim=0.7, beta_fast=32, beta_slow=1),
+        tie_word_embeddings=False,
+    ),
+    # one q_proj (q_lora_rank None), plain rope in halves, Kimi-K2's single group, raw weights (no
+    # renormalization), two shared experts, tied embeddings
+    "deepseek_v3_no_q_lora": dict(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=1,
+        rope_interleave=False,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def write_tiny_deepseek_model(model_dir: str | Path, name: str = "deepseek_v3", seed: int = 0) -> Path:
+    """Save the tiny random DeepSeek-V3 model `name` (a TINY_DEEPSEEK_CONFIGS key) as a checkpoint folder;
+    the routers' score-correction biases (zeros at init) are drawn at random so that they change choices."""
+    config = transformers.DeepseekV3Config(**{**_COMMON, **TINY_DEEPSEEK_CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir

@@ -188,8 +188,8 @@ def test_rope_direct_formula_and_linear_scaling() -> None:
                 expected2 = x2 * math.cos(angle) + x1 * math.sin(angle)
                 torch.testing.assert_close(q_out[t, :, i], expected1, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(q_out[t, :, i + head_dim // 2], expected2, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
-        rope_cos_sin_cache(head_dim, 32, theta, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+        rope_cos_sin_cache(head_dim, 32, theta, {"rope_type": "longrope", "factor": 4.0})
 
 
 def test_rms_norm_and_fused_residual() -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from flotilla.kernels.moe import deep_gemm_experts, torch_ref
-from flotilla.kernels.moe.routing import ExpertBlocks, select_experts, sort_by_expert
+from flotilla.kernels.moe.routing import ExpertBlocks, select_experts, select_experts_grouped, sort_by_expert
 
 __all__ = [
     "ExpertBlocks",
@@ -32,6 +32,7 @@ __all__ = [
     "best_moe_backend",
     "get_moe_backend",
     "select_experts",
+    "select_experts_grouped",
     "sort_by_expert",
 ]
 

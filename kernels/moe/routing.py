@@ -77,3 +77,33 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
         num_slots=num_slots,
         block_m=block_m,
     )
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    correction_bias: torch.Tensor | None = None,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's grouped top-k ("noaux_tc"): router_logits [T, E] -> (weights float32 [T, top_k], expert
+    ids int32 [T, top_k]). Scores are float32 sigmoids; the experts are split into num_groups groups, each
+    group rated by the sum of its two best biased scores (score + correction_bias), and only the topk_groups
+    best groups compete for the top_k. The bias only chooses: the weights are the raw scores of the chosen
+    experts, renormalized to sum to 1 if `renormalize` (HF's norm_topk_prob), times routed_scaling_factor.
+    Static shapes, no host sync (CUDA-graph safe)."""
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    per_group = num_experts // num_groups
+    group_scores = choice.view(num_tokens, num_groups, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, per_group).reshape(num_tokens, num_experts)
+    ids = torch.topk(choice.masked_fill(~expert_mask, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)

@@ -1,0 +1,72 @@
+"""Paged MLA (multi-head latent attention) backends over the compressed latent cache, picked by name or
+by capability like kernels/attention's.
+
+Every backend shares one cache layout per layer, mla_cache_shape: [num_blocks, block_size, kv_lora_rank +
+rope_dim], the latent c_kv then the roped k_pe of each token. flash_mla reads it as [num_blocks, block_size,
+1, 576] (block size 64) and flashinfer's MLA as its two views [..., :kv_lora_rank] / [..., kv_lora_rank:], so
+adding them changes no allocation. An FP8 cache would keep the layout with a quantizing store.
+
+- "torch": torch_ref, the reference and the CPU path ("auto" everywhere for now).
+- Not built yet: flash_mla (decode), flashinfer's MLA, triton.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.mla import torch_ref
+
+__all__ = ["MLABackend", "available_mla_backends", "best_mla_backend", "get_mla_backend", "mla_cache_shape"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MLABackend:
+    """One MLA implementation: store_latent(c_kv, k_pe, kv_cache, slot_mapping) writes the new tokens' cache
+    rows; forward(q_latent, q_pe, kv_cache, meta, scale) -> [T, H, kv_lora_rank] attends over the cache."""
+
+    name: str
+    store_latent: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+_BACKENDS: dict[str, MLABackend] = {
+    "torch": MLABackend(name="torch", store_latent=torch_ref.store_latent, forward=torch_ref.paged_mla),
+}
+_logged_auto_choice = False
+
+
+def available_mla_backends() -> list[str]:
+    """Names accepted by get_mla_backend, "auto" included."""
+    return ["auto", *_BACKENDS]
+
+
+def best_mla_backend(device: torch.device) -> str:
+    """The fastest backend usable on `device`: only the torch reference exists so far."""
+    del device  # flash_mla / flashinfer / triton will be chosen here by capability
+    return "torch"
+
+
+def get_mla_backend(name: str = "auto", device: torch.device | None = None) -> MLABackend:
+    """The backend called `name`; "auto" picks the best one for `device` (default: torch's current default
+    device) and logs the choice once."""
+    global _logged_auto_choice
+    if name == "auto":
+        name = best_mla_backend(device or torch.get_default_device())
+        if not _logged_auto_choice:
+            logger.info("MLA backend: %s (auto)", name)
+            _logged_auto_choice = True
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown MLA backend {name!r}; choices: {', '.join(available_mla_backends())}")
+    return _BACKENDS[name]
+
+
+def mla_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int) -> tuple[int, ...]:
+    """Shape of one layer's compressed cache: [num_blocks, block_size, kv_lora_rank + rope_dim]."""
+    return (num_blocks, block_size, kv_lora_rank + rope_dim)

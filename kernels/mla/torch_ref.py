@@ -1,0 +1,70 @@
+"""Torch reference for paged multi-head latent attention (MLA, DeepSeek-V2/V3): the CPU backend and the
+oracle later GPU backends (flash_mla, flashinfer's MLA, triton) are tested against.
+
+The compressed cache of one layer is ONE tensor [num_blocks, block_size, kv_lora_rank + rope_dim]: per
+token the normalised latent c_kv, then the roped shared key part k_pe (one cache "head"). With the key
+projection absorbed into the query (q_latent = q_nope W_UK, see models/deepseek_v3.py) attention is
+multi-query over that cache: the keys are whole rows, the values their first kv_lora_rank entries, and
+the output stays in the latent space (the caller projects it with W_UV). One code path serves prefill
+chunks (causal among a chunk's own tokens, over the cached prefix) and decodes alike; like the GQA
+reference it is vectorized over the batch, with no python loop over sequences or tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+
+
+def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' latent c_kv [T, kv_lora_rank] and roped k_pe [T, rope_dim] into kv_cache
+    [num_blocks, block_size, kv_lora_rank + rope_dim] at slot_mapping [T] (-1 = padding, not stored)."""
+    block_size, kv_lora_rank = kv_cache.shape[1], c_kv.shape[-1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, offsets, :kv_lora_rank] = c_kv[keep].to(kv_cache.dtype)
+    kv_cache[blocks, offsets, kv_lora_rank:] = k_pe[keep].to(kv_cache.dtype)
+
+
+def gather_latent(kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """[B, max_seq_len, kv_lora_rank + rope_dim]: each sequence's cached rows read through its block
+    table; rows at or beyond its seq_len are zeroed so stale or never-written (NaN) memory cannot leak in."""
+    num_seqs = meta.num_seqs
+    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
+    max_len = meta.max_seq_len
+    num_blocks = -(-max_len // block_size)
+    rows = kv_cache[meta.block_tables[:, :num_blocks].long()]  # [B, nb, bs, D]
+    rows = rows.reshape(num_seqs, num_blocks * block_size, width)[:, :max_len]
+    valid = torch.arange(max_len, device=rows.device)[None, :] < meta.seq_lens.long()[:, None]
+    return rows.masked_fill(~valid[:, :, None], 0)
+
+
+def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+              scale: float) -> torch.Tensor:
+    """Causal MQA of every new token over its sequence's latent cache: q_latent [T, H, kv_lora_rank] (the
+    absorbed no-rope query) and q_pe [T, H, rope_dim] (the roped query) -> [T, H, kv_lora_rank] in
+    q_latent's dtype; softmax in float32. The new tokens must already be stored (store_latent first)."""
+    num_tokens, num_heads, kv_lora_rank = q_latent.shape
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    qsl = meta.query_start_loc.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=qsl.device), query_lens, output_size=num_tokens)
+    pos_in_query = torch.arange(num_tokens, device=qsl.device) - qsl[seq_idx]
+
+    query = torch.cat((q_latent, q_pe), dim=-1)
+    q = query.new_zeros(num_seqs, max_q, num_heads, query.shape[-1])
+    q[seq_idx, pos_in_query] = query
+    ctx = gather_latent(kv_cache, meta).to(query.dtype)  # [B, S, D]: keys; values are ctx[..., :kv_lora_rank]
+
+    scores = torch.einsum("bqhd,bsd->bhqs", q, ctx).float() * scale
+    cached_lens = meta.seq_lens.long() - query_lens  # context before this step's tokens
+    # New token i of sequence b sits at position cached_b + i and sees keys at <= that position.
+    last_visible = cached_lens[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, Lq]
+    key_pos = torch.arange(meta.max_seq_len, device=q.device)
+    mask = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, Lq, S]; padded rows still see key 0
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.einsum("bhqs,bsl->bqhl", probs, ctx[..., :kv_lora_rank])  # [B, Lq, H, kv_lora_rank]
+    return out[seq_idx, pos_in_query]

@@ -1,0 +1,389 @@
+"""DeepSeek-V3 (and Kimi-K2, the same architecture with its own config values): multi-head latent
+attention (MLA) over a paged compressed KV cache, and MoE layers with shared experts and grouped top-k
+routing, over flotilla's kernels.
+
+MLA. Per token, kv_a_proj_with_mqa makes a latent c_kv (kv_lora_rank, then RMSNorm) and one rotated key
+part k_pe (qk_rope_head_dim) shared by all heads; kv_b_proj expands c_kv into each head's no-rope key
+(W_UK) and value (W_UV). The cache holds only [c_kv | k_pe] per token (kernels/mla: one "head" of
+kv_lora_rank + qk_rope_head_dim), and attention never expands it: W_UK is absorbed into the query
+(q_latent = q_nope W_UK, since q_nope . (W_UK c) = (q_nope W_UK) . c), so every head attends to the same
+cache rows (MQA with keys [c_kv | k_pe] and values c_kv), and the latent output is projected by W_UV per
+head before o_proj. The same path serves prefill chunks and decodes.
+
+MoE. Layers from first_k_dense_replace on: sigmoid router scores, grouped top-k with the score-correction
+bias (kernels/moe/routing.select_experts_grouped), the routed experts through kernels/moe's fused_experts
+on stacked [E, 2I, H] / [E, H, I] weights, plus the shared experts as one dense MLP. Earlier layers have a
+dense MLP.
+
+Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and
+already stacked ones load as they are; gate/up pairs are fused into one GEMM. The MTP layers (indices >=
+num_hidden_layers) are skipped: multi-token prediction is not built. FP8 checkpoints (`weight_scale_inv`)
+are refused with a clear error until block-scaled FP8 weights are built.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
+from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts_grouped
+from flotilla.kernels.ops import current_ops, get_ops, use_ops
+from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
+from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
+from flotilla.models.llama import Linear, RMSNorm, _copy_checked
+from flotilla.models.parallel import tp_group
+from flotilla.models.qwen3_moe import StackedExperts
+
+logger = logging.getLogger(__name__)
+
+LATENT_NORM_EPS = 1e-6
+"""eps of q_a_layernorm and kv_a_layernorm: DeepSeek's reference code and transformers build them with
+the RMSNorm default, not config.rms_norm_eps."""
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class Embedding(nn.Module):
+    """Token embedding table [vocab, hidden], uninitialized like Linear."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class MLARotaryEmbedding(nn.Module):
+    """The float32 cos/sin table [max_position, qk_rope_head_dim] (YaRN's attention factor included)."""
+
+    def __init__(self, config: HFModelConfig, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.max_position = config.max_position_embeddings
+        self.theta = config.rope_theta
+        self.scaling = config.rope_scaling
+        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
+
+    def _build(self, device: torch.device | None) -> torch.Tensor:
+        return rope_cos_sin_cache(self.rope_dim, self.max_position, self.theta, self.scaling, device=device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MLARotaryEmbedding:
+        """Rebuild in float32 on the new device after .to() / .half() (as llama.RotaryEmbedding does)."""
+        super()._apply(fn, recurse)
+        if self.cos_sin_cache.device.type != "meta":
+            self.cos_sin_cache = self._build(self.cos_sin_cache.device)
+        return self
+
+
+def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
+    """1/sqrt(qk_nope + qk_rope) times YaRN's mscale(factor, mscale_all_dim)^2 when the rope is scaled
+    (transformers' yarn_apply_mscale; DeepSeek-V3's 40x YaRN makes it ~1.87)."""
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling
+    if rope_type(scaling) != "default" and scaling is not None and scaling.get("mscale_all_dim"):
+        mscale = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return scale
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's interleaved rotary pairs laid out as
+    halves, after which the neox rotation is exactly theirs (transformers does the same)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class DeepseekV3Attention(nn.Module):
+    """MLA: q (low-rank or not) and the latent -> RoPE on the rope parts -> store [c_kv | k_pe] in the
+    paged cache -> absorbed MQA over the latents -> W_UV per head -> o_proj."""
+
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.rope_interleave = mla.rope_interleave
+        self.backend = backend
+        self.scale = softmax_scale(config, mla)
+        hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
+        q_width = heads * (self.nope_dim + self.rope_dim)
+        if mla.q_lora_rank is None:
+            self.q_proj: Linear | None = Linear(hidden, q_width)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_width)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.ops = current_ops()
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight, so no copy
+        (an FP8 kv_b_proj would dequantize into these once at load)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(hidden)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())
+        if self.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = self.ops.apply_rope(positions, q_pe.contiguous(), k_pe.reshape(num_tokens, 1, self.rope_dim),
+                                         cos_sin_cache)  # fmt: skip
+        self.backend.store_latent(c_kv, k_pe.view(num_tokens, self.rope_dim), kv_cache, meta.slot_mapping)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
+        out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale)  # [T, H, kv_lora_rank]
+        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
+
+
+class DeepseekV3MLP(nn.Module):
+    """SwiGLU MLP with gate and up fused into one GEMM (the dense layers' MLP and the shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.ops = current_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DeepseekV3Router(nn.Module):
+    """The MoE gate: float32 router weight [E, H] and score-correction bias [E] (kept in float32 whatever the
+    model's dtype, as transformers keeps them: near-equal scores must not be reordered by rounding)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32),
+                                                    requires_grad=False)  # fmt: skip
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (weights float32 [T, k], expert ids int32 [T, k])."""
+        moe = self.moe
+        logits = F.linear(hidden.float(), self.weight)
+        return select_experts_grouped(logits, moe.num_experts_per_tok, moe.num_groups, moe.topk_groups,
+                                      self.e_score_correction_bias, moe.norm_topk_prob,
+                                      moe.routed_scaling_factor)  # fmt: skip
+
+
+class DeepseekV3MoE(nn.Module):
+    """Router -> routed experts (kernels/moe) + shared experts (a dense MLP every token passes)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend) -> None:
+        super().__init__()
+        self.gate = DeepseekV3Router(hidden_size, moe)
+        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend)
+        self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts)
+                               if moe.num_shared_experts else None)  # fmt: skip
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(hidden)
+        out = self.experts(hidden, topk_weights, topk_ids)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
+
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(config, mla, backend)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder stack and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
+                 make_mlp: Callable[[int], nn.Module]) -> None:  # fmt: skip
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i)) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = MLARotaryEmbedding(config, mla.qk_rope_head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 / Kimi-K2 causal LM over the paged compressed cache (the interface every flotilla model
+    class implements). `mla_backend` picks the MLA kernels ("auto", "torch"; defaults to the worker's
+    attention_backend when that is forced), `moe_backend` the experts' ("auto", "torch", "triton", ...)."""
+
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
+                 moe_backend: str = "auto", mla_backend: str = "auto") -> None:  # fmt: skip
+        super().__init__()
+        mla, moe = config.mla, config.moe
+        if mla is None:
+            raise ValueError("config.json has no kv_lora_rank: not a DeepSeek-V2/V3-style (MLA) checkpoint")
+        if moe is not None and (moe.scoring_func or "sigmoid") != "sigmoid":
+            raise NotImplementedError(f"MoE scoring_func {moe.scoring_func!r}: only 'sigmoid' (DeepSeek-V3) is built")
+        if moe is not None and (moe.topk_method or "noaux_tc") != "noaux_tc":
+            raise NotImplementedError(f"MoE topk_method {moe.topk_method!r}: only 'noaux_tc' (DeepSeek-V3) is built")
+        if moe is not None and moe.num_experts % moe.num_groups:
+            raise ValueError(f"n_routed_experts={moe.num_experts} is not a multiple of n_group={moe.num_groups}")
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
+        if tp_group().size > 1:
+            raise NotImplementedError("tensor parallelism is not built for DeepSeek-V3 (MLA) yet; run one rank")
+        self.config = config
+        self.mla = mla
+        self.num_layers = config.num_hidden_layers
+        device = torch.get_default_device()
+        backend = get_mla_backend(mla_backend if mla_backend != "auto" else attention_backend, device=device)
+        self.mla_backend_name = backend.name
+        self.attention_backend_name = f"mla_{backend.name}"
+        """The attention kernels chosen (for the ready log line; not a GQA backend's name, so the worker
+        does not build flashinfer decode graphs for it)."""
+        self.moe_backend = get_moe_backend(moe_backend, device=device, dtype=torch.get_default_dtype())
+        self.moe_backend_name = self.moe_backend.name
+        ops = get_ops(fused_ops, device=device)
+        self.fused_ops_name = ops.name
+        with use_ops(ops):
+            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def _make_mlp(self, layer_idx: int) -> nn.Module:
+        moe = self.config.moe
+        if moe is not None and moe.is_sparse(layer_idx):
+            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend)
+        return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """input_ids/positions int64 [T] -> final hidden states [T, hidden]; writes latents into kv_caches."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla)."""
+        return mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, per-expert
+        tensors into the stacked experts. Returns the parameters fully loaded (a fused or stacked one once
+        every part came). Raises ValueError naming the tensor on an unknown name, a bad shape or expert
+        index, or FP8 scales."""
+        params = dict(self.named_parameters())
+        parts_seen: dict[str, set[tuple[int, str]]] = {}
+        loaded: set[str] = set()
+        skipped_mtp = 0
+
+        def fill(param_name: str, part: tuple[int, str], parts_needed: int) -> None:
+            seen = parts_seen.setdefault(param_name, set())
+            seen.add(part)
+            if len(seen) == parts_needed:
+                loaded.add(param_name)
+
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(f"checkpoint tensor {name!r}: FP8 block-scaled weights are not supported yet; "
+                                 "use a bf16 checkpoint (or load_format=dummy)")  # fmt: skip
+            layer = _LAYER.match(name)
+            if layer is not None and int(layer[1]) >= self.num_layers:
+                skipped_mtp += 1  # the multi-token-prediction layers that follow the decoder stack
+                continue
+            if (expert := _PER_EXPERT.match(name)) is not None:
+                proj = expert["proj"]
+                stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
+                param_name = self._param_name(params, f"{expert['prefix']}.{stacked}", name)
+                param, index = params[param_name], int(expert["expert"])
+                if index >= param.shape[0]:
+                    raise ValueError(f"checkpoint tensor {name!r} names expert {index}, but the model has "
+                                     f"{param.shape[0]} experts")  # fmt: skip
+                dst = param.data[index]
+                if stacked == "gate_up_proj":
+                    half = param.shape[1] // 2
+                    dst = dst.narrow(0, 0 if proj == "gate_proj" else half, half)
+                _copy_checked(dst, tensor, name, param_name)
+                fill(param_name, (index, proj), param.shape[0] * (2 if stacked == "gate_up_proj" else 1))
+            elif name.endswith((".gate_proj.weight", ".up_proj.weight")):  # dense MLP or shared experts
+                proj = "gate_proj" if name.endswith(".gate_proj.weight") else "up_proj"
+                param_name = self._param_name(params, name.replace(f".{proj}.", ".gate_up_proj."), name)
+                param = params[param_name]
+                half = param.shape[0] // 2
+                _copy_checked(param.data.narrow(0, 0 if proj == "gate_proj" else half, half), tensor, name, param_name)
+                fill(param_name, (0, proj), 2)
+            else:
+                param_name = self._param_name(params, name, name)
+                _copy_checked(params[param_name].data, tensor, name, param_name)
+                loaded.add(param_name)
+        if skipped_mtp:
+            logger.info("skipped %d tensors of multi-token-prediction layers (MTP is not built)", skipped_mtp)
+        return loaded
+
+    def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
+        """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""
+        for name in (candidate, f"model.{candidate}"):
+            if name in params:
+                return name
+        raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of {type(self).__name__}")
