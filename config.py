@@ -127,10 +127,17 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Interface the KV data plane serves this engine's blocks on; never a wildcard (dlslime checks no access)."""
     kv_transfer_timeout_s: float = 30.0
     """A KV migration (or the peer's endpoint exchange) not done after this long fails its request, seconds."""
+    kv_staging: Literal["auto", "always", "never"] = "auto"
+    """Move KV blocks through host staging buffers: auto (when the KV cache is on a GPU and the backend reads host
+    memory only, i.e. dlslime_tcp), always (also on CPU: the GPU path's protocol, testable anywhere), never."""
+    kv_staging_blocks: int = 64
+    """Size of a staging buffer, in blocks per layer (a migration moves at most this many blocks per round)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be positive")
+        if self.kv_staging_blocks < 1:
+            raise ValueError("kv_staging_blocks must be at least 1")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

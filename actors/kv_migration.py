@@ -2,28 +2,34 @@
 
 One per worker rank, in the worker's process group (actors/topology.py `process`), so it reaches the
 rank's KV cache through `flotilla.actors.worker.local_runner` and never over a socket. At start it
-registers that memory with a KV transfer engine (transport/kv_transfer.py: dlslime TCP between
-processes or hosts; a local copy when both engines share one process), one region per layer.
+registers memory with a KV transfer engine (transport/kv_transfer.py: dlslime TCP between processes or
+hosts; a local copy when both engines share one process): the KV cache itself, one region per layer,
+or, when the KV cache is not in memory the backend can read (a GPU cache under dlslime TCP), host
+staging buffers instead (see below).
 
-Both roles run it. On a prefill engine it only answers KVEndpointRequest (its transfer engine serves
-the reads; dlslime's reads are one-sided). On a decode engine it executes MigrateKVCmd:
+Both roles run it. On a prefill engine it answers KVEndpointRequest (and KVStageRequest when staged);
+the backend's reads are one-sided. On a decode engine it executes MigrateKVCmd:
 
   1. the first command naming a prefill rank's inbox asks that actor for its endpoint and regions
      (KVEndpointRequest -> KVEndpointEvent), connects, and checks the layouts match (layers, block bytes);
-  2. the (src block, dst block) pairs become merged byte ranges per layer (`kv_block_ranges`), read in
-     calls of at most 32 ranges (the transfer engine validates every range against both regions);
+  2. the (src block, dst block) pairs become merged byte ranges (`kv_block_ranges`), read in calls of at
+     most 32 ranges (the transfer engine validates every range against both regions);
   3. MigrationDoneEvent goes to the scheduler, with the bytes moved, or with an error when the peer is
      unreachable, its layout differs, or the read times out (`kv_transfer_timeout_s`).
 
-Reads from one peer run one at a time (dlslime opens a connection per range; concurrent reads on one
-endpoint gain nothing on TCP), while the actor keeps receiving.
+Staging (`kv_staging`: auto when the cache is on a GPU and the backend reads host memory only; always
+forces it, so the protocol runs and is tested on CPU too). A migration then goes in rounds of at most
+`kv_staging_blocks` blocks: the decode side asks the prefill side to copy the round's blocks into slots
+0..n-1 of a host buffer kept for this requester (KVStageRequest -> KVStagedEvent), reads those slots,
+which are contiguous, into its own host buffer when its cache needs staging too, and copies them into
+its KV blocks. The prefill side's copy runs after the step that computed the blocks returned its
+sampled token (so the device finished writing them); the decode side's copy into the device finishes
+before MigrationDone, so no step reads the blocks earlier. Not yet run on a GPU: staging there uses
+pinned host buffers and plain device copies, and it is unmeasured (CUDA IPC / NCCL within a host and
+dlslime RDMA across hosts would avoid the host hop; none is built).
 
-GPU KV caches: dlslime's TCP transport reads CPU addresses only. A CUDA KV cache needs either staging
-through pinned host buffers (copy the blocks device->host on the prefill side before announcing them,
-host->device on the decode side after the read) or a GPU-to-GPU path (CUDA IPC / NCCL within a host,
-dlslime RDMA across hosts). Neither is built yet: `KVMemory.of_runner` refuses a CUDA cache with the
-dlslime_tcp backend, so a GPU prefill or decode engine fails at start with that message instead of
-moving wrong bytes. The `local` backend copies device tensors directly and works for one process.
+Migrations from one peer run one at a time (dlslime opens a connection per range; concurrent reads on
+one endpoint gain nothing on TCP), and all of them while this rank stages; the actor keeps receiving.
 """
 
 from __future__ import annotations
@@ -32,14 +38,16 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.worker import local_runner
-from flotilla.config import EngineConfig
+from flotilla.config import DisaggConfig, EngineConfig
 from flotilla.transport.kv_transfer import (
     KVTransferEngine,
     KVTransferError,
+    Range,
     create_kv_transfer_engine,
     kv_block_bytes,
     kv_block_ranges,
@@ -47,6 +55,8 @@ from flotilla.transport.kv_transfer import (
 from flotilla.transport.messages import (
     KVEndpointEvent,
     KVEndpointRequest,
+    KVStagedEvent,
+    KVStageRequest,
     Message,
     MigrateKVCmd,
     MigrationDoneEvent,
@@ -70,15 +80,34 @@ class KVMemory:
         if any(kv_block_bytes(c) != self.block_bytes for c in caches):
             raise ValueError("every layer's KV cache must have the same block size in bytes")
 
-    @classmethod
-    def of_runner(cls, caches: list[torch.Tensor], backend: str) -> KVMemory:
-        device = caches[0].device if caches else torch.device("cpu")
-        if device.type != "cpu" and backend != "local":
-            raise KVTransferError(
-                f"the KV cache is on {device}, and the {backend} backend moves CPU memory only: GPU KV migration "
-                "(pinned-host staging, CUDA IPC / NCCL, dlslime RDMA) is not implemented yet; run prefill/decode "
-                "engines on CPU, or with kv_transfer_backend=local in one process")
-        return cls(caches)
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
+
+    def needs_staging(self, config: DisaggConfig) -> bool:
+        """Whether the backend must reach this cache through host staging buffers."""
+        if config.kv_staging != "auto":
+            return config.kv_staging == "always"
+        return self.device.type != "cpu" and config.kv_transfer_backend != "local"
+
+    def staging_buffer(self, blocks: int) -> torch.Tensor:
+        """A host buffer of `blocks` slots per layer, [layers, blocks, *block shape] (pinned when a GPU is there)."""
+        shape = (len(self.caches), blocks, *self.caches[0].shape[1:])
+        return torch.empty(shape, dtype=self.caches[0].dtype, pin_memory=self.device.type == "cuda")
+
+    def stage_out(self, buffer: torch.Tensor, block_ids: list[int]) -> None:
+        """KV blocks -> staging slots 0..n-1 of every layer."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.caches):
+            buffer[layer, : len(block_ids)].copy_(cache.index_select(0, idx))
+
+    def stage_in(self, buffer: torch.Tensor, block_ids: list[int]) -> None:
+        """Staging slots 0..n-1 of every layer -> KV blocks (finished when this returns)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.caches):
+            cache.index_copy_(0, idx, buffer[layer, : len(block_ids)].to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 @dataclass
@@ -95,7 +124,7 @@ class KVMigrationActor(Actor):
     """The data-plane end of one worker rank."""
 
     kind = "kv_migration"
-    inbox = (MigrateKVCmd, KVEndpointRequest, KVEndpointEvent)
+    inbox = (MigrateKVCmd, KVEndpointRequest, KVEndpointEvent, KVStageRequest, KVStagedEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -105,7 +134,14 @@ class KVMigrationActor(Actor):
         self.rank = ctx.instance
         self.engine: KVTransferEngine | None = None
         self.memory: KVMemory | None = None
+        self.staged = False
+        """This rank's KV is reached through staging buffers."""
         self.regions: list[RegionInfo] = []
+        """The KV layers' regions (unstaged), or this rank's read staging region (staged)."""
+        self._read_stage: torch.Tensor | None = None
+        self._serve_stage: dict[str, tuple[torch.Tensor, RegionInfo]] = {}  # requester key -> its staging region
+        self._staged_replies: dict[tuple[str, str], asyncio.Future] = {}
+        self._stage_lock = asyncio.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill rank inbox -> what we know of it
         self._tasks: set[asyncio.Task] = set()
         self.bytes_moved = 0
@@ -120,15 +156,24 @@ class KVMigrationActor(Actor):
             await asyncio.sleep(RUNNER_POLL_S)
             runner = local_runner(self.worker, self.rank)
         dis = self.config.disagg
-        self.memory = KVMemory.of_runner(runner.kv_caches, dis.kv_transfer_backend)
+        self.memory = KVMemory(runner.kv_caches)
+        self.staged = self.memory.needs_staging(dis)
         options: dict[str, object] = {"timeout_s": dis.kv_transfer_timeout_s}
         if dis.kv_transfer_backend != "local":
             options["host"] = dis.kv_host
         self.engine = create_kv_transfer_engine(dis.kv_transfer_backend, **options)
-        self.regions = [self.engine.register(f"kv.layer{i}", cache) for i, cache in enumerate(self.memory.caches)]
+        if self.staged:
+            self._read_stage = self.memory.staging_buffer(dis.kv_staging_blocks)
+            self.regions = [self.engine.register("stage.read", self._read_stage)]
+            if self.memory.device.type == "cuda":
+                log.warning("%s: GPU KV moves through host staging buffers; this path has not run on a GPU yet",
+                            self.label)
+        else:
+            self.regions = [self.engine.register(f"kv.layer{i}", c) for i, c in enumerate(self.memory.caches)]
         ep = self.engine.endpoint_info()
         where = f"{ep.host}:{ep.port}" if ep.host else ep.engine_id
-        return {"kv_backend": ep.backend, "kv_endpoint": where, "kv_layers": str(len(self.regions))}
+        return {"kv_backend": ep.backend, "kv_endpoint": where, "kv_layers": str(len(self.memory.caches)),
+                "kv_staged": str(self.staged).lower()}
 
     async def teardown(self) -> None:
         for t in list(self._tasks):
@@ -138,17 +183,38 @@ class KVMigrationActor(Actor):
             self.engine.close()
         await super().teardown()
 
-    # ---- the prefill side: describe our memory ---------------------------------------------------------
+    # ---- the prefill side: describe our memory, stage blocks ------------------------------------------
 
     async def on_kv_endpoint_request(self, req: KVEndpointRequest) -> None:
         assert self.engine is not None and self.memory is not None
+        ep = self.engine.endpoint_info()
         if req.rank != self.rank:
-            ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=self.engine.endpoint_info(),
+            ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep,
                                  error=f"asked for rank {req.rank}'s KV at rank {self.rank}'s actor")
+        elif self.staged:
+            blocks = self.config.disagg.kv_staging_blocks
+            if req.reply_to not in self._serve_stage:  # each requester its own region: rounds never overlap
+                buf = self.memory.staging_buffer(blocks)
+                self._serve_stage[req.reply_to] = (buf, self.engine.register(f"stage.{len(self._serve_stage)}", buf))
+            ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=[self._serve_stage[req.reply_to][1]],
+                                 block_bytes=self.memory.block_bytes, staging_blocks=blocks)
         else:
-            ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=self.engine.endpoint_info(),
-                                 regions=self.regions, block_bytes=self.memory.block_bytes)
+            ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
+                                 block_bytes=self.memory.block_bytes)
         await self.send_to(req.reply_to, ev)
+
+    async def on_kv_stage_request(self, req: KVStageRequest) -> None:
+        assert self.memory is not None
+        entry = self._serve_stage.get(req.reply_to)
+        ids = req.block_ids.tolist()
+        error = None
+        if entry is None:
+            error = f"no staging region for {req.reply_to} (ask for the endpoint first)"
+        elif len(ids) > entry[0].shape[1] or any(not 0 <= b < self.memory.caches[0].shape[0] for b in ids):
+            error = f"cannot stage blocks {ids[:8]}...: {len(ids)} blocks, {entry[0].shape[1]} slots"
+        else:
+            await asyncio.to_thread(self.memory.stage_out, entry[0], ids)
+        await self.send_to(req.reply_to, KVStagedEvent(key=req.key, transfer_id=req.transfer_id, error=error))
 
     # ---- the decode side: migrate ---------------------------------------------------------------------
 
@@ -187,13 +253,25 @@ class KVMigrationActor(Actor):
         for cmd in waiting:
             self._spawn(self._migrate(cmd, peer))
 
+    async def on_kv_staged_event(self, ev: KVStagedEvent) -> None:
+        fut = self._staged_replies.pop((ev.key, ev.transfer_id), None)
+        if fut is not None and not fut.done():
+            fut.set_result(ev.error)
+
     def _layout_mismatch(self, ev: KVEndpointEvent) -> str | None:
         assert self.memory is not None
-        if len(ev.regions) != len(self.regions):
-            return f"the prefill engine's KV has {len(ev.regions)} layers, this one {len(self.regions)}"
+        layers = len(self.memory.caches)
+        if not ev.staging_blocks:
+            theirs = len(ev.regions)
+        elif ev.regions and ev.block_bytes:  # one staging region of layers x staging_blocks blocks
+            theirs = ev.regions[0].length // (ev.block_bytes * ev.staging_blocks)
+        else:
+            theirs = 0
+        if theirs != layers:
+            return f"the prefill engine's KV has {theirs} layers, this one {layers}"
         if ev.block_bytes != self.memory.block_bytes:
             return (f"a KV block of one layer is {ev.block_bytes} bytes on the prefill engine, "
-                    f"{self.memory.block_bytes} here (model, dtype or block size differ)")
+                    f"{self.memory.block_bytes} here (model, dtype, block size or tensor parallelism differ)")
         return None
 
     async def _expire_request(self, src: str, peer: _Peer) -> None:
@@ -216,10 +294,13 @@ class KVMigrationActor(Actor):
         error = None
         try:
             if pairs:
-                ranges = kv_block_ranges(pairs, [0], [0], self.memory.block_bytes)
+                staging = bool(peer.info.staging_blocks) or self.staged
                 async with peer.lock:
-                    for remote, local in zip(peer.info.regions, self.regions):
-                        await self.engine.read(remote, ranges, local)
+                    if staging:
+                        async with self._stage_lock:  # our read staging buffer is one
+                            await self._read_staged(cmd, peer.info, pairs)
+                    else:
+                        await self._read_rounds(peer.info, pairs)
         except KVTransferError as e:
             error = f"KV migration from {cmd.src_engine} failed: {e}"
             if self._peers.get(cmd.src_kv[self.rank]) is peer:
@@ -227,6 +308,51 @@ class KVMigrationActor(Actor):
         moved = self.engine.bytes_read - before
         self.bytes_moved += moved
         await self._done(cmd, error=error, num_bytes=moved)
+
+    async def _read_staged(self, cmd: MigrateKVCmd, info: KVEndpointEvent, pairs: list[tuple[int, int]]) -> None:
+        """Rounds of at most a staging buffer's blocks (the smaller of both sides')."""
+        assert self.memory is not None
+        sizes = [n for n in (info.staging_blocks, self._read_stage.shape[1] if self.staged else 0) if n]
+        per_round = min(sizes)
+        for start in range(0, len(pairs), per_round):
+            chunk = pairs[start : start + per_round]
+            if info.staging_blocks:
+                await self._stage_remote(cmd, info, [s for s, _ in chunk])
+            # remote blocks: staging slots 0..n-1, or the blocks themselves; local: the same choice
+            src = list(range(len(chunk))) if info.staging_blocks else [s for s, _ in chunk]
+            dst = list(range(len(chunk))) if self.staged else [d for _, d in chunk]
+            await self._read_rounds(info, list(zip(src, dst)))
+            if self.staged:
+                await asyncio.to_thread(self.memory.stage_in, self._read_stage, [d for _, d in chunk])
+
+    async def _stage_remote(self, cmd: MigrateKVCmd, info: KVEndpointEvent, block_ids: list[int]) -> None:
+        src = cmd.src_kv[self.rank]
+        fut = asyncio.get_running_loop().create_future()
+        self._staged_replies[(src, cmd.transfer_id)] = fut
+        await self.send_to(src, KVStageRequest(key=src, transfer_id=cmd.transfer_id, reply_to=self.address,
+                                               block_ids=np.asarray(block_ids, dtype=np.int32)))
+        timeout = self.config.disagg.kv_transfer_timeout_s
+        try:
+            error = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise KVTransferError(f"the prefill rank at {src} did not stage blocks within {timeout:g} s") from None
+        finally:
+            self._staged_replies.pop((src, cmd.transfer_id), None)
+        if error is not None:
+            raise KVTransferError(f"the prefill rank could not stage blocks: {error}")
+
+    async def _read_rounds(self, info: KVEndpointEvent, pairs: list[tuple[int, int]]) -> None:
+        """Read (remote index, local index) pairs of every layer: block ids, or staging slots on a staged side."""
+        assert self.engine is not None and self.memory is not None
+        bb = self.memory.block_bytes
+        layers = len(self.memory.caches)
+        calls: dict[tuple[int, int], list[Range]] = {}  # (remote region #, local region #) -> ranges
+        for layer in range(layers):
+            remote = (0, layer * info.staging_blocks * bb) if info.staging_blocks else (layer, 0)
+            local = (0, layer * self._read_stage.shape[1] * bb) if self.staged else (layer, 0)
+            calls.setdefault((remote[0], local[0]), []).extend(kv_block_ranges(pairs, [local[1]], [remote[1]], bb))
+        for (r, lo), ranges in calls.items():
+            await self.engine.read(info.regions[r], ranges, self.regions[lo])
 
     async def _done(self, cmd: MigrateKVCmd, error: str | None = None, num_bytes: int = 0) -> None:
         if error is not None:

@@ -33,7 +33,8 @@ def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
     worker_module._LOCAL_RUNNERS[(name, 0)] = types.SimpleNamespace(kv_caches=caches)
 
 
-async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0):
+async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,
+                   staging: tuple[str, str] = ("auto", "auto")):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
     builds; return (prefill caches, decode caches, MigrationDone events)."""
     torch.manual_seed(0)
@@ -41,11 +42,14 @@ async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: floa
     dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim) for _ in range(LAYERS)]
     _fake_runner("pw", pre)
     _fake_runner("dw", dec)
-    engine = EngineConfig(disagg=DisaggConfig(kv_transfer_backend=backend, kv_transfer_timeout_s=timeout_s))
-    common = {"engine": engine.to_dict(), "scheduler": "sched"}
+    def config(workers: str, stage: str) -> dict:
+        engine = EngineConfig(disagg=DisaggConfig(kv_transfer_backend=backend, kv_transfer_timeout_s=timeout_s,
+                                                  kv_staging=stage, kv_staging_blocks=16))
+        return {"engine": engine.to_dict(), "scheduler": "sched", "workers": workers}
+
     topo = Topology(name="kvm", placement="inline", clients=["sched"], options=RuntimeOptions(ready_timeout_s=20),
-                    actors=[ActorSpec(name="p_kv", kind="kv_migration", config={**common, "workers": "pw"}),
-                            ActorSpec(name="d_kv", kind="kv_migration", config={**common, "workers": "dw"})])
+                    actors=[ActorSpec(name="p_kv", kind="kv_migration", config=config("pw", staging[0])),
+                            ActorSpec(name="d_kv", kind="kv_migration", config=config("dw", staging[1]))])
     rt = Runtime(topo)
     await rt.start()
     inbox = Inbox(rt.zmq, rt.endpoints.of("sched"), (MigrationDoneEvent,))
@@ -69,18 +73,23 @@ def _cmd(tid: str, src_kv: str, src: list[int], dst: list[int]) -> MigrateKVCmd:
                         dst_block_ids=np.asarray(dst, np.int32), src_kv=[src_kv])
 
 
-@pytest.mark.parametrize("backend", ["local", "dlslime_tcp"])
-def test_migrated_blocks_land_exactly_and_nothing_else_is_touched(backend):
+@pytest.mark.parametrize("backend,staging", [
+    ("local", ("auto", "auto")), ("dlslime_tcp", ("auto", "auto")),
+    # host staging buffers (what a GPU KV cache needs under dlslime TCP), on either side or both
+    ("dlslime_tcp", ("always", "always")), ("dlslime_tcp", ("always", "never")), ("local", ("never", "always")),
+])
+def test_migrated_blocks_land_exactly_and_nothing_else_is_touched(backend, staging):
     if backend == "dlslime_tcp":
         pytest.importorskip("dlslime", reason="needs dlslime and Debian's libibverbs1")
-    # 40 scattered pairs (40 ranges a layer: more than one call of 32), a contiguous run, an empty command
+    # 40 scattered pairs (40 ranges a layer: more than one call of 32; staged: 3 rounds of <= 16 blocks),
+    # a contiguous run, an empty command
     scattered = (list(range(1, 81, 2)), list(range(90, 50, -1)))
     run = (list(range(82, 90)), list(range(0, 8)))
 
     def cmds(src_kv):
         return [_cmd("a", src_kv, *scattered), _cmd("b", src_kv, *run), _cmd("c", src_kv, [], [])]
 
-    pre, dec, done = uvloop.run(_migrate(backend, cmds))
+    pre, dec, done = uvloop.run(_migrate(backend, cmds, staging=staging))
     by_id = {d.transfer_id: d for d in done}
     assert all(d.error is None for d in done), done
     block_bytes = 2 * BS * HEADS * DIM * 4
@@ -113,15 +122,26 @@ def _caches(device: str = "cpu", layers: int = 2) -> list[torch.Tensor]:
 
 
 def test_a_cpu_kv_cache_is_one_region_per_layer_with_its_block_bytes():
-    mem = KVMemory.of_runner(_caches(), "dlslime_tcp")
+    mem = KVMemory(_caches())
     assert len(mem.caches) == 2 and mem.block_bytes == 2 * 4 * 2 * 8 * 4
 
 
-def test_a_device_kv_cache_over_dlslime_tcp_is_refused_at_start_with_the_reason():
-    # "meta" stands in for cuda here: any non-CPU cache needs staging that is not built
-    with pytest.raises(KVTransferError, match="CPU memory only: GPU KV migration .* not implemented"):
-        KVMemory.of_runner(_caches("meta"), "dlslime_tcp")
-    assert KVMemory.of_runner(_caches("meta"), "local").block_bytes > 0  # a local copy handles device tensors
+def test_a_device_kv_cache_is_staged_through_host_memory_when_the_backend_reads_host_memory_only():
+    # "meta" stands in for cuda here: a KV cache dlslime TCP cannot read
+    def needs(device: str, backend: str, mode: str = "auto") -> bool:
+        return KVMemory(_caches(device)).needs_staging(DisaggConfig(kv_transfer_backend=backend, kv_staging=mode))
+
+    assert needs("meta", "dlslime_tcp") and not needs("meta", "local") and not needs("cpu", "dlslime_tcp")
+    assert needs("cpu", "local", "always") and not needs("meta", "dlslime_tcp", "never")
+
+
+def test_an_unstaged_device_cache_is_refused_by_dlslime_tcp_with_the_reason():
+    pytest.importorskip("dlslime", reason="needs dlslime and Debian's libibverbs1")
+    from flotilla.transport.kv_transfer import create_kv_transfer_engine
+
+    with create_kv_transfer_engine("dlslime_tcp") as engine:
+        with pytest.raises(KVTransferError, match="CPU memory only, stage GPU blocks"):
+            engine.register("kv.layer0", _caches("meta")[0])
 
 
 def test_layers_with_different_block_sizes_are_refused():

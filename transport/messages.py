@@ -276,8 +276,37 @@ class KVEndpointEvent(Message):
     """One region per layer, in layer order; block b of a layer starts at b * block_bytes."""
     block_bytes: int = 0
     """Bytes of one block of one layer, bytes."""
+    staging_blocks: int = 0
+    """0: `regions` are the KV layers. Otherwise one staging region of layers x staging_blocks blocks (layer l's
+    slot i at (l * staging_blocks + i) * block_bytes), filled on KVStageRequest: the KV is not in host memory."""
     error: str | None = None
     """Set when the rank cannot serve its KV (then the other fields are empty)."""
+
+
+class KVStageRequest(Message):
+    """Decode-side KV-migration actor -> prefill-side one: copy these blocks into my staging region's slots
+    0..n-1 (every layer), then answer KVStagedEvent. One at a time per requester: the region is its own
+    (the one KVEndpointEvent described to the same reply_to)."""
+
+    key: str
+    """Echoed in the answer (the requester's name for this peer)."""
+    transfer_id: str
+    """The transfer the blocks belong to."""
+    block_ids: Array
+    """Prefill-side KV blocks, int32, at most staging_blocks."""
+    reply_to: str
+    """The requester's inbox: answers go there, and it names the requester's staging region."""
+
+
+class KVStagedEvent(Message):
+    """The staging region holds the requested blocks (or why it does not)."""
+
+    key: str
+    """The request's key."""
+    transfer_id: str
+    """The request's transfer id."""
+    error: str | None = None
+    """Set when the blocks could not be staged."""
 
 
 class BlocksReleasedEvent(Message):
