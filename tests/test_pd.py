@@ -29,7 +29,10 @@ from flotilla.transport.endpoints import free_tcp_port
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 
-pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
+if os.environ.get("CI"):
+    import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
+else:
+    pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
 
 ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
 WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
