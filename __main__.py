@@ -83,8 +83,9 @@ Run prompts through the engine offline (the same actors as `serve`, no HTTP) and
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    p.add_argument("--placement", choices=["inline", "process"], default="inline",
-                   help="inline: every actor in this process; process: one process per actor")
+    p.add_argument("--placement", choices=["inline", "process"], default=None,
+                   help="inline: every actor in this process; process: one process per actor; default: inline, "
+                        "process with --tensor-parallel-size > 1")
     add_engine_arguments(p)
 
 
