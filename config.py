@@ -93,7 +93,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Attention kernels: auto picks the best importable backend; or force one by name."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
-    fused_ops: str = "auto"
+    fused_ops: Literal["auto", "torch", "triton"] = "auto"
     """Elementwise kernels of each layer (RMSNorm, SiLU-and-mul, RoPE + KV store): auto (triton on CUDA,
     torch elsewhere), triton, or torch (the references)."""
     moe_backend: Literal["auto", "torch", "triton", "deep_gemm"] = "auto"
