@@ -17,6 +17,7 @@ written by a migration are not freed before it reports.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -32,6 +33,10 @@ from flotilla.transport.messages import (
     SeqTokens,
     TokenizedRequest,
 )
+
+
+ENDED_MEMORY = 4096
+"""How many ended transfer ids the decode side remembers to recognise a late KVReady."""
 
 
 class PrefillBatchScheduler(BatchScheduler):
@@ -125,6 +130,9 @@ class DecodeBatchScheduler(BatchScheduler):
         self.transfers: dict[str, _Transfer] = {}
         self._early: dict[str, KVReadyEvent] = {}  # KVReady that overtook its request
         self._released: set[str] = set()  # aborted before KVReady: answer it with BlocksReleased at once
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        """The last ENDED_MEMORY transfers that ended after their KVReady: a late KVReady for one of them (the
+        front end's death notice crossing the MigrationDone) is dropped instead of waiting forever as early."""
         self.outbox: list[Message] = []
         """MigrateKVCmds for the migration actor and BlocksReleasedEvents for the prefill side."""
 
@@ -149,6 +157,8 @@ class DecodeBatchScheduler(BatchScheduler):
     def on_kv_ready(self, ev: KVReadyEvent) -> list[SeqTokens]:
         t = self.transfers.get(ev.transfer_id)
         if t is None:
+            if self._ended.pop(ev.transfer_id, 0) is None:  # it ended already: a stale notice
+                return []
             if ev.transfer_id in self._released:  # the request was aborted first
                 self._released.discard(ev.transfer_id)
                 self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
@@ -180,6 +190,7 @@ class DecodeBatchScheduler(BatchScheduler):
             return [self._end(t, "abort" if t.aborted else "error")]
         seq, ready = t.seq, t.ready
         del self.transfers[ev.transfer_id]
+        self._remember_ended(ev.transfer_id)
         self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
         seq.num_computed = seq.num_done = ready.num_tokens
         self.blocks.commit(seq.rid, seq.prompt_ids, ready.num_tokens)
@@ -232,11 +243,17 @@ class DecodeBatchScheduler(BatchScheduler):
                                         dst_block_ids=np.asarray(table[skip:pages], dtype=np.int32)))
         t.migrating = True
 
+    def _remember_ended(self, transfer_id: str) -> None:
+        self._ended[transfer_id] = None
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
+
     def _end(self, t: _Transfer, reason: str) -> SeqTokens:
         """Finish a transfer that will not decode; the prefill side is told it may release."""
         tid = t.seq.transfer_id
         self.transfers.pop(tid, None)
         if t.ready is not None:
+            self._remember_ended(tid)
             self.outbox.append(BlocksReleasedEvent(transfer_id=tid))
         else:
             self._released.add(tid)  # its KVReady is still to come: answer that one

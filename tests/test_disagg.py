@@ -202,3 +202,15 @@ def test_a_release_before_the_hand_off_leaves_no_pin_behind():
     assert pre.blocks.num_free_blocks == 50
     pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id="unknown"))  # and a stray one is harmless
     assert not pre.sched._released_early
+
+
+def test_a_prefill_death_notice_after_the_migration_finished_leaves_nothing_behind():
+    dec = Engine(DecodeBatchScheduler, 50, 1)
+    assert dec.sched.add(_req())
+    dec.sched.on_kv_ready(_ready())
+    deltas = dec.sched.on_migration_done(MigrationDoneEvent(transfer_id="r"))
+    assert [d.token_ids for d in deltas] == [[9]]
+    # the front end's word that the prefill engine died, crossing the MigrationDone: stale, dropped
+    assert dec.sched.on_kv_ready(_ready(error="prefill engine p died")) == []
+    assert not dec.sched._early and not dec.sched._ended
+    assert "r" in dec.sched.seqs  # the request decodes on
