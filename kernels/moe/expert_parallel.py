@@ -1,0 +1,219 @@
+"""Expert parallelism: the experts of a MoE layer spread over the ranks of a group, each token's hidden state
+sent to the ranks owning its experts and the results sent back (wide EP's dispatch / combine).
+
+Each rank routes its own tokens (kernels/moe/routing.py) and holds only its experts' stacked weights; the
+layer (`ExpertParallelExperts`) keeps `fused_experts`' contract for the tokens of this rank:
+
+1. dispatch: every (token, expert) slot of topk_ids [T, k] is grouped by the rank owning its expert; the
+   per-destination row counts go first (an all-to-all of split sizes), then the slots' hidden rows and
+   their experts' local ids (`torch.distributed.all_to_all_single` with uneven splits; gloo and nccl
+   both take it).
+2. the receiving rank runs what it got through kernels/moe's `fused_experts` with its local weights, each
+   received row going to one local expert with weight 1 (the routing weights never travel).
+3. combine: the results go back along the reverse all-to-all, are put back into slot order, scaled by the
+   routing weights and summed per token, rounding where torch_ref.fused_experts rounds and adding each
+   token's k outputs in ascending expert order as it does. With one rank that is the reference to the bit;
+   across ranks an expert's GEMM gets other rows beside a token's (every rank's tokens for it), and CPU
+   BLAS results for a row can change in the last bits with the number of rows, so float32 agrees to
+   rounding, not to the bit.
+
+Every rank takes part in every collective, including one with no tokens (an idle data-parallel rank runs
+an empty batch). The split sizes are read back to the host before the rows move, so a step is not
+capturable in a CUDA graph; deep_ep's low-latency kernels (fixed-size buffers, no host sync) are the path
+for that. Not built: deep_ep itself — "deep_ep" is a name `get_ep_backend` knows and refuses.
+
+`ExpertPlacement` maps each expert to its rank and to its row in that rank's stacked weights (contiguous
+today: rank r owns experts [r*E/ep, (r+1)*E/ep)), and keeps the last step's per-expert token counts, which
+is what an expert-placement load balancer (EPLB) reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flotilla.kernels.moe import MoEBackend, get_moe_backend
+
+__all__ = [
+    "Dispatched",
+    "ExpertParallelExperts",
+    "ExpertPlacement",
+    "available_ep_backends",
+    "combine",
+    "dispatch",
+    "get_ep_backend",
+]
+
+
+class ExpertPlacement:
+    """Which rank of an expert-parallel group of `ep_size` holds each of `num_experts` experts, and the
+    per-expert load of the last step.
+
+    Contiguous: rank r owns experts [r * E / ep, (r + 1) * E / ep) as rows 0.. of its stacked weights.
+    Dispatch reads only the two maps below, so a rebalanced placement is a matter of building other maps.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, device: torch.device | None = None) -> None:
+        if ep_size < 1 or not 0 <= ep_rank < ep_size:
+            raise ValueError(f"expert-parallel rank {ep_rank} is not in a group of {ep_size}")
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over an expert-parallel group of "
+                             f"{ep_size} ranks (num_experts must be divisible by the EP size)")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.ep_rank = ep_rank
+        self.num_local_experts = num_experts // ep_size
+        self.first_local_expert = ep_rank * self.num_local_experts
+        experts = torch.arange(num_experts, device=device)
+        self.expert_to_rank = experts // self.num_local_experts
+        """int64 [E]: the rank holding each expert."""
+        self.expert_to_local = experts % self.num_local_experts
+        """int64 [E]: each expert's row in its rank's stacked weights."""
+        self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        """int64 [E]: (token, expert) slots this rank routed to each expert in the last step."""
+        self.local_expert_load = torch.zeros(self.num_local_experts, dtype=torch.int64, device=device)
+        """int64 [E / ep]: rows each of this rank's experts received from all ranks in the last step (its
+        whole load, the sum of every rank's expert_load for it)."""
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of this rank's experts, in the order of its stacked weights."""
+        return range(self.first_local_expert, self.first_local_expert + self.num_local_experts)
+
+    def local_slice(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole stacked expert tensor ([E, ...], e.g. w13 or w2)."""
+        if stacked.shape[0] != self.num_experts:
+            raise ValueError(f"a stacked expert tensor of {stacked.shape[0]} experts, expected {self.num_experts}")
+        return stacked.narrow(0, self.first_local_expert, self.num_local_experts)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What a rank received in a dispatch, and what combine needs to send the results back."""
+
+    hidden: torch.Tensor
+    """[R, H]: the rows sent to this rank, grouped by source rank (rank 0's first)."""
+    local_ids: torch.Tensor
+    """int32 [R]: each row's expert, as a row of this rank's stacked weights."""
+    order: torch.Tensor
+    """int64 [T * k]: the slots (token * k + j) of this rank's routing in the order they were sent."""
+    send_splits: list[int]
+    """Rows this rank sent to each rank."""
+    recv_splits: list[int]
+    """Rows this rank received from each rank."""
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None:  # one rank: what is sent is what is received
+        out.copy_(inp)
+    else:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+    return out
+
+
+def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, placement: ExpertPlacement,
+             group: dist.ProcessGroup | None) -> Dispatched:
+    """Send each (token, expert) slot's hidden row ([T, H], routing topk_ids [T, k]) to the rank owning the
+    expert; records the step's loads in `placement`. Collective: every rank of `group` calls it, with any
+    T (0 included). `group` None means one rank."""
+    ep = placement.ep_size
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    dest = placement.expert_to_rank[flat]
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.zeros(ep, dtype=torch.int64, device=hidden.device)
+    send_counts.scatter_add_(0, dest, torch.ones_like(dest))
+    recv_counts = _all_to_all(torch.empty_like(send_counts), send_counts, None, None, group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # the one host sync of a step
+    received = sum(recv_splits)
+
+    send_hidden = hidden.index_select(0, order // topk_ids.shape[1])
+    send_ids = placement.expert_to_local[flat[order]].to(torch.int32)
+    recv_hidden = hidden.new_empty((received, hidden.shape[1]))
+    recv_ids = send_ids.new_empty((received,))
+    _all_to_all(recv_hidden, send_hidden, recv_splits, send_splits, group)
+    _all_to_all(recv_ids, send_ids, recv_splits, send_splits, group)
+
+    placement.expert_load.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+    local = recv_ids.to(torch.int64)
+    placement.local_expert_load.zero_().scatter_add_(0, local, torch.ones_like(local))
+    return Dispatched(hidden=recv_hidden, local_ids=recv_ids, order=order, send_splits=send_splits,
+                      recv_splits=recv_splits)
+
+
+def combine(expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send the experts' outputs for the received rows ([R, H], in dispatched.hidden's order) back to their
+    ranks and sum each token's k results weighted by its routing -> [T, H] in expert_out's dtype.
+    Collective, like dispatch."""
+    num_tokens, top_k = topk_ids.shape
+    dtype, width = expert_out.dtype, expert_out.shape[1]
+    back = expert_out.new_empty((num_tokens * top_k, width))
+    _all_to_all(back, expert_out, dispatched.send_splits, dispatched.recv_splits, group)
+    per_slot = torch.empty_like(back)
+    per_slot[dispatched.order] = back  # back into slot order: row token * k + j
+    per_slot = per_slot.view(num_tokens, top_k, width)
+    # As torch_ref.fused_experts: scaled in float32, rounded to the activation dtype, summed in float32 in
+    # ascending expert order.
+    weighted = (per_slot.float() * topk_weights.unsqueeze(-1)).to(dtype)
+    by_expert = torch.argsort(topk_ids, dim=1, stable=True)
+    weighted = weighted.gather(1, by_expert.unsqueeze(-1).expand_as(weighted))
+    out = torch.zeros((num_tokens, width), dtype=torch.float32, device=expert_out.device)
+    for j in range(top_k):  # k adds over whole tensors, in a fixed order
+        out += weighted[:, j].float()
+    return out.to(dtype)
+
+
+def available_ep_backends() -> list[str]:
+    """Dispatch / combine implementations get_ep_backend knows ("deep_ep" only where it imports)."""
+    return ["all_to_all", *(["deep_ep"] if importlib.util.find_spec("deep_ep") is not None else [])]
+
+
+def get_ep_backend(name: str = "auto") -> str:
+    """The dispatch implementation called `name`; "auto" is all_to_all (torch.distributed's, on the group's
+    backend: nccl on CUDA, gloo on CPU). deep_ep is the seam for DeepEP's kernels and is not built: asking
+    for it is refused, whether or not the package is there."""
+    if name in ("auto", "all_to_all"):
+        return "all_to_all"
+    if name == "deep_ep":
+        if "deep_ep" not in available_ep_backends():
+            raise ValueError("EP backend 'deep_ep' needs the deep_ep package")
+        raise NotImplementedError("EP backend 'deep_ep' is not built yet; use 'all_to_all'")
+    raise ValueError(f"unknown EP backend {name!r}; choices: auto, {', '.join(available_ep_backends())}")
+
+
+class ExpertParallelExperts:
+    """This rank's share of a MoE layer's experts: `fused_experts`' contract (hidden [T, H], routing [T, k] ->
+    [T, H]) for this rank's tokens, with the weights of its experts only (w13 [E/ep, 2I, H], w2 [E/ep, H, I],
+    see ExpertPlacement.local_slice)."""
+
+    def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None,
+                 backend: MoEBackend | None = None, ep_backend: str = "auto") -> None:
+        size = 1 if group is None else dist.get_world_size(group)
+        if size != placement.ep_size:
+            raise ValueError(f"the placement is for {placement.ep_size} expert-parallel ranks but the process "
+                             f"group has {size}")
+        if group is not None and dist.get_rank(group) != placement.ep_rank:
+            raise ValueError(f"the placement is for rank {placement.ep_rank} but this process is rank "
+                             f"{dist.get_rank(group)} of the group")
+        self.placement = placement
+        self.group = group
+        self.backend = backend or get_moe_backend("auto")
+        self.ep_backend = get_ep_backend(ep_backend)
+
+    def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        local = self.placement.num_local_experts
+        if w13.shape[0] != local or w2.shape[0] != local:
+            raise ValueError(f"expected the stacked weights of this rank's {local} experts, got {w13.shape[0]} "
+                             f"(w13) and {w2.shape[0]} (w2)")
+        sent = dispatch(hidden, topk_ids, self.placement, self.group)
+        if sent.hidden.shape[0]:
+            ones = torch.ones((sent.hidden.shape[0], 1), dtype=torch.float32, device=hidden.device)
+            expert_out = self.backend.fused_experts(sent.hidden, w13, w2, ones, sent.local_ids.unsqueeze(1))
+        else:  # nothing came: the empty result still goes through combine's all-to-all
+            expert_out = sent.hidden
+        return combine(expert_out, sent, topk_weights, topk_ids, self.group)
