@@ -17,15 +17,21 @@ dense MLP.
 
 Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and
 already stacked ones load as they are; gate/up pairs are fused into one GEMM. The MTP layers (indices >=
-num_hidden_layers) are skipped: multi-token prediction is not built. FP8 checkpoints (`weight_scale_inv`)
-are refused with a clear error until block-scaled FP8 weights are built.
+num_hidden_layers) are skipped: multi-token prediction is not built.
+
+FP8 checkpoints (config.json quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}):
+the q / kv_a projections, o_proj, the dense MLPs and the shared experts are Fp8BlockLinear (e4m3 `weight`
++ float32 `weight_scale_inv` per block, kernels/quant's backends); kv_b_proj (read as W_UK / W_UV by the
+absorbed attention) and the routed experts are dequantized once at load into the model dtype: FP8 grouped
+expert GEMMs are not built yet.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +41,8 @@ from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts_grouped
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
+from flotilla.kernels.quant import FP8_DTYPE, block_dequantize, get_fp8_backend
+from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
 from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
 from flotilla.models.llama import Linear, RMSNorm, _copy_checked
@@ -49,6 +57,12 @@ the RMSNorm default, not config.rms_norm_eps."""
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+_GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight_scale_inv")
+_SCALE_SUFFIX = "_scale_inv"
+
+LinearFactory = Callable[..., nn.Module]
+"""(in_features, out_features, bias=False) -> a linear layer: llama.Linear, or Fp8BlockLinear when FP8."""
+
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -106,7 +120,8 @@ class DeepseekV3Attention(nn.Module):
     """MLA: q (low-rank or not) and the latent -> RoPE on the rope parts -> store [c_kv | k_pe] in the
     paged cache -> absorbed MQA over the latents -> W_UV per head -> o_proj."""
 
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend) -> None:
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
+                 linear: LinearFactory = Linear) -> None:  # fmt: skip
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
@@ -117,22 +132,22 @@ class DeepseekV3Attention(nn.Module):
         hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
         q_width = heads * (self.nope_dim + self.rope_dim)
         if mla.q_lora_rank is None:
-            self.q_proj: Linear | None = Linear(hidden, q_width)
+            self.q_proj: nn.Module | None = linear(hidden, q_width)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(mla.q_lora_rank, q_width)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = linear(mla.q_lora_rank, q_width)
+        self.kv_a_proj_with_mqa = linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))  # dequantized if FP8
+        self.o_proj = linear(heads * self.v_dim, hidden, bias=bias)
         self.ops = current_ops()
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight, so no copy
-        (an FP8 kv_b_proj would dequantize into these once at load)."""
+        (an FP8 checkpoint's kv_b_proj is dequantized into that weight at load)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
@@ -169,10 +184,13 @@ class DeepseekV3Attention(nn.Module):
 class DeepseekV3MLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one GEMM (the dense layers' MLP and the shared experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearFactory = Linear) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = linear(intermediate_size, hidden_size)
+        if isinstance(self.gate_up_proj, Fp8BlockLinear) and intermediate_size % self.gate_up_proj.block_size[0]:
+            raise ValueError(f"an FP8 MLP of intermediate size {intermediate_size} fuses gate and up, which needs "
+                             f"it to be a multiple of the weight block ({self.gate_up_proj.block_size[0]})")  # fmt: skip
         self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +220,11 @@ class DeepseekV3Router(nn.Module):
 class DeepseekV3MoE(nn.Module):
     """Router -> routed experts (kernels/moe) + shared experts (a dense MLP every token passes)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linear: LinearFactory = Linear) -> None:
         super().__init__()
         self.gate = DeepseekV3Router(hidden_size, moe)
         self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend)
-        self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts)
+        self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linear)
                                if moe.num_shared_experts else None)  # fmt: skip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -218,9 +236,10 @@ class DeepseekV3MoE(nn.Module):
 class DeepseekV3DecoderLayer(nn.Module):
     """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
 
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module) -> None:
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
+                 linear: LinearFactory = Linear) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = DeepseekV3Attention(config, mla, backend)
+        self.self_attn = DeepseekV3Attention(config, mla, backend, linear)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -248,11 +267,11 @@ class DeepseekV3Model(nn.Module):
     """Embedding, decoder stack and final norm (HF's `model.` prefix)."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
-                 make_mlp: Callable[[int], nn.Module]) -> None:  # fmt: skip
+                 make_mlp: Callable[[int], nn.Module], linear: LinearFactory = Linear) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i)) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linear) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = MLARotaryEmbedding(config, mla.qk_rope_head_dim)
@@ -271,10 +290,11 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 / Kimi-K2 causal LM over the paged compressed cache (the interface every flotilla model
     class implements). `mla_backend` picks the MLA kernels ("auto", "torch"; defaults to the worker's
-    attention_backend when that is forced), `moe_backend` the experts' ("auto", "torch", "triton", ...)."""
+    attention_backend when that is forced), `moe_backend` the experts' ("auto", "torch", "triton", ...),
+    `fp8_backend` the FP8 linears' under an fp8 quantization_config ("auto", "torch", "triton", "deep_gemm")."""
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
-                 moe_backend: str = "auto", mla_backend: str = "auto") -> None:  # fmt: skip
+                 moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto") -> None:  # fmt: skip
         super().__init__()
         mla, moe = config.mla, config.moe
         if mla is None:
@@ -302,15 +322,22 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.moe_backend_name = self.moe_backend.name
         ops = get_ops(fused_ops, device=device)
         self.fused_ops_name = ops.name
+        self.quant = config.quantization
+        self.linear: LinearFactory = Linear
+        self.fp8_backend_name: str | None = None
+        if self.quant is not None:
+            fp8 = get_fp8_backend(fp8_backend, device=device)
+            self.fp8_backend_name = fp8.name
+            self.linear = partial(Fp8BlockLinear, block_size=self.quant.weight_block_size, backend=fp8)
         with use_ops(ops):
-            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp)
+            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linear)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe
         if moe is not None and moe.is_sparse(layer_idx):
-            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend)
-        return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size)
+            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend, self.linear)
+        return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size, self.linear)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
@@ -330,7 +357,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, per-expert
         tensors into the stacked experts. Returns the parameters fully loaded (a fused or stacked one once
         every part came). Raises ValueError naming the tensor on an unknown name, a bad shape or expert
-        index, or FP8 scales."""
+        index, an FP8 tensor without its scale (or a scale without an fp8 quantization_config)."""
         params = dict(self.named_parameters())
         parts_seen: dict[str, set[tuple[int, str]]] = {}
         loaded: set[str] = set()
@@ -342,12 +369,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             if len(seen) == parts_needed:
                 loaded.add(param_name)
 
-        for name, tensor in weights:
+        for name, tensor in self._fp8_paired(weights, params):
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
-            if name.endswith("weight_scale_inv"):
-                raise ValueError(f"checkpoint tensor {name!r}: FP8 block-scaled weights are not supported yet; "
-                                 "use a bf16 checkpoint (or load_format=dummy)")  # fmt: skip
             layer = _LAYER.match(name)
             if layer is not None and int(layer[1]) >= self.num_layers:
                 skipped_mtp += 1  # the multi-token-prediction layers that follow the decoder stack
@@ -366,8 +390,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                     dst = dst.narrow(0, 0 if proj == "gate_proj" else half, half)
                 _copy_checked(dst, tensor, name, param_name)
                 fill(param_name, (index, proj), param.shape[0] * (2 if stacked == "gate_up_proj" else 1))
-            elif name.endswith((".gate_proj.weight", ".up_proj.weight")):  # dense MLP or shared experts
-                proj = "gate_proj" if name.endswith(".gate_proj.weight") else "up_proj"
+            elif name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
+                proj = "gate_proj" if ".gate_proj." in name else "up_proj"
                 param_name = self._param_name(params, name.replace(f".{proj}.", ".gate_up_proj."), name)
                 param = params[param_name]
                 half = param.shape[0] // 2
@@ -380,6 +404,62 @@ class DeepseekV3ForCausalLM(nn.Module):
         if skipped_mtp:
             logger.info("skipped %d tensors of multi-token-prediction layers (MTP is not built)", skipped_mtp)
         return loaded
+
+    def _fp8_param(self, params: dict[str, nn.Parameter], name: str) -> bool:
+        """Whether checkpoint weight `name` loads into an Fp8BlockLinear's e4m3 weight (as it is)."""
+        if self.quant is None or _PER_EXPERT.match(name):
+            return False
+        for suffix in (".gate_proj.weight", ".up_proj.weight"):
+            if name.endswith(suffix):
+                name = name.removesuffix(suffix) + ".gate_up_proj.weight"
+        return any(params.get(n) is not None and params[n].dtype == FP8_DTYPE for n in (name, f"model.{name}"))
+
+    def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    params: dict[str, nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """The checkpoint's tensors with FP8 handled: weights and scales of Fp8BlockLinears pass as they are;
+        an FP8 weight whose parameter is not FP8 (kv_b_proj, routed experts) waits for its scale (or the
+        scale for it) and passes dequantized to float32. At the end, an FP8 weight without its scale (or a
+        scale without its weight) is a ValueError naming the tensor missing."""
+        waiting_weights: dict[str, torch.Tensor] = {}
+        waiting_scales: dict[str, torch.Tensor] = {}
+        direct_weights: set[str] = set()
+        direct_scales: set[str] = set()
+        for name, tensor in weights:
+            layer = _LAYER.match(name)
+            if layer is not None and int(layer[1]) >= self.num_layers:
+                yield name, tensor  # an MTP layer's, skipped by the caller
+                continue
+            is_scale = name.endswith(".weight" + _SCALE_SUFFIX)
+            if self.quant is None:
+                if is_scale or tensor.dtype == FP8_DTYPE:
+                    raise ValueError(f"checkpoint tensor {name!r}: FP8 block-scaled weights, but config.json has no "
+                                     "quantization_config with quant_method 'fp8' and a weight_block_size")  # fmt: skip
+                yield name, tensor
+                continue
+            base = name.removesuffix(_SCALE_SUFFIX) if is_scale else name
+            if self._fp8_param(params, base):
+                if not is_scale and tensor.dtype != FP8_DTYPE:
+                    raise ValueError(f"checkpoint tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, but "
+                                     "the fp8 quantization_config makes it an FP8 (e4m3) block-scaled weight")  # fmt: skip
+                (direct_scales if is_scale else direct_weights).add(base)
+                yield name, tensor
+            elif is_scale:
+                if base in waiting_weights:
+                    yield base, block_dequantize(waiting_weights.pop(base), tensor, self.quant.weight_block_size)
+                else:
+                    waiting_scales[base] = tensor
+            elif tensor.dtype == FP8_DTYPE:
+                if base in waiting_scales:
+                    yield base, block_dequantize(tensor, waiting_scales.pop(base), self.quant.weight_block_size)
+                else:
+                    waiting_weights[base] = tensor
+            else:
+                yield name, tensor
+        if unscaled := sorted(set(waiting_weights) | (direct_weights - direct_scales)):
+            raise ValueError(f"checkpoint tensor {unscaled[0] + _SCALE_SUFFIX!r} is missing: the FP8 weight "
+                             f"{unscaled[0]!r} has no block scales ({len(unscaled)} FP8 weights without them)")  # fmt: skip
+        if orphans := sorted(set(waiting_scales) | (direct_scales - direct_weights)):
+            raise ValueError(f"checkpoint tensor {orphans[0] + _SCALE_SUFFIX!r} has no FP8 weight {orphans[0]!r}")
 
     def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""

@@ -80,6 +80,15 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FP8BlockQuantConfig:
+    """config.json's `quantization_config` of an FP8 block-scaled checkpoint (DeepSeek-V3's): e4m3 weights
+    with one float32 `weight_scale_inv` per weight_block_size block, activations quantized dynamically."""
+
+    weight_block_size: tuple[int, int]
+    """(block_n, block_k): rows x columns of the weight [out, in] that share one scale."""
+
+
+@dataclass(frozen=True, slots=True)
 class HFModelConfig:
     """Architecture hyper-parameters of a decoder-only checkpoint (sizes in elements, not bytes)."""
 
@@ -111,6 +120,8 @@ class HFModelConfig:
     """The sparse MLPs' parameters; None for a dense model."""
     mla: MLAConfig | None = None
     """Latent-attention sizes; None for a model with ordinary (GQA) attention."""
+    quantization: FP8BlockQuantConfig | None = None
+    """FP8 block-scaled weights (quant_method "fp8" with weight_block_size); None for unquantized weights."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -203,6 +214,27 @@ def _mla(raw: Mapping[str, Any]) -> MLAConfig | None:
     )
 
 
+def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
+    """The FP8 block quantization of a config; None without quantization_config. Other methods, per-tensor
+    FP8 (no weight_block_size), non-e4m3 formats and static activation scales are refused (ValueError)."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported (only 'fp8' block-scaled)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config fmt {quant.get('fmt')!r} is not supported (only 'e4m3')")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config activation_scheme {quant.get('activation_scheme')!r} is not "
+                         "supported (only 'dynamic')")  # fmt: skip
+    block = quant.get("weight_block_size")
+    if not block or len(block) != 2 or min(int(b) for b in block) <= 0:
+        raise ValueError(f"quantization_config weight_block_size {block!r}: per-tensor FP8 is not supported; "
+                         "expected [block_n, block_k]")  # fmt: skip
+    return FP8BlockQuantConfig(weight_block_size=(int(block[0]), int(block[1])))
+
+
 def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     """Parse a config.json dict; raises ValueError naming the missing key."""
     missing = [
@@ -240,6 +272,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         sliding_window=_sliding_window(raw),
         moe=_moe(raw),
         mla=_mla(raw),
+        quantization=_quantization(raw),
     )
 
 

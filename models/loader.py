@@ -47,9 +47,10 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-# Checkpoint tensors of these dtypes are cast to the model dtype; any other dtype (int, fp8 scales)
-# reaches load_weights untouched.
+# Checkpoint tensors of these dtypes are cast to the model dtype; any other dtype (int, fp8 weights)
+# reaches load_weights untouched, and so do FP8 block scales (float32 `*_scale_inv`: bf16 would round them).
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_KEEP_DTYPE_SUFFIXES = ("_scale_inv",)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -138,10 +139,16 @@ def _load_dummy(config: HFModelConfig, model_dir: Path, dtype: torch.dtype | str
     target = (config.torch_dtype or torch.float32) if isinstance(dtype, str) else dtype
     module = _build_module(config, model_dir, target, device, kwargs)
     generator = torch.Generator(device=device).manual_seed(0)
+    # modules with a dummy_init_ (FP8 block-scaled linears: e4m3 weights + their scales) fill their own
+    custom = [m for m in module.modules() if hasattr(m, "dummy_init_")]
+    own = {id(p) for m in custom for p in m.parameters(recurse=False)}
     with torch.no_grad():
         for _, param in module.named_parameters():
             # small values keep activations finite through any depth; nothing is meant to be meaningful
-            param.uniform_(-1e-3, 1e-3, generator=generator)
+            if id(param) not in own:
+                param.uniform_(-1e-3, 1e-3, generator=generator)
+        for m in custom:
+            m.dummy_init_(generator)
     module.eval()
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     logger.info("built %s with dummy weights (%s, %s, %.0f MiB) in %.2f s", model_dir, type(module).__name__,
@@ -305,7 +312,7 @@ def _stream_tensors(
                 except SafetensorError as e:
                     raise ModelLoadError(f"cannot read tensor {name!r} of {path}: {e}") from e
                 stored = tensor.numel() * tensor.element_size()
-                if tensor.dtype in _CASTABLE and tensor.dtype != dtype:
+                if tensor.dtype in _CASTABLE and tensor.dtype != dtype and not name.endswith(_KEEP_DTYPE_SUFFIXES):
                     tensor = tensor.to(dtype)
                 bar.update(stored)
                 yield name, tensor
