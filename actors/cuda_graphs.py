@@ -21,6 +21,7 @@ import torch
 
 from flotilla.kernels.attention import flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.staging import upload
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class DecodeGraphs:
         host = np.empty((3, size), dtype=np.int64)
         host[0, :batch], host[1, :batch], host[2, :batch] = input_ids, positions, slots
         host[0, batch:], host[1, batch:], host[2, batch:] = 0, 0, self.scratch_slot
-        staged = torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
+        staged = upload(host, self.device)
         self.input_ids[:size].copy_(staged[0])
         if patch is not None:
             patch(self.input_ids)

@@ -26,6 +26,7 @@ from flotilla.actors.cuda_graphs import DecodeGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
+from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
 from flotilla.models.parallel import broadcast_from_first, init_tensor_parallel
 from flotilla.sampling_params import SamplingParams
@@ -283,7 +284,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         else:
             ids, patch = self._input_ids(seqs, cached, num_new)
-            input_ids = _upload(ids, self.device)
+            input_ids = upload(ids, self.device)
             _apply_patch(input_ids, patch, self.device)
             meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
                                                 device=self.device)
@@ -297,7 +298,7 @@ class ModelRunner:
                 self._pending.append(_Pending.done(StepResult(step=plan.step)))
                 return
             ends = np.cumsum(num_new)[sampling_rows] - 1
-            logits = self.model.compute_logits(hidden[_upload(ends, self.device)])
+            logits = self.model.compute_logits(hidden[upload(ends, self.device)])
         sampled = [seqs[i] for i in sampling_rows]
         if self.rank == 0:
             out, want = self._sample(sampled, logits)
@@ -401,14 +402,6 @@ class _Pending:
         self.out = self.seqs = self.host = self.event = None
 
 
-def _upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> device tensor without stalling the host (pinned staging on CUDA)."""
-    t = torch.from_numpy(array)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _apply_patch(input_ids: torch.Tensor, patch: list[tuple[int, torch.Tensor, int]], device: torch.device) -> None:
     """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step)."""
     by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
@@ -417,7 +410,7 @@ def _apply_patch(input_ids: torch.Tensor, patch: list[tuple[int, torch.Tensor, i
         entry[1].append(dst)
         entry[2].append(row)
     for src, dst, rows in by_source.values():
-        index = _upload(np.array([dst, rows], dtype=np.int64), device)
+        index = upload(np.array([dst, rows], dtype=np.int64), device)
         input_ids.index_copy_(0, index[0], src.index_select(0, index[1]).to(input_ids.dtype))
 
 

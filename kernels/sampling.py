@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flotilla.kernels.staging import upload
 from flotilla.sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5
@@ -128,8 +129,8 @@ class SamplingTensors:
         ints = np.stack(
             [top_k, np.where(seeded, seed, 0), np.asarray(step_indices, dtype=np.int64), greedy, seeded]
         ).astype(np.int64)
-        f = _upload(floats, device)
-        i = _upload(ints, device)
+        f = upload(floats, device)
+        i = upload(ints, device)
 
         rep_rows = np.flatnonzero(rep != 1.0)
         penalized_rows = np.flatnonzero((rep != 1.0) | (presence != 0.0) | (frequency != 0.0))
@@ -150,9 +151,9 @@ class SamplingTensors:
             generation_index=i[2],
             greedy=i[3].bool(),
             seeded=i[4].bool(),
-            seeded_rows=_upload(np.flatnonzero(seeded).astype(np.int64), device),
-            prompt_keys=_upload(prompt_keys, device),
-            output_keys=_upload(output_keys, device),
+            seeded_rows=upload(np.flatnonzero(seeded).astype(np.int64), device),
+            prompt_keys=upload(prompt_keys, device),
+            output_keys=upload(output_keys, device),
             vocab_size=v,
             max_top_k=int(active_k.max()) if active_k.size else v,
             max_num_logprobs=max(logprobs) if logprobs else None,
@@ -181,14 +182,6 @@ class SamplerOutput:
     """[B, n] int64 the n most likely tokens of the raw model distribution, most likely first."""
     top_logprobs: Tensor | None = None
     """[B, n] float32 their raw logprobs, descending."""
-
-
-def _upload(array: np.ndarray, device: torch.device) -> Tensor:
-    """Host array -> device tensor; pinned + non_blocking on CUDA so the copy does not stall the host."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _history_keys(

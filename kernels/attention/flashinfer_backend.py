@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.staging import pinned
 
 WORKSPACE_BYTES = 256 * 2**20
 """FlashInfer's scratch space per device (split-k partial results, plan info)."""
@@ -64,7 +65,7 @@ class FlashInferAttention:
         decode, prefill = self._wrappers_for(query.device)
         common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
                       q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)
-        indptr, indices, last = _pinned(kv_indptr, kv_indices, last_page_len)
+        indptr, indices, last = (pinned(a) for a in (kv_indptr, kv_indices, last_page_len))
         self._before_plan()
         if meta.max_query_len == 1:
             decode.plan(indptr, indices, last, head_dim=query.shape[2], **common)
@@ -106,7 +107,7 @@ class FlashInferAttention:
                    page_size: int, dtype: torch.dtype, scale: float) -> None:
         """Plan a graph wrapper for the next replay and make `meta`'s layers use it."""
         self._before_plan()
-        wrapper.plan(*_pinned(indptr, indices, last_page_len),
+        wrapper.plan(pinned(indptr), pinned(indices), pinned(last_page_len),
                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                      q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
         self._active = wrapper
@@ -127,12 +128,6 @@ class FlashInferAttention:
         k_rows = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
         flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
         flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
-
-
-def _pinned(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """Host tensors in pinned memory: their copies to the device are queued, never waited for (a pageable
-    source makes the driver synchronise). torch's host allocator keeps each block until its copy ran."""
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory() for a in arrays)
 
 
 _SHARED: FlashInferAttention | None = None
