@@ -252,3 +252,65 @@ def write_tiny_deepseek_model(model_dir: str | Path, name: str = "deepseek_v3", 
     model_dir = Path(model_dir)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+# ---- checks every model class runs against transformers (tests/test_models.py, test_qwen3_moe.py, ...) ----
+
+ATOL = 2e-4
+"""Logits tolerance against transformers (fp32 tiny models)."""
+
+MIXED_SCHEDULE = [
+    [(0, slice(0, 5)), (1, slice(0, 6))],
+    [(1, slice(6, 13)), (0, slice(5, 6)), (2, slice(0, 9))],
+    [(2, slice(9, 10)), (0, slice(6, 7)), (1, slice(13, 14))],
+    [(0, slice(7, 8)), (2, slice(10, 12)), (1, slice(14, 16))],
+]
+"""Steps over three sequences of 8, 16 and 12 tokens that mix full prefills, prefill chunks over a cached
+prefix, and decodes."""
+
+
+def random_tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_prefill_then_paged_decode(model: nn.Module, hf_model: nn.Module) -> None:
+    """An 11-token prefill, then 16 greedy paged decode steps: logits equal transformers' over the whole run."""
+    runner = PagedRunner(model, block_size=4)
+    tokens = random_tokens(11, seed=1)
+    prefill = runner.step([(0, tokens)])[0]
+    decode = []
+    for _ in range(16):
+        tokens.append(int(decode[-1].argmax() if decode else prefill[-1].argmax()))
+        decode.append(runner.step([(0, [tokens[-1]])])[0][0])
+    reference = hf_logits(hf_model, tokens)
+    torch.testing.assert_close(prefill, reference[:11], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.stack(decode), reference[11:], atol=ATOL, rtol=0)
+
+
+def check_greedy_matches_generate(model: nn.Module, hf_model: nn.Module, num_tokens: int = 32) -> None:
+    """The paged model's greedy tokens equal transformers' generate for a 9-token prompt."""
+    prompt = random_tokens(9, seed=2)
+    with torch.inference_mode():
+        hf_out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                                   max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)  # fmt: skip
+    runner = PagedRunner(model, block_size=16)
+    generated = [int(runner.step([(0, prompt)])[0][-1].argmax())]
+    while len(generated) < num_tokens:
+        generated.append(int(runner.step([(0, [generated[-1]])])[0][-1].argmax()))
+    assert generated == hf_out[0, len(prompt) :].tolist()
+
+
+def check_mixed_batch_equals_each_alone(model: nn.Module, hf_model: nn.Module,
+                                        schedule: list = MIXED_SCHEDULE) -> None:  # fmt: skip
+    """Sequences batched by `schedule` get the logits each gets alone, and transformers' logits."""
+    seqs = {0: random_tokens(8, seed=10), 1: random_tokens(16, seed=11), 2: random_tokens(12, seed=12)}
+    together = PagedRunner(model, block_size=4, seed=3)
+    batched: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
+    for step in schedule:
+        for (i, _), logits in zip(step, together.step([(i, seqs[i][s]) for i, s in step]), strict=True):
+            batched[i].append(logits)
+    for i, tokens in seqs.items():
+        alone = PagedRunner(model, block_size=4, seed=100 + i).step([(0, tokens)])[0]
+        got = torch.cat(batched[i])
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)

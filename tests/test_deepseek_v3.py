@@ -15,9 +15,12 @@ from helpers_engine import write_tiny_tokenizer
 from helpers_tiny_models import (
     TINY_DEEPSEEK_CONFIGS,
     PagedRunner,
-    hf_logits,
+    check_greedy_matches_generate,
+    check_mixed_batch_equals_each_alone,
+    check_prefill_then_paged_decode,
     load_flotilla_model,
     load_hf_model,
+    random_tokens,
     write_tiny_deepseek_model,
 )
 from safetensors.torch import load_file
@@ -34,8 +37,6 @@ from flotilla.models import parallel
 from flotilla.models.loader import ModelLoadError, load_model
 from flotilla.models.registry import get_model_class
 
-ATOL = 2e-4
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -47,10 +48,6 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def models(model_dirs: dict[str, Path]) -> dict[str, tuple[nn.Module, nn.Module]]:
     """name -> (flotilla model, transformers model) over the same checkpoint."""
     return {name: (load_flotilla_model(d), load_hf_model(d)) for name, d in model_dirs.items()}
-
-
-def _tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_layers_and_cache_follow_the_config(models: dict) -> None:
@@ -68,60 +65,23 @@ def test_layers_and_cache_follow_the_config(models: dict) -> None:
 
 @pytest.mark.parametrize("name", list(TINY_DEEPSEEK_CONFIGS))
 def test_prefill_then_paged_decode_match_transformers(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    runner = PagedRunner(model, block_size=4)
-    tokens = _tokens(11, seed=1)
-    prefill = runner.step([(0, tokens)])[0]
-    decode = []
-    for _ in range(16):
-        tokens.append(int(decode[-1].argmax() if decode else prefill[-1].argmax()))
-        decode.append(runner.step([(0, [tokens[-1]])])[0][0])
-
-    reference = hf_logits(hf_model, tokens)
-    torch.testing.assert_close(prefill, reference[:11], atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.stack(decode), reference[11:], atol=ATOL, rtol=0)
+    check_prefill_then_paged_decode(*models[name])
 
 
 @pytest.mark.parametrize("name", list(TINY_DEEPSEEK_CONFIGS))
 def test_greedy_tokens_match_transformers_generate(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    prompt = _tokens(9, seed=2)
-    with torch.inference_mode():
-        hf_out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                                   max_new_tokens=32, min_new_tokens=32, do_sample=False)  # fmt: skip
-    runner = PagedRunner(model, block_size=16)
-    generated = [int(runner.step([(0, prompt)])[0][-1].argmax())]
-    while len(generated) < 32:
-        generated.append(int(runner.step([(0, [generated[-1]])])[0][-1].argmax()))
-    assert generated == hf_out[0, len(prompt) :].tolist()
+    check_greedy_matches_generate(*models[name])
 
 
 def test_mixed_batch_equals_each_sequence_alone(models: dict) -> None:
     """Prefill chunks over cached prefixes and decodes share one step's MQA and experts; none may leak."""
-    model, hf_model = models["deepseek_v3"]
-    seqs = {0: _tokens(8, seed=10), 1: _tokens(16, seed=11), 2: _tokens(12, seed=12)}
-    schedule = [
-        [(0, slice(0, 5)), (1, slice(0, 6))],
-        [(1, slice(6, 13)), (0, slice(5, 6)), (2, slice(0, 9))],
-        [(2, slice(9, 10)), (0, slice(6, 7)), (1, slice(13, 14))],
-        [(0, slice(7, 8)), (2, slice(10, 12)), (1, slice(14, 16))],
-    ]
-    together = PagedRunner(model, block_size=4, seed=3)
-    batched: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
-    for step in schedule:
-        for (i, _), logits in zip(step, together.step([(i, seqs[i][s]) for i, s in step]), strict=True):
-            batched[i].append(logits)
-    for i, tokens in seqs.items():
-        alone = PagedRunner(model, block_size=4, seed=100 + i).step([(0, tokens)])[0]
-        got = torch.cat(batched[i])
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-        torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+    check_mixed_batch_equals_each_alone(*models["deepseek_v3"])
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_chunked_prefill_equals_one_shot(block_size: int, models: dict) -> None:
     model, _ = models["deepseek_v3"]
-    tokens = _tokens(21, seed=4)
+    tokens = random_tokens(21, seed=4)
     one_shot = PagedRunner(model, block_size=block_size).step([(0, tokens)])[0]
     runner = PagedRunner(model, block_size=block_size, seed=9)
     chunks = [runner.step([(0, tokens[a:b])])[0] for a, b in ((0, 7), (7, 10), (10, 21))]
@@ -212,7 +172,7 @@ def test_checkpoint_layouts_mtp_layers_and_errors(model_dirs: dict[str, Path], m
 def test_loader_and_dummy_weights(model_dirs: dict[str, Path], models: dict) -> None:
     src = model_dirs["deepseek_v3"]
     loaded = load_model(src, progress=False, model_kwargs={"attention_backend": "auto", "mla_backend": "torch"})
-    tokens = _tokens(10, seed=5)
+    tokens = random_tokens(10, seed=5)
     want = PagedRunner(models["deepseek_v3"][0]).step([(0, tokens)])[0]
     torch.testing.assert_close(PagedRunner(loaded.module).step([(0, tokens)])[0], want, atol=0, rtol=0)
     dummy = load_model(src, dtype="bfloat16", load_format="dummy", progress=False)
@@ -264,7 +224,7 @@ def test_engine_greedy_output_equals_transformers_generate(tmp_path: Path) -> No
     model_dir = write_tiny_deepseek_model(tmp_path / "engine_deepseek", "deepseek_v3")
     write_tiny_tokenizer(model_dir, vocab_size=320)
     hf = load_hf_model(model_dir)
-    prompts = [_tokens(n, seed=20 + n) for n in (5, 17, 9)]
+    prompts = [random_tokens(n, seed=20 + n) for n in (5, 17, 9)]
     with LLM(str(model_dir), kv_cache_blocks=128, block_size=4) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip

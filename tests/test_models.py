@@ -10,9 +10,12 @@ import torch
 from helpers_tiny_models import (
     TINY_CONFIGS,
     PagedRunner,
-    hf_logits,
+    check_greedy_matches_generate,
+    check_mixed_batch_equals_each_alone,
+    check_prefill_then_paged_decode,
     load_flotilla_model,
     load_hf_model,
+    random_tokens,
     write_tiny_model,
 )
 from safetensors.torch import load_file
@@ -22,8 +25,6 @@ from flotilla.models.hf_config import load_hf_config, parse_hf_config
 from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
 from flotilla.models.registry import MODEL_REGISTRY, get_model_class
-
-ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -38,74 +39,25 @@ def models(model_dirs: dict[str, Path]) -> dict[str, tuple[nn.Module, nn.Module]
     return {name: (load_flotilla_model(d), load_hf_model(d)) for name, d in model_dirs.items()}
 
 
-def _tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_prefill_then_paged_decode_match_transformers(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    runner = PagedRunner(model, block_size=4)
-    tokens = _tokens(11, seed=1)
-    prefill = runner.step([(0, tokens)])[0]
-    decode = []
-    for _ in range(16):
-        tokens.append(int(decode[-1].argmax() if decode else prefill[-1].argmax()))
-        decode.append(runner.step([(0, [tokens[-1]])])[0][0])
-
-    reference = hf_logits(hf_model, tokens)
-    torch.testing.assert_close(prefill, reference[:11], atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.stack(decode), reference[11:], atol=ATOL, rtol=0)
+    check_prefill_then_paged_decode(*models[name])
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_greedy_tokens_match_transformers_generate(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    prompt = _tokens(9, seed=2)
-    with torch.inference_mode():
-        hf_out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-        )
-    runner = PagedRunner(model, block_size=16)
-    generated = [int(runner.step([(0, prompt)])[0][-1].argmax())]
-    while len(generated) < 32:
-        generated.append(int(runner.step([(0, [generated[-1]])])[0][-1].argmax()))
-    assert generated == hf_out[0, len(prompt) :].tolist()
+    check_greedy_matches_generate(*models[name])
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_mixed_batch_equals_each_sequence_alone(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    seqs = {0: _tokens(8, seed=10), 1: _tokens(16, seed=11), 2: _tokens(12, seed=12)}
-    # Every step mixes kinds: full prefills, prefill chunks over a cached prefix, and decodes.
-    schedule = [
-        [(0, slice(0, 5)), (1, slice(0, 6))],
-        [(1, slice(6, 13)), (0, slice(5, 6)), (2, slice(0, 9))],
-        [(2, slice(9, 10)), (0, slice(6, 7)), (1, slice(13, 14))],
-        [(0, slice(7, 8)), (2, slice(10, 12)), (1, slice(14, 16))],
-    ]
-    together = PagedRunner(model, block_size=4, seed=3)
-    batched: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
-    for step in schedule:
-        outs = together.step([(i, seqs[i][s]) for i, s in step])
-        for (i, _), logits in zip(step, outs, strict=True):
-            batched[i].append(logits)
-
-    for i, tokens in seqs.items():
-        alone = PagedRunner(model, block_size=4, seed=100 + i).step([(0, tokens)])[0]
-        got = torch.cat(batched[i])
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-        torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+    check_mixed_batch_equals_each_alone(*models[name])
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_chunked_prefill_equals_one_shot(block_size: int, models: dict) -> None:
     model, _ = models["qwen3"]
-    tokens = _tokens(21, seed=4)
+    tokens = random_tokens(21, seed=4)
     one_shot = PagedRunner(model, block_size=block_size).step([(0, tokens)])[0]
     runner = PagedRunner(model, block_size=block_size, seed=9)
     first = runner.step([(0, tokens[:7])])[0]
@@ -121,7 +73,7 @@ def test_meta_construction_then_load_matches(model_dirs: dict[str, Path], models
     model.to_empty(device="cpu")
     loaded = model.load_weights(load_file(str(model_dirs["llama3_rope"] / "model.safetensors")).items())
     assert loaded == set(dict(model.named_parameters()))
-    tokens = _tokens(10, seed=5)
+    tokens = random_tokens(10, seed=5)
     expected = PagedRunner(models["llama3_rope"][0]).step([(0, tokens)])[0]
     torch.testing.assert_close(PagedRunner(model).step([(0, tokens)])[0], expected, atol=0, rtol=0)
 

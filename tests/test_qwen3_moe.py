@@ -12,9 +12,12 @@ from helpers_engine import write_tiny_tokenizer
 from helpers_tiny_models import (
     TINY_MOE_CONFIGS,
     PagedRunner,
-    hf_logits,
+    check_greedy_matches_generate,
+    check_mixed_batch_equals_each_alone,
+    check_prefill_then_paged_decode,
     load_flotilla_model,
     load_hf_model,
+    random_tokens,
     write_tiny_moe_model,
 )
 from safetensors.torch import load_file, save_file
@@ -26,8 +29,6 @@ from flotilla.models.llama import LlamaMLP
 from flotilla.models.loader import ModelLoadError, load_model
 from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseBlock
 from flotilla.models.registry import get_model_class
-
-ATOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +43,6 @@ def models(model_dirs: dict[str, Path]) -> dict[str, tuple[nn.Module, nn.Module]
     return {name: (load_flotilla_model(d), load_hf_model(d)) for name, d in model_dirs.items()}
 
 
-def _tokens(n: int, seed: int, vocab: int = 320) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_sparse_and_dense_layers_follow_the_config(models: dict) -> None:
     kinds = {name: [type(layer.mlp) for layer in models[name][0].model.layers] for name in TINY_MOE_CONFIGS}
     assert kinds["qwen3_moe"] == [Qwen3MoeSparseBlock, LlamaMLP, Qwen3MoeSparseBlock]  # mlp_only_layers=[1]
@@ -58,58 +55,22 @@ def test_sparse_and_dense_layers_follow_the_config(models: dict) -> None:
 
 @pytest.mark.parametrize("name", list(TINY_MOE_CONFIGS))
 def test_prefill_then_paged_decode_match_transformers(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    runner = PagedRunner(model, block_size=4)
-    tokens = _tokens(11, seed=1)
-    prefill = runner.step([(0, tokens)])[0]
-    decode = []
-    for _ in range(16):
-        tokens.append(int(decode[-1].argmax() if decode else prefill[-1].argmax()))
-        decode.append(runner.step([(0, [tokens[-1]])])[0][0])
-
-    reference = hf_logits(hf_model, tokens)
-    torch.testing.assert_close(prefill, reference[:11], atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.stack(decode), reference[11:], atol=ATOL, rtol=0)
+    check_prefill_then_paged_decode(*models[name])
 
 
 @pytest.mark.parametrize("name", list(TINY_MOE_CONFIGS))
 def test_greedy_tokens_match_transformers_generate(name: str, models: dict) -> None:
-    model, hf_model = models[name]
-    prompt = _tokens(9, seed=2)
-    with torch.inference_mode():
-        hf_out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-        )
-    runner = PagedRunner(model, block_size=16)
-    generated = [int(runner.step([(0, prompt)])[0][-1].argmax())]
-    while len(generated) < 32:
-        generated.append(int(runner.step([(0, [generated[-1]])])[0][-1].argmax()))
-    assert generated == hf_out[0, len(prompt) :].tolist()
+    check_greedy_matches_generate(*models[name])
 
 
 def test_mixed_batch_equals_each_sequence_alone(models: dict) -> None:
     """Tokens of different sequences share the experts' GEMMs; none may leak into another's output."""
-    model, hf_model = models["qwen3_moe"]
-    seqs = {0: _tokens(8, seed=10), 1: _tokens(16, seed=11), 2: _tokens(12, seed=12)}
     schedule = [
         [(0, slice(0, 5)), (1, slice(0, 6))],
         [(1, slice(6, 13)), (0, slice(5, 6)), (2, slice(0, 9))],
         [(2, slice(9, 12)), (0, slice(6, 8)), (1, slice(13, 16))],
     ]
-    together = PagedRunner(model, block_size=4, seed=3)
-    batched: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
-    for step in schedule:
-        for (i, _), logits in zip(step, together.step([(i, seqs[i][s]) for i, s in step]), strict=True):
-            batched[i].append(logits)
-    for i, tokens in seqs.items():
-        alone = PagedRunner(model, block_size=4, seed=100 + i).step([(0, tokens)])[0]
-        got = torch.cat(batched[i])
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-        torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+    check_mixed_batch_equals_each_alone(*models["qwen3_moe"], schedule)
 
 
 def _stacked_layout(weights: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
@@ -166,7 +127,7 @@ def test_loader_reads_a_sharded_checkpoint_and_builds_dummy_weights(model_dirs: 
         '{"weight_map": {%s}}' % ", ".join(f'"{n}": "{f}"' for f, part in shards.items() for n in part))
     (tmp_path / "config.json").write_text((src / "config.json").read_text())
     loaded = load_model(tmp_path, progress=False, model_kwargs={"attention_backend": "torch", "moe_backend": "torch"})
-    tokens = _tokens(10, seed=5)
+    tokens = random_tokens(10, seed=5)
     want = PagedRunner(models["qwen3_moe"][0]).step([(0, tokens)])[0]
     torch.testing.assert_close(PagedRunner(loaded.module).step([(0, tokens)])[0], want, atol=0, rtol=0)
 
@@ -199,7 +160,7 @@ def test_engine_greedy_output_equals_transformers_generate(model_dirs: dict[str,
     model_dir = write_tiny_moe_model(tmp_path / "engine_moe", "qwen3_moe")
     write_tiny_tokenizer(model_dir, vocab_size=320)
     hf = load_hf_model(model_dir)
-    prompts = [_tokens(n, seed=20 + n) for n in (5, 17, 9)]
+    prompts = [random_tokens(n, seed=20 + n) for n in (5, 17, 9)]
     with LLM(str(model_dir), kv_cache_blocks=128, block_size=4) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)  # fmt: skip
