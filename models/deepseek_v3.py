@@ -45,7 +45,7 @@ from flotilla.kernels.quant import FP8_DTYPE, block_dequantize, get_fp8_backend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
 from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
-from flotilla.models.llama import Linear, RMSNorm, _copy_checked
+from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, _copy_checked
 from flotilla.models.parallel import tp_group
 from flotilla.models.qwen3_moe import StackedExperts
 
@@ -233,34 +233,12 @@ class DeepseekV3MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
+    """DeepSeek's block: MLA attention, then a dense MLP or the MoE."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
                  linear: LinearFactory = Linear) -> None:  # fmt: skip
-        super().__init__()
-        self.self_attn = DeepseekV3Attention(config, mla, backend, linear)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        super().__init__(config, DeepseekV3Attention(config, mla, backend, linear), mlp)
 
 
 class DeepseekV3Model(nn.Module):

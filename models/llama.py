@@ -150,12 +150,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual travels beside the hidden state so each norm fuses its add."""
+class PreNormDecoderLayer(nn.Module):
+    """Pre-norm block around any attention and MLP; the residual travels beside the hidden state so each
+    norm fuses its add. Model families differ only in the attention and MLP they hand in."""
 
-    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(self, config: HFModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, qk_norm)
+        self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -177,6 +178,13 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Llama's block: GQA attention (with q/k RMSNorm for Qwen3)."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, qk_norm: bool, mlp: nn.Module) -> None:
+        super().__init__(config, LlamaAttention(config, backend, qk_norm), mlp)
 
 
 class LlamaModel(nn.Module):
