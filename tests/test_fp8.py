@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/quant/fp8_triton.py is imported
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

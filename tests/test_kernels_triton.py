@@ -1,9 +1,9 @@
 """Triton kernels vs their torch references on fresh random inputs.
 
 Without CUDA the kernels run under triton's CPU interpreter at tiny sizes. TRITON_INTERPRET=1 is set
-below, before flotilla.kernels.triton is imported: triton.jit reads it when a kernel is *defined*, so
-it must precede the first import of the kernel modules in this pytest process (no other test module
-imports them, and the attention dispatch imports them lazily); a guard fails loudly otherwise. triton
+by tests/conftest.py, before flotilla.kernels.triton is imported: triton.jit reads it when a kernel is *defined*, so
+it must precede the first import of the kernel modules in this pytest process; a guard fails loudly
+otherwise. triton
 itself is usually imported earlier (torch imports it when transformers loads torch._dynamo), which
 leaves triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv) in compiled mode;
 _repair_interpreter rewraps them, so no subprocess is needed. With CUDA the same tiny tests run compiled
@@ -22,8 +22,6 @@ import pytest
 import torch
 
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")

@@ -20,8 +20,6 @@ import torch
 import transformers
 
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
