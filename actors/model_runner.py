@@ -274,16 +274,15 @@ class ModelRunner:
                 if hi > lo:
                     s.block_ids.extend(appended[lo:hi])
         cached = [s.num_computed for s in seqs]
+        ids, patch = self._input_ids(seqs, cached, num_new)
         if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):
             # one new token per sequence: a captured decode step
-            ids, patch = self._input_ids(seqs, cached, num_new)
             hidden = self._decode_by_graph(seqs, cached, ids, patch)
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
             logits = self.model.compute_logits(hidden)
         else:
-            ids, patch = self._input_ids(seqs, cached, num_new)
             input_ids = upload(ids, self.device)
             _apply_patch(input_ids, patch, self.device)
             meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
