@@ -7,7 +7,8 @@
            (timed on the second of two identical runs, as the peer does).
 
 Models: an HF folder, the embedded default model (no --model), or a built-in real shape with random
-bf16 weights built on the device (`--model qwen3-8b` / `qwen3-0.6b`: load_format=dummy, no tokenizer).
+weights built on the device (`--model qwen3-8b`, `qwen3-0.6b`, `qwen3-30b-a3b`, `deepseek-v3-4l`: the vLLM peer's
+configs, load_format=dummy, no tokenizer).
 
     python -m flotilla.scripts.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
     python -m flotilla.scripts.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
@@ -20,7 +21,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,27 +28,8 @@ from typing import Any
 from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
+from flotilla.scripts.bench_shapes import SHAPES, shape_dir
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-}
-"""Real Qwen3 shapes (the same configs peer_bench.py gives vLLM)."""
-
-
-def shape_dir(name: str) -> Path:
-    """A folder holding only the config.json of a built-in shape (weights come from load_format=dummy)."""
-    d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"
-    d.mkdir(exist_ok=True)
-    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, max_position_embeddings=40960,
-               rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-               torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, **SHAPES[name])
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
-
 
 def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
                   vocab: int = 10000) -> tuple[list[list[int]], list[int]]:

@@ -20,6 +20,7 @@ import json
 import pstats
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ import torch
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.scripts.bench_offline import SHAPES, shape_dir
+from flotilla.scripts.bench_shapes import SHAPES, shape_dir
 from flotilla.transport.messages import NewSequence, StepPlan
 
 
@@ -36,7 +37,8 @@ def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
     per_seq = -(-(prompt_len + 2 * steps + 1) // bs)  # room for the timed pass and the overlapped pass
     sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
     rng = np.random.default_rng(0)
-    new = [NewSequence(rid=f"s{i}", token_ids=rng.integers(0, 10000, prompt_len, dtype=np.int32),
+    vocab = min(10000, runner.hf_config.vocab_size)
+    new = [NewSequence(rid=f"s{i}", token_ids=rng.integers(0, vocab, prompt_len, dtype=np.int32),
                        num_computed_tokens=0, block_ids=np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32),
                        sampling=sp) for i in range(batch)]
     rids = [n.rid for n in new]
@@ -47,7 +49,7 @@ def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
     return prefill, decodes
 
 
-def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_profile: bool = False) -> dict[str, Any]:
     prefill, decodes = decode_plans(runner, batch, prompt_len, steps)
     runner.execute(prefill)
     forward_ms: list[float] = []
@@ -78,7 +80,10 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dic
     # the worker's overlapped loop: step k+1 is launched before step k's tokens are waited for
     launch_s = 0.0
     overlapped = decodes_for_overlap(decodes)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
     torch.cuda.synchronize()
+    if torch_profile:
+        prof.start()
     t0 = time.perf_counter()
     for k, plan in enumerate(overlapped):
         t1 = time.perf_counter()
@@ -89,11 +94,45 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> dic
     runner.finish_oldest()
     torch.cuda.synchronize()
     overlap_wall = (time.perf_counter() - t0) * 1000 / len(overlapped)
+    extra = {}
+    if torch_profile:
+        prof.stop()
+        extra = kernel_table(prof, len(overlapped))
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
-    return {"batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
+    return {**extra, "batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
             "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1),
             "overlapped_step_ms": round(overlap_wall, 3), "launch_host_ms": round(launch_s * 1000 / len(overlapped), 3),
             "overlapped_tok_per_s": round(batch * 1000 / overlap_wall, 1)}
+
+
+def kernel_table(prof, steps: int, top: int = 15) -> dict[str, Any]:
+    """Device time per step by kernel (from a torch.profiler run over `steps` steps): the busiest kernels and
+    the device's busy time per step (the sum of every kernel's time)."""
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda r: -r[1])
+    busy = sum(r[1] for r in rows) / steps / 1000
+    return {"device_busy_ms": round(busy, 3),
+            "kernels": [{"name": k[:90], "us_per_step": round(t / steps, 1), "calls_per_step": round(c / steps, 1)}
+                        for k, t, c in rows[:top]]}
+
+
+def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str, Any]:
+    """One eager prefill step of `tokens` prompt tokens (sequences of `per_seq`): wall time and its kernels."""
+    n = max(1, tokens // per_seq)
+    prefill, _ = decode_plans(runner, n, per_seq, 0)
+    runner.execute(prefill)  # warm-up (and kernel compilation)
+    runner.execute(StepPlan(step=10**6, finished_rids=prefill.rids))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.execute(prefill)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1000
+    runner.execute(StepPlan(step=10**6 + 1, finished_rids=prefill.rids))
+    return {"prefill_tokens": n * per_seq, "prefill_seqs": n, "step_ms_profiled": round(wall, 3),
+            **kernel_table(prof, 1)}
 
 
 def decodes_for_overlap(decodes: list[StepPlan]) -> list[StepPlan]:
@@ -112,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     p.add_argument("--attention-backend", default="auto", help="force an attention backend")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="profile the overlapped pass with torch.profiler: device busy time per step and the top kernels "
+                        "(the profiler's own host cost slows the host side: read the wall times from a run without it)")
+    p.add_argument("--prefill", default="",
+                   help="also time one eager prefill step: TOKENS[xPER_SEQ] (e.g. 8192x512), with its kernels")
     p.add_argument("--cprofile", action="store_true", help="also print the host functions that cost the most")
     args = p.parse_args(argv)
     dummy = args.model in SHAPES
@@ -123,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()
-    rows = [profile(runner, int(b), args.prompt_len, args.steps) for b in args.batch.split(",")]
+    rows = [profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile) for b in args.batch.split(",")]
+    if args.prefill:
+        tokens, _, per_seq = args.prefill.partition("x")
+        rows.append(profile_prefill(runner, int(tokens), int(per_seq or 512)))
     if args.cprofile:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)

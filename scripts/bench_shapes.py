@@ -1,0 +1,51 @@
+"""Real model shapes for benchmarks on the device: the same configs ../shared/gpu/vllm-peer/peer_bench.py gives
+vLLM, built as a folder holding only config.json (weights come from load_format=dummy: random, on the device)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, max_position_embeddings=40960,
+              rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+              torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645)
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {**_QWEN3, **dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=False)},
+    "qwen3-0.6b": {**_QWEN3, **dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                    num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                    tie_word_embeddings=True)},
+    "qwen3-30b-a3b": {**_QWEN3, **dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                                       hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                       num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                       moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                       tie_word_embeddings=False)},
+    # DeepSeek-V3's real layer shapes, 4 layers (1 dense + 3 MoE with 256 experts), FP8 block-scaled weights
+    "deepseek-v3-4l": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280, hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=128,
+        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=1,
+        norm_topk_prob=True, scoring_func="sigmoid", max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_theta=10000, rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                        "type": "yarn"},
+        tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu", num_nextn_predict_layers=0,
+        bos_token_id=0, eos_token_id=1,
+        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                             "weight_block_size": [128, 128]}),
+}
+
+
+def shape_dir(name: str) -> Path:
+    """A folder holding only the config.json of a built-in shape."""
+    d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(SHAPES[name]))
+    return d
