@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.model_runner import ModelRunner
+from flotilla.actors.step_trace import StepTrace
 from flotilla.config import EngineConfig
 from flotilla.models.parallel import destroy_tensor_parallel
 from flotilla.transport.messages import KVCacheInfoEvent, StepPlan, StepResult
@@ -60,6 +61,7 @@ class GPUWorkerActor(Actor):
         self.runner: ModelRunner | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.name}{ctx.instance}-runner")
         self._completer: asyncio.Task | None = None
+        self._trace = StepTrace.from_env(self.rank)  # FLOTILLA_STEP_TRACE: a per-step timeline (actors/step_trace.py)
 
     async def setup(self) -> dict[str, str]:
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest
@@ -82,13 +84,19 @@ class GPUWorkerActor(Actor):
         if self.tp_size > 1:
             self._thread.submit(destroy_tensor_parallel)
         self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._trace is not None:
+            self._trace.close()
         await super().teardown()
 
     async def on_step_plan(self, plan: StepPlan) -> None:
         runner = self.runner
         assert runner is not None
+        if self._trace is not None:
+            self._trace.arrived(plan)
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, runner.launch, plan)
+            if self._trace is not None:
+                self._trace.launched(plan.step)
         except Exception as exc:  # actor boundary: the step fails, queued in order behind the earlier ones
             log.exception("worker: step %d failed", plan.step)
             runner.fail(plan.step, f"{type(exc).__name__}: {exc}")
@@ -110,6 +118,8 @@ class GPUWorkerActor(Actor):
                 log.exception("worker: step %d failed", step)
                 result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
                 self._fatal_under_tp(step, exc)
+            if self._trace is not None:
+                self._trace.done(step)
             if self.rank == 0:
                 await self.send(self.scheduler, result)
 

@@ -267,3 +267,19 @@ def test_triton_fused_ops_give_the_torch_ops_greedy_tokens_on_cuda(tmp_path):
 def test_unknown_fused_ops_are_refused_before_anything_starts(tiny):
     with pytest.raises(Exception, match="fastest"):
         LLM(tiny, kv_cache_blocks=64, block_size=4, fused_ops="fastest")
+
+
+def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path, monkeypatch):
+    from flotilla.actors.step_trace import summarize
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("FLOTILLA_STEP_TRACE", str(trace))
+    with LLM(tiny, kv_cache_blocks=256, block_size=4, max_num_batched_tokens=64) as engine:
+        run(engine, prompts(6, seed=3, lo=40, hi=60), max_tokens=5)
+    rows = [__import__("json").loads(line) for line in trace.read_text().splitlines()]
+    assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)
+    assert all(r["arrived"] <= r["launched"] <= r["done"] for r in rows)
+    s = summarize(str(trace))
+    # 6 prompts of 40-59 tokens through a 64-token budget: several prompt steps, then decodes of up to 6 rows
+    assert s["prefill_or_mixed"]["steps"] >= 4 and s["decode"]["steps"] >= 4
+    assert s["prefill_or_mixed"]["tokens"] + s["decode"]["tokens"] == sum(r["tokens"] for r in rows)
+    assert s["decode"]["tokens"] == s["decode"]["seqs"]
