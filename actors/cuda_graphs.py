@@ -48,7 +48,7 @@ class DecodeGraphs:
         cfg = model.config
         attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
         self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                          head_dim=cfg.head_dim, page_size=block_size, dtype=kv_caches[0].dtype,
+                          head_dim=cfg.head_dim, page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
                           scale=cfg.head_dim ** -0.5)
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(gmax, **i64)

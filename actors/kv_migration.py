@@ -84,6 +84,11 @@ class KVMemory:
     def device(self) -> torch.device:
         return self.caches[0].device
 
+    @property
+    def kv_dtype(self) -> str:
+        """The cache's element type ("bfloat16", "float8_e4m3fn", ...): both ends of a migration must agree."""
+        return str(self.caches[0].dtype).removeprefix("torch.")
+
     def needs_staging(self, config: DisaggConfig) -> bool:
         """Whether the backend must reach this cache through host staging buffers."""
         if config.kv_staging != "auto":
@@ -95,17 +100,21 @@ class KVMemory:
         shape = (len(self.caches), blocks, *self.caches[0].shape[1:])
         return torch.empty(shape, dtype=self.caches[0].dtype, pin_memory=self.device.type == "cuda")
 
+    # Blocks move as bytes (uint8 views): the data plane never looks at values, and index_copy_ has no kernel
+    # for every cache dtype (none for float8_e4m3fn on the CPU).
+
     def stage_out(self, buffer: torch.Tensor, block_ids: list[int]) -> None:
         """KV blocks -> staging slots 0..n-1 of every layer."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.caches):
-            buffer[layer, : len(block_ids)].copy_(cache.index_select(0, idx))
+            buffer[layer, : len(block_ids)].view(torch.uint8).copy_(cache.view(torch.uint8).index_select(0, idx))
 
     def stage_in(self, buffer: torch.Tensor, block_ids: list[int]) -> None:
         """Staging slots 0..n-1 of every layer -> KV blocks (finished when this returns)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.caches):
-            cache.index_copy_(0, idx, buffer[layer, : len(block_ids)].to(self.device))
+            staged = buffer[layer, : len(block_ids)].view(torch.uint8).to(self.device)
+            cache.view(torch.uint8).index_copy_(0, idx, staged)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -197,10 +206,11 @@ class KVMigrationActor(Actor):
                 buf = self.memory.staging_buffer(blocks)
                 self._serve_stage[req.reply_to] = (buf, self.engine.register(f"stage.{len(self._serve_stage)}", buf))
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=[self._serve_stage[req.reply_to][1]],
-                                 block_bytes=self.memory.block_bytes, staging_blocks=blocks)
+                                 block_bytes=self.memory.block_bytes, staging_blocks=blocks,
+                                 kv_dtype=self.memory.kv_dtype)
         else:
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
-                                 block_bytes=self.memory.block_bytes)
+                                 block_bytes=self.memory.block_bytes, kv_dtype=self.memory.kv_dtype)
         await self.send_to(req.reply_to, ev)
 
     async def on_kv_stage_request(self, req: KVStageRequest) -> None:
@@ -269,6 +279,9 @@ class KVMigrationActor(Actor):
             theirs = 0
         if theirs != layers:
             return f"the prefill engine's KV has {theirs} layers, this one {layers}"
+        if ev.kv_dtype and ev.kv_dtype != self.memory.kv_dtype:
+            return (f"the prefill engine's KV cache holds {ev.kv_dtype}, this one {self.memory.kv_dtype} "
+                    "(kv_cache_dtype or dtype differ)")
         if ev.block_bytes != self.memory.block_bytes:
             return (f"a KV block of one layer is {ev.block_bytes} bytes on the prefill engine, "
                     f"{self.memory.block_bytes} here (model, dtype, block size or tensor parallelism differ)")

@@ -24,7 +24,7 @@ import torch
 
 from flotilla.actors.cuda_graphs import DecodeGraphs
 from flotilla.config import EngineConfig
-from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
+from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
@@ -124,10 +124,13 @@ class ModelRunner:
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype,
+                                             self.model.attention_backend_name, self.device)
         self.num_blocks = self._num_kv_blocks()
         # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
         shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[_Pending] = deque()
         self.graphs: DecodeGraphs | None = None
@@ -138,17 +141,18 @@ class ModelRunner:
                                        max_batch=config.scheduler.max_num_seqs,
                                        max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                                        device=self.device)
-        log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens",
+        log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens (%s)",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
                  f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
-                 self.num_blocks, self.block_size, self.num_blocks * self.block_size)
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."))
 
     # ---- sizing -------------------------------------------------------------------------------------
 
     @property
     def kv_bytes_per_block(self) -> int:
         per_layer = int(np.prod(self.model.kv_cache_shape(1, self.block_size)))
-        return per_layer * self.model.num_layers * torch.finfo(self.dtype).bits // 8
+        return per_layer * self.model.num_layers * torch.finfo(self.kv_dtype).bits // 8
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -178,7 +182,7 @@ class ModelRunner:
         per_seq = min(tokens, self.max_model_len)
         lens = [per_seq] * (tokens // per_seq) + ([tokens % per_seq] if tokens % per_seq else [])
         blocks_each = [-(-n // self.block_size) for n in lens]
-        scratch = [torch.empty(self.model.kv_cache_shape(sum(blocks_each), self.block_size), dtype=self.dtype,
+        scratch = [torch.empty(self.model.kv_cache_shape(sum(blocks_each), self.block_size), dtype=self.kv_dtype,
                                device=self.device) for _ in range(self.model.num_layers)]
         starts = np.cumsum([0, *blocks_each])
         tables = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]

@@ -73,7 +73,8 @@ class GPUWorkerActor(Actor):
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.ctx.instance, num_blocks=r.num_blocks,
                                                          block_size=r.block_size, max_model_len=r.max_model_len))
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
-                "kv_tokens": str(r.capacity_tokens), "attention": r.model.attention_backend_name,
+                "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+                "attention": r.model.attention_backend_name,
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
                 "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}"}
 

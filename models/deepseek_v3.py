@@ -129,6 +129,8 @@ class DeepseekV3Attention(nn.Module):
         self.rope_interleave = mla.rope_interleave
         self.backend = backend
         self.scale = softmax_scale(config, mla)
+        self.kv_scale = 1.0
+        """An FP8 latent cache holds [c_kv | k_pe] / kv_scale (kernels/mla); 1.0 without a calibrated scale."""
         hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
         q_width = heads * (self.nope_dim + self.rope_dim)
         if mla.q_lora_rank is None:
@@ -172,11 +174,12 @@ class DeepseekV3Attention(nn.Module):
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rope(positions, q_pe.contiguous(), k_pe.reshape(num_tokens, 1, self.rope_dim),
                                          cos_sin_cache)  # fmt: skip
-        self.backend.store_latent(c_kv, k_pe.view(num_tokens, self.rope_dim), kv_cache, meta.slot_mapping)
+        self.backend.store_latent(c_kv, k_pe.view(num_tokens, self.rope_dim), kv_cache, meta.slot_mapping,
+                                  self.kv_scale)
 
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
-        out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale)  # [T, H, kv_lora_rank]
+        out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale, self.kv_scale)  # [T, H, r]
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 

@@ -103,6 +103,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.k_scale = 1.0
+        """An FP8 KV cache holds K / k_scale (kernels/attention/fp8_kv.py); 1.0 without calibrated scales, as vLLM."""
+        self.v_scale = 1.0
+        """Likewise for V."""
         self.backend = backend
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=config.attention_bias)
@@ -126,11 +130,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.ops.rope_and_store_kv is not None:  # one launch: rotated K goes straight to its cache slot
-            q = self.ops.rope_and_store_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping)
+            q = self.ops.rope_and_store_kv(positions, q, k, v, cos_sin_cache, kv_cache, meta.slot_mapping,
+                                           self.k_scale, self.v_scale)
         else:
             q, k = self.ops.apply_rope(positions, q, k, cos_sin_cache)
-            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.backend.forward(q, kv_cache, meta, self.scale)
+            self.backend.store_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

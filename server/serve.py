@@ -117,9 +117,9 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         if server.started:
             worker = client.ready_detail.get("worker/0", {})
             log.info("flotilla ready: http://%s:%d/v1 model=%s kv_capacity=%s tokens max_model_len=%d device=%s "
-                     "dtype=%s kernels=attention:%s,sampler:torch%s", args.host, args.port, state.model_name,
-                     worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
-                     worker.get("dtype", "?"), worker.get("attention", "?"),
+                     "dtype=%s kv_dtype=%s kernels=attention:%s,sampler:torch%s", args.host, args.port,
+                     state.model_name, worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
+                     worker.get("dtype", "?"), worker.get("kv_dtype", "?"), worker.get("attention", "?"),
                      f" engines={','.join(n for n, _ in engines)}" if engines else "")
         try:
             await serving

@@ -102,10 +102,12 @@ def hf_logits(hf_model: nn.Module, token_ids: list[int]) -> torch.Tensor:
 class PagedRunner:
     """Drives a flotilla model over a paged KV cache with per-sequence block tables, like the worker."""
 
-    def __init__(self, model: nn.Module, num_blocks: int = 128, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, num_blocks: int = 128, block_size: int = 4, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: the cache's (default: the model's), e.g. torch.float8_e4m3fn for an FP8 KV cache."""
         self.model = model
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         # NaN-filled so reading any slot that was never written poisons the result and fails the test.
         self.kv_caches = [
             torch.full(model.kv_cache_shape(num_blocks, block_size), float("nan"), dtype=dtype)

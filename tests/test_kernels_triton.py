@@ -38,6 +38,8 @@ def _repair_interpreter() -> None:
     - numpy has no bfloat16, so bf16 tensors are raw uint16 bits and tl.dot multiplies the bits as
       integers; widen bf16 operands to float32 first (exact, as tensor cores take bf16 products).
     - fp32 -> bf16 casts truncate; the GPU (and torch) round to nearest even.
+    - fp32 -> e4m3 (an FP8 KV cache) loses the carry when rounding up crosses a power of two (0.496 -> 0.25);
+      the GPU (and torch) round to nearest even.
     - triton.language's @jit helpers (tl.max, tl.sum, tl.cdiv, ...) are compiled-mode JITFunctions,
       which the interpreter refuses to call, when triton was imported before TRITON_INTERPRET=1 was set.
     """
@@ -56,6 +58,7 @@ def _repair_interpreter() -> None:
     if getattr(builder, "_flotilla_repaired", False):
         return
     patch_tensor, create_dot, cast_impl = interpreter._patch_lang_tensor, builder.create_dot, builder.cast_impl
+    fp_to_fp = builder.create_fp_to_fp
 
     def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
         return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
@@ -79,9 +82,16 @@ def _repair_interpreter() -> None:
             return interpreter.TensorHandle(bf16_bits_to_f32(src.data), tl.float32)
         return cast_impl(self, src, dst_type)
 
+    def rounding_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return interpreter.TensorHandle(rounded.view(torch.uint8).numpy(), tl.float8e4nv)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
     interpreter._patch_lang_tensor = patch_lang_tensor
     builder.create_dot = widened_dot
     builder.cast_impl = rounding_cast
+    builder.create_fp_to_fp = rounding_fp_to_fp
     builder._flotilla_repaired = True
 
 
@@ -329,11 +339,11 @@ def _compile_specs() -> list:
                  "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
         # fp32 only for the common shapes: its "ieee" dots take seconds each to compile
         for direct in (True, False) if dt == "bf16" else (False,):
-            specs.append((att, "_decode_kernel", paged, ["sm_scale_log2"], dict(
+            specs.append((att, "_decode_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
                 PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision
             ), 4))  # fmt: skip
         for group, block_d, block_n in ((4, 128, 64), (3, 128, 64), (3, 256, 32)) if dt == "bf16" else ((4, 128, 64),):
-            specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2"], dict(
+            specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
                 PAGE_SIZE=16, GROUP=group, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, BLOCK_D=block_d,
                 DOT_PRECISION=precision,
             ), 4))  # fmt: skip
@@ -341,14 +351,30 @@ def _compile_specs() -> list:
                                  "k_out_ptr", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}  # fmt: skip
     bf16.update(slot_ptr="*i64", pos_ptr="*i64", cos_sin_ptr="*fp32", qsl_ptr="*i32", part_o_ptr="*fp32",
                 part_lse_ptr="*fp32")  # fmt: skip
+    # an FP8 (e4m3) KV cache under bf16 queries: quantizing stores, converting loads
+    paged_fp8 = {**paged, "q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*fp8e4nv"}
+    specs.append((att, "_decode_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
+        PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32"), 4))
+    specs.append((att, "_prefill_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
+        PAGE_SIZE=16, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
+    fp8 = {**bf16, "cache_ptr": "*fp8e4nv"}
+    quant = dict(QUANT=True, FP8_MAX=448.0)
     specs += [
-        (att, "_store_kv_kernel", bf16, [], dict(BLOCK_H=8, BLOCK_D=128), 4),
+        (att, "_store_kv_kernel", fp8, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **quant), 4),
+        (fused, "_rope_kernel", fp8, ["k_scale", "v_scale"],
+         dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **quant), 16),
+    ]
+    no_quant = dict(QUANT=False, FP8_MAX=448.0)
+    specs += [
+        (att, "_store_kv_kernel", bf16, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **no_quant), 4),
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128), 4),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096), 16),
         (fused, "_silu_and_mul_kernel", bf16, [], dict(BLOCK=1024), 4),
-        (fused, "_rope_kernel", bf16, [], dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64), 16),
-        (fused, "_rope_kernel", bf16, [], dict(STORE_KV=False, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64), 16),
+        (fused, "_rope_kernel", bf16, ["k_scale", "v_scale"],
+         dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **no_quant), 16),
+        (fused, "_rope_kernel", bf16, ["k_scale", "v_scale"],
+         dict(STORE_KV=False, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **no_quant), 16),
     ]
     return specs
 

@@ -281,6 +281,8 @@ class KVEndpointEvent(Message):
     slot i at (l * staging_blocks + i) * block_bytes), filled on KVStageRequest: the KV is not in host memory."""
     error: str | None = None
     """Set when the rank cannot serve its KV (then the other fields are empty)."""
+    kv_dtype: str = ""
+    """Element type of the KV cache ("bfloat16", "float8_e4m3fn", ...); a reader of another type refuses it."""
 
 
 class KVStageRequest(Message):

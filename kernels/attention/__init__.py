@@ -15,15 +15,19 @@ from dataclasses import dataclass
 import torch
 
 from flotilla.kernels.attention import flashinfer_backend, torch_ref
+from flotilla.kernels.attention.fp8_kv import KV_CACHE_DTYPES, check_fp8_kv_support, kv_cache_torch_dtype
 from flotilla.kernels.attention.metadata import AttentionMetadata, positions_from_lists
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "AttentionBackend",
     "AttentionMetadata",
     "available_attention_backends",
     "best_attention_backend",
+    "check_fp8_kv_support",
     "get_attention_backend",
     "kv_cache_shape",
+    "kv_cache_torch_dtype",
     "positions_from_lists",
 ]
 
@@ -32,12 +36,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
-    """One attention implementation: store_kv(key, value, kv_cache, slot_mapping) writes the new tokens'
-    K/V; forward(query, kv_cache, meta, scale) -> [T, Hq, D] attends over the paged cache."""
+    """One attention implementation: store_kv(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0)
+    writes the new tokens' K/V; forward(query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0) -> [T, Hq, D]
+    attends over the paged cache. The k/v scales matter only for an FP8 cache (kernels/attention/fp8_kv.py):
+    the store quantizes with them, the read dequantizes."""
 
     name: str
-    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    store_kv: Callable[..., None]
+    forward: Callable[..., torch.Tensor]
 
 
 _BACKENDS: dict[str, AttentionBackend] = {

@@ -6,6 +6,10 @@ table in CSR form: indptr / indices / last_page_len) and every layer reuses the 
 at the first layer of a step (the metadata object changes per step) from the metadata's host copies,
 so planning never waits on the device. Pure-decode steps use the decode kernel (tensor cores for GQA);
 any step with a longer query (prefill chunks, mixed batches) uses the causal prefill kernel.
+
+An FP8 (e4m3) cache is planned with kv_data_type float8_e4m3fn (the query stays in the model's dtype) and run
+with k_scale / v_scale, which FlashInfer folds into the softmax scale and the output; the store quantizes
+(kernels/attention/fp8_kv.py) and writes the bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flotilla.kernels.attention.fp8_kv import is_fp8, quantize_kv
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import pinned
 
@@ -104,30 +109,39 @@ class FlashInferAttention:
 
     def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: np.ndarray,
                    last_page_len: np.ndarray, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                   page_size: int, dtype: torch.dtype, scale: float) -> None:
-        """Plan a graph wrapper for the next replay and make `meta`'s layers use it."""
+                   page_size: int, dtype: torch.dtype, scale: float, kv_dtype: torch.dtype | None = None) -> None:
+        """Plan a graph wrapper for the next replay and make `meta`'s layers use it; dtype is the query's,
+        kv_dtype the cache's (default: the same)."""
         self._before_plan()
         wrapper.plan(pinned(indptr), pinned(indices), pinned(last_page_len),
                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                     q_data_type=dtype, kv_data_type=dtype, sm_scale=scale)
+                     q_data_type=dtype, kv_data_type=kv_dtype or dtype, sm_scale=scale)
         self._active = wrapper
         self._after_plan(meta)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """[T, Hq, D] attention of every new token over its sequence's paged context (causal)."""
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """[T, Hq, D] attention of every new token over its sequence's paged context (causal); k_scale and
+        v_scale dequantize an FP8 cache."""
         if self._planned is not meta:
             self._plan(query, kv_cache, meta, scale)
+        if is_fp8(kv_cache.dtype):
+            return self._active.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
         return self._active.run(query, kv_cache)
 
     @staticmethod
-    def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write the new tokens' K/V to their slots with one indexed copy each (no host sync; no -1 slots)."""
+    def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write the new tokens' K/V to their slots with one indexed copy each (no host sync; no -1 slots);
+        an FP8 cache gets key / k_scale and value / v_scale, copied as bytes (index_copy_ has no e4m3 kernel)."""
         num_blocks, _, block_size = kv_cache.shape[:3]
         flat = kv_cache.view(num_blocks * 2 * block_size, *kv_cache.shape[3:])
         k_rows = (slot_mapping // block_size) * (2 * block_size) + slot_mapping % block_size
-        flat.index_copy_(0, k_rows, key.to(kv_cache.dtype))
-        flat.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+        key, value = quantize_kv(key, k_scale, kv_cache.dtype), quantize_kv(value, v_scale, kv_cache.dtype)
+        if is_fp8(kv_cache.dtype):
+            flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+        flat.index_copy_(0, k_rows, key)
+        flat.index_copy_(0, k_rows + block_size, value)
 
 
 _SHARED: FlashInferAttention | None = None

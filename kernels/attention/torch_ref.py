@@ -11,17 +11,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flotilla.kernels.attention.fp8_kv import dequantize_kv, is_fp8, quantize_kv
 from flotilla.kernels.attention.metadata import AttentionMetadata
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, Hkv, D] of the new tokens into kv_cache at slot_mapping [T] (-1 = skip)."""
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write key/value [T, Hkv, D] of the new tokens into kv_cache at slot_mapping [T] (-1 = skip); an FP8
+    cache stores key / k_scale and value / v_scale (kernels/attention/fp8_kv.py)."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = key[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = quantize_kv(key[keep], k_scale, kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = quantize_kv(value[keep], v_scale, kv_cache.dtype)
 
 
 def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +38,11 @@ def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.
     return seq_idx, pos_in_query
 
 
-def gather_kv(kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """[B, 2, Hkv, max_seq_len, D]: each sequence's context read through its block table; slots at or
-    beyond its seq_len are zeroed so stale or uninitialized cache memory (NaN) cannot leak in."""
+def gather_kv(kv_cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype | None = None,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """[B, 2, Hkv, max_seq_len, D] in `dtype` (default: the cache's; float32 for FP8): each sequence's context read through its
+    block table (an FP8 cache dequantized with k_scale / v_scale); slots at or beyond its seq_len are zeroed
+    so stale or uninitialized cache memory (NaN) cannot leak in."""
     num_seqs = meta.num_seqs
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     max_len = meta.max_seq_len
@@ -46,12 +51,18 @@ def gather_kv(kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     kv = kv_cache[tables]  # [B, nb, 2, bs, Hkv, D]
     kv = kv.permute(0, 2, 1, 3, 4, 5).reshape(num_seqs, 2, num_blocks * block_size, num_kv_heads, head_dim)
     kv = kv[:, :, :max_len]
+    out_dtype = dtype or (torch.float32 if is_fp8(kv_cache.dtype) else kv_cache.dtype)
+    if is_fp8(kv.dtype):  # (masked_fill has no e4m3 kernel either: dequantize first)
+        kv = torch.stack((dequantize_kv(kv[:, 0], k_scale, out_dtype), dequantize_kv(kv[:, 1], v_scale, out_dtype)), 1)
+    else:
+        kv = kv.to(out_dtype)
     valid = torch.arange(max_len, device=kv.device)[None, :] < meta.seq_lens.long()[:, None]  # [B, S]
     kv = kv.masked_fill(~valid[:, None, :, None, None], 0)
     return kv.transpose(2, 3)  # [B, 2, Hkv, S, D]
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached context plus the new tokens up to
     itself; query [T, Hq, D] (Hq a multiple of Hkv: GQA) -> [T, Hq, D] in query's dtype.
 
@@ -67,7 +78,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     q[seq_idx, pos_in_query] = query
     q = q.transpose(1, 2)  # [B, Hq, Lq, D]
 
-    kv = gather_kv(kv_cache, meta).to(query.dtype)
+    kv = gather_kv(kv_cache, meta, query.dtype, k_scale, v_scale)
     k, v = kv[:, 0], kv[:, 1]  # [B, Hkv, S, D]
 
     seq_lens = meta.seq_lens.long()

@@ -4,7 +4,8 @@ by capability like kernels/attention's.
 Every backend shares one cache layout per layer, mla_cache_shape: [num_blocks, block_size, kv_lora_rank +
 rope_dim], the latent c_kv then the roped k_pe of each token. flash_mla reads it as [num_blocks, block_size,
 1, 576] (block size 64) and flashinfer's MLA as its two views [..., :kv_lora_rank] / [..., kv_lora_rank:], so
-adding them changes no allocation. An FP8 cache would keep the layout with a quantizing store.
+adding them changes no allocation. An FP8 (e4m3) cache keeps the layout: the store quantizes whole rows with one
+kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 
 - "torch": torch_ref, the reference and the CPU path ("auto" everywhere for now).
 - Not built yet: flash_mla (decode), flashinfer's MLA, triton.
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.mla import torch_ref
 
 __all__ = ["MLABackend", "available_mla_backends", "best_mla_backend", "get_mla_backend", "mla_cache_shape"]
@@ -28,12 +28,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class MLABackend:
-    """One MLA implementation: store_latent(c_kv, k_pe, kv_cache, slot_mapping) writes the new tokens' cache
-    rows; forward(q_latent, q_pe, kv_cache, meta, scale) -> [T, H, kv_lora_rank] attends over the cache."""
+    """One MLA implementation: store_latent(c_kv, k_pe, kv_cache, slot_mapping, kv_scale=1.0) writes the new
+    tokens' cache rows; forward(q_latent, q_pe, kv_cache, meta, scale, kv_scale=1.0) -> [T, H, kv_lora_rank]
+    attends over the cache (kv_scale matters only for an FP8 cache)."""
 
     name: str
-    store_latent: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    store_latent: Callable[..., None]
+    forward: Callable[..., torch.Tensor]
 
 
 _BACKENDS: dict[str, MLABackend] = {

@@ -21,6 +21,10 @@ a compile-time constant, one per engine, so the page arithmetic is shifts for po
 past a sequence's seq_len are masked on load (other=0), so stale or NaN cache memory never enters
 the softmax or the V product. Scores use exp2 with the softmax scale folded into log2(e); all
 accumulation is float32 whatever the input dtype.
+
+An FP8 (e4m3) cache (kernels/attention/fp8_kv.py) is read as is: K and V tiles are converted on load, k_scale
+is folded into the softmax scale and v_scale multiplies the output; the store quantizes (x / scale, clamped
+to +-448) in the kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -48,10 +53,11 @@ def _store_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
-    num_kv_heads, head_dim, block_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_kv_heads, head_dim, block_size, k_scale, v_scale,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
-    """One program per new token: copy its K and V (all heads) into the cache slot, or skip slot -1."""
+    """One program per new token: copy its K and V (all heads) into the cache slot, or skip slot -1; QUANT
+    (an FP8 cache) stores K / k_scale and V / v_scale clamped to +-FP8_MAX."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -63,6 +69,9 @@ def _store_kv_kernel(
     dst += offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if QUANT:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -100,7 +109,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    sm_scale_log2, num_splits, num_heads, head_dim,
+    sm_scale_log2, v_scale, num_splits, num_heads, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -145,7 +154,7 @@ def _decode_kernel(
 
     # An empty split (or a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf.
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale
     out_mask = mask_h[:, None] & mask_d[None, :]
     if DIRECT_OUT:
         dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -186,7 +195,7 @@ def _decode_merge_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    sm_scale_log2, head_dim,
+    sm_scale_log2, v_scale, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -234,7 +243,7 @@ def _prefill_kernel(
             stride_cb, stride_ckv, stride_cs, stride_ch, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * v_scale
     dst = out_ptr + flat_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
 
@@ -246,6 +255,11 @@ def _check_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> No
         )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache needs a contiguous head_dim")
+
+
+def _kv_scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """The scales the kernels apply: an FP8 cache's, 1.0 (an exact no-op) for any other cache."""
+    return (float(k_scale), float(v_scale)) if is_fp8(kv_cache.dtype) else (1.0, 1.0)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -262,9 +276,11 @@ def _default_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write key/value [T, Hkv, D] of the new tokens into kv_cache at slot_mapping [T]; slot -1 (padding)
-    is skipped inside the kernel, so there is no boolean-mask gather and no host sync."""
+    is skipped inside the kernel, so there is no boolean-mask gather and no host sync. An FP8 cache gets
+    key / k_scale and value / v_scale (as torch_ref.store_kv)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(kv_cache, num_kv_heads, head_dim)
     if num_tokens == 0:
@@ -275,8 +291,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *kv_cache.stride()[:4],
-        num_kv_heads, head_dim, kv_cache.shape[2],
+        num_kv_heads, head_dim, kv_cache.shape[2], float(k_scale), float(v_scale),
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=is_fp8(kv_cache.dtype), FP8_MAX=FP8_KV_MAX,
     )  # fmt: skip
 
 
@@ -296,10 +313,13 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (meta.max_query_len == 1) over its paged context; query
     [T, Hq, D] -> [T, Hq, D]. num_splits (default: sized to fill the GPU) may be fixed, e.g. for a
-    CUDA graph: any value is correct for any seq_lens, empty splits drop out of the merge."""
+    CUDA graph: any value is correct for any seq_lens, empty splits drop out of the merge. k_scale and
+    v_scale dequantize an FP8 cache (ignored for any other)."""
     if meta.max_query_len > 1:
         raise ValueError(f"decode attention takes one new token per sequence, not up to {meta.max_query_len}")
     num_tokens, num_heads, head_dim = query.shape
@@ -314,6 +334,7 @@ def paged_decode_attention(
     if query.stride(-1) != 1:
         raise ValueError("query needs a contiguous head_dim")
     group = num_heads // num_kv_heads
+    k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     splits = num_splits if num_splits is not None else _decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len)
     block_d = _block_d(head_dim)
     if splits > 1:
@@ -323,7 +344,7 @@ def paged_decode_attention(
         part_o = part_lse = out
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache, out, part_o, part_lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * _LOG2E, splits, num_heads, head_dim,
+        scale * k_scale * _LOG2E, v_scale, splits, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *kv_cache.stride()[:4],
         PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)),
@@ -346,10 +367,13 @@ def paged_prefill_attention(
     *,
     block_m: int = 64,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks over cached prefixes, decodes) over the paged
     cache; query [T, Hq, D] -> [T, Hq, D]. The new tokens' K/V must already be stored (store_kv).
-    block_m rows hold block_m // group tokens of all `group` query heads of one KV head."""
+    block_m rows hold block_m // group tokens of all `group` query heads of one KV head. k_scale and
+    v_scale dequantize an FP8 cache (ignored for any other)."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     _check_cache(kv_cache, num_kv_heads, head_dim)
@@ -361,12 +385,13 @@ def paged_prefill_attention(
     if query.stride(-1) != 1:
         raise ValueError("query needs a contiguous head_dim")
     group = num_heads // num_kv_heads
+    k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     block_m = max(_MIN_DOT, block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * _LOG2E, head_dim,
+        scale * k_scale * _LOG2E, v_scale, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *kv_cache.stride()[:4],
         PAGE_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
@@ -376,11 +401,12 @@ def paged_prefill_attention(
     return out
 
 
-def forward(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def forward(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The backend's attention: the decode kernel when every sequence has one new token, else prefill.
     Decided from meta.max_query_len, a python int, so no device sync. Like the torch reference it expects
     the new tokens' K/V already stored; rows of query outside every sequence's range (there are none in
     metadata from AttentionMetadata.from_lists) are left unwritten."""
     if meta.max_query_len == 1:
-        return paged_decode_attention(query, kv_cache, meta, scale)
-    return paged_prefill_attention(query, kv_cache, meta, scale)
+        return paged_decode_attention(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+    return paged_prefill_attention(query, kv_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)

@@ -7,6 +7,8 @@ instead of materializing it and reading it back. The torch references (kernels/n
 kernels/activation.py, kernels/rope.py, kernels/attention/torch_ref.store_kv) define the semantics,
 including where they round: every intermediate that the reference materializes in the activation
 dtype is rounded to that dtype here too, so bf16 results agree to the last bit in almost all elements.
+Into an FP8 (e4m3) cache the store quantizes like the reference (kernels/attention/fp8_kv.py): the rotated
+key, rounded to the activation dtype, divided by k_scale in float32 and clamped to +-448 (v likewise).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 
 
 def _warps(block: int) -> int:
@@ -125,18 +129,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(x_ptr, dst_ptr, token, stride_xt, stride_xh, stride_dh, num_heads, half, cos, sin,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+def _quantize(x, scale, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x in float32 as a cache stores it before the cast: x / scale clamped to +-FP8_MAX for an FP8 cache
+    (QUANT), else x itself (exact: the values are already in x's dtype, so casting on changes nothing)."""
+    y = x.to(tl.float32)
+    if QUANT:
+        y = tl.clamp(y / scale, -FP8_MAX, FP8_MAX)
+    return y
+
+
+@triton.jit
+def _rotate_heads(x_ptr, dst_ptr, token, stride_xt, stride_xh, stride_dh, num_heads, half, cos, sin, dst_scale,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr = False,
+                  FP8_MAX: tl.constexpr = 448.0):  # fmt: skip
     """Neox-rotate all heads of one token (x1*cos - x2*sin || x2*cos + x1*sin, in float32, rounded to
-    x's dtype as the reference does) and store at dst_ptr + head * stride_dh (+ half for the 2nd half)."""
+    x's dtype as the reference does) and store at dst_ptr + head * stride_dh (+ half for the 2nd half);
+    QUANT: quantized for an FP8 destination with dst_scale."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < half)
     src = x_ptr + token * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
-    out2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
+    out1 = _quantize((x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), dst_scale, QUANT, FP8_MAX)
+    out2 = _quantize((x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), dst_scale, QUANT, FP8_MAX)
+    out1 = out1.to(dst_ptr.dtype.element_ty)
+    out2 = out2.to(dst_ptr.dtype.element_ty)
     dst = dst_ptr + offs_h[:, None] * stride_dh + offs_d[None, :]
     tl.store(dst, out1, mask=mask)
     tl.store(dst + half, out2, mask=mask)
@@ -148,11 +166,13 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
-    num_heads, num_kv_heads, half, block_size,
+    num_heads, num_kv_heads, half, block_size, k_scale, v_scale,
     STORE_KV: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """One program per token: rotate q into q_out; rotate k into its cache slot and copy v there
-    (STORE_KV, slot -1 skipped), or rotate k into k_out."""
+    (STORE_KV, slot -1 skipped; QUANT: quantized with k_scale / v_scale for an FP8 cache), or rotate k into
+    k_out."""
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(pos_ptr + token)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -160,22 +180,22 @@ def _rope_kernel(
     cos = tl.load(row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr, q_out_ptr + token * stride_qot, token, stride_qt, stride_qh, stride_qoh,
-                  num_heads, half, cos, sin, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
+                  num_heads, half, cos, sin, 1.0, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
     if STORE_KV:
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
             dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
             _rotate_heads(k_ptr, dst, token, stride_kt, stride_kh, stride_ch,
-                          num_kv_heads, half, cos, sin, BLOCK_HKV, BLOCK_HALF)  # fmt: skip
+                          num_kv_heads, half, cos, sin, k_scale, BLOCK_HKV, BLOCK_HALF, QUANT, FP8_MAX)  # fmt: skip
             offs_h = tl.arange(0, BLOCK_HKV)
             offs_full = tl.arange(0, 2 * BLOCK_HALF)
             mask = (offs_h[:, None] < num_kv_heads) & (offs_full[None, :] < 2 * half)
             v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_full[None, :], mask=mask)
             vdst = dst + stride_ckv + offs_h[:, None] * stride_ch + offs_full[None, :]
-            tl.store(vdst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(vdst, _quantize(v, v_scale, QUANT, FP8_MAX).to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         _rotate_heads(k_ptr, k_out_ptr + token * stride_kot, token, stride_kt, stride_kh, stride_koh,
-                      num_kv_heads, half, cos, sin, BLOCK_HKV, BLOCK_HALF)  # fmt: skip
+                      num_kv_heads, half, cos, sin, 1.0, BLOCK_HKV, BLOCK_HALF)  # fmt: skip
 
 
 def _check_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -191,7 +211,8 @@ def _check_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_s
         raise ValueError("q, k and cos_sin_cache need a contiguous last dim")
 
 
-def _launch_rope(positions, q, k, v, cos_sin_cache, q_out, k_out, kv_cache, slot_mapping, store_kv: bool) -> None:
+def _launch_rope(positions, q, k, v, cos_sin_cache, q_out, k_out, kv_cache, slot_mapping, store_kv: bool,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -205,9 +226,10 @@ def _launch_rope(positions, q, k, v, cos_sin_cache, q_out, k_out, kv_cache, slot
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         *cache_strides,
-        num_heads, num_kv_heads, half, kv_cache.shape[2] if store_kv else 1,
+        num_heads, num_kv_heads, half, kv_cache.shape[2] if store_kv else 1, float(k_scale), float(v_scale),
         STORE_KV=store_kv, BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=block_half, num_warps=_warps(block_hq * block_half * 2),
+        BLOCK_HALF=block_half, QUANT=store_kv and is_fp8(kv_cache.dtype), FP8_MAX=FP8_KV_MAX,
+        num_warps=_warps(block_hq * block_half * 2),
     )  # fmt: skip
 
 
@@ -229,10 +251,12 @@ def rope_and_store_kv(
     cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """apply_rope then store_kv in one launch: returns the rotated query [T, Hq, D]; the rotated key and
     the value go straight into kv_cache at slot_mapping (-1 = padding, not stored), as
-    kernels.attention.torch_ref.store_kv(rotated key, value, ...) would write them."""
+    kernels.attention.torch_ref.store_kv(rotated key, value, ..., k_scale, v_scale) would write them."""
     _check_rope(positions, query, key, cos_sin_cache)
     num_kv_heads, head_dim = key.shape[1:]
     if value.shape != key.shape or value.stride(-1) != 1:
@@ -242,5 +266,6 @@ def rope_and_store_kv(
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache needs a contiguous head_dim")
     q_out = torch.empty_like(query)
-    _launch_rope(positions, query, key, value, cos_sin_cache, q_out, q_out, kv_cache, slot_mapping, store_kv=True)
+    _launch_rope(positions, query, key, value, cos_sin_cache, q_out, q_out, kv_cache, slot_mapping, store_kv=True,
+                 k_scale=k_scale, v_scale=v_scale)
     return q_out
