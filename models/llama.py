@@ -34,6 +34,13 @@ from flotilla.models.parallel import (
 
 # Checkpoint tensors that are derived state, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# A calibrated FP8 KV cache's scales under the names FP8 checkpoints use (vLLM reads the same) -> which of the
+# attention's k_scale / v_scale they set.
+_KV_SCALE_SUFFIXES = {
+    ".self_attn.k_scale": "k", ".self_attn.k_proj.k_scale": "k", ".self_attn.k_proj.output_scale": "k",
+    ".self_attn.v_scale": "v", ".self_attn.v_proj.v_scale": "v", ".self_attn.v_proj.output_scale": "v",
+    ".self_attn.kv_scale": "kv",
+}
 
 
 class Linear(nn.Module):
@@ -299,6 +306,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
+            if self._load_kv_scale(name, tensor):
+                continue
             for fused, part, shard in self.stacked_params:
                 if f".{part}." not in name:
                     continue
@@ -321,6 +330,21 @@ class LlamaForCausalLM(nn.Module):
                     owner.load(params[param_name], tensor, (name, param_name))
                 loaded.add(param_name)
         return loaded
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Set a layer's k_scale / v_scale from a checkpoint's calibrated KV-cache scale (used by an FP8 cache,
+        ignored by any other); per-head scales collapse to their largest (no value then overflows e4m3)."""
+        for suffix, which in _KV_SCALE_SUFFIXES.items():
+            if name.endswith(suffix):
+                layer = int(name.removesuffix(suffix).rsplit(".", 1)[-1])
+                attn = self.model.layers[layer].self_attn
+                value = float(tensor.float().max())
+                if "k" in which:
+                    attn.k_scale = value
+                if "v" in which:
+                    attn.v_scale = value
+                return True
+        return False
 
     def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""

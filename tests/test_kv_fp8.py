@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -22,7 +23,7 @@ from helpers_tiny_models import (
     write_tiny_deepseek_model,
     write_tiny_model,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from flotilla import LLM, SamplingParams
 from flotilla.actors.kv_migration import KVMemory, KVMigrationActor
@@ -35,6 +36,7 @@ from flotilla.kernels.mla import mla_cache_shape
 from flotilla.kernels.mla import torch_ref as mla_ref
 from flotilla.kernels.rope import apply_rope, rope_cos_sin_cache
 from flotilla.models.hf_config import load_hf_config
+from flotilla.models.loader import load_model
 from flotilla.models.registry import get_model_class
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
 from flotilla.transport.messages import EndpointInfo, KVEndpointEvent, RegionInfo
@@ -275,6 +277,21 @@ def test_the_layers_scales_reach_the_store_and_the_read(backend: str, fused_ops:
     assert _rel_rms(with_scales(0.5, 0.25), base) < 0.02
     assert _rel_rms(with_scales(1e4, 1.0), base) > 0.05
     assert _rel_rms(with_scales(1.0, 1e4), base) > 0.05
+
+
+def test_checkpoint_kv_scales_are_read(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Calibrated scales under the names FP8 checkpoints use set the layers' k_scale / v_scale (per-head ones
+    collapse to their largest); layers without keep 1.0."""
+    model_dir = shutil.copytree(model_dirs["llama"], tmp_path / "scaled")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([0.25])
+    tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.125, 0.375])
+    tensors["model.layers.2.self_attn.kv_scale"] = torch.tensor(2.0)
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    model = load_model(str(model_dir), dtype="float32", device=torch.device("cpu"), progress=False).module
+    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in model.model.layers]
+    assert scales == [(0.5, 0.25), (0.375, 1.0), (2.0, 2.0)]
 
 
 # ---- the option through the engine -------------------------------------------------------------------------

@@ -42,12 +42,13 @@ def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
 
 
 async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,
-                   staging: tuple[str, str] = ("auto", "auto")):
+                   staging: tuple[str, str] = ("auto", "auto"),
+                   dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
-    builds; return (prefill caches, decode caches, MigrationDone events)."""
+    builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'."""
     torch.manual_seed(0)
-    pre = [torch.randn(NUM_BLOCKS + 1, 2, BS, HEADS, DIM) for _ in range(LAYERS)]
-    dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim) for _ in range(LAYERS)]
+    pre = [torch.randn(NUM_BLOCKS + 1, 2, BS, HEADS, DIM).to(dtypes[0]) for _ in range(LAYERS)]
+    dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim, dtype=dtypes[1]) for _ in range(LAYERS)]
     _fake_runner("pw", pre)
     _fake_runner("dw", dec)
     def config(workers: str, stage: str) -> dict:
@@ -123,6 +124,26 @@ def test_a_layout_mismatch_and_an_absent_peer_come_back_as_migration_errors():
 
     _, _, done = uvloop.run(_migrate("local", nobody, timeout_s=0.3))
     assert done[0].transfer_id == "y" and "did not answer within 0.3 s" in done[0].error
+
+
+@pytest.mark.parametrize("backend,staging", [("local", ("auto", "auto")), ("dlslime_tcp", ("always", "always"))])
+def test_an_fp8_kv_cache_migrates_byte_for_byte_and_a_dtype_mismatch_is_refused(backend, staging):
+    if backend == "dlslime_tcp":
+        _need_dlslime()
+    fp8 = torch.float8_e4m3fn
+
+    def cmds(src_kv):
+        return [_cmd("f", src_kv, [5, 1, 7], [0, 9, 3])]
+
+    pre, dec, done = uvloop.run(_migrate(backend, cmds, staging=staging, dtypes=(fp8, fp8)))
+    assert done[0].error is None and done[0].num_bytes == 3 * LAYERS * 2 * BS * HEADS * DIM
+    for p, d in zip(pre, dec):
+        assert torch.equal(d[[0, 9, 3]].view(torch.uint8), p[[5, 1, 7]].view(torch.uint8))
+        assert not d[[1, 2, 4]].view(torch.uint8).any()
+    # bfloat16 blocks are twice the bytes, but the dtype is what is named
+    _, dec, done = uvloop.run(_migrate(backend, cmds, staging=staging, dtypes=(fp8, torch.bfloat16)))
+    assert "float8_e4m3fn" in done[0].error and "bfloat16" in done[0].error
+    assert not any(d.any() for d in dec)
 
 
 def _caches(device: str = "cpu", layers: int = 2) -> list[torch.Tensor]:
