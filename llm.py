@@ -67,12 +67,13 @@ class LLM:
         """model: HF folder (None = the embedded default model); engine_options: vLLM-named options
         (block_size, kv_cache_blocks, max_num_seqs, ...; see config.py), or a whole EngineConfig.
         placement: inline (every actor in this process) or process (one each); default inline, or process
-        with tensor_parallel_size > 1 (one process per rank)."""
+        with tensor_parallel_size or data_parallel_size > 1 (one process per rank)."""
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
         if placement is None:
-            placement = "process" if self.config.parallel.tensor_parallel_size > 1 else "inline"
+            parallel = self.config.parallel
+            placement = "process" if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 else "inline"
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-llm", daemon=True)
         self._thread.start()

@@ -11,6 +11,11 @@ request the shell routes what those policies put in their outbox: KVReadyEvent t
 scheduler, BlocksReleasedEvent back to the prefill engine's, MigrateKVCmd to this engine's KV-migration
 actors (one per worker rank; every rank reports MigrationDoneEvent and the policy hears of the migration
 once all have). The peer's addresses come with the request (TokenizedRequest.peer).
+
+Data parallelism: scheduler instance d is data-parallel rank d's, planning for its own workers (instances
+d * tp .. d * tp + tp - 1). Under expert parallelism the ranks' steps must pair up (actors/data_parallel.py):
+a rank ahead of the others announces its step count (DPStepsEvent) and a rank behind sends steps, empty ones
+when it has nothing to run, until it has caught up.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import numpy as np
 
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
+from flotilla.actors.data_parallel import StepLockstep
 from flotilla.actors.disagg import DecodeBatchScheduler, PrefillBatchScheduler
 from flotilla.config import EngineConfig
 from flotilla.transport.messages import (
     AbortCmd,
     BlocksReleasedEvent,
+    DPStepsEvent,
     KVCacheInfoEvent,
     KVReadyEvent,
     Message,
@@ -55,7 +62,7 @@ class SchedulerActor(Actor):
 
     kind = "scheduler"
     inbox = (TokenizedRequest, AbortCmd, StepResult, KVCacheInfoEvent, KVReadyEvent, MigrationDoneEvent,
-             BlocksReleasedEvent)
+             BlocksReleasedEvent, DPStepsEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -63,7 +70,13 @@ class SchedulerActor(Actor):
         self.workers = str(ctx.config.get("workers", "worker"))
         self.detokenizer = str(ctx.config.get("detokenizer", "detokenizer"))
         self.frontend = str(ctx.config.get("frontend", "frontend"))
-        self.num_ranks = len(ctx.endpoints.instances(self.workers))
+        self.dp_rank, self.dp_size = ctx.instance, self.config.parallel.data_parallel_size
+        self.num_ranks = len(ctx.endpoints.instances(self.workers)) // self.dp_size
+        """Worker ranks of this data-parallel rank (its tensor-parallel ranks)."""
+        self.first_worker = self.dp_rank * self.num_ranks
+        """Worker instance of this rank's TP rank 0."""
+        self.lockstep = StepLockstep() if self.config.parallel.expert_parallel_size > 1 else None
+        """Under expert parallelism: this rank's step count against the other data-parallel ranks'."""
         self.core: BatchScheduler | None = None
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
         self._early: list[Message] = []
@@ -200,13 +213,24 @@ class SchedulerActor(Actor):
         await self._emit([delta] if delta is not None else [])
         await self._step()
 
+    async def on_dp_steps_event(self, ev: DPStepsEvent) -> None:
+        if self.lockstep is None:
+            log.warning("scheduler %s: DPStepsEvent from rank %d without expert parallelism; ignored", self.label,
+                        ev.dp_rank)
+            return
+        self.lockstep.on_peer(ev.num_steps)
+        await self._step()
+
     async def on_step_result(self, result: StepResult) -> None:
-        assert self.core is not None
         if self._inflight.pop(result.step, None) is None:
             log.warning("scheduler: result of step %d was not expected; ignored", result.step)
             return
         if result.error is not None:
             log.error("scheduler: step %d failed in the worker: %s", result.step, result.error)
+        if StepLockstep.is_empty_step(result.step):
+            await self._step()
+            return
+        assert self.core is not None
         deltas = self.core.update(result)
         await self._route()  # a prefill hands its KV off as soon as its first token is sampled
         await self._step()  # the worker gets its next plan before the detokenizer gets this step's tokens
@@ -214,13 +238,20 @@ class SchedulerActor(Actor):
 
     async def _step(self) -> None:
         """Plan and send steps until max_steps_in_flight are out or there is nothing to run."""
-        while self.core is not None and len(self._inflight) < self._max_inflight:
-            plan = self.core.schedule()
+        while len(self._inflight) < self._max_inflight:
+            plan = self.core.schedule() if self.core is not None else None
             if plan is None:
-                return
+                if self.lockstep is None or not self.lockstep.owed:
+                    return
+                plan = self.lockstep.empty_plan()  # another rank is ahead: its MoE all-to-alls wait for ours
             self._inflight[plan.step] = plan
             for rank in range(self.num_ranks):
-                await self.send(self.workers, plan, instance=rank)
+                await self.send(self.workers, plan, instance=self.first_worker + rank)
+            if self.lockstep is not None and (ahead := self.lockstep.count_sent()) is not None:
+                for peer in range(self.dp_size):
+                    if peer != self.dp_rank:
+                        await self.send(self.ctx.name, DPStepsEvent(dp_rank=self.dp_rank, num_steps=ahead),
+                                        instance=peer)
 
     async def _emit(self, deltas: list[SeqTokens]) -> None:
         if deltas:
@@ -241,7 +272,7 @@ class SchedulerActor(Actor):
             num_running=len(core.running), num_waiting=core.num_waiting, kv_usage=blocks.usage,
             prefix_cache_hit_rate=blocks.prefix_cache_hit_rate, num_preemptions=core.num_preemptions,
             kv_capacity_tokens=blocks.num_blocks * blocks.block_size, num_transfers=len(self._peers),
-            kv_migrated_bytes=self.kv_migrated_bytes))
+            kv_migrated_bytes=self.kv_migrated_bytes, dp_rank=self.dp_rank))
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, TokenizedRequest):

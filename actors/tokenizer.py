@@ -155,10 +155,10 @@ class TokenizerActor(Actor):
             await self.send(self.frontend, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
                                                               param=e.param, code=e.code))
             return
-        await self.send(self.scheduler, tokenized)
+        await self.send(self.scheduler, tokenized, instance=req.dp_rank)  # the data-parallel rank's scheduler
 
     async def on_abort_cmd(self, msg: AbortCmd) -> None:
-        await self.send(self.scheduler, msg)
+        await self.send(self.scheduler, msg, instance=msg.dp_rank)
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, GenerateRequest):

@@ -15,23 +15,33 @@ model's collectives. Only rank 0 sends StepResults: the ranks hold the same toke
 broadcasts), and its result implies the others finished the step's collectives too. A step that fails on
 one rank cannot be repaired (the ranks' collectives would no longer line up), so it stops the worker and
 the supervisor takes the engine down instead of letting the other ranks hang.
+
+Data parallelism (actors/data_parallel.py, actors/data_parallel_worker.py): worker instance d * tp + t is TP
+rank t of data-parallel rank d; it answers rank d's scheduler (scheduler instance d). Under expert parallelism
+the data-parallel ranks' workers form one group at `ep_init_method`, each keeping its share of the experts; a
+step without sequences (an idle rank keeping in step with busy ones) runs an empty forward through the MoE
+layers' all-to-alls, and the per-expert token counts go to the front end every EXPERT_LOAD_INTERVAL_S while
+steps run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from flotilla.actors import data_parallel_worker as dp
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.actors.step_trace import StepTrace
 from flotilla.config import EngineConfig
-from flotilla.models.parallel import destroy_tensor_parallel
-from flotilla.transport.messages import KVCacheInfoEvent, StepPlan, StepResult
+from flotilla.models.parallel import destroy_expert_parallel, destroy_tensor_parallel
+from flotilla.transport.messages import ExpertLoadEvent, KVCacheInfoEvent, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+
+EXPERT_LOAD_INTERVAL_S = 0.5
+"""How often a worker under expert parallelism reports its per-expert token counts while it runs steps."""
 
 _LOCAL_RUNNERS: dict[tuple[str, int], ModelRunner] = {}
 """Runners of this process by (worker actor name, rank): actors of the worker's process group (the
@@ -53,11 +63,21 @@ class GPUWorkerActor(Actor):
         super().__init__(ctx, zmq_ctx)
         self.config = EngineConfig.from_dict(ctx.config.get("engine", {}))
         self.scheduler = str(ctx.config.get("scheduler", "scheduler"))
-        self.rank = ctx.instance
-        self.tp_size = self.config.parallel.tensor_parallel_size
-        if self.tp_size > 1 and len(ctx.endpoints.instances(ctx.name)) != self.tp_size:
-            raise ValueError(f"tensor_parallel_size {self.tp_size} needs as many {ctx.name} instances, the topology "
-                             f"has {len(ctx.endpoints.instances(ctx.name))}")
+        self.frontend = str(ctx.config.get("frontend", "frontend"))
+        parallel = self.config.parallel
+        self.tp_size, self.dp_size = parallel.tensor_parallel_size, parallel.data_parallel_size
+        self.dp_rank, self.rank = dp.dp_tp_rank(ctx.instance, self.tp_size)
+        """This worker's data-parallel rank (its scheduler's instance) and tensor-parallel rank."""
+        ranks = self.tp_size * self.dp_size
+        if ranks > 1 and len(ctx.endpoints.instances(ctx.name)) != ranks:
+            raise ValueError(f"tensor_parallel_size {self.tp_size} x data_parallel_size {self.dp_size} needs {ranks} "
+                             f"{ctx.name} instances, the topology has {len(ctx.endpoints.instances(ctx.name))}")
+        self.lockstep = self.tp_size > 1 or parallel.expert_parallel_size > 1
+        """A failed step cannot be repaired: the ranks' collectives would no longer line up."""
+        self.ep_layers: list = []
+        """The model's expert-parallel MoE layers (none without expert parallelism)."""
+        self._steps_run = self._steps_reported = 0
+        self._reporter: asyncio.Task | None = None
         self.runner: ModelRunner | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.name}{ctx.instance}-runner")
         self._completer: asyncio.Task | None = None
@@ -65,25 +85,42 @@ class GPUWorkerActor(Actor):
 
     async def setup(self) -> dict[str, str]:
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest
-        load = functools.partial(ModelRunner, self.config, rank=self.rank,
-                                 dist_init_method=self.ctx.config.get("dist_init_method"))
-        self.runner = await asyncio.get_running_loop().run_in_executor(self._thread, load)
+        self.runner = await asyncio.get_running_loop().run_in_executor(self._thread, self._load)
         r = self.runner
         _LOCAL_RUNNERS[(self.ctx.name, self.ctx.instance)] = r
-        await self.send(self.scheduler, KVCacheInfoEvent(rank=self.ctx.instance, num_blocks=r.num_blocks,
-                                                         block_size=r.block_size, max_model_len=r.max_model_len))
+        self.ep_layers = dp.expert_parallel_layers(r.model)
+        if self.config.parallel.expert_parallel_size > 1 and not self.ep_layers:
+            raise ValueError(f"enable_expert_parallel: {type(r.model).__name__} has no expert-parallel MoE layers "
+                             "(built for Qwen3-MoE)")
+        if self.ep_layers and self.rank == 0:
+            self._reporter = asyncio.create_task(self._report_expert_loads(), name=f"{self.label}-expert-loads")
+        await self.send(self.scheduler, KVCacheInfoEvent(rank=self.rank, num_blocks=r.num_blocks,
+                                                         block_size=r.block_size, max_model_len=r.max_model_len),
+                        instance=self.dp_rank)
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
                 "attention": r.model.attention_backend_name,
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
-                "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}"}
+                "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}",
+                "dp": f"{self.dp_rank}/{self.dp_size}", **dp.placement_detail(self.ep_layers)}
+
+    def _load(self) -> ModelRunner:
+        """On the runner thread: join the expert-parallel group (if any), then build the runner."""
+        config = dp.rank_config(self.config, self.dp_rank)
+        dp.join_expert_parallel(config, self.dp_rank, self.ctx.config.get("ep_init_method"))
+        methods = self.ctx.config.get("dist_init_methods")  # one TP rendezvous per data-parallel rank
+        return ModelRunner(config, rank=self.rank, dist_init_method=methods[self.dp_rank] if methods else
+                           self.ctx.config.get("dist_init_method"))
 
     async def teardown(self) -> None:
         _LOCAL_RUNNERS.pop((self.ctx.name, self.ctx.instance), None)
-        if self._completer is not None:
-            self._completer.cancel()
+        for task in (self._completer, self._reporter):
+            if task is not None:
+                task.cancel()
         if self.tp_size > 1:
             self._thread.submit(destroy_tensor_parallel)
+        if self.config.parallel.expert_parallel_size > 1:
+            self._thread.submit(destroy_expert_parallel)
         self._thread.shutdown(wait=True, cancel_futures=True)
         if self._trace is not None:
             self._trace.close()
@@ -95,7 +132,7 @@ class GPUWorkerActor(Actor):
         if self._trace is not None:
             self._trace.arrived(plan)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._thread, runner.launch, plan)
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._launch, plan)
             if self._trace is not None:
                 self._trace.launched(plan.step)
         except Exception as exc:  # actor boundary: the step fails, queued in order behind the earlier ones
@@ -104,6 +141,26 @@ class GPUWorkerActor(Actor):
             self._fatal_under_tp(plan.step, exc)
         if self._completer is None or self._completer.done():
             self._completer = asyncio.create_task(self._complete(), name=f"{self.ctx.name}-completer")
+
+    def _launch(self, plan: StepPlan) -> None:
+        """On the runner thread: launch a step; under expert parallelism a step without sequences still runs the
+        MoE layers' all-to-alls (the other ranks' forwards wait for this rank's share)."""
+        self.runner.launch(plan)
+        if self.ep_layers:
+            if not plan.rids:
+                dp.empty_forward(self.ep_layers)
+            self._steps_run += 1
+
+    async def _report_expert_loads(self) -> None:
+        """Per-expert token counts to the front end, every EXPERT_LOAD_INTERVAL_S while steps run."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(EXPERT_LOAD_INTERVAL_S)
+            if self._steps_run == self._steps_reported:
+                continue
+            self._steps_reported = self._steps_run
+            counts = await loop.run_in_executor(self._thread, dp.expert_tokens, self.ep_layers)
+            self.send_nowait(self.frontend, ExpertLoadEvent(dp_rank=self.dp_rank, expert_tokens=counts))
 
     async def _complete(self) -> None:
         """Send launched steps' results, oldest first, as the device finishes them."""
@@ -122,11 +179,13 @@ class GPUWorkerActor(Actor):
             if self._trace is not None:
                 self._trace.done(step)
             if self.rank == 0:
-                await self.send(self.scheduler, result)
+                await self.send(self.scheduler, result, instance=self.dp_rank)
 
     def _fatal_under_tp(self, step: int, exc: Exception) -> None:
-        """With tensor parallelism a failed step leaves the ranks out of step: stop, so the engine goes down."""
-        if self.tp_size > 1:
-            log.critical("worker rank %d of %d: step %d failed (%s: %s); the ranks cannot continue in lockstep, "
-                         "stopping", self.rank, self.tp_size, step, type(exc).__name__, exc)
-            self.request_stop(f"step {step} failed under tensor parallelism")
+        """With tensor or expert parallelism a failed step leaves the ranks out of step: stop, so the engine goes
+        down."""
+        if self.lockstep:
+            log.critical("worker %s (dp %d/%d, tp %d/%d): step %d failed (%s: %s); the ranks cannot continue in "
+                         "lockstep, stopping", self.label, self.dp_rank, self.dp_size, self.rank, self.tp_size, step,
+                         type(exc).__name__, exc)
+            self.request_stop(f"step {step} failed under tensor / expert parallelism")

@@ -17,6 +17,10 @@ and no branch beyond one `if` per layer.
 
 Checkpoints hold whole tensors: each layer's `load(...)` narrows a tensor to the rank's part (the loader
 reads whole tensors and the model slices them).
+
+Expert parallelism has a group of its own (`init_expert_parallel`, `ep_group()`: an engine's data-parallel
+ranks, actors/data_parallel.py); MoE layers built while it is set keep only their share of the experts
+(models/qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -69,6 +73,48 @@ def destroy_tensor_parallel() -> None:
     if _TP.size > 1:
         dist.destroy_process_group()
     _TP = TPGroup()
+
+
+@dataclass(frozen=True, slots=True)
+class EPGroup:
+    """This process's place in its expert-parallel group (the data-parallel ranks of an engine under
+    enable_expert_parallel): MoE layers built while it is set keep only their share of the experts."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+    """None with one rank: the experts stay whole and no all-to-all runs."""
+
+
+_EP = EPGroup()
+
+
+def ep_group() -> EPGroup:
+    """The expert-parallel group of this process (rank 0 of 1 unless init_expert_parallel ran)."""
+    return _EP
+
+
+def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.device,
+                         timeout_s: float = 600.0) -> EPGroup:
+    """Join the expert-parallel group of `size` ranks at `init_method` (tcp://host:port) as `rank`, like
+    init_tensor_parallel (whose group it cannot share: expert parallelism runs with one TP rank per process)."""
+    global _EP
+    if size == 1:
+        return _EP
+    if _EP.size > 1 or _TP.size > 1:
+        raise RuntimeError("this process already belongs to a parallel group")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _EP = EPGroup(rank=rank, size=size, group=dist.group.WORLD)
+    return _EP
+
+
+def destroy_expert_parallel() -> None:
+    global _EP
+    if _EP.size > 1:
+        dist.destroy_process_group()
+    _EP = EPGroup()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

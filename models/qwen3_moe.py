@@ -14,6 +14,13 @@ already hold the stacked tensors (transformers 5's in-memory names `mlp.experts.
 Tensor parallelism splits every expert's intermediate dim: each rank keeps I / tp rows of each expert's gate
 and up and the matching columns of its down projection, runs the same routing on the same tokens, and the
 block's output is summed over the ranks by one all-reduce after the experts' combine.
+
+Expert parallelism (an expert-parallel group set, models/parallel.py `ep_group`, with `expert_parallel=True`)
+keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_parallel.py's contiguous placement):
+each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts' ranks and back. The
+block counts the tokens routed to each expert (`expert_tokens`, summed over every step: what an expert-placement
+load balancer reads), and `empty_step` takes part in the all-to-alls without tokens (an idle data-parallel
+rank's step).
 """
 
 from __future__ import annotations
@@ -26,20 +33,35 @@ import torch
 from torch import nn
 
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
+from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
 from flotilla.models.hf_config import HFModelConfig, MoEConfig
 from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
-from flotilla.models.parallel import all_reduce, check_shape, divide, tp_group
+from flotilla.models.parallel import all_reduce, check_shape, divide, ep_group, tp_group
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class StackedExperts(nn.Module):
     """The routed experts of one layer as stacked weights (transformers 5's Qwen3MoeExperts layout), each
-    expert's intermediate dim cut to this rank's share under tensor parallelism."""
+    expert's intermediate dim cut to this rank's share under tensor parallelism; with `expert_parallel` and an
+    expert-parallel group of several ranks, only this rank's experts (the rows of `placement.local_experts`)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         tp = tp_group()
+        ep = ep_group() if expert_parallel else None
+        self.placement: ExpertPlacement | None = None
+        """Which rank holds each expert (None: this rank holds them all)."""
+        self.ep_experts: ExpertParallelExperts | None = None
+        if ep is not None and ep.size > 1:
+            self.placement = ExpertPlacement(num_experts, ep.size, ep.rank, device=torch.get_default_device())
+            self.ep_experts = ExpertParallelExperts(self.placement, ep.group, backend)
+            # int64 [E]: (token, expert) slots this rank routed to each expert since start
+            self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        local = num_experts if self.placement is None else self.placement.num_local_experts
+        self.first_expert = 0 if self.placement is None else self.placement.first_local_expert
+        """The global id of the first stacked expert."""
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
@@ -50,21 +72,35 @@ class StackedExperts(nn.Module):
         """The first of them in the checkpoint's intermediate dim."""
         self.backend = backend
         # Uninitialized like Linear: weights always come from a checkpoint (or load_format=dummy).
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] and the routing [T, k] -> the weighted sum of each token's experts [T, H]."""
-        return self.backend.fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if self.ep_experts is None:
+            return self.backend.fused_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        out = self.ep_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        self.expert_tokens += self.placement.expert_load
+        return out
+
+    def empty_step(self) -> None:
+        """Take part in the expert-parallel all-to-alls with no tokens (collective: the other ranks run a batch)."""
+        assert self.ep_experts is not None
+        w = self.gate_up_proj
+        self.ep_experts(w.new_empty((0, self.hidden_size)), w, self.down_proj,
+                        torch.empty((0, 1), dtype=torch.float32, device=w.device),
+                        torch.empty((0, 1), dtype=torch.int32, device=w.device))
 
     def load_expert(self, param: nn.Parameter, expert: int, proj: str, src: torch.Tensor,
-                    names: tuple[str, str]) -> None:
-        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] checkpoint tensor, this rank's part."""
+                    names: tuple[str, str]) -> bool:
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] checkpoint tensor, this rank's part;
+        False (nothing copied) for an expert another expert-parallel rank holds."""
         if expert >= self.num_experts:
             raise ValueError(f"checkpoint tensor {names[0]!r} names expert {expert}, but the model has "
                              f"{self.num_experts} experts")  # fmt: skip
+        expert -= self.first_expert
+        if not 0 <= expert < param.shape[0]:
+            return False
         inter, first = self.intermediate_size, self.first
         if proj == "down_proj":
             check_shape(src, (self.hidden_size, self.full_intermediate_size), *names)
@@ -75,11 +111,14 @@ class StackedExperts(nn.Module):
             dst, src = param.data[expert].narrow(0, at, inter), src.narrow(0, first, inter)
         with torch.no_grad():
             dst.copy_(src)
+        return True
 
     def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
         """A stacked checkpoint tensor (gate_up_proj [E, 2I, H], down_proj [E, H, I]), this rank's part."""
         e, h, full = self.num_experts, self.hidden_size, self.full_intermediate_size
         inter, first = self.intermediate_size, self.first
+        if self.placement is not None:  # an [E, ...] tensor: this rank's experts of it
+            src, e = self.placement.local_slice(src), self.placement.num_local_experts
         if param is self.down_proj:
             check_shape(src, (e, h, full), *names)
             parts = [(param.data, src.narrow(2, first, inter))]
@@ -100,7 +139,8 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts)
-        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend)
+        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
+                                      expert_parallel=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
@@ -151,9 +191,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 param = params[param_name]
                 expert = int(match["expert"])
                 experts = self.get_submodule(param_name.rpartition(".")[0])
-                experts.load_expert(param, expert, proj, tensor, (name, param_name))
                 shards = seen.setdefault(param_name, set())
-                shards.add((expert, proj))
+                if experts.load_expert(param, expert, proj, tensor, (name, param_name)):
+                    shards.add((expert, proj))
                 if len(shards) == param.shape[0] * (2 if fused == "gate_up_proj" else 1):
                     loaded.add(param_name)
 

@@ -308,7 +308,10 @@ def build_app(state: ServerState) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         engines = state.client.engine_stats() if hasattr(state.client, "engine_stats") else None
-        return Response(state.metrics.render(state.client.stats, engines), media_type=CONTENT_TYPE)
+        # one engine's data-parallel ranks (a fleet does not sum its engines' yet)
+        loads, coordinator = getattr(state.client, "expert_loads", None), getattr(state.client, "coordinator", None)
+        return Response(state.metrics.render(state.client.stats, engines, loads.total() if loads else None,
+                                             coordinator.assigned if coordinator else None), media_type=CONTENT_TYPE)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, f"no route {request.method} {request.url.path}", code="not_found")

@@ -5,6 +5,9 @@ supervised topology, owns the front end's inbox, and runs ONE receive loop that 
 TextDelta item to its request's asyncio.Queue (SGLang's pattern). Requests with n > 1 fan out here
 into n engine requests (seed + i each, so seeded choices differ yet reproduce). If any actor dies,
 every waiting request gets EngineDeadError at once: the front end fails fast, never hangs.
+
+With data_parallel_size > 1 the engine has one scheduler per data-parallel rank; the client's coordinator
+(server/dp_coordinator.py) gives each engine request to the least loaded rank (GenerateRequest.dp_rank).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgspec
 
@@ -22,11 +26,14 @@ from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import EngineConfig
+from flotilla.models.hf_config import load_hf_config
+from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.messages import (
     AbortCmd,
     ActorFailedEvent,
+    ExpertLoadEvent,
     GenerateRequest,
     RequestFailedEvent,
     SchedulerStatsEvent,
@@ -85,23 +92,36 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     A prefill or decode engine also runs a KV-migration actor per worker rank, in the worker's process
     (process group "worker") so it can register the rank's KV cache with the data plane. Tensor parallelism
     runs tensor_parallel_size worker instances (instance = rank), one process each, that meet at a
-    rendezvous address chosen here (torch.distributed's tcp:// init)."""
+    rendezvous address chosen here (torch.distributed's tcp:// init). Data parallelism runs one scheduler per
+    rank (instance = DP rank) and tensor_parallel_size workers for each (actors/data_parallel.py); under expert
+    parallelism the ranks' workers meet at one more address."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
     disagg = config.disagg.role != "both"
-    tp = config.parallel.tensor_parallel_size
-    worker = common
+    tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
+    worker = dict(common)
+    if tp * dp > 1 and placement != "process":
+        raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} runs one process per rank: use "
+                         "placement='process' (--placement process; flotilla serve without --single-process)")
+    if dp > 1 and disagg:
+        raise ValueError("data_parallel_size > 1 with a prefill or decode role is not built yet: run several "
+                         "engines (--engines) instead")
+    if config.parallel.enable_expert_parallel:
+        check_expert_parallel(config)
     if tp > 1:
-        if placement != "process":
-            raise ValueError(f"tensor_parallel_size={tp} runs one process per rank: use placement='process' "
-                             "(--placement process; flotilla serve without --single-process)")
-        worker = {**common, "dist_init_method": f"tcp://127.0.0.1:{free_tcp_port()}"}
+        addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(dp)]  # one TP group per DP rank
+        if dp == 1:
+            worker["dist_init_method"] = addresses[0]
+        else:
+            worker["dist_init_methods"] = addresses
+    if config.parallel.expert_parallel_size > 1:
+        worker["ep_init_method"] = f"tcp://127.0.0.1:{free_tcp_port()}"
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
-        ActorSpec(name="scheduler", kind="scheduler", config={**common, "workers": "worker",
-                                                             "detokenizer": "detokenizer",
-                                                             "kv_migration": "kv_migration"}),
-        ActorSpec(name="worker", kind="worker", count=tp, config=worker, process="worker" if disagg else ""),
+        ActorSpec(name="scheduler", kind="scheduler", count=dp, config={**common, "workers": "worker",
+                                                                       "detokenizer": "detokenizer",
+                                                                       "kv_migration": "kv_migration"}),
+        ActorSpec(name="worker", kind="worker", count=tp * dp, config=worker, process="worker" if disagg else ""),
         ActorSpec(name="detokenizer", kind="detokenizer", config=common),
     ]
     if disagg:
@@ -109,6 +129,24 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
                                 config={**common, "workers": "worker"}))
     return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
                     actors=actors)
+
+
+def check_expert_parallel(config: EngineConfig) -> None:
+    """enable_expert_parallel needs a model with routed experts, as many as a multiple of the EP size:
+    refused here, before any process starts, with the reason."""
+    if config.model.model is None:
+        raise ValueError("enable_expert_parallel needs a MoE model; the default model has no experts")
+    path = Path(config.model.model)
+    if not (path / "config.json").is_file():
+        return  # the worker reports the missing model
+    moe = load_hf_config(path).moe
+    if moe is None:
+        raise ValueError(f"enable_expert_parallel needs a MoE model; {path.name} has no routed experts "
+                         "(no num_experts in its config.json)")
+    ep = config.parallel.expert_parallel_size
+    if moe.num_experts % ep:
+        raise ValueError(f"enable_expert_parallel: {moe.num_experts} experts cannot be split evenly over "
+                         f"data_parallel_size={ep} ranks")
 
 
 class EngineClient:
@@ -126,15 +164,24 @@ class EngineClient:
         self._dead: str | None = None
         self._recv_task: asyncio.Task | None = None
         self.ready_detail: dict[str, dict[str, str]] = {}
-        self.stats: SchedulerStatsEvent | None = None
-        """The scheduler's latest state (for /metrics)."""
+        self.coordinator = DPCoordinator(config.parallel.data_parallel_size)
+        """Which data-parallel rank takes each request; the ranks' latest scheduler reports."""
+        self.expert_loads = ExpertLoads()
+        """Per-expert token counts of the ranks under expert parallelism."""
+        self._ranks: dict[str, int] = {}  # rid -> data-parallel rank, while it streams
+
+    @property
+    def stats(self) -> SchedulerStatsEvent | None:
+        """The schedulers' latest state, summed over the data-parallel ranks (for /metrics)."""
+        return self.coordinator.total_stats()
 
     async def start(self) -> None:
         self.runtime.on_failure.append(self._engine_died)
         ready = await self.runtime.start()
         self.ready_detail = {k: dict(ev.detail) for k, ev in ready.items()}
         eps = self.runtime.endpoints
-        self.inbox = Inbox(self.runtime.zmq, eps.of(FRONTEND), (TextDelta, RequestFailedEvent, SchedulerStatsEvent))
+        self.inbox = Inbox(self.runtime.zmq, eps.of(FRONTEND), (TextDelta, RequestFailedEvent, SchedulerStatsEvent,
+                                                                ExpertLoadEvent))
         self.to_tokenizer = Outbox(self.runtime.zmq, eps.of("tokenizer"))
         self._recv_task = asyncio.create_task(self._receive(), name="engine-client-recv")
 
@@ -180,8 +227,9 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._pending[req.rid] = queue
         outcome = Outcome()
+        rank = self._ranks[req.rid] = self.coordinator.pick()
         try:
-            await self.to_tokenizer.send(req)
+            await self.to_tokenizer.send(msgspec.structs.replace(req, dp_rank=rank) if rank else req)
             async for item in deltas(queue, outcome):
                 yield item
         finally:
@@ -189,11 +237,13 @@ class EngineClient:
             if not outcome.ended and self._dead is None:
                 # the consumer went away (client disconnect, cancellation): free the sequence's blocks
                 await self.abort(req.rid)
+            self._ranks.pop(req.rid, None)
+            self.coordinator.finished(rank)
 
     async def abort(self, rid: str) -> None:
         """Drop a request wherever it is (travels the request's own path: cannot overtake it)."""
         self._pending.pop(rid, None)
-        await self.to_tokenizer.send(AbortCmd(rid=rid))
+        await self.to_tokenizer.send(AbortCmd(rid=rid, dp_rank=self._ranks.get(rid, 0)))
 
     async def _receive(self) -> None:
         while True:
@@ -204,7 +254,9 @@ class EngineClient:
                     if q is not None:
                         q.put_nowait(item)
             elif isinstance(msg, SchedulerStatsEvent):
-                self.stats = msg
+                self.coordinator.observe(msg)
+            elif isinstance(msg, ExpertLoadEvent):
+                self.expert_loads.observe(msg)
             else:
                 q = self._pending.get(msg.rid)
                 if q is not None:

@@ -42,6 +42,7 @@ from flotilla.server.engine_client import (
     Outcome,
     deltas,
 )
+from flotilla.server.dp_coordinator import sum_stats
 from flotilla.server.router import NoEngineError, Router
 from flotilla.transport.channels import Outbox
 from flotilla.transport.messages import (
@@ -197,18 +198,7 @@ class Fleet:
     @property
     def stats(self) -> SchedulerStatsEvent | None:
         """The live engines' state summed up (KV usage and hit rate averaged) for the model-wide gauges."""
-        stats = [c.stats for c in self.clients.values() if c.alive and c.stats is not None]
-        if not stats:
-            return None
-        n = len(stats)
-        return SchedulerStatsEvent(
-            num_running=sum(s.num_running for s in stats), num_waiting=sum(s.num_waiting for s in stats),
-            kv_usage=sum(s.kv_usage for s in stats) / n,
-            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
-            num_preemptions=sum(s.num_preemptions for s in stats),
-            kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
-            num_transfers=sum(s.num_transfers for s in stats),
-            kv_migrated_bytes=sum(s.kv_migrated_bytes for s in stats))
+        return sum_stats([c.stats for c in self.clients.values() if c.alive and c.stats is not None])
 
     def engine_stats(self) -> dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]:
         """Per engine: (role, latest stats, alive, requests routed to it)."""

@@ -8,6 +8,7 @@ in one process (tests) do not share counters.
 
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -68,8 +69,16 @@ class ServerMetrics:
         self.engine_routed = Counter("flotilla_engine_requests_routed", "Requests the router gave the engine (a "
                                      "disaggregated one counts for its prefill and its decode engine).", per_engine,
                                      registry=r)
+        # expert parallelism: each routed expert's load, for expert-placement balancing (EPLB)
+        self.expert_tokens = Counter("flotilla_expert_tokens", "(token, expert) pairs routed to each expert, summed "
+                                     "over the data-parallel ranks; layer = the MoE layer's index among the "
+                                     "model's MoE layers.", ["model_name", "layer", "expert"], registry=r)
         self._migrated: dict[str, int] = {}
         self._routed: dict[str, int] = {}
+        self._expert_tokens: np.ndarray | None = None
+        self.dp_routed = Counter("flotilla_dp_requests_routed", "Requests the coordinator gave each data-parallel "
+                                 "rank of the engine.", ["model_name", "dp_rank"], registry=r)
+        self._dp_routed: list[int] = []
 
     def observe_engine(self, stats: SchedulerStatsEvent | None) -> None:
         if stats is None:
@@ -99,11 +108,37 @@ class ServerMetrics:
                 self.kv_migration_bytes.labels(m, name, role).inc(grown)
                 self._migrated[name] = stats.kv_migrated_bytes
 
+    def observe_expert_tokens(self, counts: np.ndarray | None) -> None:
+        """int64 [moe layers, experts] tokens routed to each expert since start (server/dp_coordinator.py)."""
+        if counts is None:
+            return
+        seen = self._expert_tokens
+        if seen is None or seen.shape != counts.shape:
+            seen = np.zeros_like(counts)
+            for layer, expert in np.ndindex(counts.shape):  # every expert shows, also one never chosen
+                self.expert_tokens.labels(self.model, str(layer), str(expert))
+        for layer, expert in np.argwhere(counts > seen).tolist():
+            self.expert_tokens.labels(self.model, str(layer), str(expert)).inc(int(counts[layer, expert]
+                                                                                   - seen[layer, expert]))
+        self._expert_tokens = counts.copy()
+
+    def observe_dp_routed(self, assigned: list[int] | None) -> None:
+        """Requests given to each data-parallel rank since start (server/dp_coordinator.py)."""
+        if assigned is None:
+            return
+        seen = self._dp_routed + [0] * (len(assigned) - len(self._dp_routed))
+        for rank, (now, before) in enumerate(zip(assigned, seen)):
+            self.dp_routed.labels(self.model, str(rank)).inc(now - before)
+        self._dp_routed = list(assigned)
+
     def render(self, stats: SchedulerStatsEvent | None,
-               engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]] | None = None) -> bytes:
+               engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]] | None = None,
+               expert_tokens: np.ndarray | None = None, dp_routed: list[int] | None = None) -> bytes:
         self.observe_engine(stats)
         if engines:
             self.observe_engines(engines)
+        self.observe_expert_tokens(expert_tokens)
+        self.observe_dp_routed(dp_routed)
         return generate_latest(self.registry)
 
 

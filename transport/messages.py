@@ -95,6 +95,8 @@ class GenerateRequest(Message):
     """Disaggregated request: the router sends it to a prefill and a decode engine with this one id."""
     peer: TransferPeer | None = None
     """Disaggregated request: the other engine of the pair."""
+    dp_rank: int = 0
+    """The engine's data-parallel rank whose scheduler runs it (the front end's coordinator picks it)."""
 
 
 class AbortCmd(Message):
@@ -102,6 +104,8 @@ class AbortCmd(Message):
 
     rid: str
     """The request to abort."""
+    dp_rank: int = 0
+    """The data-parallel rank the request was given to."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +190,28 @@ class StepResult(Message):
     """Their logprobs, float32 [len(rids), n]."""
     error: str | None = None
     """Set when the step failed; the scheduler fails the step's requests."""
+
+
+class DPStepsEvent(Message):
+    """Scheduler of one data-parallel rank -> the other ranks' schedulers, under expert parallelism: how many
+    steps it has sent its workers. Every step runs the MoE layers' all-to-alls across the ranks, so each
+    rank sends as many (an idle one empty steps, which its worker runs as an empty forward)."""
+
+    dp_rank: int
+    """The sender's data-parallel rank."""
+    num_steps: int
+    """Steps it has sent to its workers since start."""
+
+
+class ExpertLoadEvent(Message):
+    """A worker's per-expert token counts under expert parallelism, to the front end (for EPLB and /metrics);
+    sent every half second (EXPERT_LOAD_INTERVAL_S, actors/worker.py) while it runs steps."""
+
+    dp_rank: int
+    """The worker's data-parallel (= expert-parallel) rank."""
+    expert_tokens: Array
+    """int64 [num_moe_layers, num_experts]: (token, expert) slots this rank routed to each expert since start,
+    per MoE layer (in layer order); summed over the ranks it is each expert's whole load."""
 
 
 class KVCacheInfoEvent(Message):
@@ -409,6 +435,8 @@ class SchedulerStatsEvent(Message):
     """Disaggregated transfers this engine still holds KV blocks for (prefill: pinned until BlocksReleased)."""
     kv_migrated_bytes: int = 0
     """KV bytes pulled into this engine by migrations since start (decode role), bytes."""
+    dp_rank: int = 0
+    """The data-parallel rank of the scheduler that sent it (each rank's scheduler reports its own state)."""
 
 
 class RequestFailedEvent(Message):

@@ -1,0 +1,82 @@
+"""The worker's side of data parallelism x expert parallelism (actors/data_parallel.py tells the whole story):
+a data-parallel rank's device, its place in the expert-parallel group, and the expert-parallel layers' empty
+step and token counts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import numpy as np
+import torch
+from torch import nn
+
+from flotilla.config import EngineConfig
+from flotilla.models.parallel import init_expert_parallel
+from flotilla.models.qwen3_moe import StackedExperts
+
+
+def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of worker instance `instance`."""
+    return divmod(instance, tp_size)
+
+
+def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
+    """The config a data-parallel rank's runner gets: on CUDA its own GPUs, from (first GPU) + dp_rank * tp on;
+    eager under expert parallelism (the dispatch reads the split sizes on the host: not capturable)."""
+    worker = config.worker
+    if config.parallel.expert_parallel_size > 1 and not worker.enforce_eager:
+        worker = msgspec.structs.replace(worker, enforce_eager=True)
+    device = "cuda" if worker.device == "auto" and torch.cuda.is_available() else worker.device
+    if config.parallel.data_parallel_size > 1 and device.startswith("cuda"):
+        first = int(device.partition(":")[2] or 0) + dp_rank * config.parallel.tensor_parallel_size
+        worker = msgspec.structs.replace(worker, device=f"cuda:{first}")
+    return config if worker is config.worker else msgspec.structs.replace(config, worker=worker)
+
+
+def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | None) -> None:
+    """Before the model is built: join the engine's expert-parallel group (its data-parallel ranks), so the
+    MoE layers keep only this rank's experts; on CPU share the host's cores between the ranks."""
+    size = config.parallel.data_parallel_size * config.parallel.tensor_parallel_size
+    device = torch.device(config.worker.device if config.worker.device != "auto" else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and size > 1:  # more threads than cores per rank would only thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    ep = config.parallel.expert_parallel_size
+    if ep == 1:
+        return
+    if init_method is None:
+        raise ValueError("enable_expert_parallel needs the ranks' rendezvous address (ep_init_method)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_expert_parallel(dp_rank, ep, init_method, device)
+
+
+def expert_parallel_layers(model: nn.Module) -> list[StackedExperts]:
+    """The model's MoE layers whose experts are spread over an expert-parallel group, in forward order."""
+    return [m for m in model.modules() if isinstance(m, StackedExperts) and m.ep_experts is not None]
+
+
+@torch.inference_mode()
+def empty_forward(layers: list[StackedExperts]) -> None:
+    """An idle rank's step: every expert-parallel layer's all-to-alls, in order, with no tokens."""
+    for layer in layers:
+        layer.empty_step()
+
+
+@torch.inference_mode()
+def expert_tokens(layers: list[StackedExperts]) -> np.ndarray:
+    """int64 [layers, experts]: tokens this rank routed to each expert since start, per MoE layer."""
+    return torch.stack([layer.expert_tokens for layer in layers]).cpu().numpy()
+
+
+def placement_detail(layers: list[StackedExperts]) -> dict[str, str]:
+    """This rank's experts for the ready handshake (every layer has the same contiguous placement); none
+    without expert parallelism."""
+    if not layers:
+        return {}
+    p = layers[0].placement
+    assert p is not None
+    return {"ep": f"{p.ep_rank}/{p.ep_size}",
+            "experts": f"{p.first_local_expert}-{p.first_local_expert + p.num_local_experts - 1}/{p.num_experts}"}
