@@ -39,6 +39,9 @@ class FusedOps:
     rope_and_store_kv: Callable[..., torch.Tensor] | None = None
     """RoPE and the K/V store in one launch (valid for flotilla's KV layout, which every attention backend
     shares); None: apply_rope, then the attention backend's store_kv."""
+    qk_norm_rope_and_store_kv: Callable[..., torch.Tensor] | None = None
+    """Qwen3's per-head q/k RMSNorm, RoPE and the K/V store in one launch from the fused qkv output
+    (kernels/triton/qk_norm_rope.py); None: the norms, then the RoPE path above."""
 
 
 TORCH_OPS = FusedOps(name="torch", rms_norm=norm.rms_norm, fused_add_rms_norm=norm.fused_add_rms_norm,
@@ -49,11 +52,12 @@ OPS_CHOICES = ("auto", "torch", "triton")
 
 def _triton_ops() -> FusedOps:
     # optional dependency (CPU-only installs may lack it): imported only when chosen
-    from flotilla.kernels.triton import fused
+    from flotilla.kernels.triton import fused, qk_norm_rope
 
     return FusedOps(name="triton", rms_norm=fused.rms_norm, fused_add_rms_norm=fused.fused_add_rms_norm,
                     silu_and_mul=fused.silu_and_mul, apply_rope=fused.apply_rope,
-                    rope_and_store_kv=fused.rope_and_store_kv)
+                    rope_and_store_kv=fused.rope_and_store_kv,
+                    qk_norm_rope_and_store_kv=qk_norm_rope.qk_norm_rope_and_store_kv)
 
 
 _logged: set[str] = set()

@@ -130,7 +130,15 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None and self.k_norm is not None and self.ops.qk_norm_rope_and_store_kv is not None:
+            # Qwen3: q/k norm, RoPE and the K/V store in one launch straight from the qkv output
+            q = self.ops.qk_norm_rope_and_store_kv(
+                qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos_sin_cache, kv_cache,
+                meta.slot_mapping, self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+            out = self.backend.forward(q, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

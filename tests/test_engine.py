@@ -261,7 +261,9 @@ def test_triton_fused_ops_give_the_torch_ops_greedy_tokens_on_cuda(tmp_path):
         with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", fused_ops=ops) as engine:
             assert engine.client.ready_detail["worker/0"]["fused_ops"] == ops
             outs[ops] = run(engine, ps, max_tokens=8)
-    assert outs["triton"] == outs["torch"]
+    first_diff = [(i, next(j for j, (a, b) in enumerate(zip(x, y)) if a != b))
+                  for i, (x, y) in enumerate(zip(outs["triton"], outs["torch"])) if x != y]
+    assert not first_diff, f"(prompt, first differing output token): {first_diff}"
 
 
 def test_unknown_fused_ops_are_refused_before_anything_starts(tiny):

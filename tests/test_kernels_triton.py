@@ -448,3 +448,114 @@ def test_gpu_fused_ops_at_llama8b_sizes():
     written = ~want_cache.isnan()
     assert torch.equal(got_cache.isnan(), ~written)
     _assert_rounds_like_reference(got_cache[written], want_cache[written])
+
+
+# ---- Qwen3's q/k norm + RoPE + K/V store in one launch (kernels/triton/qk_norm_rope.py) ----
+
+from flotilla.kernels.triton import qk_norm_rope as tri_qk  # noqa: E402
+
+
+def _assert_rounds_like_rope_of_norm(got: torch.Tensor, want: torch.Tensor) -> None:
+    """As _assert_rounds_like_reference, but per element within 2 ulps of the value's scale rather than of the
+    element: the norm's float32 sum runs in another order, so a rare normalised element rounds 1 ulp apart,
+    and where RoPE then cancels (x1 cos - x2 sin ~ 0) that ulp is large relative to the result (measured on
+    the H200: 1-2 of ~10^6 elements, 0.004 absolute at unit scale)."""
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got, want, atol=2 * 2**-7, rtol=1.6e-2)
+    assert (got == want).float().mean().item() >= 0.99
+
+
+def _check_qk_norm_rope(dev, tokens, num_heads, num_kv_heads, head_dim, dtype, cache_dtype, block_size=4,
+                        num_blocks=5, max_pos=512, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    eps = 1e-6
+    table = rope.rope_cos_sin_cache(head_dim, max_pos, 1000000.0, device=dev)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=dev)
+    qkv = (3 * torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen, device=dev)).to(dtype)
+    qw, kw = (1 + 0.3 * torch.randn(2, head_dim, generator=gen, device=dev)).to(dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    want_q, want_k = rope.apply_rope(positions, norm.rms_norm(q, qw, eps), norm.rms_norm(k, kw, eps), table)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=dev)[:tokens]
+    slots[::7] = -1
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.full(shape, float("nan"), dtype=dtype, device=dev)
+    if cache_dtype is not None:
+        cache = cache.to(cache_dtype)
+    want_cache, got_cache = cache.clone(), cache.clone()
+    scales = (0.5, 2.0) if cache_dtype is not None else (1.0, 1.0)
+    torch_ref.store_kv(want_k, v, want_cache, slots, *scales)
+    got_q = tri_qk.qk_norm_rope_and_store_kv(qkv, positions, qw, kw, eps, table, got_cache, slots, num_heads,
+                                             num_kv_heads, *scales)
+    _assert_rounds_like_rope_of_norm(got_q, want_q)
+    written = ~want_cache.float().isnan()
+    assert torch.equal(got_cache.float().isnan(), ~written)  # padding slots (-1) and unused slots untouched
+    if cache_dtype is None:
+        _assert_rounds_like_rope_of_norm(got_cache[written], want_cache[written])
+    else:  # the same e4m3 bytes, but for a rare rounding tie
+        assert (got_cache.view(torch.uint8) == want_cache.view(torch.uint8))[written].float().mean() >= 0.99
+
+
+@pytest.mark.parametrize(("head_dim", "dtype", "cache_dtype"), [(16, torch.float32, None), (24, torch.bfloat16, None),
+                                                                (16, torch.bfloat16, torch.float8_e4m3fn)])
+def test_qk_norm_rope_and_store_matches_the_ops_one_by_one(head_dim, dtype, cache_dtype):
+    _check_qk_norm_rope(DEVICE, 9, 4, 2, head_dim, dtype, cache_dtype, seed=head_dim)
+
+
+@gpu_test
+@pytest.mark.parametrize(("heads", "cache_dtype"), [((16, 8), None), ((32, 8), None), ((32, 8), torch.float8_e4m3fn)])
+def test_gpu_qk_norm_rope_at_qwen3_sizes(heads, cache_dtype):
+    _check_qk_norm_rope(torch.device("cuda"), 512, *heads, 128, torch.bfloat16, cache_dtype, block_size=16,
+                        num_blocks=64, max_pos=8192)
+
+
+def test_qk_norm_rope_refuses_a_qkv_that_does_not_match_the_heads():
+    qkv = torch.zeros(3, (4 + 2 * 2) * 16 + 1, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    table = rope.rope_cos_sin_cache(16, 64, 10000.0, device=DEVICE)
+    cache = torch.zeros(kv_cache_shape(2, 4, 2, 16), device=DEVICE)
+    with pytest.raises(ValueError, match="qkv"):
+        tri_qk.qk_norm_rope_and_store_kv(qkv, torch.zeros(3, dtype=torch.long, device=DEVICE), w, w, 1e-6, table,
+                                         cache, torch.zeros(3, dtype=torch.long, device=DEVICE), 4, 2)
+
+
+@pytest.mark.slow
+def test_qk_norm_rope_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    ptrs = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "cache_ptr")}
+    ptrs.update(pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32")
+    specs = [("flotilla.kernels.triton.qk_norm_rope", "_qk_norm_rope_store_kernel",
+              {**ptrs, "cache_ptr": cache}, ["eps", "k_scale", "v_scale"],
+              dict(BLOCK_HQ=hq, BLOCK_HKV=8, BLOCK_HALF=64, QUANT=cache == "*fp8e4nv"), warps)
+             for cache in ("*bf16", "*fp8e4nv") for hq, warps in ((16, 8), (32, 8))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(specs)],
+                           env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert child.returncode == 0, child.stderr[-4000:]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
+def test_tiny_qwen3_with_triton_ops_matches_torch_ops(tmp_path):
+    """Qwen3's attention takes the one-launch q/k norm + RoPE + store path under the triton ops."""
+    from safetensors.torch import load_file
+
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.models.registry import get_model_class
+    from helpers_tiny_models import PagedRunner, write_tiny_model
+
+    model_dir = write_tiny_model(tmp_path / "qwen3", "qwen3")
+    config = load_hf_config(model_dir)
+    runners = []
+    for ops in ("torch", "triton"):
+        model = get_model_class(config.architectures)(config, attention_backend="torch", fused_ops=ops)
+        model.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+        assert model.model.layers[0].self_attn.ops.qk_norm_rope_and_store_kv is not None or ops == "torch"
+        runners.append(PagedRunner(model.eval(), block_size=4))
+    steps = [[(0, list(range(10, 17))), (1, [5, 6, 7])], [(0, [40]), (1, [41])],
+             [(1, [42]), (2, list(range(50, 62))), (0, [43, 44, 45])]]
+    for batch in steps:
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
