@@ -92,8 +92,10 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self.wrappers[size] = self.attn.graph_decode_wrapper(self.device, self.kv_indptr[:size + 1],
-                                                                 self.kv_indices, self.kv_last[:size])
+            self.wrappers[size] = self.attn.graph_decode_wrapper(
+                self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size],
+                tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],
+                                                                    self.heads["num_kv_heads"]))
             self.metas[size] = self._meta(size)
             self._plan(size, np.zeros(0, dtype=np.int64), [])
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])

@@ -14,6 +14,8 @@ with k_scale / v_scale, which FlashInfer folds into the softmax scale and the ou
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -23,6 +25,20 @@ from flotilla.kernels.staging import pinned
 
 WORKSPACE_BYTES = 256 * 2**20
 """FlashInfer's scratch space per device (split-k partial results, plan info)."""
+
+
+def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode runs FlashInfer's tensor-core kernel (its prefill kernel, the query heads of a KV group as
+    rows of one tile) or its CUDA-core decode kernel: tensor cores from 4 query heads per KV head up.
+
+    Measured on the H200 (scripts/bench_attention.py, bf16, block 16): with 32:8 heads (Qwen3-8B) the CUDA-core
+    kernel reaches only ~2.8 TB/s at batch 64-256 x 1-4k context against ~4.3 TB/s with tensor cores; with 16:8
+    heads (Qwen3-0.6B) the two tie from 1k context on and the CUDA-core kernel is faster on short contexts
+    (41 vs 61 us at 256 x 128). FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES=0/1 forces one (for measuring)."""
+    forced = os.environ.get("FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES")
+    if forced is not None:
+        return forced == "1"
+    return num_qo_heads // num_kv_heads >= 4
 
 
 def importable() -> bool:
@@ -42,19 +58,23 @@ class FlashInferAttention:
         import flashinfer  # optional dependency: only imported when this backend is chosen
 
         self._fi = flashinfer
-        self._wrappers: dict[torch.device, tuple[object, object]] = {}
+        self._wrappers: dict[tuple[torch.device, bool], tuple[object, object]] = {}
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._planned: AttentionMetadata | None = None
         self._active: object | None = None
         self._plan_copied: torch.cuda.Event | None = None
 
-    def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
-        if device not in self._wrappers:
-            workspace = self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    def _wrappers_for(self, device: torch.device, tensor_cores: bool = True) -> tuple[object, object]:
+        """(decode wrapper, prefill wrapper) of a device; the decode one with or without tensor cores."""
+        key = (device, tensor_cores)
+        if key not in self._wrappers:
+            if device not in self._workspaces:
+                self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            workspace = self._workspaces[device]
+            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
             prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            self._wrappers[device] = (decode, prefill)
-        return self._wrappers[device]
+            self._wrappers[key] = (decode, prefill)
+        return self._wrappers[key]
 
     def _plan(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
         host = meta.host
@@ -67,7 +87,7 @@ class FlashInferAttention:
         used = np.arange(host.block_tables.shape[1])[None, :] < pages[:, None]
         kv_indices = host.block_tables[used].astype(np.int32)  # row-major: each sequence's pages in order
         last_page_len = (host.seq_lens - (pages - 1) * block_size).astype(np.int32)
-        decode, prefill = self._wrappers_for(query.device)
+        decode, prefill = self._wrappers_for(query.device, decode_tensor_cores(query.shape[1], num_kv_heads))
         common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
                       q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)
         indptr, indices, last = (pinned(a) for a in (kv_indptr, kv_indices, last_page_len))
@@ -98,13 +118,13 @@ class FlashInferAttention:
     # ---- CUDA graphs: a fixed-batch decode wrapper per captured size, planned outside the graph ------------
 
     def graph_decode_wrapper(self, device: torch.device, indptr: torch.Tensor, indices: torch.Tensor,
-                             last_page_len: torch.Tensor) -> object:
+                             last_page_len: torch.Tensor, tensor_cores: bool = True) -> object:
         """A decode wrapper whose page-table buffers are fixed (len(last_page_len) = its batch size), so a
         captured graph reads whatever the next plan() writes into them."""
         self._wrappers_for(device)
         workspace = self._workspaces[device]
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
 
     def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: np.ndarray,
