@@ -15,6 +15,14 @@ bias (kernels/moe/routing.select_experts_grouped), the routed experts through ke
 on stacked [E, 2I, H] / [E, H, I] weights, plus the shared experts as one dense MLP. Earlier layers have a
 dense MLP.
 
+Expert parallelism (an engine's data-parallel ranks under enable_expert_parallel, models/parallel.py
+`ep_group`): as Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
+rank keeps E / ep routed experts and loads only their tensors (an FP8 checkpoint's other experts are not
+even dequantized), routes its own tokens (the grouped top-k, routed_scaling_factor included in the weights),
+and the experts' ExpertParallelExperts sends the (token, expert) slots to their owners and combines the
+weighted results; the shared experts, the dense layers (first_k_dense_replace) and attention stay whole on
+every rank. An idle rank's empty step runs each MoE layer's all-to-alls, in layer order.
+
 Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and
 already stacked ones load as they are; gate/up pairs are fused into one GEMM. The MTP layers (indices >=
 num_hidden_layers) are skipped: multi-token prediction is not built.
@@ -47,7 +55,7 @@ from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
 from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, _copy_checked
 from flotilla.models.parallel import tp_group
-from flotilla.models.qwen3_moe import StackedExperts
+from flotilla.models.qwen3_moe import PER_EXPERT, ExpertTensors, StackedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +70,6 @@ _SCALE_SUFFIX = "_scale_inv"
 
 LinearFactory = Callable[..., nn.Module]
 """(in_features, out_features, bias=False) -> a linear layer: llama.Linear, or Fp8BlockLinear when FP8."""
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class Embedding(nn.Module):
@@ -226,13 +232,14 @@ class DeepseekV3MoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linear: LinearFactory = Linear) -> None:
         super().__init__()
         self.gate = DeepseekV3Router(hidden_size, moe)
-        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend)
+        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
+                                      expert_parallel=True)
         self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linear)
                                if moe.num_shared_experts else None)  # fmt: skip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(hidden)
-        out = self.experts(hidden, topk_weights, topk_ids)
+        topk_weights, topk_ids = self.gate(hidden)  # this rank's tokens; scaled by routed_scaling_factor
+        out = self.experts(hidden, topk_weights, topk_ids)  # dispatched to the experts' ranks under EP
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
 
@@ -340,66 +347,56 @@ class DeepseekV3ForCausalLM(nn.Module):
         every part came). Raises ValueError naming the tensor on an unknown name, a bad shape or expert
         index, an FP8 tensor without its scale (or a scale without an fp8 quantization_config)."""
         params = dict(self.named_parameters())
-        parts_seen: dict[str, set[tuple[int, str]]] = {}
+        experts = ExpertTensors(self)  # the routed experts' tensors, this rank's only under expert parallelism
+        gate_up_seen: dict[str, set[str]] = {}
         loaded: set[str] = set()
         skipped_mtp = 0
-
-        def fill(param_name: str, part: tuple[int, str], parts_needed: int) -> None:
-            seen = parts_seen.setdefault(param_name, set())
-            seen.add(part)
-            if len(seen) == parts_needed:
-                loaded.add(param_name)
-
-        for name, tensor in self._fp8_paired(weights, params):
+        for name, tensor in self._fp8_paired(weights, params, experts):
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             layer = _LAYER.match(name)
             if layer is not None and int(layer[1]) >= self.num_layers:
                 skipped_mtp += 1  # the multi-token-prediction layers that follow the decoder stack
                 continue
-            if (expert := _PER_EXPERT.match(name)) is not None:
-                proj = expert["proj"]
-                stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
-                param_name = self._param_name(params, f"{expert['prefix']}.{stacked}", name)
-                param, index = params[param_name], int(expert["expert"])
-                if index >= param.shape[0]:
-                    raise ValueError(f"checkpoint tensor {name!r} names expert {index}, but the model has "
-                                     f"{param.shape[0]} experts")  # fmt: skip
-                dst = param.data[index]
-                if stacked == "gate_up_proj":
-                    half = param.shape[1] // 2
-                    dst = dst.narrow(0, 0 if proj == "gate_proj" else half, half)
-                _copy_checked(dst, tensor, name, param_name)
-                fill(param_name, (index, proj), param.shape[0] * (2 if stacked == "gate_up_proj" else 1))
-            elif name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
+            if experts.load(name, tensor):
+                continue
+            if name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
                 proj = "gate_proj" if ".gate_proj." in name else "up_proj"
                 param_name = self._param_name(params, name.replace(f".{proj}.", ".gate_up_proj."), name)
                 param = params[param_name]
                 half = param.shape[0] // 2
                 _copy_checked(param.data.narrow(0, 0 if proj == "gate_proj" else half, half), tensor, name, param_name)
-                fill(param_name, (0, proj), 2)
+                seen = gate_up_seen.setdefault(param_name, set())
+                seen.add(proj)
+                if len(seen) == 2:
+                    loaded.add(param_name)
             else:
                 param_name = self._param_name(params, name, name)
                 _copy_checked(params[param_name].data, tensor, name, param_name)
                 loaded.add(param_name)
         if skipped_mtp:
             logger.info("skipped %d tensors of multi-token-prediction layers (MTP is not built)", skipped_mtp)
-        return loaded
+        return loaded | experts.loaded
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        """For the loader: which checkpoint tensors to read (not other expert-parallel ranks' experts)."""
+        return ExpertTensors(self).keep
 
     def _fp8_param(self, params: dict[str, nn.Parameter], name: str) -> bool:
         """Whether checkpoint weight `name` loads into an Fp8BlockLinear's e4m3 weight (as it is)."""
-        if self.quant is None or _PER_EXPERT.match(name):
+        if self.quant is None or PER_EXPERT.match(name):
             return False
         for suffix in (".gate_proj.weight", ".up_proj.weight"):
             if name.endswith(suffix):
                 name = name.removesuffix(suffix) + ".gate_up_proj.weight"
         return any(params.get(n) is not None and params[n].dtype == FP8_DTYPE for n in (name, f"model.{name}"))
 
-    def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]],
-                    params: dict[str, nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
+                    experts: ExpertTensors) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
         """The checkpoint's tensors with FP8 handled: weights and scales of Fp8BlockLinears pass as they are;
         an FP8 weight whose parameter is not FP8 (kv_b_proj, routed experts) waits for its scale (or the
-        scale for it) and passes dequantized to float32. At the end, an FP8 weight without its scale (or a
+        scale for it) and passes dequantized to float32; other expert-parallel ranks' experts (weights and
+        scales) are dropped unread. At the end, an FP8 weight without its scale (or a
         scale without its weight) is a ValueError naming the tensor missing."""
         waiting_weights: dict[str, torch.Tensor] = {}
         waiting_scales: dict[str, torch.Tensor] = {}
@@ -409,6 +406,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             layer = _LAYER.match(name)
             if layer is not None and int(layer[1]) >= self.num_layers:
                 yield name, tensor  # an MTP layer's, skipped by the caller
+                continue
+            if experts.remote(name):
                 continue
             is_scale = name.endswith(".weight" + _SCALE_SUFFIX)
             if self.quant is None:

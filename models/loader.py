@@ -16,9 +16,10 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,9 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 # reaches load_weights untouched, and so do FP8 block scales (float32 `*_scale_inv`: bf16 would round them).
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _KEEP_DTYPE_SUFFIXES = ("_scale_inv",)
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+"""Bytes per element of a safetensors dtype: a tensor left unread still advances the progress bar."""
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -113,7 +117,8 @@ def load_model(
     last: list[tuple[str, Path]] = []  # the tensor being loaded, to name it when load_weights fails
     with bar:
         try:
-            loaded = module.load_weights(_stream_tensors(files, target_dtype, bar, last))
+            keep = module.checkpoint_filter() if hasattr(module, "checkpoint_filter") else None
+            loaded = module.load_weights(_stream_tensors(files, target_dtype, bar, last, keep))
         except (ValueError, KeyError, RuntimeError) as e:
             where = f"tensor {last[-1][0]!r} of {last[-1][1]}" if last else str(model_dir)
             raise ModelLoadError(f"cannot load {where}: {e}") from e
@@ -299,13 +304,19 @@ def _payload_bytes(path: Path) -> int:
 
 
 def _stream_tensors(
-    files: list[Path], dtype: torch.dtype, bar: tqdm, last: list[tuple[str, Path]]
+    files: list[Path], dtype: torch.dtype, bar: tqdm, last: list[tuple[str, Path]],
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from each file in turn, floating tensors cast to `dtype`; records the
-    current tensor in `last` so a failure inside load_weights can be attributed to it."""
+    current tensor in `last` so a failure inside load_weights can be attributed to it. Tensors the model's
+    `checkpoint_filter` does not `keep` (other expert-parallel ranks' experts) are not read."""
     for path in files:
         with _open_safetensors(path) as f:
             for name in f.keys():
+                if keep is not None and not keep(name):
+                    header = f.get_slice(name)
+                    bar.update(math.prod(header.get_shape()) * _DTYPE_BYTES.get(header.get_dtype(), 0))
+                    continue
                 last[:] = [(name, path)]
                 try:
                     tensor = f.get_tensor(name)

@@ -9,7 +9,8 @@ Checkpoints name each expert's projections separately (`mlp.experts.{e}.{gate,up
 what the Hub's Qwen3-MoE folders and transformers 5's save_pretrained both write); they are stacked at
 load into gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]. Checkpoints that
 already hold the stacked tensors (transformers 5's in-memory names `mlp.experts.gate_up_proj` /
-`mlp.experts.down_proj`) load as they are.
+`mlp.experts.down_proj`) load as they are. `ExpertTensors` does both, for every model built on
+`StackedExperts` (DeepSeek-V3 too).
 
 Tensor parallelism splits every expert's intermediate dim: each rank keeps I / tp rows of each expert's gate
 and up and the matching columns of its down projection, runs the same routing on the same tokens, and the
@@ -20,13 +21,13 @@ keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_paralle
 each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts' ranks and back. The
 block counts the tokens routed to each expert (`expert_tokens`, summed over every step: what an expert-placement
 load balancer reads), and `empty_step` takes part in the all-to-alls without tokens (an idle data-parallel
-rank's step).
+rank's step). Other ranks' experts are neither copied nor, through the loader, read (`ExpertTensors.remote`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -38,7 +39,9 @@ from flotilla.models.hf_config import HFModelConfig, MoEConfig
 from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
 from flotilla.models.parallel import all_reduce, check_shape, divide, ep_group, tp_group
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+"""A routed expert's checkpoint tensor: `<layer>.mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+_STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 class StackedExperts(nn.Module):
@@ -82,6 +85,12 @@ class StackedExperts(nn.Module):
         out = self.ep_experts(hidden, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         self.expert_tokens += self.placement.expert_load
         return out
+
+    def held_elsewhere(self, expert: int) -> bool:
+        """Whether expert `expert` (a global id) is one of the layer's experts that another expert-parallel
+        rank holds (False for this rank's and for ids out of range, which loading refuses)."""
+        return self.placement is not None and expert < self.num_experts and not (
+            0 <= expert - self.first_expert < self.placement.num_local_experts)
 
     def empty_step(self) -> None:
         """Take part in the expert-parallel all-to-alls with no tokens (collective: the other ranks run a batch)."""
@@ -131,6 +140,63 @@ class StackedExperts(nn.Module):
                 dst.copy_(part)
 
 
+class ExpertTensors:
+    """The routed experts' checkpoint tensors of a model built on StackedExperts (Qwen3-MoE, DeepSeek-V3): per
+    expert ones (PER_EXPERT) stacked into the layer's gate_up_proj / down_proj, already stacked ones
+    (`<layer>.mlp.experts.{gate_up,down}_proj`) sliced, this rank's experts only under expert parallelism.
+    `loaded` names the stacked parameters filled: one of per-expert tensors once every expert it holds came
+    whole (gate and up, or down)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model_name = type(model).__name__
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, StackedExperts)}
+        self.loaded: set[str] = set()
+        self._seen: dict[str, set[tuple[int, str]]] = {}
+
+    def _layer(self, prefix: str) -> tuple[str, StackedExperts] | None:
+        """The layer `<prefix>` names (headless checkpoints omit the `model.` prefix) and its module path."""
+        for candidate in (prefix, f"model.{prefix}"):
+            if (layer := self.layers.get(candidate)) is not None:
+                return candidate, layer
+        return None
+
+    def remote(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (an expert's weight, or its FP8 block scale `..._scale_inv`) belongs
+        to an expert another expert-parallel rank holds: not needed here, so neither read nor dequantized."""
+        match = PER_EXPERT.match(name.removesuffix("_scale_inv"))
+        found = None if match is None else self._layer(match["prefix"])
+        return found is not None and found[1].held_elsewhere(int(match["expert"]))
+
+    def keep(self, name: str) -> bool:
+        """The models' `checkpoint_filter` for the loader: whether to read checkpoint tensor `name` at all."""
+        return not self.remote(name)
+
+    def load(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy checkpoint tensor `name` into its layer's stacked parameter (this rank's part) if it is a routed
+        expert's (True); False for any other tensor. ValueError naming it on a bad shape or expert index or
+        a layer the model does not have."""
+        if (match := PER_EXPERT.match(name)) is not None:
+            proj = match["proj"]
+            stacked = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        elif (match := _STACKED.match(name)) is not None:
+            proj, stacked = None, match["proj"]
+        else:
+            return False
+        if (found := self._layer(match["prefix"])) is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.model_name}")
+        prefix, layer = found
+        param_name, param = f"{prefix}.{stacked}", getattr(layer, stacked)
+        if proj is None:  # already stacked: every expert at once
+            layer.load(param, tensor, (name, param_name))
+            self.loaded.add(param_name)
+        elif layer.load_expert(param, int(match["expert"]), proj, tensor, (name, param_name)):
+            shards = self._seen.setdefault(param_name, set())
+            shards.add((int(match["expert"]), proj))
+            if len(shards) == param.shape[0] * (2 if stacked == "gate_up_proj" else 1):
+                self.loaded.add(param_name)
+        return True
+
+
 class Qwen3MoeSparseBlock(nn.Module):
     """HF's Qwen3MoeSparseMoeBlock: router (`gate`) -> softmax top-k -> experts."""
 
@@ -173,29 +239,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return LlamaMLP(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """LlamaForCausalLM.load_weights plus per-expert tensors stacked into the experts' parameters; a
-        stacked parameter counts as loaded once every expert's shards arrived."""
-        params = dict(self.named_parameters())
-        seen: dict[str, set[tuple[int, str]]] = {}
-        loaded: set[str] = set()
+        """LlamaForCausalLM.load_weights plus the routed experts' tensors (ExpertTensors); a stacked parameter
+        counts as loaded once every expert's shards arrived."""
+        experts = ExpertTensors(self)
+        loaded = super().load_weights((name, tensor) for name, tensor in weights if not experts.load(name, tensor))
+        return loaded | experts.loaded
 
-        def dense_and_stacked() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                match = _PER_EXPERT.match(name)
-                if match is None:
-                    yield name, tensor
-                    continue
-                proj = match["proj"]
-                fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
-                param_name = self._param_name(params, f"{match['prefix']}.{fused}", name)
-                param = params[param_name]
-                expert = int(match["expert"])
-                experts = self.get_submodule(param_name.rpartition(".")[0])
-                shards = seen.setdefault(param_name, set())
-                if experts.load_expert(param, expert, proj, tensor, (name, param_name)):
-                    shards.add((expert, proj))
-                if len(shards) == param.shape[0] * (2 if fused == "gate_up_proj" else 1):
-                    loaded.add(param_name)
-
-        loaded |= super().load_weights(dense_and_stacked())
-        return loaded
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        """For the loader: which checkpoint tensors to read (not other expert-parallel ranks' experts)."""
+        return ExpertTensors(self).keep

@@ -8,16 +8,19 @@ prefill chunks and decodes per step, blocks handed out in shuffled (non-contiguo
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
+from flotilla.kernels.quant import block_dequantize, block_quantize
 from flotilla.models.hf_config import load_hf_config
 from flotilla.models.registry import get_model_class
 
@@ -254,6 +257,41 @@ def write_tiny_deepseek_model(model_dir: str | Path, name: str = "deepseek_v3", 
     model_dir = Path(model_dir)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
+
+
+FP8_BLOCK = (32, 32)
+"""write_tiny_deepseek_fp8_pair's weight blocks: small, so the tiny model's linears span several blocks,
+partial ones included (q_b_proj's K 48, kv_a_proj_with_mqa's N 48)."""
+_FP8_QUANTIZED = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj"
+                            r"|down_proj)\.weight$")  # fmt: skip
+
+
+def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3") -> tuple[Path, Path]:
+    """(fp8 folder, float folder) under `root`: the tiny DeepSeek-V3 model `name` with its linears (routed
+    experts included) quantized in FP8_BLOCK blocks (DeepSeek's quantization_config), and the same model with
+    those weights dequantized back (float32, no quantization)."""
+    root = Path(root)
+    src = write_tiny_deepseek_model(root / "float_src", name)
+    weights = load_file(str(src / "model.safetensors"))
+    fp8, dequantized = {}, {}
+    for key, w in weights.items():
+        if _FP8_QUANTIZED.search(key):
+            q, s = block_quantize(w, FP8_BLOCK)
+            fp8[key], fp8[f"{key}_scale_inv"] = q, s
+            dequantized[key] = block_dequantize(q, s, FP8_BLOCK)
+        else:
+            fp8[key] = dequantized[key] = w
+    config = json.loads((src / "config.json").read_text())
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
+                    "activation_scheme": "dynamic"}
+    dirs = []
+    for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}), ("dequantized", dequantized, {})):
+        d = root / sub
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        dirs.append(d)
+    return dirs[0], dirs[1]
 
 
 # ---- checks every model class runs against transformers (tests/test_models.py, test_qwen3_moe.py, ...) ----

@@ -1,8 +1,10 @@
 """Data parallelism x expert parallelism end to end: an engine with data_parallel_size=2 (two schedulers, two
 worker processes; under enable_expert_parallel the workers joined by gloo, each holding half the experts) gives
 the greedy tokens of the one-rank engine, with requests spread over both ranks and with one rank idle while
-the other works (its empty steps keep the MoE all-to-alls paired); plus the coordinator's and the lockstep's
-pure rules, and the options refused before anything starts."""
+the other works (its empty steps keep the MoE all-to-alls paired), for Qwen3-MoE and for DeepSeek-V3 / Kimi-K2
+(FP8 block-scaled and float checkpoints; shared experts and dense layers whole on every rank); a rank reads
+and dequantizes only its own experts' tensors; plus the coordinator's and the lockstep's pure rules, and the
+options refused before anything starts."""
 
 from __future__ import annotations
 
@@ -16,17 +18,28 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import torch
 
 from flotilla import LLM, SamplingParams
 from flotilla.actors.data_parallel import StepLockstep
 from flotilla.config import EngineConfig
+from flotilla.models import deepseek_v3, loader, parallel, qwen3_moe
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads, sum_stats
 from flotilla.server.engine_client import engine_topology
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import ExpertLoadEvent, SchedulerStatsEvent
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
 from helpers_server import start_server
-from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_moe_model
+from helpers_tiny_models import (
+    TINY_DEEPSEEK_CONFIGS,
+    TINY_MOE_CONFIGS,
+    load_flotilla_model,
+    write_tiny_deepseek_fp8_pair,
+    write_tiny_deepseek_model,
+    write_tiny_moe_model,
+)
+from safetensors.torch import load_file
 
 # chunked prefill (16-token budget), mixed prefill + decode steps, two steps in flight (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
@@ -98,6 +111,107 @@ def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle
         assert client.coordinator.assigned == [3, 2]
         assert alone == want[2:3]
         _expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny DeepSeek-V3 (8 experts in 4 groups, top-3 of the best 2 groups, one shared expert, a dense first
+    layer, routed_scaling_factor 2.5) with every linear, routed experts included, FP8 block-scaled; and the
+    same weights dequantized (float32)."""
+    fp8_dir, float_dir = write_tiny_deepseek_fp8_pair(tmp_path_factory.mktemp("dp_ep_deepseek"))
+    write_tiny_tokenizer(fp8_dir, vocab_size=320)
+    return fp8_dir, float_dir
+
+
+def _deepseek_prompts() -> list[dict]:
+    rng = random.Random(5)
+    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (7, 19, 11, 4)]
+
+
+def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(
+        deepseek_fp8_dirs: tuple[Path, Path]) -> None:  # fmt: skip
+    deepseek_fp8_dir = deepseek_fp8_dirs[0]
+    config = TINY_DEEPSEEK_CONFIGS["deepseek_v3"]
+    prompts = _deepseek_prompts()
+    with LLM(str(deepseek_fp8_dir), **OPTIONS) as llm:
+        want = _tokens(llm, prompts)
+    with LLM(str(deepseek_fp8_dir), data_parallel_size=2, enable_expert_parallel=True, **OPTIONS) as llm:
+        client = llm.client
+        detail = client.ready_detail
+        assert [(detail[f"worker/{r}"]["ep"], detail[f"worker/{r}"]["experts"]) for r in range(2)] == [
+            ("0/2", "0-3/8"), ("1/2", "4-7/8")]
+        got = _generate_within(llm, prompts, timeout_s=60)
+        assert client.coordinator.assigned == [2, 2]
+        assert got == want
+        # every token computed went to top_k experts in each MoE layer (layer 0 is dense: not counted)
+        moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+        computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
+        expected = [computed * config["num_experts_per_tok"]] * moe_layers
+        busy = _expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == expected)
+        assert busy.shape == (moe_layers, config["n_routed_experts"])
+        # one request: rank 0 runs it while rank 1, idle, runs empty steps through the all-to-alls
+        alone = _generate_within(llm, prompts[1:2], timeout_s=30)
+        assert client.coordinator.assigned == [3, 2]
+        assert alone == want[1:2]
+        _expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
+
+
+def test_dp2_ep2_kimi_k2_style_deepseek_gives_the_one_rank_tokens(tmp_path: Path) -> None:
+    """Kimi-K2's shape of the class: one expert group, two shared experts, no q LoRA, tied embeddings (float)."""
+    model_dir = write_tiny_deepseek_model(tmp_path / "kimi", "deepseek_v3_no_q_lora")
+    write_tiny_tokenizer(model_dir, vocab_size=320)
+    prompts = _deepseek_prompts()
+    with LLM(str(model_dir), **OPTIONS) as llm:
+        want = _tokens(llm, prompts)
+    with LLM(str(model_dir), data_parallel_size=2, enable_expert_parallel=True, **OPTIONS) as llm:
+        assert llm.client.ready_detail["worker/1"]["experts"] == "3-5/6"
+        got = _generate_within(llm, prompts, timeout_s=60)
+        assert llm.client.coordinator.assigned == [2, 2]
+    assert got == want
+
+
+def test_an_expert_parallel_deepseek_rank_reads_and_dequantizes_only_its_own_experts(
+        deepseek_fp8_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Rank 1 of 2 (the group faked: loading runs no collective) keeps experts 4-7 of each MoE layer, equal to
+    the whole model's rows 4-7; experts 0-3's FP8 weights and scales are neither read nor dequantized."""
+    config = TINY_DEEPSEEK_CONFIGS["deepseek_v3"]
+    moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
+    deepseek_fp8_dir, float_dir = deepseek_fp8_dirs
+    whole = load_flotilla_model(float_dir)
+    monkeypatch.setattr(parallel, "_EP", parallel.EPGroup(rank=1, size=2, group=None))
+    monkeypatch.setattr(qwen3_moe, "ExpertParallelExperts", lambda placement, group, backend: None)
+    dequantized: list[tuple[int, ...]] = []
+    real_dequantize = deepseek_v3.block_dequantize
+    monkeypatch.setattr(deepseek_v3, "block_dequantize",
+                        lambda q, s, block: dequantized.append(tuple(q.shape)) or real_dequantize(q, s, block))
+    read: list[str] = []
+    real_stream = loader._stream_tensors
+
+    def stream(*args, **kwargs):
+        for name, tensor in real_stream(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "_stream_tensors", stream)
+    model = loader.load_model(deepseek_fp8_dir, progress=False, model_kwargs={"attention_backend": "torch"}).module
+    assert isinstance(model, DeepseekV3ForCausalLM)
+    experts = [n for n in read if ".mlp.experts." in n]
+    assert all(int(n.split(".mlp.experts.")[1].split(".")[0]) >= 4 for n in experts)
+    assert len(experts) == moe_layers * 4 * 3 * 2  # 4 experts x (gate, up, down) x (weight, scale)
+    mine_dequantized = config["num_hidden_layers"] + moe_layers * 4 * 3  # kv_b_proj, and the 4 experts' projections
+    assert len(dequantized) == mine_dequantized
+    for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
+        mine, full = model.model.layers[i].mlp.experts, whole.model.layers[i].mlp.experts
+        assert mine.placement.local_experts == range(4, 8) and mine.gate_up_proj.shape[0] == 4
+        assert torch.equal(mine.gate_up_proj, full.gate_up_proj[4:]) and torch.equal(mine.down_proj, full.down_proj[4:])
+        shared, whole_shared = model.model.layers[i].mlp.shared_experts, whole.model.layers[i].mlp.shared_experts
+        assert shared.down_proj.weight.shape == whole_shared.down_proj.weight.shape  # whole on every rank
+    # load_weights fed every tensor (no loader in between) drops the other rank's experts before dequantizing
+    dequantized.clear()
+    fresh = DeepseekV3ForCausalLM(model.config, attention_backend="torch")
+    weights = load_file(str(deepseek_fp8_dir / "model.safetensors"))
+    assert fresh.load_weights(weights.items()) == set(dict(fresh.named_parameters()))
+    assert len(dequantized) == mine_dequantized
 
 
 def _expert_loads_reaching(client, done, timeout_s: float = 10.0) -> np.ndarray:

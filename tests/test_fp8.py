@@ -23,8 +23,13 @@ ON_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-from helpers_tiny_models import PagedRunner, load_flotilla_model, write_tiny_deepseek_model  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from helpers_tiny_models import (  # noqa: E402
+    FP8_BLOCK as BLOCK,
+    PagedRunner,
+    load_flotilla_model,
+    write_tiny_deepseek_fp8_pair,
+)
+from safetensors.torch import load_file  # noqa: E402
 
 from flotilla.kernels.quant import (  # noqa: E402
     FP8_DTYPE,
@@ -237,42 +242,9 @@ def test_fp8_block_linear_module_and_its_dummy_weights() -> None:
 
 # ---- a tiny DeepSeek-V3 FP8 checkpoint ----
 
-BLOCK = (32, 32)
-"""Small blocks so the tiny model's linears span several blocks, partial ones included (q_b_proj's K 48,
-kv_a_proj_with_mqa's N 48)."""
-_QUANTIZED = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj"
-                        r"|down_proj)\.weight$")  # fmt: skip
-
-
-def _write_fp8_pair(root: Path) -> tuple[Path, Path]:
-    """(fp8 folder, float folder): the tiny model's linears quantized in BLOCK blocks (with
-    quantization_config), and the same model with those weights dequantized back (float32, no quantization)."""
-    src = write_tiny_deepseek_model(root / "float_src", "deepseek_v3")
-    weights = load_file(str(src / "model.safetensors"))
-    fp8, dequantized = {}, {}
-    for name, w in weights.items():
-        if _QUANTIZED.search(name):
-            q, s = block_quantize(w, BLOCK)
-            fp8[name], fp8[f"{name}_scale_inv"] = q, s
-            dequantized[name] = block_dequantize(q, s, BLOCK)
-        else:
-            fp8[name] = dequantized[name] = w
-    config = json.loads((src / "config.json").read_text())
-    dirs = []
-    for sub, tensors, extra in (("fp8", fp8, {"quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic"}}),
-            ("dequantized", dequantized, {})):  # fmt: skip
-        d = root / sub
-        d.mkdir()
-        save_file(tensors, str(d / "model.safetensors"))
-        (d / "config.json").write_text(json.dumps({**config, **extra}))
-        dirs.append(d)
-    return dirs[0], dirs[1]
-
-
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return _write_fp8_pair(tmp_path_factory.mktemp("tiny_deepseek_fp8"))
+    return write_tiny_deepseek_fp8_pair(tmp_path_factory.mktemp("tiny_deepseek_fp8"))
 
 
 def _tokens(n: int, seed: int) -> list[int]:
