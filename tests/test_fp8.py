@@ -221,8 +221,11 @@ def test_gpu_triton_fp8_linear_at_deepseek_v3_sizes(tokens: int, shape: tuple[in
     n, k = shape
     q, s = block_quantize(_weights(shape, seed=n, device=DEVICE) * 0.01, (128, 128))
     x = torch.randn(tokens, k, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(tokens))
-    got = fp8_block_linear(x.bfloat16(), q, s, None, (128, 128), backend="triton")
-    want = fp8_ref.fp8_block_linear_w8a8(x, q, s, None, (128, 128))
+    x = x.bfloat16()
+    got = fp8_block_linear(x, q, s, None, (128, 128), backend="triton")
+    # the reference quantizes the same bf16 activations: from the fp32 ones, a value that bf16 rounding moves
+    # across an e4m3 rounding boundary lands one e4m3 step (6-12%) away, which failed 0.01-0.4% of the outputs
+    want = fp8_ref.fp8_block_linear_w8a8(x.float(), q, s, None, (128, 128))
     torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
