@@ -73,8 +73,9 @@ class DecodeGraphs:
                                  seq_lens=ones, block_tables=ones[:, None], slot_mapping=self.slots[:size],
                                  max_query_len=1, max_seq_len=1, block_size=self.block_size)
 
-    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[list[int]]) -> None:
-        """Page tables for `size` rows: the real sequences first, then padding rows on the scratch block."""
+    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
+        """Page tables for `size` rows: the real sequences first (tables[b] holds at least the pages of
+        seq_lens[b]), then padding rows, one page each, on the scratch block."""
         bs = self.block_size
         pages = np.ones(size, dtype=np.int64)
         last = np.ones(size, dtype=np.int32)
@@ -84,8 +85,9 @@ class DecodeGraphs:
         indptr = np.zeros(size + 1, dtype=np.int32)
         np.cumsum(pages, out=indptr[1:])
         indices = np.full(int(indptr[-1]), self.scratch_block, dtype=np.int32)
-        for b in range(n):  # one slice copy per sequence
-            indices[indptr[b]:indptr[b + 1]] = tables[b][:int(pages[b])]
+        if n:  # one concatenate of views, not a slice assignment per sequence
+            real = int(indptr[n])
+            indices[:real] = np.concatenate([t[:p] for t, p in zip(tables, pages[:n].tolist())])
         self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, indices, last, **self.heads)
 
     @torch.inference_mode()
@@ -111,7 +113,7 @@ class DecodeGraphs:
         return batch <= self.sizes[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: list[list[int]], patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode step of B sequences, by graph replay.
 
         patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).

@@ -47,8 +47,10 @@ class SeqState:
     """Length of the original prompt, tokens."""
     num_computed: int
     """Tokens whose KV is in the cache, tokens."""
-    block_ids: list[int]
-    """The sequence's KV block table."""
+    table: np.ndarray
+    """int32 storage of the sequence's KV block table, with spare capacity (see `block_ids`)."""
+    num_blocks: int
+    """Blocks in the table."""
     sampling: SamplingParams
     needs_history: bool = field(default=False)
     """Penalties need the prompt / output token ids at sampling time."""
@@ -58,10 +60,26 @@ class SeqState:
     """position -> (device tensor, row) for each token sampled by a step not yet finished."""
 
     @classmethod
-    def new(cls, token_ids: np.ndarray, **kw: object) -> SeqState:
+    def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
         buffer = np.empty(max(2 * len(token_ids), 64), dtype=np.int32)
         buffer[:len(token_ids)] = token_ids
-        return cls(buffer=buffer, length=len(token_ids), host_length=len(token_ids), **kw)
+        table = np.empty(max(2 * len(block_ids), 16), dtype=np.int32)
+        table[:len(block_ids)] = block_ids
+        return cls(buffer=buffer, length=len(token_ids), host_length=len(token_ids), table=table,
+                   num_blocks=len(block_ids), **kw)
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        """The KV block table (a view, no copy)."""
+        return self.table[:self.num_blocks]
+
+    def add_blocks(self, block_ids: np.ndarray) -> None:
+        """Append blocks to the table (amortised O(1) per block)."""
+        end = self.num_blocks + len(block_ids)
+        if end > len(self.table):
+            self.table = np.concatenate((self.table, np.empty(max(end, len(self.table)), dtype=np.int32)))
+        self.table[self.num_blocks:end] = block_ids
+        self.num_blocks = end
 
     @property
     def tokens(self) -> np.ndarray:
@@ -264,7 +282,7 @@ class ModelRunner:
         for ns in plan.new_seqs:
             self.seqs[ns.rid] = SeqState.new(
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
-                num_computed=ns.num_computed_tokens, block_ids=ns.block_ids.tolist(), sampling=ns.sampling,
+                num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling))
         if not plan.rids:
             self._pending.append(_Pending.done(StepResult(step=plan.step)))
@@ -272,11 +290,10 @@ class ModelRunner:
         seqs = [self.seqs[rid] for rid in plan.rids]
         num_new = plan.num_new_tokens.tolist()
         if plan.new_block_ids is not None and len(plan.new_block_ids):
-            offsets = np.concatenate(([0], np.cumsum(plan.new_block_counts)))
-            appended = plan.new_block_ids.tolist()
-            for s, lo, hi in zip(seqs, offsets[:-1].tolist(), offsets[1:].tolist()):
-                if hi > lo:
-                    s.block_ids.extend(appended[lo:hi])
+            counts = plan.new_block_counts
+            ends = np.cumsum(counts)
+            for i in np.flatnonzero(counts).tolist():  # only the sequences that got blocks (~1 in 16 at decode)
+                seqs[i].add_blocks(plan.new_block_ids[ends[i] - counts[i]:ends[i]])
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
         if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):
@@ -332,28 +349,35 @@ class ModelRunner:
         for p in self._pending:
             p.finish()
 
-    def _input_ids(self, seqs: list[SeqState], cached: list[int],
-                   num_new: list[int]) -> tuple[np.ndarray, list[tuple[int, torch.Tensor, int]]]:
-        """The step's flat input ids from host buffers, and (flat index, device tensor, row) for each token
-        only the device knows yet (sampled by a step not finished)."""
-        ids = np.empty(sum(num_new), dtype=np.int64)
-        patch: list[tuple[int, torch.Tensor, int]] = []
+    def _input_ids(self, seqs: list[SeqState], cached: list[int], num_new: list[int]) -> tuple[np.ndarray, Patch]:
+        """The step's flat input ids from host buffers, and the tokens only the device knows yet (sampled by a
+        step not finished), grouped by the tensor that holds them: id(tensor) -> (tensor, flat indices, rows)."""
+        patch: Patch = {}
+        if len(num_new) == len(seqs) == sum(num_new):  # pure decode: one token each, one pass, no slicing
+            ids = np.zeros(len(seqs), dtype=np.int64)
+            for i, s in enumerate(seqs):
+                c = s.num_computed
+                if c < s.host_length:
+                    ids[i] = s.buffer[c]
+                else:
+                    _add_patch(patch, i, *s.device_tokens[c])
+            return ids, patch
+        ids = np.zeros(sum(num_new), dtype=np.int64)
         at = 0
         for s, c, n in zip(seqs, cached, num_new):
             known = min(c + n, s.host_length)
             if known > c:
                 ids[at:at + known - c] = s.buffer[c:known]
             for pos in range(max(c, known), c + n):
-                ids[at + pos - c] = 0
-                patch.append((at + pos - c, *s.device_tokens[pos]))
+                _add_patch(patch, at + pos - c, *s.device_tokens[pos])
             at += n
         return ids, patch
 
     def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
-                         patch: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
+                         patch: Patch) -> torch.Tensor:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
-        tables = [s.block_ids for s in seqs]
+        tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
         return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables,
                                patch=lambda input_ids: _apply_patch(input_ids, patch, self.device))
@@ -405,14 +429,21 @@ class _Pending:
         self.out = self.seqs = self.host = self.event = None
 
 
-def _apply_patch(input_ids: torch.Tensor, patch: list[tuple[int, torch.Tensor, int]], device: torch.device) -> None:
+Patch = dict[int, tuple[torch.Tensor, list[int], list[int]]]
+"""Tokens a step feeds that live only on the device: id(source tensor) -> (source, flat input indices, rows)."""
+
+
+def _add_patch(patch: Patch, index: int, src: torch.Tensor, row: int) -> None:
+    entry = patch.get(id(src))
+    if entry is None:
+        entry = patch[id(src)] = (src, [], [])
+    entry[1].append(index)
+    entry[2].append(row)
+
+
+def _apply_patch(input_ids: torch.Tensor, patch: Patch, device: torch.device) -> None:
     """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step)."""
-    by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for dst, src, row in patch:
-        entry = by_source.setdefault(id(src), (src, [], []))
-        entry[1].append(dst)
-        entry[2].append(row)
-    for src, dst, rows in by_source.values():
+    for src, dst, rows in patch.values():
         index = upload(np.array([dst, rows], dtype=np.int64), device)
         input_ids.index_copy_(0, index[0], src.index_select(0, index[1]).to(input_ids.dtype))
 
