@@ -167,7 +167,7 @@ class LLM:
         out = CompletionOutput(index=index, logprobs=[] if req.sampling.logprobs is not None else None)
         text: list[str] = []
         usage = (0, 0)
-        async for delta in self.client.stream(req):
+        for delta in await self.client.collect(req):  # offline: the whole output at once, no wake-up per token
             text.append(delta.text)
             out.token_ids.extend(delta.token_ids)
             if out.logprobs is not None and delta.logprobs is not None:

@@ -13,6 +13,7 @@ With data_parallel_size > 1 the engine has one scheduler per data-parallel rank;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -66,6 +67,30 @@ class Outcome:
 
     def __init__(self) -> None:
         self.ended = self.failed = False
+
+
+class _Collector:
+    """Receives a request's deltas into a list; `done` resolves at its last word (None: finished, else the
+    failure). The collect() counterpart of a stream's queue."""
+
+    __slots__ = ("items", "done", "outcome")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: list[SeqText] = []
+        self.done: asyncio.Future = loop.create_future()
+        self.outcome = Outcome()
+
+    def put_nowait(self, item: object) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, SeqText):
+            self.items.append(item)
+            if item.finish_reason is not None:
+                self.outcome.ended = True
+                self.done.set_result(None)
+            return
+        self.outcome.ended = self.outcome.failed = True
+        self.done.set_result(item)
 
 
 async def deltas(queue: asyncio.Queue, outcome: Outcome) -> AsyncIterator[SeqText]:
@@ -220,18 +245,37 @@ class EngineClient:
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[SeqText]:
         """Submit one engine request (n == 1) and yield its deltas; closing the iterator early aborts it."""
+        queue: asyncio.Queue = asyncio.Queue()
+        outcome = Outcome()
+        async with self._submitted(req, queue, outcome):
+            async for item in deltas(queue, outcome):
+                yield item
+
+    async def collect(self, req: GenerateRequest) -> list[SeqText]:
+        """Submit one engine request (n == 1) and return all its deltas once it has finished: no task wakes up
+        per token (what the offline LLM API needs); cancelling the call aborts the request."""
+        sink = _Collector(asyncio.get_running_loop())
+        async with self._submitted(req, sink, sink.outcome):
+            end = await sink.done
+        if isinstance(end, RequestFailedEvent):
+            raise RequestFailed(end)
+        if end is not None:
+            raise EngineDeadError(str(end))
+        return sink.items
+
+    @contextlib.asynccontextmanager
+    async def _submitted(self, req: GenerateRequest, sink, outcome: Outcome):
+        """Send `req` with `sink` (put_nowait(item)) receiving what the engine says about it; on leaving
+        before the engine's last word the request is aborted (its blocks freed)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if req.sampling.n != 1:
-            raise ValueError("stream() takes one sequence; use fan_out() for n > 1")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._pending[req.rid] = queue
-        outcome = Outcome()
+            raise ValueError("one engine request is one sequence; use fan_out() for n > 1")
+        self._pending[req.rid] = sink
         rank = self._ranks[req.rid] = self.coordinator.pick()
         try:
             await self.to_tokenizer.send(msgspec.structs.replace(req, dp_rank=rank) if rank else req)
-            async for item in deltas(queue, outcome):
-                yield item
+            yield
         finally:
             self._pending.pop(req.rid, None)
             if not outcome.ended and self._dead is None:
