@@ -71,6 +71,6 @@ def test_store_latent_skips_padding_slots() -> None:
 
 def test_backend_choice_and_errors() -> None:
     assert get_mla_backend("auto", device=torch.device("cpu")).name == "torch"
-    assert available_mla_backends() == ["auto", "torch"]
+    assert available_mla_backends()[:2] == ["auto", "torch"]  # + "triton" where triton can run
     with pytest.raises(ValueError, match="unknown MLA backend 'flash_mla'; choices: auto, torch"):
         get_mla_backend("flash_mla")

@@ -8,7 +8,10 @@ adding them changes no allocation. An FP8 (e4m3) cache keeps the layout: the sto
 kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 
 - "torch": torch_ref, the reference and the CPU path ("auto" everywhere for now).
-- Not built yet: flash_mla (decode), flashinfer's MLA, triton.
+- "triton": triton_mla, a flash-decoding kernel for decode steps and a one-launch store (no host sync);
+  prefill and mixed steps take the reference. Forced by name (`--attention-backend triton`) until it has
+  been measured on a GPU.
+- Not built yet: flash_mla (decode), flashinfer's MLA.
 """
 
 from __future__ import annotations
@@ -43,9 +46,17 @@ _BACKENDS: dict[str, MLABackend] = {
 _logged_auto_choice = False
 
 
+def _triton_backend() -> MLABackend:
+    from flotilla.kernels.mla import triton_mla  # optional dependency: imported only when chosen
+
+    return MLABackend(name="triton", store_latent=triton_mla.store_latent, forward=triton_mla.paged_mla)
+
+
 def available_mla_backends() -> list[str]:
-    """Names accepted by get_mla_backend, "auto" included."""
-    return ["auto", *_BACKENDS]
+    """Names accepted by get_mla_backend, "auto" included (triton where it can run)."""
+    from flotilla.kernels.attention import triton_usable
+
+    return ["auto", *_BACKENDS, *(["triton"] if triton_usable() else [])]
 
 
 def best_mla_backend(device: torch.device) -> str:
@@ -63,6 +74,8 @@ def get_mla_backend(name: str = "auto", device: torch.device | None = None) -> M
         if not _logged_auto_choice:
             logger.info("MLA backend: %s (auto)", name)
             _logged_auto_choice = True
+    if name == "triton" and "triton" in available_mla_backends():
+        return _triton_backend()
     if name not in _BACKENDS:
         raise ValueError(f"unknown MLA backend {name!r}; choices: {', '.join(available_mla_backends())}")
     return _BACKENDS[name]

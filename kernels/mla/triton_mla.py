@@ -1,0 +1,192 @@
+"""Triton MLA over the paged latent cache: the "triton" MLA backend (decode kernel, cache store).
+
+With the key projection absorbed into the query (models/deepseek_v3.py), decode attention is multi-query over
+one cache "head" per token: row = [c_kv (kv_lora_rank) || k_pe (rope_dim)], keys are whole rows, values their
+first kv_lora_rank entries (kernels/mla/torch_ref.py is the oracle). Flash-decoding, as the GQA kernel in
+kernels/triton/attention.py: a program owns (sequence, tile of BLOCK_H query heads, split of the context), so
+each row of the context is read once per head tile; the score is q_latent . c_kv + q_pe . k_pe (two dots, no
+padding of 576 to 1024); long contexts are cut into splits that the GQA kernel's merge combines by
+log-sum-exp. Tokens are gathered through the block table one by one (page = table[pos // block_size]), so
+any block size works with any tile. An FP8 (e4m3) cache is converted on load, kv_scale folded into the
+softmax scale and the output.
+
+Prefill and mixed steps (several new tokens per sequence) still run the torch reference; the store is one
+program per new token (no host sync, so it can sit in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flotilla.kernels.attention.fp8_kv import is_fp8
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.mla import torch_ref
+from flotilla.kernels.triton.attention import _decode_merge_kernel, _decode_num_splits, _dot_precision
+
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _store_latent_kernel(c_ptr, pe_ptr, cache_ptr, slot_ptr, stride_ct, stride_pt, stride_cb, stride_cs,
+                         kv_lora_rank, rope_dim, block_size, kv_scale,
+                         BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """One program per new token: its cache row c_kv || k_pe, or nothing for slot -1; QUANT: / kv_scale."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    c = tl.load(c_ptr + token * stride_ct + offs_l, mask=offs_l < kv_lora_rank).to(tl.float32)
+    pe = tl.load(pe_ptr + token * stride_pt + offs_r, mask=offs_r < rope_dim).to(tl.float32)
+    if QUANT:
+        c = tl.clamp(c / kv_scale, -FP8_MAX, FP8_MAX)
+        pe = tl.clamp(pe / kv_scale, -FP8_MAX, FP8_MAX)
+    tl.store(dst + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < kv_lora_rank)
+    tl.store(dst + kv_lora_rank + offs_r, pe.to(cache_ptr.dtype.element_ty), mask=offs_r < rope_dim)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    sm_scale_log2, kv_scale, num_splits, num_heads, kv_lora_rank, rope_dim,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, head tile, split): BLOCK_H query heads over this split's share of the context; one
+    split writes the output, several write normalized partials and their log2-sum-exp for the merge."""
+    seq = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(qsl_ptr + seq).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < kv_lora_rank
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rope_dim
+    qn = tl.load(qn_ptr + token * stride_qnt + heads[:, None] * stride_qnh + offs_l[None, :],
+                 mask=mask_h[:, None] & mask_l[None, :], other=0.0)  # fmt: skip
+    qp = tl.load(qp_ptr + token * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :],
+                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        in_range = pos < end
+        page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
+        # keys transposed ([D, N]) for the score dots; the latent part again as [N, D] for the value dot
+        kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
+        kp = tl.load(cache_ptr + row[None, :] + kv_lora_rank + offs_r[:, None],
+                     mask=mask_r[:, None] & in_range[None, :], other=0.0)  # fmt: skip
+        qk = tl.dot(qn, kl.to(qn.dtype), input_precision=DOT_PRECISION)
+        qk += tl.dot(qp, kp.to(qp.dtype), input_precision=DOT_PRECISION)
+        qk = tl.where(in_range[None, :], qk * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=in_range[:, None] & mask_l[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), v.to(qn.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # an empty split or a padding sequence (seq_len 0): output 0, lse -inf
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * kv_scale
+    out_mask = mask_h[:, None] & mask_l[None, :]
+    if DIRECT_OUT:
+        dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_l[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # part_* are [B, H, S(, L)]
+        tl.store(part_o_ptr + part[:, None] * kv_lora_rank + offs_l[None, :], out, mask=out_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=mask_h)
+
+
+def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: float = 1.0) -> None:
+    """torch_ref.store_latent in one launch: c_kv [T, kv_lora_rank] || k_pe [T, rope_dim] into kv_cache
+    [num_blocks, block_size, kv_lora_rank + rope_dim] at slot_mapping (-1 = padding, not stored)."""
+    num_tokens, kv_lora_rank = c_kv.shape
+    rope_dim = k_pe.shape[-1]
+    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
+    if num_tokens == 0:
+        return
+    if c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        raise ValueError("c_kv and k_pe need a contiguous last dim")
+    _store_latent_kernel[(num_tokens,)](
+        c_kv, k_pe, kv_cache, slot_mapping, c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        kv_lora_rank, rope_dim, kv_cache.shape[1], float(kv_scale),
+        BLOCK_L=triton.next_power_of_2(kv_lora_rank), BLOCK_R=triton.next_power_of_2(rope_dim),
+        QUANT=is_fp8(kv_cache.dtype),
+    )  # fmt: skip
+
+
+def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, kv_scale: float = 1.0, *, num_splits: int | None = None,
+                     block_h: int = 16, block_n: int = 32) -> torch.Tensor:
+    """One new token per sequence: q_latent [T, H, kv_lora_rank], q_pe [T, H, rope_dim] -> [T, H, kv_lora_rank]
+    (torch_ref.paged_mla for max_query_len == 1). num_splits (default: sized to fill the GPU) may be fixed, e.g.
+    for a CUDA graph; any value is correct for any seq_lens."""
+    if meta.max_query_len > 1:
+        raise ValueError(f"MLA decode takes one new token per sequence, not up to {meta.max_query_len}")
+    num_tokens, num_heads, kv_lora_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("q_latent and q_pe need a contiguous last dim")
+    out = torch.empty_like(q_latent)
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_h = max(_MIN_DOT, min(block_h, triton.next_power_of_2(num_heads)))
+    head_tiles = triton.cdiv(num_heads, block_h)
+    splits = num_splits if num_splits is not None else _decode_num_splits(num_seqs, head_tiles, meta.max_seq_len)
+    block_l = max(_MIN_DOT, triton.next_power_of_2(kv_lora_rank))
+    if splits > 1:
+        part_o = torch.empty(num_seqs, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q_latent.device)
+        part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_latent.device)
+    else:  # unused (DIRECT_OUT), but the kernel needs pointers
+        part_o = part_lse = out
+    kv_scale = float(kv_scale) if is_fp8(kv_cache.dtype) else 1.0
+    _mla_decode_kernel[(num_seqs, head_tiles, splits)](
+        q_latent, q_pe, kv_cache, out, part_o, part_lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * kv_scale * _LOG2E, kv_scale, splits, num_heads, kv_lora_rank, rope_dim,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=max(_MIN_DOT, block_n), BLOCK_L=block_l,
+        BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(rope_dim)), DIRECT_OUT=splits == 1,
+        DOT_PRECISION=_dot_precision(q_latent.dtype),
+    )  # fmt: skip
+    if splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_o, part_lse, out, meta.query_start_loc, splits, num_heads, kv_lora_rank, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_l,
+        )  # fmt: skip
+    return out
+
+
+def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+              scale: float, kv_scale: float = 1.0) -> torch.Tensor:
+    """The backend's forward: the decode kernel when every sequence has one new token, else the torch
+    reference (prefill and mixed steps)."""
+    if meta.max_query_len == 1:
+        return paged_mla_decode(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
+    return torch_ref.paged_mla(q_latent, q_pe, kv_cache, meta, scale, kv_scale)

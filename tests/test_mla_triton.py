@@ -1,0 +1,155 @@
+"""The triton MLA backend (kernels/mla/triton_mla.py) against the torch reference: the decode kernel over
+paged latent caches (shuffled blocks, never-written rows NaN, head tiles, context splits, bf16, an FP8
+cache), the one-launch store, and a tiny DeepSeek-V3 decoding through it. Runs under TRITON_INTERPRET=1 on the
+CPU (tests/conftest.py sets it without CUDA); `gpu` tests add real DeepSeek-V3 sizes on a device."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA and not INTERPRET:
+    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+if INTERPRET:  # the interpreter's bf16 dots and casts repaired to compute what the GPU computes
+    from test_kernels_triton import _repair_interpreter
+
+    _repair_interpreter()
+
+from flotilla.kernels.attention import AttentionMetadata  # noqa: E402
+from flotilla.kernels.mla import available_mla_backends, get_mla_backend, mla_cache_shape  # noqa: E402
+from flotilla.kernels.mla import torch_ref  # noqa: E402
+from flotilla.kernels.mla import triton_mla  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
+
+
+def _decode_batch(seq_lens, rank, rope, heads, block_size, dtype, cache_dtype=None, seed=0, device=DEVICE):
+    """A decode step over caches of the given lengths: (q_latent, q_pe, cache, meta); unused rows are NaN."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
+    cache = torch.full(mla_cache_shape(num_blocks, block_size, rank, rope), float("nan"), device=device)
+    cache = cache.to(cache_dtype or dtype)
+    rows = torch.randn(sum(seq_lens), rank + rope, generator=gen, device=device).to(dtype)
+    fill = AttentionMetadata.from_lists([0] * len(seq_lens), list(seq_lens), tables, block_size, device=device)
+    torch_ref.store_latent(rows[:, :rank], rows[:, rank:], cache, fill.slot_mapping, 0.5 if cache_dtype else 1.0)
+    meta = AttentionMetadata.from_lists([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, block_size,
+                                        device=device)
+    q_latent = torch.randn(len(seq_lens), heads, rank, generator=gen, device=device).to(dtype)
+    q_pe = torch.randn(len(seq_lens), heads, rope, generator=gen, device=device).to(dtype)
+    return q_latent, q_pe, cache, meta
+
+
+@pytest.mark.parametrize(("heads", "block_size", "num_splits", "dtype"), [
+    (3, 4, None, torch.float32), (20, 16, 1, torch.float32), (20, 4, 4, torch.float32), (4, 16, 2, torch.bfloat16),
+])  # fmt: skip
+def test_decode_kernel_matches_the_reference(heads, block_size, num_splits, dtype):
+    q_latent, q_pe, cache, meta = _decode_batch([1, 37, 100, 5], 32, 8, heads, block_size, dtype, seed=heads)
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2)
+    got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, num_splits=num_splits)
+    assert got.shape == want.shape and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_decode_kernel_reads_an_fp8_cache_with_its_scale():
+    q_latent, q_pe, cache, meta = _decode_batch([9, 70], 32, 8, 5, 4, torch.bfloat16, torch.float8_e4m3fn, seed=7)
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2, kv_scale=0.5)
+    got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, kv_scale=0.5, num_splits=2)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    unscaled = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, kv_scale=1.0)
+    assert (unscaled - want).abs().max() > 0.1  # the scale really reaches the kernel
+
+
+def test_store_writes_what_the_reference_writes_and_skips_padding():
+    for cache_dtype, scale in ((torch.float32, 1.0), (torch.float8_e4m3fn, 0.25)):
+        want = torch.zeros(mla_cache_shape(3, 4, 32, 8), device=DEVICE).to(cache_dtype)
+        got = want.clone()
+        c_kv, k_pe = torch.randn(4, 32, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+        slots = torch.tensor([5, -1, 0, 11], device=DEVICE)
+        torch_ref.store_latent(c_kv, k_pe, want, slots, scale)
+        triton_mla.store_latent(c_kv, k_pe, got, slots, scale)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_backend_registry_and_its_fallback_for_prefill():
+    assert "triton" in available_mla_backends()
+    backend = get_mla_backend("triton")
+    assert backend.name == "triton" and backend.store_latent is triton_mla.store_latent
+    # a prefill step (several new tokens) takes the reference
+    _, _, cache, decode_meta = _decode_batch([12], 32, 8, 3, 4, torch.float32)
+    meta = AttentionMetadata.from_lists([8], [4], [decode_meta.block_tables[0, :3].tolist()], 4)  # rows 8-11 anew
+    with pytest.raises(ValueError, match="one new token"):
+        triton_mla.paged_mla_decode(torch.zeros(4, 3, 32), torch.zeros(4, 3, 8), cache, meta, 0.2)
+    x = torch.randn(4, 3, 32), torch.randn(4, 3, 8)
+    torch.testing.assert_close(backend.forward(*x, cache, meta, 0.2), torch_ref.paged_mla(*x, cache, meta, 0.2))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
+def test_tiny_deepseek_v3_decodes_the_same_through_the_triton_backend(tmp_path):
+    from safetensors.torch import load_file
+
+    from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from flotilla.models.hf_config import load_hf_config
+    from helpers_tiny_models import PagedRunner, write_tiny_deepseek_model
+
+    model_dir = write_tiny_deepseek_model(tmp_path / "ds")
+    config = load_hf_config(model_dir)
+    runners = []
+    for backend in ("torch", "triton"):
+        model = DeepseekV3ForCausalLM(config, attention_backend=backend, fused_ops="torch", moe_backend="torch")
+        model.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+        assert model.attention_backend_name == f"mla_{backend}"
+        runners.append(PagedRunner(model.eval(), block_size=4))
+    steps = [[(0, list(range(10, 17))), (1, [5, 6, 7])], [(0, [40]), (1, [41])], [(0, [42]), (1, [43])],
+             [(1, [44]), (2, list(range(50, 56))), (0, [45, 46])]]
+    for batch in steps:
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA or INTERPRET, reason="needs a CUDA device")
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_kernel_at_deepseek_v3_sizes(batch):
+    lens = [random.Random(batch).randint(1, 3000) for _ in range(batch)]
+    q_latent, q_pe, cache, meta = _decode_batch(lens, 512, 64, 128, 64, torch.bfloat16, seed=batch,
+                                                device=torch.device("cuda"))
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.1)
+    got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.1)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_mla_kernels_compile_for_sm90_at_deepseek_v3_sizes(tmp_path):
+    """The interpreter checks little of triton's typing: compile for an H100/H200 (sm_90) in a child process."""
+    import json
+    import subprocess
+    import sys
+
+    from test_kernels_triton import _COMPILE_DRIVER
+
+    ptrs = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}
+    mod = "flotilla.kernels.mla.triton_mla"
+    specs = [(mod, "_mla_decode_kernel", {**ptrs, "cache_ptr": cache}, ["sm_scale_log2", "kv_scale"],
+              dict(PAGE_SIZE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_L=512, BLOCK_R=64, DIRECT_OUT=direct,
+                   DOT_PRECISION="tf32"), 8)
+             for cache in ("*bf16", "*fp8e4nv") for direct in (True, False)]
+    store = {"c_ptr": "*bf16", "pe_ptr": "*bf16", "slot_ptr": "*i64"}
+    specs += [(mod, "_store_latent_kernel", {**store, "cache_ptr": cache}, ["kv_scale"],
+               dict(BLOCK_L=512, BLOCK_R=64, QUANT=cache == "*fp8e4nv"), 4) for cache in ("*bf16", "*fp8e4nv")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(specs)],
+                           env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert child.returncode == 0, child.stderr[-4000:]
