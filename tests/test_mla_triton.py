@@ -1,6 +1,6 @@
 """The triton MLA backend (kernels/mla/triton_mla.py) against the torch reference: the decode kernel over
 paged latent caches (shuffled blocks, never-written rows NaN, head tiles, context splits, bf16, an FP8
-cache), the one-launch store, and a tiny DeepSeek-V3 decoding through it. Runs under TRITON_INTERPRET=1 on the
+cache), the causal prefill kernel over mixed batches, the one-launch store, and a tiny DeepSeek-V3 through it. Runs under TRITON_INTERPRET=1 on the
 CPU (tests/conftest.py sets it without CUDA); `gpu` tests add real DeepSeek-V3 sizes on a device."""
 
 from __future__ import annotations
@@ -80,17 +80,47 @@ def test_store_writes_what_the_reference_writes_and_skips_padding():
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_backend_registry_and_its_fallback_for_prefill():
+def _mixed_batch(cached, new, rank, rope, heads, block_size, dtype, seed=0):
+    """A step of prefill chunks (over a cached prefix or from empty) and decodes; every row of it stored."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    lens = [c + n for c, n in zip(cached, new, strict=True)]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    cache = torch.full(mla_cache_shape(num_blocks, block_size, rank, rope), float("nan"), device=DEVICE).to(dtype)
+    rows = torch.randn(sum(lens), rank + rope, generator=gen, device=DEVICE).to(dtype)
+    fill = AttentionMetadata.from_lists([0] * len(lens), lens, tables, block_size, device=DEVICE)
+    torch_ref.store_latent(rows[:, :rank], rows[:, rank:], cache, fill.slot_mapping)
+    meta = AttentionMetadata.from_lists(cached, new, tables, block_size, device=DEVICE)
+    q_latent = torch.randn(sum(new), heads, rank, generator=gen, device=DEVICE).to(dtype)
+    q_pe = torch.randn(sum(new), heads, rope, generator=gen, device=DEVICE).to(dtype)
+    return q_latent, q_pe, cache, meta
+
+
+@pytest.mark.parametrize(("heads", "block_size", "dtype"), [
+    (3, 1, torch.float32), (20, 4, torch.float32), (5, 16, torch.bfloat16),
+])  # fmt: skip
+def test_prefill_kernel_matches_the_reference_over_mixed_batches(heads, block_size, dtype):
+    # prefill from empty, a chunk over a cached prefix, a decode with a long context, a one-token prompt
+    q_latent, q_pe, cache, meta = _mixed_batch([0, 5, 40, 0], [9, 7, 1, 1], 32, 8, heads, block_size, dtype,
+                                               seed=heads)
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2)
+    got = triton_mla.paged_mla_prefill(q_latent, q_pe, cache, meta, scale=0.2)
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_backend_registry_and_its_kernel_choice():
     assert "triton" in available_mla_backends()
     backend = get_mla_backend("triton")
     assert backend.name == "triton" and backend.store_latent is triton_mla.store_latent
-    # a prefill step (several new tokens) takes the reference
-    _, _, cache, decode_meta = _decode_batch([12], 32, 8, 3, 4, torch.float32)
-    meta = AttentionMetadata.from_lists([8], [4], [decode_meta.block_tables[0, :3].tolist()], 4)  # rows 8-11 anew
+    q_latent, q_pe, cache, meta = _mixed_batch([8], [4], 32, 8, 3, 4, torch.float32)
     with pytest.raises(ValueError, match="one new token"):
-        triton_mla.paged_mla_decode(torch.zeros(4, 3, 32), torch.zeros(4, 3, 8), cache, meta, 0.2)
-    x = torch.randn(4, 3, 32), torch.randn(4, 3, 8)
-    torch.testing.assert_close(backend.forward(*x, cache, meta, 0.2), torch_ref.paged_mla(*x, cache, meta, 0.2))
+        triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, 0.2)
+    torch.testing.assert_close(backend.forward(q_latent, q_pe, cache, meta, 0.2),
+                               torch_ref.paged_mla(q_latent, q_pe, cache, meta, 0.2))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
@@ -146,6 +176,9 @@ def test_mla_kernels_compile_for_sm90_at_deepseek_v3_sizes(tmp_path):
                    DOT_PRECISION="tf32"), 8)
              for cache in ("*bf16", "*fp8e4nv") for direct in (True, False)]
     store = {"c_ptr": "*bf16", "pe_ptr": "*bf16", "slot_ptr": "*i64"}
+    specs += [(mod, "_mla_prefill_kernel", {k: v for k, v in {**ptrs, "cache_ptr": cache}.items() if "part" not in k},
+               ["sm_scale_log2", "kv_scale"], dict(PAGE_SIZE=64, BLOCK_M=32, BLOCK_N=32, BLOCK_L=512, BLOCK_R=64,
+                                                  DOT_PRECISION="tf32"), 8) for cache in ("*bf16", "*fp8e4nv")]
     specs += [(mod, "_store_latent_kernel", {**store, "cache_ptr": cache}, ["kv_scale"],
                dict(BLOCK_L=512, BLOCK_R=64, QUANT=cache == "*fp8e4nv"), 4) for cache in ("*bf16", "*fp8e4nv")]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

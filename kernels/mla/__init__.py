@@ -8,8 +8,8 @@ adding them changes no allocation. An FP8 (e4m3) cache keeps the layout: the sto
 kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 
 - "torch": torch_ref, the reference and the CPU path ("auto" everywhere for now).
-- "triton": triton_mla, a flash-decoding kernel for decode steps and a one-launch store (no host sync);
-  prefill and mixed steps take the reference. Forced by name (`--attention-backend triton`) until it has
+- "triton": triton_mla, a flash-decoding kernel for decode steps, a one-launch store (no host sync) and
+  a causal flash-attention kernel for prefill and mixed steps. Forced by name (`--attention-backend triton`) until it has
   been measured on a GPU.
 - Not built yet: flash_mla (decode), flashinfer's MLA.
 """

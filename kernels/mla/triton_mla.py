@@ -10,8 +10,9 @@ log-sum-exp. Tokens are gathered through the block table one by one (page = tabl
 any block size works with any tile. An FP8 (e4m3) cache is converted on load, kv_scale folded into the
 softmax scale and the output.
 
-Prefill and mixed steps (several new tokens per sequence) still run the torch reference; the store is one
-program per new token (no host sync, so it can sit in a CUDA graph).
+Prefill and mixed steps (several new tokens per sequence) run a causal flash-attention kernel whose rows are
+(new token, head) pairs of one sequence, so a tile of keys serves BLOCK_M rows; the store is one program per
+new token (no host sync, so it can sit in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import triton.language as tl
 
 from flotilla.kernels.attention.fp8_kv import is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.mla import torch_ref
 from flotilla.kernels.triton.attention import _decode_merge_kernel, _decode_num_splits, _dot_precision
 
 _LOG2E = 1.4426950408889634
@@ -118,6 +118,69 @@ def _mla_decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=mask_h)
 
 
+@triton.jit
+def _mla_prefill_kernel(
+    qn_ptr, qp_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    sm_scale_log2, kv_scale, num_heads, kv_lora_rank, rope_dim,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, tile of BLOCK_M (new token, head) rows): flash attention of those rows over the
+    sequence's cached context and its own earlier new tokens (causal), keys read once per tile."""
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len * num_heads:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    cached = seq_len - q_len
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < q_len * num_heads
+    token = rows // num_heads  # the row's new token (0-based within this sequence's query)
+    head = rows % num_heads
+    tok = (q_start + token).to(tl.int64)
+    last_key = cached + token  # causal: a new token sees keys up to its own position
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < kv_lora_rank
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rope_dim
+    qn = tl.load(qn_ptr + tok[:, None] * stride_qnt + head[:, None] * stride_qnh + offs_l[None, :],
+                 mask=mask_m[:, None] & mask_l[None, :], other=0.0)  # fmt: skip
+    qp = tl.load(qp_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph + offs_r[None, :],
+                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    end = tl.minimum(cached + (tile * BLOCK_M + BLOCK_M - 1) // num_heads + 1, seq_len)  # the tile's last key + 1
+    for tile_start in range(0, end, BLOCK_N):
+        pos = tile_start + offs_n
+        in_range = pos < end
+        page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+        row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
+        kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
+        kp = tl.load(cache_ptr + row[None, :] + kv_lora_rank + offs_r[:, None],
+                     mask=mask_r[:, None] & in_range[None, :], other=0.0)  # fmt: skip
+        qk = tl.dot(qn, kl.to(qn.dtype), input_precision=DOT_PRECISION)
+        qk += tl.dot(qp, kp.to(qp.dtype), input_precision=DOT_PRECISION)
+        visible = (pos[None, :] <= last_key[:, None]) & in_range[None, :]
+        qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
+        # every row sees key 0 in the first tile, so m_new is finite from then on
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=in_range[:, None] & mask_l[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), v.to(qn.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * kv_scale
+    dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_l[None, :])
+
+
 def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  kv_scale: float = 1.0) -> None:
     """torch_ref.store_latent in one launch: c_kv [T, kv_lora_rank] || k_pe [T, rope_dim] into kv_cache
@@ -183,10 +246,39 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return out
 
 
+def paged_mla_prefill(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, kv_scale: float = 1.0, *, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+    """Any number of new tokens per sequence (prefill chunks over a cached prefix, decodes, mixed): q_latent
+    [T, H, kv_lora_rank], q_pe [T, H, rope_dim] -> [T, H, kv_lora_rank], causal (torch_ref.paged_mla)."""
+    num_tokens, num_heads, kv_lora_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("q_latent and q_pe need a contiguous last dim")
+    out = torch.empty_like(q_latent)
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = max(_MIN_DOT, block_m)
+    tiles = triton.cdiv(meta.max_query_len * num_heads, block_m)
+    kv_scale = float(kv_scale) if is_fp8(kv_cache.dtype) else 1.0
+    _mla_prefill_kernel[(num_seqs, tiles)](
+        q_latent, q_pe, kv_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * kv_scale * _LOG2E, kv_scale, num_heads, kv_lora_rank, rope_dim,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_M=block_m, BLOCK_N=max(_MIN_DOT, block_n),
+        BLOCK_L=max(_MIN_DOT, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(rope_dim)), DOT_PRECISION=_dot_precision(q_latent.dtype),
+    )  # fmt: skip
+    return out
+
+
 def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
               scale: float, kv_scale: float = 1.0) -> torch.Tensor:
-    """The backend's forward: the decode kernel when every sequence has one new token, else the torch
-    reference (prefill and mixed steps)."""
+    """The backend's forward: the split-context decode kernel when every sequence has one new token, the
+    causal prefill kernel otherwise."""
     if meta.max_query_len == 1:
         return paged_mla_decode(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
-    return torch_ref.paged_mla(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
+    return paged_mla_prefill(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
