@@ -63,6 +63,19 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding, as vLLM's `speculative_config` dict: `{"method": "mtp", "num_speculative_tokens": 1}`."""
+
+    method: Literal["mtp"] = "mtp"
+    """mtp: the checkpoint's own multi-token-prediction layer (DeepSeek-V3's) drafts the tokens."""
+    num_speculative_tokens: int = 1
+    """Draft tokens per sequence and step; the one MTP layer runs that many times, each on its own draft."""
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Continuous batching limits and policy."""
 
@@ -79,6 +92,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_steps_in_flight: int = 2
     """Steps planned ahead of their results: 2 lets the scheduler plan step N+1 while the worker runs step
     N (vLLM's async scheduling); 1 waits for each result before planning the next step."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (JSON on the command line, e.g. '{"method": "mtp", "num_speculative_tokens": 1}'):
+    decodes verify drafted tokens; steps then run one at a time (max_steps_in_flight is taken as 1)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

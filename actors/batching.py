@@ -10,6 +10,13 @@ prefix cache usually gives most of it back). Greedy output is unchanged by preem
 A plan carries only what changed (new sequences in full, running ones as token counts and appended
 block ids), and `num_computed` advances when a step is *planned*, so step N+1 can be planned before
 step N's result is in (the worker feeds each decode the token it sampled itself).
+
+Speculative decoding (config.speculative_config, actors/spec_decode.py): a decode is planned with 1 + k
+tokens, its last token and k drafts the worker holds (k <= num_speculative_tokens, fewer near max_tokens
+or max_model_len; none for requests with penalties), with KV slots for them and num_speculative_tokens - 1
+more (where further drafts are written). The result says how many tokens it got (accepted drafts + 1);
+num_computed drops back over the rejected positions (their KV is overwritten later), and the tokens are
+stop-checked one by one, so EOS / stop ids / max_tokens cut them where plain decoding would stop.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class Sequence:
     """Full computed blocks already offered to the prefix cache (skip the hashing call when none is new)."""
     transfer_id: str | None = None
     """Disaggregated requests: the id shared by the prefill and the decode side."""
+    num_drafts: int = 0
+    """Speculative decoding: draft tokens the step in flight verifies for it."""
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +98,12 @@ class BatchScheduler:
         self._forget: list[str] = []  # rids the worker must drop before the next step
         self.inflight: dict[int, list[tuple[Sequence, int]]] = {}
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_draft_tokens = 0
+        """Draft tokens verified since start."""
+        self.spec_accepted_tokens = 0
+        """Draft tokens accepted since start."""
 
     # ---- requests in and out ------------------------------------------------------------------------
 
@@ -151,7 +166,10 @@ class BatchScheduler:
             if n <= 0 or seq.aborted or self._will_finish(seq):
                 i += 1
                 continue
-            while (new := self.blocks.append_slots(seq.rid, n)) is None:
+            drafts = self._num_drafts(seq, n, budget)
+            n += drafts
+            slots = self._slots_to_append(seq, n) if self.num_speculative_tokens else n
+            while (new := self.blocks.append_slots(seq.rid, slots)) is None:
                 victim = next((v for v in reversed(self.running) if not v.inflight), None)
                 if victim is None:  # everyone is in flight: wait for results to free or finish someone
                     blocked = True
@@ -165,6 +183,7 @@ class BatchScheduler:
             if seq.rid not in self.seqs or seq not in self.running:
                 continue
             seq.new_blocks.extend(new)
+            seq.num_drafts = drafts
             batch.append((seq, n))
             budget -= n
             i += 1
@@ -182,6 +201,24 @@ class BatchScheduler:
         if not batch and not self._forget:
             return None
         return self._plan(batch)
+
+    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """Draft tokens to verify with a decode of `n` tokens (0 unless speculating and n is a decode's 1)."""
+        if not self.num_speculative_tokens or n != 1 or not seq.output_ids:
+            return 0
+        sp = seq.sampling
+        if sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
+            return 0  # penalties would need each draft position's own history: not built
+        k = min(self.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if sp.max_tokens is not None:
+            k = min(k, sp.max_tokens - len(seq.output_ids) - 1)
+        return max(k, 0)
+
+    def _slots_to_append(self, seq: Sequence, n: int) -> int:
+        """Speculating: slots to add so the table covers the step's n tokens and num_speculative_tokens - 1
+        beyond (the further drafts' MTP KV); rejected drafts leave slots behind, which later steps reuse."""
+        want = seq.num_computed + n + self.num_speculative_tokens - 1
+        return max(want - self.blocks.num_slots(seq.rid), 0)
 
     def _will_finish(self, seq: Sequence) -> bool:
         """Its pending tokens already reach max_tokens or max_model_len: planning more would be waste."""
@@ -215,6 +252,9 @@ class BatchScheduler:
         seq.num_computed = seq.num_done = alloc.num_cached_tokens
         seq.full_blocks_offered = 0
         seq.new_blocks = []
+        seq.num_drafts = 0
+        if self.num_speculative_tokens > 1:  # room for the further drafts' MTP KV (skipped when not there)
+            self.blocks.append_slots(seq.rid, self.num_speculative_tokens - 1)
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
 
     def _preempt(self, seq: Sequence) -> None:
@@ -244,7 +284,7 @@ class BatchScheduler:
                 counts.append(len(seq.new_blocks))
                 appended.extend(seq.new_blocks)
             seq.new_blocks = []
-            if seq.num_computed + n == seq.num_tokens + seq.pending:  # reaches its end: samples a token
+            if seq.num_computed + n >= seq.num_tokens + seq.pending:  # reaches its end (drafts: beyond): samples
                 seq.pending += 1
             seq.num_computed += n
             seq.inflight += 1
@@ -262,11 +302,14 @@ class BatchScheduler:
         """Apply a step's sampled tokens: stop checks, finished sequences freed, one delta per sequence."""
         batch = self.inflight.pop(result.step, [])
         sampled = dict(zip(result.rids, range(len(result.rids))))
+        starts = None if result.num_tokens is None else np.concatenate(([0], np.cumsum(result.num_tokens))).tolist()
         for seq, n in batch:
             seq.inflight -= 1
             seq.num_done += n
             if seq.rid in sampled:
                 seq.pending -= 1
+            if seq.num_drafts:
+                self._rollback(seq, sampled.get(seq.rid), starts)
         if result.error is not None:
             return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
         for seq, _ in batch:
@@ -286,17 +329,24 @@ class BatchScheduler:
                 continue
             if j is None:
                 continue
-            tok = tokens[j]
+            first, end = (j, j + 1) if starts is None else (starts[j], starts[j + 1])
+            tok = tokens[first]
             if self._hand_off(seq, tok):
                 continue
-            seq.output_ids.append(tok)
-            delta = self._delta(seq, [tok])
+            at = first
+            while True:  # accepted drafts are stop-checked one by one, as if each were sampled alone
+                seq.output_ids.append(tok)
+                reason = self._stop_reason(seq, tok)
+                at += 1
+                if reason is not None or at == end:
+                    break
+                tok = tokens[at]
+            delta = self._delta(seq, tokens[first:at])
             if result.logprobs is not None and seq.sampling.logprobs is not None:
                 k = seq.sampling.logprobs
-                delta.logprobs = [float(result.logprobs[j])]
-                delta.top_ids = [result.top_ids[j, :k].tolist()]
-                delta.top_logprobs = [result.top_logprobs[j, :k].tolist()]
-            reason = self._stop_reason(seq, tok)
+                delta.logprobs = result.logprobs[first:at].tolist()
+                delta.top_ids = result.top_ids[first:at, :k].tolist()
+                delta.top_logprobs = result.top_logprobs[first:at, :k].tolist()
             if reason is not None:
                 delta.finish_reason = reason
                 if reason == "stop":
@@ -304,6 +354,16 @@ class BatchScheduler:
                 self._release(seq)
             deltas.append(delta)
         return deltas
+
+    def _rollback(self, seq: Sequence, j: int | None, starts: list[int] | None) -> None:
+        """A verify step is back: count its drafts, and forget the KV of the rejected ones."""
+        accepted = 0 if j is None or starts is None else starts[j + 1] - starts[j] - 1
+        rejected = seq.num_drafts - accepted
+        seq.num_computed -= rejected
+        seq.num_done -= rejected
+        self.spec_draft_tokens += seq.num_drafts
+        self.spec_accepted_tokens += accepted
+        seq.num_drafts = 0
 
     def _hand_off(self, seq: Sequence, tok: int) -> bool:
         """A sampled token that leaves this engine (disaggregated prefill); True = handled, no delta."""

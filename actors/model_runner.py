@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from flotilla.actors.cuda_graphs import DecodeGraphs
+from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
@@ -58,6 +59,8 @@ class SeqState:
     """Tokens of `buffer` written; the ones after it (up to `length`) are sampled but still on the device."""
     device_tokens: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     """position -> (device tensor, row) for each token sampled by a step not yet finished."""
+    drafts: list[int] = field(default_factory=list)
+    """Speculative decoding: the draft tokens the next step verifies (actors/spec_decode.py)."""
 
     @classmethod
     def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
@@ -131,6 +134,10 @@ class ModelRunner:
             kwargs["fused_ops"] = config.worker.fused_ops
         if config.worker.moe_backend != "auto":  # only MoE models take it: a dense model refuses it at load
             kwargs["moe_backend"] = config.worker.moe_backend
+        spec = config.scheduler.speculative_config
+        if spec is not None:
+            check_speculative_config(config)
+            kwargs["mtp"] = True
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
                                               progress=progress, model_kwargs=kwargs,
                                               load_format=config.model.load_format)
@@ -151,6 +158,8 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[_Pending] = deque()
+        self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
+        """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
         # with tensor parallelism the decode graphs would capture the all-reduces: not validated on a GPU yet
         if (self.device.type == "cuda" and not config.worker.enforce_eager and self.tp_size == 1
@@ -294,6 +303,9 @@ class ModelRunner:
             ends = np.cumsum(counts)
             for i in np.flatnonzero(counts).tolist():  # only the sequences that got blocks (~1 in 16 at decode)
                 seqs[i].add_blocks(plan.new_block_ids[ends[i] - counts[i]:ends[i]])
+        if self.spec is not None:
+            self._pending.append(_Pending.done(self.spec.step(plan.step, plan.rids, seqs, num_new)))
+            return
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
         if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):

@@ -81,7 +81,9 @@ class SchedulerActor(Actor):
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
         self._early: list[Message] = []
         self._inflight: dict[int, StepPlan] = {}
-        self._max_inflight = self.config.scheduler.max_steps_in_flight
+        # speculative decoding plans a decode only once it knows how many drafts the last step accepted
+        sched = self.config.scheduler
+        self._max_inflight = 1 if sched.speculative_config else sched.max_steps_in_flight
         self._stats_at = 0.0
         self.role = self.config.disagg.role
         self.engine_id = str(ctx.config.get("engine_id", "engine"))
@@ -272,7 +274,8 @@ class SchedulerActor(Actor):
             num_running=len(core.running), num_waiting=core.num_waiting, kv_usage=blocks.usage,
             prefix_cache_hit_rate=blocks.prefix_cache_hit_rate, num_preemptions=core.num_preemptions,
             kv_capacity_tokens=blocks.num_blocks * blocks.block_size, num_transfers=len(self._peers),
-            kv_migrated_bytes=self.kv_migrated_bytes, dp_rank=self.dp_rank))
+            kv_migrated_bytes=self.kv_migrated_bytes, dp_rank=self.dp_rank,
+            spec_draft_tokens=core.spec_draft_tokens, spec_accepted_tokens=core.spec_accepted_tokens))
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, TokenizedRequest):

@@ -25,7 +25,15 @@ every rank. An idle rank's empty step runs each MoE layer's all-to-alls, in laye
 
 Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and
 already stacked ones load as they are; gate/up pairs are fused into one GEMM. The MTP layers (indices >=
-num_hidden_layers) are skipped: multi-token prediction is not built.
+num_hidden_layers) are skipped unless the model is built with `mtp=True` (speculative decoding).
+
+MTP (multi-token prediction, DeepSeek-V3 section 2.2). Checkpoint layer num_hidden_layers holds one more
+decoder block (MLA + MoE) behind enorm / hnorm RMSNorms and eh_proj: for position i it reads the main model's
+final hidden state h_i and the embedding of token i+1, eh_proj(concat(enorm(embed), hnorm(h_i))) goes through
+the block, and shared_head.norm plus the LM head give a guess of token i+2. It has its own latent KV cache
+layer (the model's last cache layer, so `num_layers` counts it) and shares the main model's embedding and
+LM head (the checkpoint's copies of them in that layer are identical and skipped, as SGLang does).
+actors/spec_decode.py drives it.
 
 FP8 checkpoints (config.json quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}):
 the q / kv_a projections, o_proj, the dense MLPs and the shared experts are Fp8BlockLinear (e4m3 `weight`
@@ -251,11 +259,43 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
         super().__init__(config, DeepseekV3Attention(config, mla, backend, linear), mlp)
 
 
+class DeepseekV3SharedHead(nn.Module):
+    """The MTP layer's `shared_head`: its final norm (the head itself is the main model's LM head)."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
+    """One multi-token-prediction module: enorm(embedding of the next token) and hnorm(main hidden state)
+    through eh_proj, then an ordinary DeepSeek block (MLA over its own cache layer, MoE or dense MLP)."""
+
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
+                 linear: LinearFactory = Linear) -> None:  # fmt: skip
+        super().__init__(config, mla, backend, mlp, linear)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)  # not FP8 in DeepSeek's checkpoint
+        self.shared_head = DeepseekV3SharedHead(config)
+
+    def propose(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """embeds [T, H] of tokens i+1, prev_hidden [T, H] at positions i -> the block's output [T, H] (before
+        shared_head.norm; fed back as prev_hidden when it drafts a further token)."""
+        embeds = torch.where((positions == 0).unsqueeze(-1), 0.0, embeds)  # as vLLM: no embedding at position 0
+        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(prev_hidden)), dim=-1))
+        hidden, residual = self(x, None, positions, cos_sin_cache, kv_cache, meta)
+        return hidden + residual
+
+
 class DeepseekV3Model(nn.Module):
-    """Embedding, decoder stack and final norm (HF's `model.` prefix)."""
+    """Embedding, decoder stack and final norm (HF's `model.` prefix); the MTP layer when built with one."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
-                 make_mlp: Callable[[int], nn.Module], linear: LinearFactory = Linear) -> None:  # fmt: skip
+                 make_mlp: Callable[[int], nn.Module], linear: LinearFactory = Linear,
+                 num_mtp_layers: int = 0) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -263,13 +303,17 @@ class DeepseekV3Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = MLARotaryEmbedding(config, mla.qk_rope_head_dim)
+        n = config.num_hidden_layers
+        self.mtp_layers = nn.ModuleList(
+            DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linear) for i in range(num_mtp_layers)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cos_sin_cache = self.rotary_emb.cos_sin_cache
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers, kv_caches[: len(self.layers)], strict=True):
             hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -279,11 +323,16 @@ class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 / Kimi-K2 causal LM over the paged compressed cache (the interface every flotilla model
     class implements). `mla_backend` picks the MLA kernels ("auto", "torch"; defaults to the worker's
     attention_backend when that is forced), `moe_backend` the experts' ("auto", "torch", "triton", ...),
-    `fp8_backend` the FP8 linears' under an fp8 quantization_config ("auto", "torch", "triton", "deep_gemm")."""
+    `fp8_backend` the FP8 linears' under an fp8 quantization_config ("auto", "torch", "triton", "deep_gemm").
+    `mtp`: also build and load the checkpoint's (first) MTP layer, for speculative decoding."""
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
-                 moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto") -> None:  # fmt: skip
+                 moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto",
+                 mtp: bool = False) -> None:  # fmt: skip
         super().__init__()
+        if mtp and config.num_nextn_predict_layers < 1:
+            raise ValueError("speculative method 'mtp' needs the checkpoint's multi-token-prediction layer, but "
+                             "config.json has no num_nextn_predict_layers")
         mla, moe = config.mla, config.moe
         if mla is None:
             raise ValueError("config.json has no kv_lora_rank: not a DeepSeek-V2/V3-style (MLA) checkpoint")
@@ -299,7 +348,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise NotImplementedError("tensor parallelism is not built for DeepSeek-V3 (MLA) yet; run one rank")
         self.config = config
         self.mla = mla
-        self.num_layers = config.num_hidden_layers
+        self.num_hidden_layers = config.num_hidden_layers
+        self.num_mtp_layers = 1 if mtp else 0  # DeepSeek-V3 ships one; a second would be drafted the same way
+        self.num_layers = config.num_hidden_layers + self.num_mtp_layers
+        """KV cache layers: the decoder stack's, then the MTP layer's."""
         device = torch.get_default_device()
         backend = get_mla_backend(mla_backend if mla_backend != "auto" else attention_backend, device=device)
         self.mla_backend_name = backend.name
@@ -318,7 +370,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.fp8_backend_name = fp8.name
             self.linear = partial(Fp8BlockLinear, block_size=self.quant.weight_block_size, backend=fp8)
         with use_ops(ops):
-            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linear)
+            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linear, self.num_mtp_layers)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
@@ -337,6 +389,19 @@ class DeepseekV3ForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
+                    kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """The MTP layer at `positions`: input_ids int64 [T] are the tokens one position ahead, prev_hidden [T, H]
+        the main model's final hidden states there (or this layer's own output when drafting further);
+        writes its latents into its cache layer (the last of kv_caches); returns its output [T, H]."""
+        layer = self.model.mtp_layers[0]
+        return layer.propose(self.model.embed_tokens(input_ids), prev_hidden, positions,
+                             self.model.rotary_emb.cos_sin_cache, kv_caches[self.num_hidden_layers], meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's output rows [N, H] -> float32 logits [N, vocab] of the token two positions ahead."""
+        return self.compute_logits(self.model.mtp_layers[0].shared_head.norm(hidden))
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla)."""
         return mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
@@ -351,11 +416,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         gate_up_seen: dict[str, set[str]] = {}
         loaded: set[str] = set()
         skipped_mtp = 0
-        for name, tensor in self._fp8_paired(weights, params, experts):
+        for name, tensor in self._fp8_paired(map(self._mtp_renamed, weights), params, experts):
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             layer = _LAYER.match(name)
-            if layer is not None and int(layer[1]) >= self.num_layers:
+            if layer is not None and int(layer[1]) >= self.num_hidden_layers:
                 skipped_mtp += 1  # the multi-token-prediction layers that follow the decoder stack
                 continue
             if experts.load(name, tensor):
@@ -375,12 +440,28 @@ class DeepseekV3ForCausalLM(nn.Module):
                 _copy_checked(params[param_name].data, tensor, name, param_name)
                 loaded.add(param_name)
         if skipped_mtp:
-            logger.info("skipped %d tensors of multi-token-prediction layers (MTP is not built)", skipped_mtp)
+            logger.info("skipped %d tensors of multi-token-prediction layers (%s)", skipped_mtp,
+                        "shared embedding / head copies, or layers past the first" if self.num_mtp_layers
+                        else "MTP is off: no speculative_config")  # fmt: skip
         return loaded | experts.loaded
+
+    def _mtp_renamed(self, item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+        """Checkpoint layer num_hidden_layers + i -> `model.mtp_layers.i` when the MTP layer is built; its copies
+        of the embedding and LM head keep their layer name (and are skipped: the main model's are shared)."""
+        name, tensor = item
+        layer = _LAYER.match(name)
+        if layer is None or not self.num_mtp_layers:
+            return item
+        i = int(layer[1]) - self.num_hidden_layers
+        rest = name[layer.end():]
+        if not 0 <= i < self.num_mtp_layers or rest.startswith(("embed_tokens.", "shared_head.head.")):
+            return item
+        return f"model.mtp_layers.{i}.{rest}", tensor
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
         """For the loader: which checkpoint tensors to read (not other expert-parallel ranks' experts)."""
-        return ExpertTensors(self).keep
+        keep = ExpertTensors(self).keep
+        return lambda name: keep(self._mtp_renamed((name, None))[0])  # type: ignore[arg-type]
 
     def _fp8_param(self, params: dict[str, nn.Parameter], name: str) -> bool:
         """Whether checkpoint weight `name` loads into an Fp8BlockLinear's e4m3 weight (as it is)."""
@@ -404,8 +485,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         direct_scales: set[str] = set()
         for name, tensor in weights:
             layer = _LAYER.match(name)
-            if layer is not None and int(layer[1]) >= self.num_layers:
-                yield name, tensor  # an MTP layer's, skipped by the caller
+            if layer is not None and int(layer[1]) >= self.num_hidden_layers:
+                yield name, tensor  # an MTP layer's that is not built, skipped by the caller
                 continue
             if experts.remote(name):
                 continue

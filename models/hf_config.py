@@ -122,6 +122,8 @@ class HFModelConfig:
     """Latent-attention sizes; None for a model with ordinary (GQA) attention."""
     quantization: FP8BlockQuantConfig | None = None
     """FP8 block-scaled weights (quant_method "fp8" with weight_block_size); None for unquantized weights."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers stored after the decoder stack (DeepSeek-V3: 1, at index num_hidden_layers)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -273,6 +275,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         moe=_moe(raw),
         mla=_mla(raw),
         quantization=_quantization(raw),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import os
 import typing
 from typing import Any
@@ -64,7 +65,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 if typing.get_origin(tp) is typing.Literal:
                     kwargs["choices"] = list(typing.get_args(tp))
                 else:
-                    kwargs["type"] = base if base in (int, float, str) else str
+                    kwargs["type"] = (base if base in (int, float, str)
+                                      else json.loads if isinstance(base, type) and issubclass(base, msgspec.Struct)
+                                      else str)
             group.add_argument(flag, **kwargs)
 
 

@@ -81,7 +81,9 @@ def sum_stats(stats: list[SchedulerStatsEvent]) -> SchedulerStatsEvent | None:
         num_preemptions=sum(s.num_preemptions for s in stats),
         kv_capacity_tokens=sum(s.kv_capacity_tokens for s in stats),
         num_transfers=sum(s.num_transfers for s in stats),
-        kv_migrated_bytes=sum(s.kv_migrated_bytes for s in stats))
+        kv_migrated_bytes=sum(s.kv_migrated_bytes for s in stats),
+        spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
+        spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats))
 
 
 class ExpertLoads:

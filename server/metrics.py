@@ -53,6 +53,12 @@ class ServerMetrics:
         self.preemptions = Gauge("flotilla_num_preemptions", "Sequences preempted since start.", labels, registry=r)
         self.kv_capacity = Gauge("flotilla_kv_cache_capacity_tokens", "KV cache capacity in tokens.", labels,
                                  registry=r)
+        self.spec_draft_tokens = Counter("flotilla_spec_decode_draft_tokens", "Speculative decoding: draft tokens "
+                                         "the main model verified.", labels, registry=r)
+        self.spec_accepted_tokens = Counter("flotilla_spec_decode_accepted_tokens", "Speculative decoding: draft "
+                                            "tokens accepted (acceptance rate = accepted / draft).", labels,
+                                            registry=r)
+        self._spec_seen = (0, 0)
         # several engines behind one front end (server/fleet.py): per engine
         per_engine = ["model_name", "engine", "role"]
         self.engine_alive = Gauge("flotilla_engine_alive", "1 while the engine serves, 0 once it died.", per_engine,
@@ -90,6 +96,12 @@ class ServerMetrics:
         self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.kv_capacity.labels(m).set(stats.kv_capacity_tokens)
+        drafts, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+        seen_drafts, seen_accepted = self._spec_seen
+        if drafts >= seen_drafts and accepted >= seen_accepted:  # (smaller: the engine restarted; start over)
+            self.spec_draft_tokens.labels(m).inc(drafts - seen_drafts)
+            self.spec_accepted_tokens.labels(m).inc(accepted - seen_accepted)
+        self._spec_seen = (drafts, accepted)
 
     def observe_engines(self, engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]) -> None:
         """Per-engine state: engine id -> (role, latest stats, alive, requests routed to it)."""

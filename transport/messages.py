@@ -181,15 +181,17 @@ class StepResult(Message):
     rids: list[str] = []
     """Sequences that sampled a token this step (prefill chunks that did not finish sample nothing)."""
     token_ids: Array | None = None
-    """Sampled token per rid, int32."""
+    """Sampled token per rid, int32; under speculative decoding every accepted token, rid after rid."""
     logprobs: Array | None = None
     """Logprob of each sampled token, float32 (only when some sequence asked for logprobs)."""
     top_ids: Array | None = None
-    """Top-n alternatives per rid, int32 [len(rids), n]."""
+    """Top-n alternatives per token, int32 [len(token_ids), n]."""
     top_logprobs: Array | None = None
-    """Their logprobs, float32 [len(rids), n]."""
+    """Their logprobs, float32 [len(token_ids), n]."""
     error: str | None = None
     """Set when the step failed; the scheduler fails the step's requests."""
+    num_tokens: Array | None = None
+    """Speculative decoding: tokens per rid, int32 (accepted drafts + 1); None = one each."""
 
 
 class DPStepsEvent(Message):
@@ -437,6 +439,10 @@ class SchedulerStatsEvent(Message):
     """KV bytes pulled into this engine by migrations since start (decode role), bytes."""
     dp_rank: int = 0
     """The data-parallel rank of the scheduler that sent it (each rank's scheduler reports its own state)."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified since start, tokens."""
+    spec_accepted_tokens: int = 0
+    """Speculative decoding: draft tokens accepted since start, tokens."""
 
 
 class RequestFailedEvent(Message):

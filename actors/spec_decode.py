@@ -1,0 +1,212 @@
+"""MTP speculative decoding, the worker's side: draft with the model's multi-token-prediction layer (DeepSeek-V3's,
+models/deepseek_v3.py), verify with the main model. actors/batching.py plans the steps.
+
+A decoding sequence comes to a step with its last token and k drafts (k <= num_speculative_tokens), at
+positions L-1 .. L-1+k. The main model runs them as one chunk and samples a token y_j at each of the k+1
+positions, exactly as plain decoding would sample there (the same sampler, the same generation index, so a
+seeded request draws the same noise). Draft j+1 stands at position L+j; y_j was sampled from the logits of a
+prefix that holds drafts 1..j, so y_j is the true next token as long as drafts 1..j equal y_0..y_{j-1}. The
+step keeps y_0 .. y_a, where a is the number of leading drafts that equal the token sampled before them: a
+accepted drafts plus the bonus token y_a. This is exact for greedy (y_j is the argmax) and for sampling: the
+kept tokens are each drawn from the target distribution given the true prefix ("accept only when the draft
+equals the sampled token"; the rejection-sampling rule of Leviathan et al. would accept more often when
+temperature > 0, but needs the draft's distribution, while this rule keeps seeded requests bit-identical to
+plain decoding). Penalised requests get no drafts (their penalties would need each position's own history).
+
+The MTP layer then runs over the step's positions: at position i it reads the main model's hidden state h_i
+and the token at i+1 (the next prompt token, or y at sampled positions: y_j equals draft j+1 where that was
+accepted, so one pass serves every row and rejected rows only write KV past the accepted end, overwritten
+later). Its output at the last accepted position gives draft 1; drafts 2..N run the same layer again, one
+position further each, on the previous draft and the layer's own output (as vLLM does), writing their KV in
+the slots the scheduler reserved beyond the step (none is written past the table or max_model_len: the chain
+stops there).
+
+Steps run one at a time (the scheduler plans a decode only when it knows how many drafts were accepted); each
+launch() under speculation finishes its step at once. The drafts are argmax tokens of the MTP head, kept on
+the host in SeqState.drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from flotilla.config import EngineConfig
+from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
+from flotilla.kernels.sampling import SamplingTensors, sample
+from flotilla.kernels.staging import upload
+from flotilla.models.hf_config import load_hf_config
+from flotilla.transport.messages import StepResult
+
+if TYPE_CHECKING:
+    from flotilla.actors.model_runner import ModelRunner, SeqState
+
+DraftHook = Callable[[np.ndarray, list[int]], list[int]]
+"""(a sequence's tokens so far, the MTP layer's drafts) -> the drafts to verify instead (tests force acceptance)."""
+
+
+def check_speculative_config(config: EngineConfig) -> None:
+    """Refuse a speculative_config the engine cannot serve, with the reason (ValueError / NotImplementedError)."""
+    spec = config.scheduler.speculative_config
+    if spec is None:
+        return
+    if config.model.model is None:
+        raise ValueError("speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
+                         "num_nextn_predict_layers); the embedded default model has none")
+    hf = load_hf_config(config.model.model)
+    if hf.num_nextn_predict_layers < 1 or hf.mla is None:
+        raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
+                         f"num_nextn_predict_layers in config.json); {config.model.model} "
+                         f"({', '.join(hf.architectures) or hf.model_type}) has none")
+    layer = re.compile(rf"^(?:model\.)?layers\.{hf.num_hidden_layers}\.eh_proj\.")
+    if config.model.load_format != "dummy" and not any(map(layer.match, _checkpoint_names(Path(config.model.model)))):
+        raise ValueError(f"speculative method 'mtp': {config.model.model} declares num_nextn_predict_layers but its "
+                         f"checkpoint has no MTP layer (no model.layers.{hf.num_hidden_layers}.eh_proj.weight)")
+    if config.parallel.expert_parallel_size > 1:
+        raise NotImplementedError("speculative decoding with expert parallelism is not built: the MTP layer's MoE "
+                                  "would have to join every rank's all-to-alls")
+
+
+def _checkpoint_names(model_dir: Path) -> list[str]:
+    """Tensor names of a safetensors folder, from the index or the files' headers (no tensor is read)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+class MTPSpeculator:
+    """Runs a whole step of a speculating runner: main forward, sampling, verification, MTP drafting."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_hook: DraftHook | None = None
+        """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
+
+    @torch.inference_mode()
+    def step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int]) -> StepResult:
+        """Run a planned step to its end: rids / seqs / num_new as the plan has them; cached blocks appended."""
+        r, model = self.runner, self.model
+        dev = r.device
+        cached = [s.num_computed for s in seqs]
+        lengths = [s.length for s in seqs]
+        if any(s.host_length != s.length for s in seqs):
+            raise RuntimeError("speculative decoding runs one step at a time (max_steps_in_flight 1)")
+        starts = np.concatenate(([0], np.cumsum(num_new))).astype(np.int64)
+        ids = np.zeros(int(starts[-1]) + 1, dtype=np.int64)  # one spare: ids[f + 1] is read below
+        num_drafts = [max(c + n - length, 0) for c, n, length in zip(cached, num_new, lengths)]
+        for s, c, n, k, at in zip(seqs, cached, num_new, num_drafts, starts.tolist()):
+            known = c + n - k
+            ids[at:at + known - c] = s.buffer[c:known]
+            if k:  # drafts the MTP layer left (missing ones are 0: a wrong draft is only rejected)
+                drafts = s.drafts[:k]
+                ids[at + known - c:at + known - c + len(drafts)] = drafts
+        tables = [s.block_ids for s in seqs]
+        meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
+        positions = positions_from_lists(cached, num_new, device=dev)
+        hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
+        for s, n in zip(seqs, num_new):
+            s.num_computed += n
+
+        # every position at or past a sampling sequence's last known token samples: the bonus and the checks
+        samplers = [i for i, (c, n, length) in enumerate(zip(cached, num_new, lengths)) if c + n >= length]
+        seg = np.asarray([num_drafts[i] + 1 for i in samplers], dtype=np.int64)
+        seg_start = np.concatenate(([0], np.cumsum(seg)))[:-1].astype(np.int64)
+        local = np.arange(int(seg.sum())) - np.repeat(seg_start, seg)  # row index within its sequence
+        first = np.asarray([starts[i] + lengths[i] - 1 - cached[i] for i in samplers], dtype=np.int64)
+        rows = np.repeat(first, seg) + local  # flat positions of the sampled rows
+
+        mtp_ids = ids[1:].copy()  # the token one position ahead of each input
+        for i, (s, c, n, length) in enumerate(zip(seqs, cached, num_new, lengths)):
+            if c + n < length:  # a prefill chunk that ends inside the prompt: the next prompt token
+                mtp_ids[starts[i + 1] - 1] = s.buffer[c + n]
+        if not samplers:
+            model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)  # its KV only
+            return StepResult(step=step)
+
+        out, want = self._sample(seqs, samplers, seg, local, hidden[upload(rows, dev)])
+        y = out.token_ids.cpu().numpy()
+        # leading drafts equal to the token sampled before them are accepted; the last row never checks one
+        check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
+        accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
+        keep = local <= np.repeat(accepted, seg)
+
+        mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
+        mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
+        last = rows[seg_start + accepted]  # each sequence's last accepted position
+        drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers],
+                             (np.asarray(lengths)[samplers] - 1 + accepted).tolist())
+
+        tokens = y[keep].astype(np.int32)
+        at = 0
+        for i, a, d in zip(samplers, accepted.tolist(), drafts):
+            s = seqs[i]
+            s.num_computed -= num_drafts[i] - a  # the rejected drafts' KV is stale: recomputed from here on
+            s.length += a + 1
+            for t in tokens[at:at + a + 1].tolist():
+                s.settle(t)
+            at += a + 1
+            s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, d)
+        result = StepResult(step=step, rids=[rids[i] for i in samplers], token_ids=tokens,
+                            num_tokens=(accepted + 1).astype(np.int32))
+        if want is not None:
+            result.logprobs = out.logprobs.float().cpu().numpy()[keep]
+            result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
+            result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
+        return result
+
+    def _sample(self, seqs: list[SeqState], samplers: list[int], seg: np.ndarray, local: np.ndarray,
+                hidden: torch.Tensor):
+        """Sample every checked position as plain decoding would sample it (generation index included)."""
+        r = self.runner
+        owner = np.repeat(np.asarray(samplers), seg).tolist()
+        params = [seqs[i].sampling for i in owner]
+        gen = [seqs[i].length - seqs[i].num_prompt_tokens + j for i, j in zip(owner, local.tolist())]
+        history = any(seqs[i].needs_history for i in samplers)
+        logits = self.model.compute_logits(hidden)
+        st = SamplingTensors.build(
+            params, gen, device=r.device, vocab_size=logits.shape[1],
+            prompt_token_ids=[seqs[i].tokens[:seqs[i].num_prompt_tokens] for i in owner] if history else None,
+            output_token_ids=[seqs[i].tokens[seqs[i].num_prompt_tokens:] for i in owner] if history else None)
+        want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        return sample(logits, st, want, generator=r.generator), want
+
+    def _draft(self, hidden: torch.Tensor, seqs: list[SeqState], positions: list[int]) -> list[list[int]]:
+        """Drafts for the next step: the MTP head on `hidden` (its output at each sequence's last accepted
+        position), then the layer again, one position further each time, on its own draft and output."""
+        r, model = self.runner, self.model
+        bs = r.block_size
+        tokens = model.mtp_logits(hidden).argmax(dim=-1)
+        drafts = [[t] for t in tokens.tolist()]
+        live = np.arange(len(seqs))
+        for _ in range(self.num_speculative_tokens - 1):
+            pos = [positions[i] + len(drafts[i]) for i in live.tolist()]
+            ok = np.asarray([p < r.max_model_len and p // bs < len(seqs[i].block_ids)
+                             for i, p in zip(live.tolist(), pos)], dtype=bool)
+            if not ok.all():  # no KV slot reserved there (or past the model's length): its chain stops
+                sel = upload(np.flatnonzero(ok), r.device)
+                live, tokens, hidden = live[ok], tokens[sel], hidden[sel]
+                pos = [p for p, good in zip(pos, ok.tolist()) if good]
+            if not len(live):
+                break
+            meta = AttentionMetadata.from_lists(pos, [1] * len(pos), [seqs[i].block_ids for i in live.tolist()], bs,
+                                                device=r.device)
+            positions_t = positions_from_lists(pos, [1] * len(pos), device=r.device)
+            hidden = model.mtp_forward(tokens, positions_t, hidden, r.kv_caches, meta)
+            tokens = model.mtp_logits(hidden).argmax(dim=-1)
+            for i, t in zip(live.tolist(), tokens.tolist()):
+                drafts[i].append(t)
+        return drafts

@@ -1,0 +1,263 @@
+"""MTP speculative decoding on a tiny random DeepSeek-V3 whose MTP layer the test writes into the checkpoint.
+
+Speculation must not change what a request gets: greedy tokens, seeded sampling and logprobs equal plain
+decoding's for a batch of mixed-length prompts with chunked prefill, max_tokens and stop-token cuts, with
+one and two drafts. The random MTP layer's drafts are nearly all wrong, so tests also replace them (the
+runner's draft hook) with the tokens plain decoding gives, some corrupted: that exercises acceptance and
+rollback, and with none corrupted every verify step yields num_speculative_tokens + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from helpers_engine import write_tiny_tokenizer
+from helpers_server import start_server
+from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_model
+from safetensors.torch import load_file, save_file
+
+from flotilla import LLM, SamplingParams
+from flotilla.actors.batching import BatchScheduler
+from flotilla.actors.block_manager import BlockManager
+from flotilla.actors.model_runner import ModelRunner
+from flotilla.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from flotilla.models.loader import load_model
+from flotilla.server.metrics import ServerMetrics
+from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
+
+VOCAB = 320
+STOP_TOKEN = 64
+"""A stop token id request r5 is given (the test picks a prompt whose greedy output holds it)."""
+
+
+def add_mtp_layer(model_dir: Path, seed: int = 5) -> Path:
+    """Append a random MTP layer (DeepSeek-V3's names, at layer num_hidden_layers) to a tiny checkpoint: a
+    decoder block made from layer 1's tensors (MoE) plus noise, enorm / hnorm / eh_proj / shared_head, and
+    copies of the embedding and LM head as DeepSeek ships them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    weights = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    mtp = {}
+    for name, t in weights.items():
+        if name.startswith("model.layers.1."):
+            noise = torch.randn(t.shape, generator=gen) * 0.02 * (t.float().std() if t.numel() > 1 else 0)
+            mtp[name.replace("model.layers.1.", f"model.layers.{n}.")] = (t + noise.to(t.dtype)).contiguous()
+    p = f"model.layers.{n}."
+    mtp[p + "enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
+    mtp[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file({**weights, **mtp}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = add_mtp_layer(write_tiny_deepseek_model(tmp_path_factory.mktemp("mtp") / "m", "deepseek_v3"))
+    write_tiny_tokenizer(d, vocab_size=VOCAB)
+    return d
+
+
+def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300) -> ModelRunner:
+    options = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_blocks=num_blocks, block_size=4)
+    if spec is not None:
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
+    return ModelRunner(EngineConfig.from_options(**options), progress=False)
+
+
+def requests() -> list[TokenizedRequest]:
+    rng = np.random.default_rng(3)
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True),  # seeded: the same noise
+        SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),  # gets no drafts
+        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[STOP_TOKEN]),
+    ]
+    lengths = [3, 31, 9, 22, 5, 14, 40, 1, 17, 6, 27, 11]
+    return [TokenizedRequest(rid=f"r{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
+                             sampling=kinds[i % len(kinds)]) for i, n in enumerate(lengths)]
+
+
+def run(runner: ModelRunner, budget: int = 16) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
+    """Every request to the end, one step at a time; also (drafts planned, tokens got) of each verify row."""
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
+                          speculative_config=runner.config.scheduler.speculative_config)
+    sched = BatchScheduler(cfg, BlockManager(runner.num_blocks, runner.block_size), max_model_len=256)
+    for req in requests():
+        assert sched.add(req)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    verified: list[tuple[int, int]] = []
+    for _ in range(5_000):
+        plan = sched.schedule()
+        if plan is None:
+            break
+        drafts = {seq.rid: seq.num_drafts for seq, _ in sched.inflight[plan.step] if seq.num_drafts}
+        result = runner.execute(plan)
+        assert result.error is None
+        if result.num_tokens is not None:
+            verified += [(drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
+        for d in sched.update(result):
+            tokens.setdefault(d.rid, []).extend(d.token_ids)
+            if d.logprobs is not None:
+                logprobs.setdefault(d.rid, []).extend(d.logprobs)
+    assert not sched.seqs
+    return tokens, logprobs, sched, verified
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> tuple[dict, dict]:
+    tokens, logprobs, sched, verified = run(make_runner(model_dir, None))
+    assert not verified and sched.spec_draft_tokens == 0
+    assert STOP_TOKEN in tokens["r5"] and tokens["r5"][-1] == STOP_TOKEN and len(tokens["r5"]) < 16, \
+        "the fixture's stop-token request should stop early"
+    return tokens, logprobs
+
+
+def oracle(plain_tokens: dict, corrupt: bool):
+    """A draft hook giving the tokens plain decoding produced next (every third step one of them is wrong)."""
+    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in requests()}
+
+    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
+        seq = tokens.tolist()
+        ref = next(f for p, f in full.items() if seq[:len(p)] == list(p))
+        want = ref[len(seq):len(seq) + len(drafts)]
+        out = want + drafts[len(want):]
+        if corrupt and len(seq) % 3 == 0:
+            j = (len(seq) // 3) % len(out)
+            out[j] = (out[j] + 1) % VOCAB
+        return out
+    return hook
+
+
+def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for rid in want[1]:
+        np.testing.assert_allclose(got[1][rid], want[1][rid], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_speculation_gives_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple, num_spec: int) -> None:
+    runner = make_runner(model_dir, num_spec)
+    assert runner.model.num_layers == 4 and len(runner.kv_caches) == 4  # the MTP layer's own cache layer
+    tokens, logprobs, sched, verified = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert sched.spec_draft_tokens == sum(k for k, _ in verified) > 0
+    assert max(k for k, _ in verified) == num_spec
+    assert sched.spec_accepted_tokens == sum(n - 1 for _, n in verified)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_accepted_and_rejected_drafts_give_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple,
+                                                                        num_spec: int) -> None:
+    runner = make_runner(model_dir, num_spec)
+    runner.spec.draft_hook = oracle(plain[0], corrupt=True)
+    tokens, logprobs, sched, verified = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_forced_acceptance_gives_num_speculative_tokens_plus_one_per_verify_step(model_dir: Path, plain: tuple,
+                                                                                 num_spec: int) -> None:
+    runner = make_runner(model_dir, num_spec)
+    runner.spec.draft_hook = oracle(plain[0], corrupt=False)
+    tokens, logprobs, sched, verified = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert verified and all(n == k + 1 for k, n in verified)
+    assert sum(k == num_spec for k, _ in verified) > len(verified) // 2
+    assert sched.spec_accepted_tokens == sched.spec_draft_tokens
+
+
+def test_a_tiny_kv_cache_preempts_and_still_gives_the_plain_tokens(model_dir: Path, plain: tuple) -> None:
+    runner = make_runner(model_dir, 2, num_blocks=20)
+    runner.spec.draft_hook = oracle(plain[0], corrupt=True)
+    tokens, logprobs, sched, _ = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert sched.num_preemptions > 0
+
+
+def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path, model_dir: Path) -> None:
+    bare = write_tiny_deepseek_model(tmp_path / "bare", "deepseek_v3")
+    with pytest.raises(ValueError, match="has no MTP layer"):  # (transformers' config.json declares one)
+        make_runner(bare, 1)
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="needs a model with multi-token-prediction layers"):
+        make_runner(bare, 1)
+    qwen = write_tiny_model(tmp_path / "qwen", "qwen3")
+    with pytest.raises(ValueError, match="needs a model with multi-token-prediction layers"):
+        make_runner(qwen, 1)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be at least 1"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    plain_model = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch"}).module
+    assert plain_model.num_layers == 3 and len(plain_model.model.mtp_layers) == 0  # MTP off: its tensors skipped
+    mtp = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch", "mtp": True}).module
+    weights = load_file(str(model_dir / "model.safetensors"))
+    torch.testing.assert_close(mtp.model.mtp_layers[0].eh_proj.weight, weights["model.layers.3.eh_proj.weight"])
+    torch.testing.assert_close(mtp.model.mtp_layers[0].self_attn.kv_b_proj.weight,
+                               weights["model.layers.3.self_attn.kv_b_proj.weight"])
+
+
+def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Path) -> None:
+    prompts = [r.prompt_ids.tolist() for r in requests()[:4]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        extra = {} if spec is None else {"speculative_config": spec}
+        with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, **extra) as llm:
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[str(spec)] = [o.outputs[0].token_ids for o in got]
+    assert outs["None"] == list(outs.values())[1]
+
+
+def test_metrics_count_draft_and_accepted_tokens() -> None:
+    metrics = ServerMetrics("m")
+
+    def stats(drafts: int, accepted: int) -> SchedulerStatsEvent:
+        return SchedulerStatsEvent(num_running=0, num_waiting=0, kv_usage=0.0, prefix_cache_hit_rate=0.0,
+                                   num_preemptions=0, kv_capacity_tokens=1, spec_draft_tokens=drafts,
+                                   spec_accepted_tokens=accepted)
+    metrics.render(stats(10, 4))
+    text = metrics.render(stats(30, 9)).decode()  # totals since start: the counters grow by the difference
+    assert 'flotilla_spec_decode_draft_tokens_total{model_name="m"} 30.0' in text
+    assert 'flotilla_spec_decode_accepted_tokens_total{model_name="m"} 9.0' in text
+
+
+def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_dir: Path) -> None:
+    server = start_server(str(model_dir), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
+                          "--kv-cache-blocks", "128", "--block-size", "4", "--device", "cpu", "--dtype", "float32",
+                          timeout=120)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out = client.completions.create(model=model_dir.name, prompt=[5, 9, 200, 31, 77], max_tokens=10,
+                                        temperature=0)
+        assert out.usage.completion_tokens == 10
+        deadline = time.monotonic() + 10
+        while True:  # the scheduler's stats reach the front end beside the tokens, not before them
+            text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+            drafts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("flotilla_spec_decode_draft_tokens_total{")]
+            if (drafts and drafts[0] > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert drafts and drafts[0] > 0
+        assert "flotilla_spec_decode_accepted_tokens_total{" in text
+    finally:
+        server.stop()
