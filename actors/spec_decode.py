@@ -36,14 +36,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from safetensors import safe_open
-
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
 from flotilla.kernels.sampling import SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.hf_config import load_hf_config
 from flotilla.transport.messages import StepResult
+from safetensors import safe_open
 
 if TYPE_CHECKING:
     from flotilla.actors.model_runner import ModelRunner, SeqState

@@ -18,11 +18,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-from helpers_engine import write_tiny_tokenizer
-from helpers_server import start_server
-from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_model
-from safetensors.torch import load_file, save_file
-
 from flotilla import LLM, SamplingParams
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
@@ -31,6 +26,10 @@ from flotilla.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
+from helpers_engine import write_tiny_tokenizer
+from helpers_server import start_server
+from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_model
+from safetensors.torch import load_file, save_file
 
 VOCAB = 320
 STOP_TOKEN = 64
@@ -70,8 +69,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300) -> ModelRunner:
-    options = dict(model=str(model_dir), device="cpu", dtype="float32", kv_cache_blocks=num_blocks, block_size=4)
+def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300, device: str = "cpu") -> ModelRunner:
+    options = {"model": str(model_dir), "device": device, "dtype": "float32", "kv_cache_blocks": num_blocks,
+               "block_size": 4}
     if spec is not None:
         options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
     return ModelRunner(EngineConfig.from_options(**options), progress=False)
@@ -183,6 +183,22 @@ def test_forced_acceptance_gives_num_speculative_tokens_plus_one_per_verify_step
     assert verified and all(n == k + 1 for k, n in verified)
     assert sum(k == num_spec for k, _ in verified) > len(verified) // 2
     assert sched.spec_accepted_tokens == sched.spec_draft_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_forced_acceptance_on_cuda_gives_num_speculative_tokens_plus_one_per_verify_step(model_dir: Path,
+                                                                                         num_spec: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    want = run(make_runner(model_dir, None, device="cuda"))[:2]
+    runner = make_runner(model_dir, num_spec, device="cuda")
+    runner.spec.draft_hook = oracle(want[0], corrupt=False)
+    tokens, logprobs, _, verified = run(runner)
+    check_same((tokens, logprobs), want)
+    assert verified and all(n == k + 1 for k, n in verified)
+    full = [n for k, n in verified if k == num_spec]
+    print(f"tokens per verify step at forced acceptance, N={num_spec}: {sum(full) / len(full):.2f}")
 
 
 def test_a_tiny_kv_cache_preempts_and_still_gives_the_plain_tokens(model_dir: Path, plain: tuple) -> None:
