@@ -85,12 +85,17 @@ class _SeqBlocks:
 class BlockManager:
     """Paged KV-block allocator with refcounted sharing, a hash-chain prefix cache and migration pins."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 recompute_last_hit: bool = False) -> None:
+        """recompute_last_hit: a prefix hit leaves its last block to be recomputed (speculative decoding with MTP:
+        that layer's KV at a block's last position depends on the token after it, which differs between the
+        sequences sharing the block; vLLM does the same for EAGLE)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit = recompute_last_hit
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cache: dict[bytes, int] = {}
@@ -179,6 +184,8 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
+        if self.recompute_last_hit and blocks:
+            blocks.pop()  # (its hash stays in `hashes`: commit() then finds it cached and keeps this copy private)
         return blocks, hashes
 
     def match_prefix(self, token_ids: TokenIds) -> Allocation:

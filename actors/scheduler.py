@@ -98,7 +98,8 @@ class SchedulerActor(Actor):
             return
         num_blocks = min(e.num_blocks for e in self._kv_info.values())
         max_len = min(e.max_model_len for e in self._kv_info.values())
-        blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching)
+        blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching,
+                              recompute_last_hit=self.config.scheduler.speculative_config is not None)
         if self.role == "prefill":
             self.core = PrefillBatchScheduler(self.config.scheduler, blocks, max_len, engine=self.engine_id)
         elif self.role == "decode":

@@ -88,15 +88,21 @@ def requests() -> list[TokenizedRequest]:
         SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[STOP_TOKEN]),
     ]
     lengths = [3, 31, 9, 22, 5, 14, 40, 1, 17, 6, 27, 11]
-    return [TokenizedRequest(rid=f"r{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
+    reqs = [TokenizedRequest(rid=f"r{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
                              sampling=kinds[i % len(kinds)]) for i, n in enumerate(lengths)]
+    shared = reqs[1].prompt_ids[:21]  # later requests that hit r1's prompt in the prefix cache
+    for i, n in ((12, 6), (13, 1)):
+        prompt = np.concatenate((shared, rng.integers(4, VOCAB, n).astype(np.int32)))
+        reqs.append(TokenizedRequest(rid=f"r{i}", prompt_ids=prompt, eos_token_ids=[2], sampling=kinds[0]))
+    return reqs
 
 
 def run(runner: ModelRunner, budget: int = 16) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
     """Every request to the end, one step at a time; also (drafts planned, tokens got) of each verify row."""
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
                           speculative_config=runner.config.scheduler.speculative_config)
-    sched = BatchScheduler(cfg, BlockManager(runner.num_blocks, runner.block_size), max_model_len=256)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None)
+    sched = BatchScheduler(cfg, blocks, max_model_len=256)
     for req in requests():
         assert sched.add(req)
     tokens: dict[str, list[int]] = {}
@@ -116,6 +122,7 @@ def run(runner: ModelRunner, budget: int = 16) -> tuple[dict, dict, BatchSchedul
             if d.logprobs is not None:
                 logprobs.setdefault(d.rid, []).extend(d.logprobs)
     assert not sched.seqs
+    assert blocks.hit_tokens > 0 or blocks.num_blocks < 100  # r12 and r13 reused r1's prompt blocks
     return tokens, logprobs, sched, verified
 
 
@@ -241,6 +248,23 @@ def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Pa
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[str(spec)] = [o.outputs[0].token_ids for o in got]
     assert outs["None"] == list(outs.values())[1]
+
+
+def test_speculating_block_manager_recomputes_a_hits_last_block() -> None:
+    """The MTP layer's KV at a block's last position was written with the token after it: another sequence
+    sharing the block may continue differently, so under speculation that block is recomputed, not shared."""
+    tokens = list(range(10, 27))  # 4 full blocks of 4, and one token
+    for recompute, hit in ((False, 16), (True, 12)):
+        blocks = BlockManager(32, 4, recompute_last_hit=recompute)
+        blocks.allocate("a", tokens)
+        blocks.commit("a", tokens, len(tokens))
+        assert blocks.match_prefix(tokens).num_cached_tokens == hit
+        alloc = blocks.allocate("b", tokens)
+        assert alloc.num_cached_tokens == hit
+        blocks.commit("b", tokens, len(tokens))
+        shares_last = blocks.block_ids("b")[3] == blocks.block_ids("a")[3]
+        assert shares_last != recompute
+        blocks.check_invariants()
 
 
 def test_metrics_count_draft_and_accepted_tokens() -> None:
