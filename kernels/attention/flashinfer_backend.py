@@ -35,9 +35,11 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     Measured on the H200 (scripts/bench_attention.py, bf16, block 16): with 32:8 heads (Qwen3-8B) the CUDA-core
     kernel reaches only ~2.8 TB/s at batch 64-256 x 1-4k context against ~4.3 TB/s with tensor cores; with 16:8
     heads (Qwen3-0.6B) the two tie from 1k context on and the CUDA-core kernel is faster on short contexts
-    (41 vs 61 us at 256 x 128), so groups below 4 should take it. That rule was tried and reverted: with it the
+    (41 vs 61 us at 256 x 128), so groups below 4 could take it. That rule was tried and reverted: with it the
     GPU tests comparing flashinfer with the torch backend (and triton with torch ops) on a tiny 4:2-head Qwen3
-    gave different greedy tokens (2026-11-30), not yet explained."""
+    gave different greedy tokens (2026-11-30). That is consistent with FlashInfer's own report that the two
+    kernels' outputs differ (flashinfer issue #703); vLLM takes tensor cores for every group size too (vLLM
+    PR #23214)."""
     forced = os.environ.get("FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES")
     if forced is not None:
         return forced == "1"
