@@ -157,22 +157,29 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """both: a colocated engine (prompt and generation here); prefill: runs prompts, samples the first token and
     hands the prompt's KV to a decode engine; decode: pulls that KV and generates (vLLM/SGLang call it the
     disaggregation mode)."""
-    kv_transfer_backend: Literal["dlslime_tcp", "local"] = "dlslime_tcp"
-    """How KV blocks move between engines: dlslime_tcp (CPU KV cache, between processes or hosts); local (both
-    engines in one process: a tensor copy)."""
+    kv_transfer_backend: Literal["dlslime_tcp", "torch_dist", "local"] = "dlslime_tcp"
+    """How KV blocks move between engines: dlslime_tcp (one-sided reads over TCP, between processes or hosts; a
+    GPU KV cache goes through host staging buffers); torch_dist (send/recv over a 2-rank torch.distributed group
+    per prefill/decode rank pair: NCCL straight between GPU KV caches, e.g. over NVLink within a host, gloo on
+    CPU); local (both engines in one process: a tensor copy)."""
     kv_host: str = "127.0.0.1"
-    """Interface the KV data plane serves this engine's blocks on; never a wildcard (dlslime checks no access)."""
+    """Interface the KV data plane serves this engine's blocks on (torch_dist: its pairs' rendezvous store and
+    gloo sockets); never a wildcard (dlslime checks no access)."""
     kv_transfer_timeout_s: float = 30.0
     """A KV migration (or the peer's endpoint exchange) not done after this long fails its request, seconds."""
     kv_staging: Literal["auto", "always", "never"] = "auto"
     """Move KV blocks through host staging buffers: auto (when the KV cache is on a GPU and the backend reads host
     memory only, i.e. dlslime_tcp), always (also on CPU: the GPU path's protocol, testable anywhere), never."""
     kv_staging_blocks: int = 64
-    """Size of a staging buffer, in blocks per layer (a migration moves at most this many blocks per round)."""
+    """Size of a staging buffer, in blocks per layer (a migration moves at most this many blocks per round);
+    torch_dist: the blocks of one send (its buffer, in the KV cache's memory, holds them for every layer)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be positive")
+        if self.kv_transfer_backend == "torch_dist" and self.kv_staging == "always":
+            raise ValueError("kv_staging=always does not apply to torch_dist: it sends from the KV cache's own "
+                             "memory (GPU or CPU)")
         if self.kv_staging_blocks < 1:
             raise ValueError("kv_staging_blocks must be at least 1")
 

@@ -26,7 +26,15 @@ its KV blocks. The prefill side's copy runs after the step that computed the blo
 sampled token (so the device finished writing them); the decode side's copy into the device finishes
 before MigrationDone, so no step reads the blocks earlier. Not yet run on a GPU: staging there uses
 pinned host buffers and plain device copies, and it is unmeasured (CUDA IPC / NCCL within a host and
-dlslime RDMA across hosts would avoid the host hop; none is built).
+dlslime RDMA across hosts would avoid the host hop; torch_dist below does within a host).
+
+torch_dist (transport/kv_transfer_torch.py) is two-sided: the KVEndpointRequest makes the prefill rank
+announce a 2-rank process group for this requester alone (a TCPStore on its kv_host and a free port), which
+the decode rank joins on connect (NCCL on GPUs, gloo on CPU; never the default group, which TP/EP may hold).
+A migration then checks every (src, dst) pair against both caches, asks with KVSendRequest, and once the
+prefill rank agrees (KVSendEvent) receives rounds of at most `kv_staging_blocks` blocks (all layers in one
+buffer in the cache's memory: no host hop on a GPU) and scatters them into its blocks before MigrationDone.
+The prefill rank packs each round from its blocks, which stay pinned until BlocksReleased.
 
 Migrations from one peer run one at a time (dlslime opens a connection per range; concurrent reads on
 one endpoint gain nothing on TCP), and all of them while this rank stages; the actor keeps receiving.
@@ -52,9 +60,12 @@ from flotilla.transport.kv_transfer import (
     kv_block_bytes,
     kv_block_ranges,
 )
+from flotilla.transport.kv_transfer_torch import TorchDistEngine, check_pairs
 from flotilla.transport.messages import (
     KVEndpointEvent,
     KVEndpointRequest,
+    KVSendEvent,
+    KVSendRequest,
     KVStagedEvent,
     KVStageRequest,
     Message,
@@ -93,7 +104,7 @@ class KVMemory:
         """Whether the backend must reach this cache through host staging buffers."""
         if config.kv_staging != "auto":
             return config.kv_staging == "always"
-        return self.device.type != "cpu" and config.kv_transfer_backend != "local"
+        return self.device.type != "cpu" and config.kv_transfer_backend not in ("local", "torch_dist")
 
     def staging_buffer(self, blocks: int) -> torch.Tensor:
         """A host buffer of `blocks` slots per layer, [layers, blocks, *block shape] (pinned when a GPU is there)."""
@@ -133,7 +144,8 @@ class KVMigrationActor(Actor):
     """The data-plane end of one worker rank."""
 
     kind = "kv_migration"
-    inbox = (MigrateKVCmd, KVEndpointRequest, KVEndpointEvent, KVStageRequest, KVStagedEvent)
+    inbox = (MigrateKVCmd, KVEndpointRequest, KVEndpointEvent, KVStageRequest, KVStagedEvent, KVSendRequest,
+             KVSendEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -149,7 +161,7 @@ class KVMigrationActor(Actor):
         """The KV layers' regions (unstaged), or this rank's read staging region (staged)."""
         self._read_stage: torch.Tensor | None = None
         self._serve_stage: dict[str, tuple[torch.Tensor, RegionInfo]] = {}  # requester key -> its staging region
-        self._staged_replies: dict[tuple[str, str], asyncio.Future] = {}
+        self._replies: dict[tuple[str, str], asyncio.Future] = {}  # (peer key, transfer) -> staged / send answer
         self._stage_lock = asyncio.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill rank inbox -> what we know of it
         self._tasks: set[asyncio.Task] = set()
@@ -180,7 +192,7 @@ class KVMigrationActor(Actor):
         else:
             self.regions = [self.engine.register(f"kv.layer{i}", c) for i, c in enumerate(self.memory.caches)]
         ep = self.engine.endpoint_info()
-        where = f"{ep.host}:{ep.port}" if ep.host else ep.engine_id
+        where = (f"{ep.host}:{ep.port}" if ep.port else ep.host) or ep.engine_id  # torch_dist: a port per pair
         return {"kv_backend": ep.backend, "kv_endpoint": where, "kv_layers": str(len(self.memory.caches)),
                 "kv_staged": str(self.staged).lower()}
 
@@ -197,6 +209,9 @@ class KVMigrationActor(Actor):
     async def on_kv_endpoint_request(self, req: KVEndpointRequest) -> None:
         assert self.engine is not None and self.memory is not None
         ep = self.engine.endpoint_info()
+        if req.rank == self.rank and isinstance(self.engine, TorchDistEngine):
+            await self._announce_pair(req)
+            return
         if req.rank != self.rank:
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep,
                                  error=f"asked for rank {req.rank}'s KV at rank {self.rank}'s actor")
@@ -212,6 +227,51 @@ class KVMigrationActor(Actor):
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
                                  block_bytes=self.memory.block_bytes, kv_dtype=self.memory.kv_dtype)
         await self.send_to(req.reply_to, ev)
+
+    async def _announce_pair(self, req: KVEndpointRequest) -> None:
+        """torch_dist: a fresh process group for this requester; it joins the store we announce."""
+        assert isinstance(self.engine, TorchDistEngine) and self.memory is not None
+        try:
+            ep = self.engine.listen(req.reply_to)
+        except KVTransferError as e:
+            await self.send_to(req.reply_to, KVEndpointEvent(rank=self.rank, key=req.key,
+                                                             endpoint=self.engine.endpoint_info(), error=str(e)))
+            return
+        await self.send_to(req.reply_to, KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
+                                                         block_bytes=self.memory.block_bytes,
+                                                         kv_dtype=self.memory.kv_dtype))
+        self._spawn(self._accept_pair(req.reply_to))
+
+    async def _accept_pair(self, requester: str) -> None:
+        assert isinstance(self.engine, TorchDistEngine)
+        try:
+            await self.engine.accept(requester)
+        except KVTransferError as e:  # the requester's connect fails too and reports it
+            log.warning("%s: KV pair with %s not built: %s", self.label, requester, e)
+
+    async def on_kv_send_request(self, req: KVSendRequest) -> None:
+        assert self.memory is not None
+        ids = req.block_ids.tolist()
+        num_blocks = self.memory.caches[0].shape[0]
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        error = None
+        if not isinstance(self.engine, TorchDistEngine) or not self.engine.serves(req.reply_to):
+            error = f"no KV pair with {req.reply_to} (ask for the endpoint first)"
+        elif bad:
+            error = f"blocks {bad[:8]} are outside this cache's {num_blocks} blocks"
+        elif req.round_blocks < 1:
+            error = f"round_blocks must be at least 1, got {req.round_blocks}"
+        await self.send_to(req.reply_to, KVSendEvent(key=req.key, transfer_id=req.transfer_id, error=error))
+        if error is None:  # sent in request order: the pair's lock is first come, first served
+            self._spawn(self._send_blocks(req, ids))
+
+    async def _send_blocks(self, req: KVSendRequest, ids: list[int]) -> None:
+        assert isinstance(self.engine, TorchDistEngine) and self.memory is not None
+        try:
+            await self.engine.send_blocks(req.reply_to, [r.name for r in self.regions], ids, self.memory.block_bytes,
+                                          req.round_blocks)
+        except KVTransferError as e:  # the receiver's recv fails as well and reports to its scheduler
+            log.warning("%s: transfer %s: sending KV to %s failed: %s", self.label, req.transfer_id, req.reply_to, e)
 
     async def on_kv_stage_request(self, req: KVStageRequest) -> None:
         assert self.memory is not None
@@ -263,10 +323,13 @@ class KVMigrationActor(Actor):
         for cmd in waiting:
             self._spawn(self._migrate(cmd, peer))
 
-    async def on_kv_staged_event(self, ev: KVStagedEvent) -> None:
-        fut = self._staged_replies.pop((ev.key, ev.transfer_id), None)
+    async def on_kv_staged_event(self, ev: KVStagedEvent | KVSendEvent) -> None:
+        fut = self._replies.pop((ev.key, ev.transfer_id), None)
         if fut is not None and not fut.done():
             fut.set_result(ev.error)
+
+    async def on_kv_send_event(self, ev: KVSendEvent) -> None:
+        await self.on_kv_staged_event(ev)
 
     def _layout_mismatch(self, ev: KVEndpointEvent) -> str | None:
         assert self.memory is not None
@@ -309,7 +372,9 @@ class KVMigrationActor(Actor):
             if pairs:
                 staging = bool(peer.info.staging_blocks) or self.staged
                 async with peer.lock:
-                    if staging:
+                    if isinstance(self.engine, TorchDistEngine):
+                        await self._receive(cmd, peer.info, pairs)
+                    elif staging:
                         async with self._stage_lock:  # our read staging buffer is one
                             await self._read_staged(cmd, peer.info, pairs)
                     else:
@@ -340,19 +405,38 @@ class KVMigrationActor(Actor):
 
     async def _stage_remote(self, cmd: MigrateKVCmd, info: KVEndpointEvent, block_ids: list[int]) -> None:
         src = cmd.src_kv[self.rank]
-        fut = asyncio.get_running_loop().create_future()
-        self._staged_replies[(src, cmd.transfer_id)] = fut
-        await self.send_to(src, KVStageRequest(key=src, transfer_id=cmd.transfer_id, reply_to=self.address,
-                                               block_ids=np.asarray(block_ids, dtype=np.int32)))
-        timeout = self.config.disagg.kv_transfer_timeout_s
-        try:
-            error = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise KVTransferError(f"the prefill rank at {src} did not stage blocks within {timeout:g} s") from None
-        finally:
-            self._staged_replies.pop((src, cmd.transfer_id), None)
+        request = KVStageRequest(key=src, transfer_id=cmd.transfer_id, reply_to=self.address,
+                                 block_ids=np.asarray(block_ids, dtype=np.int32))
+        error = await self._ask(src, request, "stage blocks")
         if error is not None:
             raise KVTransferError(f"the prefill rank could not stage blocks: {error}")
+
+    async def _receive(self, cmd: MigrateKVCmd, info: KVEndpointEvent, pairs: list[tuple[int, int]]) -> None:
+        """torch_dist: check every pair against both caches, ask the prefill rank to send, receive."""
+        assert isinstance(self.engine, TorchDistEngine) and self.memory is not None
+        check_pairs(pairs, info.regions[0].length // info.block_bytes, self.memory.caches[0].shape[0])
+        src = cmd.src_kv[self.rank]
+        rounds = self.config.disagg.kv_staging_blocks
+        request = KVSendRequest(key=src, transfer_id=cmd.transfer_id, reply_to=self.address, round_blocks=rounds,
+                                block_ids=np.asarray([s for s, _ in pairs], dtype=np.int32))
+        error = await self._ask(src, request, "agree to send blocks")
+        if error is not None:
+            raise KVTransferError(f"the prefill rank will not send blocks: {error}")
+        await self.engine.recv_blocks(info.regions[0], [r.name for r in self.regions], pairs,
+                                      self.memory.block_bytes, rounds)
+
+    async def _ask(self, src: str, request: KVStageRequest | KVSendRequest, what: str) -> str | None:
+        """Send `request` to the prefill rank at `src`; its answer's error (None: done / agreed)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[(src, request.transfer_id)] = fut
+        timeout = self.config.disagg.kv_transfer_timeout_s
+        try:
+            await self.send_to(src, request)
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise KVTransferError(f"the prefill rank at {src} did not {what} within {timeout:g} s") from None
+        finally:
+            self._replies.pop((src, request.transfer_id), None)
 
     async def _read_rounds(self, info: KVEndpointEvent, pairs: list[tuple[int, int]]) -> None:
         """Read (remote index, local index) pairs of every layer: block ids, or staging slots on a staged side."""

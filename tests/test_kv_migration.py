@@ -6,6 +6,7 @@ memory seam: what the data plane may register, and the honest refusal of GPU KV.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from flotilla.config import DisaggConfig, EngineConfig
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.kv_transfer import KVTransferError
+from flotilla.transport.kv_transfer_torch import TorchDistEngine
 from flotilla.transport.messages import MigrateKVCmd, MigrationDoneEvent
 
 NUM_BLOCKS, BS, HEADS, DIM, LAYERS = 96, 4, 2, 8, 3
@@ -43,12 +45,16 @@ def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
 
 async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,
                    staging: tuple[str, str] = ("auto", "auto"),
-                   dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
+                   dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), between=None,
+                   devices: tuple[str, str] = ("cpu", "cpu")):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
-    builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'."""
+    builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'.
+    between: called with the number of commands done so far, after each (then they go one at a time).
+    devices: where the two caches live (the returned ones are CPU copies)."""
     torch.manual_seed(0)
-    pre = [torch.randn(NUM_BLOCKS + 1, 2, BS, HEADS, DIM).to(dtypes[0]) for _ in range(LAYERS)]
-    dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim, dtype=dtypes[1]) for _ in range(LAYERS)]
+    pre = [torch.randn(NUM_BLOCKS + 1, 2, BS, HEADS, DIM).to(dtypes[0]).to(devices[0]) for _ in range(LAYERS)]
+    dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim, dtype=dtypes[1], device=devices[1])
+           for _ in range(LAYERS)]
     _fake_runner("pw", pre)
     _fake_runner("dw", dec)
     def config(workers: str, stage: str) -> dict:
@@ -65,16 +71,23 @@ async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: floa
     out = Outbox(rt.zmq, rt.endpoints.of("d_kv"))
     try:
         cmds = cmds_of(rt.endpoints.of("p_kv"))
-        for cmd in cmds:
-            await out.send(cmd)
-        done = [await asyncio.wait_for(inbox.recv(), timeout_s + 10) for _ in cmds]
+        if between is None:
+            for cmd in cmds:
+                await out.send(cmd)
+            done = [await asyncio.wait_for(inbox.recv(), timeout_s + 10) for _ in cmds]
+        else:
+            done = []
+            for cmd in cmds:
+                await out.send(cmd)
+                done.append(await asyncio.wait_for(inbox.recv(), timeout_s + 10))
+                between(len(done))
     finally:
         inbox.close()
         out.close()
         await rt.stop()
         for name in ("pw", "dw"):
             worker_module._LOCAL_RUNNERS.pop((name, 0), None)
-    return pre, dec, done
+    return [p.cpu() for p in pre], [d.cpu() for d in dec], done
 
 
 def _cmd(tid: str, src_kv: str, src: list[int], dst: list[int]) -> MigrateKVCmd:
@@ -83,7 +96,7 @@ def _cmd(tid: str, src_kv: str, src: list[int], dst: list[int]) -> MigrateKVCmd:
 
 
 @pytest.mark.parametrize("backend,staging", [
-    ("local", ("auto", "auto")), ("dlslime_tcp", ("auto", "auto")),
+    ("local", ("auto", "auto")), ("dlslime_tcp", ("auto", "auto")), ("torch_dist", ("auto", "auto")),
     # host staging buffers (what a GPU KV cache needs under dlslime TCP), on either side or both
     ("dlslime_tcp", ("always", "always")), ("dlslime_tcp", ("always", "never")), ("local", ("never", "always")),
 ])
@@ -126,7 +139,8 @@ def test_a_layout_mismatch_and_an_absent_peer_come_back_as_migration_errors():
     assert done[0].transfer_id == "y" and "did not answer within 0.3 s" in done[0].error
 
 
-@pytest.mark.parametrize("backend,staging", [("local", ("auto", "auto")), ("dlslime_tcp", ("always", "always"))])
+@pytest.mark.parametrize("backend,staging", [("local", ("auto", "auto")), ("dlslime_tcp", ("always", "always")),
+                                             ("torch_dist", ("auto", "auto"))])
 def test_an_fp8_kv_cache_migrates_byte_for_byte_and_a_dtype_mismatch_is_refused(backend, staging):
     if backend == "dlslime_tcp":
         _need_dlslime()
@@ -140,10 +154,51 @@ def test_an_fp8_kv_cache_migrates_byte_for_byte_and_a_dtype_mismatch_is_refused(
     for p, d in zip(pre, dec):
         assert torch.equal(d[[0, 9, 3]].view(torch.uint8), p[[5, 1, 7]].view(torch.uint8))
         assert not d[[1, 2, 4]].view(torch.uint8).any()
-    # bfloat16 blocks are twice the bytes, but the dtype is what is named
-    _, dec, done = uvloop.run(_migrate(backend, cmds, staging=staging, dtypes=(fp8, torch.bfloat16)))
+    # bfloat16 blocks are twice the bytes, but the dtype is what is named (torch_dist: the prefill side's pair
+    # waits for a requester that refused it; a short timeout ends that wait, and the test, sooner)
+    _, dec, done = uvloop.run(_migrate(backend, cmds, staging=staging, dtypes=(fp8, torch.bfloat16), timeout_s=2.0))
     assert "float8_e4m3fn" in done[0].error and "bfloat16" in done[0].error
     assert not any(d.any() for d in dec)
+
+
+def test_torch_dist_refuses_blocks_outside_either_cache_and_recovers_from_a_lost_pair():
+    def cmds(src_kv):
+        return [_cmd("bad-src", src_kv, [2, NUM_BLOCKS + 1], [0, 1]), _cmd("bad-dst", src_kv, [3], [NUM_BLOCKS + 1]),
+                _cmd("ok", src_kv, [4, 5], [6, 7]), _cmd("lost", src_kv, [8], [9]), _cmd("again", src_kv, [10], [11])]
+
+    def between(done: int) -> None:
+        if done == 3:  # the prefill side loses its pairs (as when its process restarts): abort their groups
+            for engine in [o for o in gc.get_objects() if type(o) is TorchDistEngine]:
+                for pair in list(engine._serving.values()):
+                    pair.close()
+
+    pre, dec, done = uvloop.run(_migrate("torch_dist", cmds, between=between))
+    errors = {d.transfer_id: d.error for d in done}
+    assert f"block {NUM_BLOCKS + 1} is outside the prefill cache's {NUM_BLOCKS + 1} blocks" in errors["bad-src"]
+    assert f"block {NUM_BLOCKS + 1} is outside the decode cache's {NUM_BLOCKS + 1} blocks" in errors["bad-dst"]
+    assert "no KV pair with" in errors["lost"] and "KV migration from p failed" in errors["lost"]
+    assert errors["ok"] is None and errors["again"] is None  # a new pair is built on the next migration
+    for p, d in zip(pre, dec):
+        assert torch.equal(d[[6, 7, 11]], p[[4, 5, 10]])
+        assert not d[[0, 1, 9]].any()
+
+
+@pytest.mark.gpu
+def test_torch_dist_moves_blocks_between_two_gpus_over_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    scattered = (list(range(1, 81, 2)), list(range(90, 50, -1)))  # 40 pairs: 3 rounds of <= 16 blocks
+
+    def cmds(src_kv):
+        return [_cmd("a", src_kv, *scattered), _cmd("b", src_kv, [82, 83], [0, 1])]
+
+    pre, dec, done = uvloop.run(_migrate("torch_dist", cmds, dtypes=(torch.bfloat16, torch.bfloat16),
+                                         devices=("cuda:0", "cuda:1")))
+    assert all(d.error is None for d in done), done
+    moved = dict(zip(scattered[1] + [0, 1], scattered[0] + [82, 83]))
+    for p, d in zip(pre, dec):
+        for dst in range(NUM_BLOCKS + 1):
+            assert torch.equal(d[dst], p[moved[dst]]) if dst in moved else not d[dst].any(), dst
 
 
 def _caches(device: str = "cpu", layers: int = 2) -> list[torch.Tensor]:

@@ -9,6 +9,9 @@ Backends (chosen by name with `create_kv_transfer_engine`):
 
   local        LocalCopyEngine: both engines in one process (colocated roles, tests): a tensor copy.
   dlslime_tcp  DlslimeTCPEngine: CPU buffers over dlslime's TCP transport (transport/kv_transfer_dlslime.py).
+  torch_dist   TorchDistEngine: two-sided send/recv over a 2-rank torch.distributed group per rank pair, NCCL
+               between GPU caches, gloo on CPU (transport/kv_transfer_torch.py). It has no one-sided `read`:
+               the prefill side `send_blocks`, the decode side `recv_blocks` (actors/kv_migration.py asks).
 
 Every read goes through `plan_reads` first: each range is checked against both registered regions (the
 backends do no bounds checks, and dlslime would happily read any address of the peer process), adjacent
@@ -338,7 +341,8 @@ class LocalCopyEngine(KVTransferEngine):
 
 
 def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
-    """Build a transfer engine by backend name (`local`, `dlslime_tcp`); options go to its constructor."""
+    """Build a transfer engine by backend name (`local`, `dlslime_tcp`, `torch_dist`); options go to its
+    constructor."""
     if backend == LocalCopyEngine.backend:
         return LocalCopyEngine(**options)
     if backend == "dlslime_tcp":
@@ -349,7 +353,11 @@ def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
                 f"the dlslime_tcp backend needs dlslime (pip install 'flotilla[pd]') and libibverbs1: {e}"
             ) from e
         return DlslimeTCPEngine(**options)
-    raise KVTransferError(f"unknown KV transfer backend {backend!r} (known: local, dlslime_tcp)")
+    if backend == "torch_dist":
+        from flotilla.transport.kv_transfer_torch import TorchDistEngine  # that module imports this one
+
+        return TorchDistEngine(**options)
+    raise KVTransferError(f"unknown KV transfer backend {backend!r} (known: local, dlslime_tcp, torch_dist)")
 
 
 __all__ = [

@@ -42,13 +42,16 @@ class EndpointInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, o
     """How a peer reaches a KV transfer engine (transport/kv_transfer.py); given to the peer's `connect`."""
 
     backend: str
-    """Backend name (`local`, `dlslime_tcp`); a peer of another backend cannot connect."""
+    """Backend name (`local`, `dlslime_tcp`, `torch_dist`); a peer of another backend cannot connect."""
     engine_id: str
     """Unique id of the transfer engine; RegionInfo.engine_id names its owner with it."""
     host: str = ""
     """Address the engine serves reads on (network backends only)."""
     port: int = 0
-    """TCP port the engine serves reads on (network backends only)."""
+    """TCP port the engine serves reads on (network backends only); torch_dist: the pair's TCPStore."""
+    device: str = ""
+    """Device the engine's KV is on ("cpu", "cuda:1"; torch_dist only: gloo pairs with gloo, NCCL with NCCL,
+    and NCCL needs two GPUs)."""
 
 
 class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -337,6 +340,34 @@ class KVStagedEvent(Message):
     """The request's transfer id."""
     error: str | None = None
     """Set when the blocks could not be staged."""
+
+
+class KVSendRequest(Message):
+    """Decode-side KV-migration actor -> prefill-side one (torch_dist backend): send these blocks of every
+    layer over our pair's process group, in rounds of `round_blocks`; answer KVSendEvent first. The requester
+    receives right after that answer; it sends the next request only once this one has landed."""
+
+    key: str
+    """Echoed in the answer (the requester's name for this peer)."""
+    transfer_id: str
+    """The transfer the blocks belong to."""
+    block_ids: Array
+    """Prefill-side KV blocks, int32, in the order the requester places them."""
+    reply_to: str
+    """The requester's inbox: answers go there, and it names the pair (the one KVEndpointEvent announced)."""
+    round_blocks: int
+    """Most blocks per send; both ends cut the list the same way."""
+
+
+class KVSendEvent(Message):
+    """The prefill rank's answer to KVSendRequest: it sends now (or says why it will not, and sends nothing)."""
+
+    key: str
+    """The request's key."""
+    transfer_id: str
+    """The request's transfer id."""
+    error: str | None = None
+    """Set when nothing will be sent (unknown requester, a block outside the cache)."""
 
 
 class BlocksReleasedEvent(Message):
