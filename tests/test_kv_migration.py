@@ -216,6 +216,9 @@ def test_a_device_kv_cache_is_staged_through_host_memory_when_the_backend_reads_
         return KVMemory(_caches(device)).needs_staging(DisaggConfig(kv_transfer_backend=backend, kv_staging=mode))
 
     assert needs("meta", "dlslime_tcp") and not needs("meta", "local") and not needs("cpu", "dlslime_tcp")
+    assert not needs("meta", "torch_dist")  # it sends from device memory
+    with pytest.raises(ValueError, match="does not apply to torch_dist"):
+        DisaggConfig(kv_transfer_backend="torch_dist", kv_staging="always")
     assert needs("cpu", "local", "always") and not needs("meta", "dlslime_tcp", "never")
 
 

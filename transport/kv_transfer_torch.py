@@ -25,11 +25,18 @@ deadline raises KVTransferError and drops the pair (gloo closes it on a timeout;
 aborted, so no late byte lands); the decode side asks for a new endpoint on its next migration. NCCL's
 watchdog is told not to tear the process down on a failed pair (TORCH_NCCL_ASYNC_ERROR_HANDLING=0 while the
 pair's group is built): the deadline here is what fails a migration, and the engine keeps serving.
+
+On a GPU, packs, unpacks and the handshake run on a side stream of the engine's own (NCCL's stream waits for
+it when a send or recv is posted), not on the legacy default stream, which would serialize with the
+worker's streams; the decode side synchronizes it before a migration is reported done. The prefill side
+reads blocks the step that computed them finished writing (its first token reached the host first).
+Not yet run on GPUs: the NCCL tests are marked gpu.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import socket
@@ -130,6 +137,7 @@ class TorchDistEngine(KVTransferEngine):
         super().__init__(timeout_s)
         self.host = host
         self.device: torch.device | None = None
+        self._cuda_stream: torch.cuda.Stream | None = None
         self._serving: dict[str, _Pair] = {}  # requester -> our rank-0 end
         self._peers: dict[str, _Pair] = {}  # prefill engine id -> our rank-1 end
 
@@ -141,6 +149,8 @@ class TorchDistEngine(KVTransferEngine):
                                   "one engine's regions share one device")
         group_backend(data.device)
         self.device = data.device
+        if data.device.type == "cuda" and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(data.device)
 
     @property
     def group_backend(self) -> str:
@@ -251,11 +261,11 @@ class TorchDistEngine(KVTransferEngine):
                             os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
                         else:
                             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
-            hello = torch.full((1,), HANDSHAKE if pair.rank else 0, dtype=torch.int64, device=self.device)
-            work = group.send([hello], 0, SEND_TAG) if pair.rank else group.recv([hello], 1, SEND_TAG)
-            work.wait(self._timedelta())
-            if pair.backend == "nccl":
-                torch.cuda.current_stream(self.device).synchronize()
+            with self._stream():
+                hello = torch.full((1,), HANDSHAKE if pair.rank else 0, dtype=torch.int64, device=self.device)
+                work = group.send([hello], 0, SEND_TAG) if pair.rank else group.recv([hello], 1, SEND_TAG)
+                work.wait(self._timedelta())
+                self._synchronize()
         except RuntimeError as e:
             raise KVTransferError(f"cannot build the KV pair's {pair.backend} group: {e}") from e
         if not pair.rank and int(hello.item()) != HANDSHAKE:
@@ -301,13 +311,14 @@ class TorchDistEngine(KVTransferEngine):
                 raise KVTransferError(f"the KV pair with {requester} was not built in time") from None
             sent = 0
             for start, stop in rounds(len(block_ids), round_blocks):
-                idx = torch.tensor(list(block_ids[start:stop]), dtype=torch.long, device=self.device)
 
-                def pack_and_send(idx: torch.Tensor = idx) -> tuple[dist.Work, torch.Tensor]:
-                    buf = torch.empty((len(layers), len(idx), block_bytes), dtype=torch.uint8, device=self.device)
-                    for layer, out in zip(layers, buf):
-                        torch.index_select(layer, 0, idx, out=out)
-                    return self._group(pair).send([buf], 1, SEND_TAG), buf
+                def pack_and_send(ids: Sequence[int] = block_ids[start:stop]) -> tuple[dist.Work, torch.Tensor]:
+                    with self._stream():  # NCCL's stream waits for this one: the pack lands before the send
+                        idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+                        buf = torch.empty((len(layers), len(ids), block_bytes), dtype=torch.uint8, device=self.device)
+                        for layer, out in zip(layers, buf):
+                            torch.index_select(layer, 0, idx, out=out)
+                        return self._group(pair).send([buf], 1, SEND_TAG), buf
 
                 work, buf = await self._issue(pair, pack_and_send)
                 await self._wait(pair, work, deadline, f"sending {stop - start} blocks to {requester}")
@@ -331,23 +342,41 @@ class TorchDistEngine(KVTransferEngine):
         received = 0
         async with pair.lock:
             for start, stop in rounds(len(pairs), round_blocks):
-                buf = torch.empty((len(layers), stop - start, block_bytes), dtype=torch.uint8, device=self.device)
-                work, _ = await self._issue(pair, lambda buf=buf: (self._group(pair).recv([buf], 0, SEND_TAG), buf))
-                await self._wait(pair, work, deadline, f"receiving {stop - start} blocks from {peer.engine_id}")
-                idx = torch.tensor([dst for _, dst in pairs[start:stop]], dtype=torch.long, device=self.device)
 
-                def unpack(buf: torch.Tensor = buf, idx: torch.Tensor = idx, work: dist.Work = work) -> None:
-                    if pair.backend == "nccl":
-                        work.wait()  # this thread's stream waits for NCCL's before reading the buffer
-                    for layer, data in zip(layers, buf):
-                        layer.index_copy_(0, idx, data)
-                    if self.device.type == "cuda":
-                        torch.cuda.current_stream(self.device).synchronize()  # landed before MigrationDone
+                def post(n: int = stop - start) -> tuple[dist.Work, torch.Tensor]:
+                    with self._stream():
+                        buf = torch.empty((len(layers), n, block_bytes), dtype=torch.uint8, device=self.device)
+                        return self._group(pair).recv([buf], 0, SEND_TAG), buf
+
+                work, buf = await self._issue(pair, post)
+                await self._wait(pair, work, deadline, f"receiving {stop - start} blocks from {peer.engine_id}")
+
+                def unpack(buf: torch.Tensor = buf, work: dist.Work = work,
+                           dst: list[int] = [d for _, d in pairs[start:stop]]) -> None:
+                    with self._stream():
+                        if pair.backend == "nccl":
+                            work.wait()  # our stream waits for NCCL's before reading the buffer
+                        idx = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
+                        for layer, data in zip(layers, buf):
+                            layer.index_copy_(0, idx, data)
+                        self._synchronize()  # landed before MigrationDone
 
                 await asyncio.to_thread(unpack)
                 received += buf.numel()
                 self.bytes_read += buf.numel()
         return received
+
+    def _stream(self) -> contextlib.AbstractContextManager:
+        """On a GPU, a side stream of this engine's own for packs, unpacks and handshakes: off the legacy default
+        stream, which would serialize with the worker's streams. Nothing on CPU."""
+        if self._cuda_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._cuda_stream)
+
+    def _synchronize(self) -> None:
+        """Wait for this engine's side stream (GPU only)."""
+        if self._cuda_stream is not None:
+            self._cuda_stream.synchronize()
 
     def _group(self, pair: _Pair) -> dist.ProcessGroup:
         if pair.group is None or pair.broken:
