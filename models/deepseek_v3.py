@@ -15,6 +15,18 @@ bias (kernels/moe/routing.select_experts_grouped), the routed experts through ke
 on stacked [E, 2I, H] / [E, H, I] weights, plus the shared experts as one dense MLP. Earlier layers have a
 dense MLP.
 
+Tensor parallelism (models/parallel.py `tp_group`, as vLLM and SGLang split MLA models): each rank keeps
+num_heads / tp attention heads: q_b_proj (q_proj without q_lora) and kv_b_proj column-parallel by heads,
+so W_UK / W_UV are absorbed per rank on its heads, and o_proj row-parallel (one all-reduce). q_a_proj,
+kv_a_proj_with_mqa and their norms are replicated: the latent and k_pe are per token, so every rank writes
+and reads the whole latent cache for its heads (the cache shape does not depend on tp). The dense MLPs and
+the shared experts split their intermediate dim (gate/up column-, down row-parallel); the routed experts
+split each expert's intermediate dim (StackedExperts) under a replicated router, and a MoE layer sums the
+routed and shared experts' partial outputs with one all-reduce. Embedding and LM head are vocab-parallel.
+FP8 linears slice their weights and block scales together (Fp8ColumnParallelLinear, Fp8RowParallelLinear);
+a split that does not fall on the weight blocks is refused when the model is built. Speculative decoding
+(MTP) under tensor parallelism is refused.
+
 Expert parallelism (an engine's data-parallel ranks under enable_expert_parallel, models/parallel.py
 `ep_group`): as Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
 rank keeps E / ep routed experts and loads only their tensors (an FP8 checkpoint's other experts are not
@@ -37,7 +49,8 @@ actors/spec_decode.py drives it.
 
 FP8 checkpoints (config.json quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}):
 the q / kv_a projections, o_proj, the dense MLPs and the shared experts are Fp8BlockLinear (e4m3 `weight`
-+ float32 `weight_scale_inv` per block, kernels/quant's backends); kv_b_proj (read as W_UK / W_UV by the
++ float32 `weight_scale_inv` per block, kernels/quant's backends; their tensor-parallel subclasses when split);
+kv_b_proj (read as W_UK / W_UV by the
 absorbed attention) and the routed experts are dequantized once at load into the model dtype: FP8 grouped
 expert GEMMs are not built yet.
 """
@@ -47,7 +60,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -57,12 +69,22 @@ from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts_grouped
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
-from flotilla.kernels.quant import FP8_DTYPE, block_dequantize, get_fp8_backend
+from flotilla.kernels.quant import FP8_DTYPE, Fp8LinearBackend, block_dequantize, get_fp8_backend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
 from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
 from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, _copy_checked
-from flotilla.models.parallel import tp_group
+from flotilla.models.parallel import (
+    ColumnParallelLinear,
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+    divide,
+    tp_group,
+    vocab_parallel_logits,
+)
 from flotilla.models.qwen3_moe import PER_EXPERT, ExpertTensors, StackedExperts
 
 logger = logging.getLogger(__name__)
@@ -76,19 +98,46 @@ _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight_scale_inv")
 _SCALE_SUFFIX = "_scale_inv"
 
-LinearFactory = Callable[..., nn.Module]
-"""(in_features, out_features, bias=False) -> a linear layer: llama.Linear, or Fp8BlockLinear when FP8."""
+_WHOLE = "whole"
+"""The shard id of a column-parallel layer that is one checkpoint tensor (not fused from parts)."""
 
 
-class Embedding(nn.Module):
-    """Token embedding table [vocab, hidden], uninitialized like Linear."""
+class Linears:
+    """Builds this tensor-parallel rank's linear layers: replicated, column-parallel (its rows: heads, or an
+    MLP's intermediate slice) or row-parallel (the matching input columns); FP8 block-scaled ones
+    (kernels/quant) when `block_size` is set, else float (models/parallel.py). With one rank, the plain layers."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+    def __init__(self, block_size: tuple[int, int] | None = None, backend: Fp8LinearBackend | None = None) -> None:
+        self.block_size = block_size
+        self.backend = backend
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+    def replicated(self, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+        """Every rank keeps the whole layer (the latent projections: per token, not per head)."""
+        if self.block_size is None:
+            return Linear(in_features, out_features, bias)
+        return Fp8BlockLinear(in_features, out_features, bias, self.block_size, self.backend)
+
+    def column(self, in_features: int, part_sizes: dict[str, int], what: str, bias: bool = False,
+               quantized: bool = True) -> nn.Module:  # fmt: skip
+        """Output rows fused from parts (shard id -> rows), each split evenly over the ranks; `quantized=False`
+        makes a float layer even in an FP8 model (kv_b_proj, dequantized at load)."""
+        tp = tp_group()
+        parts = {}
+        for shard, full in part_sizes.items():
+            rows = divide(full, tp.size, f"the output size of {what}")
+            parts[shard] = (full, rows, tp.rank * rows)
+        if self.block_size is None or not quantized:
+            return ColumnParallelLinear(in_features, parts, bias)
+        return Fp8ColumnParallelLinear(in_features, parts, bias, self.block_size, self.backend, what)
+
+    def row(self, in_features: int, out_features: int, what: str, bias: bool = False,
+            reduce_results: bool = True) -> nn.Module:  # fmt: skip
+        """Input columns split over the ranks; the partial products summed by one all-reduce, or left to the
+        caller's (reduce_results=False)."""
+        if self.block_size is None:
+            return RowParallelLinear(in_features, out_features, bias, reduce_results)
+        return Fp8RowParallelLinear(in_features, out_features, bias, self.block_size, self.backend, reduce_results,
+                                    what)  # fmt: skip
 
 
 class MLARotaryEmbedding(nn.Module):
@@ -134,10 +183,11 @@ class DeepseekV3Attention(nn.Module):
     """MLA: q (low-rank or not) and the latent -> RoPE on the rope parts -> store [c_kv | k_pe] in the
     paged cache -> absorbed MQA over the latents -> W_UV per head -> o_proj."""
 
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
-                 linear: LinearFactory = Linear) -> None:  # fmt: skip
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, linears: Linears) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        total_heads = config.num_attention_heads
+        self.num_heads = divide(total_heads, tp_group().size, "num_attention_heads")
+        """This rank's heads (all of them with one rank)."""
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.kv_lora_rank = mla.kv_lora_rank
         self.rope_interleave = mla.rope_interleave
@@ -145,20 +195,22 @@ class DeepseekV3Attention(nn.Module):
         self.scale = softmax_scale(config, mla)
         self.kv_scale = 1.0
         """An FP8 latent cache holds [c_kv | k_pe] / kv_scale (kernels/mla); 1.0 without a calibrated scale."""
-        hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
-        q_width = heads * (self.nope_dim + self.rope_dim)
+        hidden, bias = config.hidden_size, config.attention_bias
+        # split by heads: q's and kv_b's rows, o_proj's input columns; the latent projections are replicated
+        q_width = {_WHOLE: total_heads * (self.nope_dim + self.rope_dim)}
         if mla.q_lora_rank is None:
-            self.q_proj: nn.Module | None = linear(hidden, q_width)
+            self.q_proj: nn.Module | None = linears.column(hidden, q_width, "q_proj")
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = linears.replicated(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = linear(mla.q_lora_rank, q_width)
-        self.kv_a_proj_with_mqa = linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = linears.column(mla.q_lora_rank, q_width, "q_b_proj")
+        self.kv_a_proj_with_mqa = linears.replicated(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim))  # dequantized if FP8
-        self.o_proj = linear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = linears.column(self.kv_lora_rank, {_WHOLE: total_heads * (self.nope_dim + self.v_dim)},
+                                        "kv_b_proj", quantized=False)  # dequantized at load if FP8
+        self.o_proj = linears.row(total_heads * self.v_dim, hidden, "o_proj", bias=bias)
         self.ops = current_ops()
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,15 +251,18 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP with gate and up fused into one GEMM (the dense layers' MLP and the shared experts)."""
+    """SwiGLU MLP with gate and up fused into one GEMM (the dense layers' MLP and the shared experts), this
+    rank's slice of the intermediate dim; down_proj all-reduces unless `reduce_results=False` (the shared
+    experts: the MoE block sums them with the routed experts' partial output before its one all-reduce).
+    An FP8 one needs each rank's share of gate (and of up) to be whole weight blocks."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, linear: LinearFactory = Linear) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, linears: Linears, reduce_results: bool = True,
+                 what: str = "an MLP") -> None:  # fmt: skip
         super().__init__()
-        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = linear(intermediate_size, hidden_size)
-        if isinstance(self.gate_up_proj, Fp8BlockLinear) and intermediate_size % self.gate_up_proj.block_size[0]:
-            raise ValueError(f"an FP8 MLP of intermediate size {intermediate_size} fuses gate and up, which needs "
-                             f"it to be a multiple of the weight block ({self.gate_up_proj.block_size[0]})")  # fmt: skip
+        self.gate_up_proj = linears.column(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
+                                           f"{what} of intermediate size {intermediate_size} (gate and up fused)")
+        self.down_proj = linears.row(intermediate_size, hidden_size, f"{what}'s down_proj",
+                                     reduce_results=reduce_results)  # fmt: skip
         self.ops = current_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,26 +292,30 @@ class DeepseekV3Router(nn.Module):
 class DeepseekV3MoE(nn.Module):
     """Router -> routed experts (kernels/moe) + shared experts (a dense MLP every token passes)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linear: LinearFactory = Linear) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linears: Linears) -> None:
         super().__init__()
-        self.gate = DeepseekV3Router(hidden_size, moe)
+        self.gate = DeepseekV3Router(hidden_size, moe)  # replicated: every TP rank routes the same tokens alike
         self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
-                                      expert_parallel=True)
-        self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linear)
+                                      expert_parallel=True)  # fmt: skip
+        self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linears,
+                                             reduce_results=False, what="the shared experts")
                                if moe.num_shared_experts else None)  # fmt: skip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(hidden)  # this rank's tokens; scaled by routed_scaling_factor
         out = self.experts(hidden, topk_weights, topk_ids)  # dispatched to the experts' ranks under EP
-        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        # under TP both are this rank's partial sums (its slice of every expert's intermediate dim): one all-reduce
+        return all_reduce(out)
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     """DeepSeek's block: MLA attention, then a dense MLP or the MoE."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
-                 linear: LinearFactory = Linear) -> None:  # fmt: skip
-        super().__init__(config, DeepseekV3Attention(config, mla, backend, linear), mlp)
+                 linears: Linears) -> None:  # fmt: skip
+        super().__init__(config, DeepseekV3Attention(config, mla, backend, linears), mlp)
 
 
 class DeepseekV3SharedHead(nn.Module):
@@ -272,8 +331,8 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
     through eh_proj, then an ordinary DeepSeek block (MLA over its own cache layer, MoE or dense MLP)."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
-                 linear: LinearFactory = Linear) -> None:  # fmt: skip
-        super().__init__(config, mla, backend, mlp, linear)
+                 linears: Linears) -> None:  # fmt: skip
+        super().__init__(config, mla, backend, mlp, linears)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)  # not FP8 in DeepSeek's checkpoint
@@ -294,18 +353,18 @@ class DeepseekV3Model(nn.Module):
     """Embedding, decoder stack and final norm (HF's `model.` prefix); the MTP layer when built with one."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend,
-                 make_mlp: Callable[[int], nn.Module], linear: LinearFactory = Linear,
+                 make_mlp: Callable[[int], nn.Module], linears: Linears,
                  num_mtp_layers: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linear) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linears) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = MLARotaryEmbedding(config, mla.qk_rope_head_dim)
         n = config.num_hidden_layers
         self.mtp_layers = nn.ModuleList(
-            DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linear) for i in range(num_mtp_layers)
+            DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linears) for i in range(num_mtp_layers)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -344,8 +403,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"n_routed_experts={moe.num_experts} is not a multiple of n_group={moe.num_groups}")
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        if tp_group().size > 1:
-            raise NotImplementedError("tensor parallelism is not built for DeepSeek-V3 (MLA) yet; run one rank")
+        if mtp and tp_group().size > 1:
+            raise NotImplementedError("speculative decoding (MTP) with tensor parallelism is not built: the "
+                                      "speculator's verification and drafts do not yet take rank 0's tokens; run "
+                                      "tensor_parallel_size=1 or no speculative_config")  # fmt: skip
         self.config = config
         self.mla = mla
         self.num_hidden_layers = config.num_hidden_layers
@@ -363,21 +424,23 @@ class DeepseekV3ForCausalLM(nn.Module):
         ops = get_ops(fused_ops, device=device)
         self.fused_ops_name = ops.name
         self.quant = config.quantization
-        self.linear: LinearFactory = Linear
+        self.linears = Linears()
         self.fp8_backend_name: str | None = None
         if self.quant is not None:
             fp8 = get_fp8_backend(fp8_backend, device=device)
             self.fp8_backend_name = fp8.name
-            self.linear = partial(Fp8BlockLinear, block_size=self.quant.weight_block_size, backend=fp8)
+            self.linears = Linears(self.quant.weight_block_size, fp8)
         with use_ops(ops):
-            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linear, self.num_mtp_layers)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+            self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linears, self.num_mtp_layers)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else VocabParallelEmbedding(config.vocab_size, config.hidden_size))  # fmt: skip
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe
         if moe is not None and moe.is_sparse(layer_idx):
-            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend, self.linear)
-        return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size, self.linear)
+            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend, self.linears)
+        return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size, self.linears,
+                             what=f"the dense MLP of layer {layer_idx}")  # fmt: skip
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
@@ -385,9 +448,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab] (on every rank)."""
+        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
                     kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
@@ -412,6 +474,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         every part came). Raises ValueError naming the tensor on an unknown name, a bad shape or expert
         index, an FP8 tensor without its scale (or a scale without an fp8 quantization_config)."""
         params = dict(self.named_parameters())
+        # the layer that slices a parameter's checkpoint tensor to this rank's part (tensor parallelism)
+        owners = {f"{prefix}.{p}" if prefix else p: m for prefix, m in self.named_modules() if hasattr(m, "load")
+                  for p, _ in m.named_parameters(recurse=False)}
         experts = ExpertTensors(self)  # the routed experts' tensors, this rank's only under expert parallelism
         gate_up_seen: dict[str, set[str]] = {}
         loaded: set[str] = set()
@@ -428,16 +493,18 @@ class DeepseekV3ForCausalLM(nn.Module):
             if name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
                 proj = "gate_proj" if ".gate_proj." in name else "up_proj"
                 param_name = self._param_name(params, name.replace(f".{proj}.", ".gate_up_proj."), name)
-                param = params[param_name]
-                half = param.shape[0] // 2
-                _copy_checked(param.data.narrow(0, 0 if proj == "gate_proj" else half, half), tensor, name, param_name)
+                owners[param_name].load(params[param_name], tensor, (name, param_name), proj.removesuffix("_proj"))
                 seen = gate_up_seen.setdefault(param_name, set())
                 seen.add(proj)
                 if len(seen) == 2:
                     loaded.add(param_name)
             else:
                 param_name = self._param_name(params, name, name)
-                _copy_checked(params[param_name].data, tensor, name, param_name)
+                owner = owners.get(param_name)
+                if owner is None:  # replicated
+                    _copy_checked(params[param_name].data, tensor, name, param_name)
+                else:
+                    owner.load(params[param_name], tensor, (name, param_name), _WHOLE)
                 loaded.add(param_name)
         if skipped_mtp:
             logger.info("skipped %d tensors of multi-token-prediction layers (%s)", skipped_mtp,

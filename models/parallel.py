@@ -18,6 +18,11 @@ and no branch beyond one `if` per layer.
 Checkpoints hold whole tensors: each layer's `load(...)` narrows a tensor to the rank's part (the loader
 reads whole tensors and the model slices them).
 
+FP8 block-scaled layers (`Fp8ColumnParallelLinear`, `Fp8RowParallelLinear`: DeepSeek's e4m3 `weight` with a
+float32 `weight_scale_inv` per block) slice the weight and its scales together, so a rank's share must start
+and end on the weight blocks (a partial last block only where the share ends the tensor); any other split
+is refused when the layer is built.
+
 Expert parallelism has a group of its own (`init_expert_parallel`, `ep_group()`: an engine's data-parallel
 ranks, actors/data_parallel.py); MoE layers built while it is set keep only their share of the experts
 (models/qwen3_moe.py).
@@ -32,6 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from flotilla.kernels.quant import Fp8LinearBackend
+from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
+from flotilla.kernels.quant.fp8_ref import num_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,21 +242,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (+ b): each rank keeps the input columns of its column-parallel
-    input's slice; one all-reduce, then the bias once."""
+    input's slice; one all-reduce, then the bias once. With reduce_results=False the rank's partial sum is
+    returned (bias on rank 0 only) for the caller to add to others before one all-reduce of its own."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, reduce_results: bool = True) -> None:
         super().__init__()
         tp = self.tp = tp_group()
         self.in_features = divide(in_features, tp.size, "the input size of a row-parallel layer")
         self.full_in_features = in_features
+        self.reduce_results = reduce_results
         self.weight = _empty(out_features, self.in_features)
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        return _row_parallel_output(F.linear(x, self.weight), self.bias, self.reduce_results, self.tp)
 
     def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
         if param is self.bias:
@@ -287,9 +297,101 @@ class VocabParallelEmbedding(nn.Module):
             param.data[rows:].zero_()
 
 
+def _row_parallel_output(partial: torch.Tensor, bias: torch.Tensor | None, reduce_results: bool,
+                         tp: TPGroup) -> torch.Tensor:
+    """A row-parallel layer's output from this rank's partial product: summed over the ranks then biased, or
+    (reduce_results=False) left partial, biased on rank 0 alone so that the caller's sum adds the bias once."""
+    if reduce_results:
+        partial = all_reduce(partial)
+    elif tp.rank != 0:
+        return partial
+    return partial if bias is None else partial + bias
+
+
 def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
     """hidden [N, H] -> float32 logits [N, vocab] on every rank: each rank's vocabulary range, gathered."""
     local = F.linear(hidden, head.weight)
     if head.tp.size == 1:
         return local.float()
     return all_gather_last_dim(local)[:, :head.num_embeddings].float()
+
+
+def _fp8_misaligned(what: str, unit: str, rows: int, full: int, first: int, block: int, tp: TPGroup) -> ValueError:
+    return ValueError(f"{what}: tensor-parallel rank {tp.rank} of {tp.size} would keep {rows} of its {full} {unit} "
+                      f"from {first} on, which do not fall on the FP8 weight blocks of {block}: each rank's share "
+                      f"must be a multiple of the weight block (use a tensor-parallel size that splits it into "
+                      f"whole blocks)")
+
+
+class Fp8ColumnParallelLinear(Fp8BlockLinear):
+    """A column-parallel layer (as ColumnParallelLinear: parts stacked along the output dim, this rank's rows
+    of each) with FP8 block-scaled weights: the rows of `weight` and the matching block rows of
+    `weight_scale_inv`. `what` names the layer in errors."""
+
+    def __init__(self, in_features: int, parts: dict[str, tuple[int, int, int]], bias: bool,
+                 block_size: tuple[int, int], backend: Fp8LinearBackend | None = None,
+                 what: str = "an FP8 layer") -> None:  # fmt: skip
+        tp = tp_group()
+        bn = int(block_size[0])
+        self.parts = parts
+        self.offsets: dict[str, int] = {}
+        at = 0
+        for i, (shard, (full, rows, first)) in enumerate(parts.items()):
+            ends_tensor = i == len(parts) - 1 and first + rows == full  # a partial last block is the tensor's own
+            if first % bn or (rows % bn and not ends_tensor):
+                raise _fp8_misaligned(what, "rows", rows, full, first, bn, tp)
+            self.offsets[shard] = at
+            at += rows
+        super().__init__(in_features, at, bias, block_size, backend)
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str) -> None:
+        """This rank's rows of checkpoint tensor `src` (part `shard`, whole): weight, bias, or block scales."""
+        full, rows, first = self.parts[shard]
+        at = self.offsets[shard]
+        if param is self.weight_scale_inv:
+            bn = self.block_size[0]
+            check_shape(src, (num_blocks(full, bn), param.shape[1]), *names)
+            blocks = num_blocks(rows, bn)
+            _copy(param.data.narrow(0, at // bn, blocks), src.narrow(0, first // bn, blocks))
+            return
+        check_shape(src, (full, *param.shape[1:]), *names)
+        _copy(param.data.narrow(0, at, rows), src.narrow(0, first, rows))
+
+
+class Fp8RowParallelLinear(Fp8BlockLinear):
+    """A row-parallel layer (as RowParallelLinear, reduce_results included) with FP8 block-scaled weights: this
+    rank's input columns of `weight` and the matching block columns of `weight_scale_inv`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block_size: tuple[int, int],
+                 backend: Fp8LinearBackend | None = None, reduce_results: bool = True,
+                 what: str = "an FP8 layer") -> None:  # fmt: skip
+        tp = tp_group()
+        local = divide(in_features, tp.size, f"the input size of {what}")
+        if tp.size > 1 and local % int(block_size[1]):
+            raise _fp8_misaligned(what, "input columns", local, in_features, tp.rank * local,
+                                  int(block_size[1]), tp)
+        super().__init__(local, out_features, bias, block_size, backend)
+        self.tp = tp
+        self.full_in_features = in_features
+        self.reduce_results = reduce_results
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        partial = self.backend.linear(x, self.weight, self.weight_scale_inv, None, self.block_size)
+        return _row_parallel_output(partial, self.bias, self.reduce_results, self.tp)
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        """This rank's input columns of checkpoint tensor `src` (whole): weight or block scales; the bias whole."""
+        if param is self.bias:
+            check_shape(src, tuple(param.shape), *names)
+            _copy(param.data, src)
+            return
+        local, first = self.in_features, self.tp.rank * self.in_features
+        if param is self.weight_scale_inv:
+            bn, bk = self.block_size
+            check_shape(src, (num_blocks(self.out_features, bn), num_blocks(self.full_in_features, bk)), *names)
+            _copy(param.data, src.narrow(1, first // bk, num_blocks(local, bk)))
+            return
+        check_shape(src, (param.shape[0], self.full_in_features), *names)
+        _copy(param.data, src.narrow(1, first, local))

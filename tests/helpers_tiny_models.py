@@ -266,9 +266,10 @@ _FP8_QUANTIZED = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_
                             r"|down_proj)\.weight$")  # fmt: skip
 
 
-def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3") -> tuple[Path, Path]:
+def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3",
+                                 block: tuple[int, int] = FP8_BLOCK) -> tuple[Path, Path]:  # fmt: skip
     """(fp8 folder, float folder) under `root`: the tiny DeepSeek-V3 model `name` with its linears (routed
-    experts included) quantized in FP8_BLOCK blocks (DeepSeek's quantization_config), and the same model with
+    experts included) quantized in `block` blocks (DeepSeek's quantization_config), and the same model with
     those weights dequantized back (float32, no quantization)."""
     root = Path(root)
     src = write_tiny_deepseek_model(root / "float_src", name)
@@ -276,13 +277,13 @@ def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3") ->
     fp8, dequantized = {}, {}
     for key, w in weights.items():
         if _FP8_QUANTIZED.search(key):
-            q, s = block_quantize(w, FP8_BLOCK)
+            q, s = block_quantize(w, block)
             fp8[key], fp8[f"{key}_scale_inv"] = q, s
-            dequantized[key] = block_dequantize(q, s, FP8_BLOCK)
+            dequantized[key] = block_dequantize(q, s, block)
         else:
             fp8[key] = dequantized[key] = w
     config = json.loads((src / "config.json").read_text())
-    quantization = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                     "activation_scheme": "dynamic"}
     dirs = []
     for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}), ("dequantized", dequantized, {})):
