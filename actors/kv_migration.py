@@ -419,7 +419,11 @@ class KVMigrationActor(Actor):
         rounds = self.config.disagg.kv_staging_blocks
         request = KVSendRequest(key=src, transfer_id=cmd.transfer_id, reply_to=self.address, round_blocks=rounds,
                                 block_ids=np.asarray([s for s, _ in pairs], dtype=np.int32))
-        error = await self._ask(src, request, "agree to send blocks")
+        try:
+            error = await self._ask(src, request, "agree to send blocks")
+        except KVTransferError:  # it may still send: a later receive on this pair would take those bytes
+            self.engine.disconnect(info.endpoint.engine_id)
+            raise
         if error is not None:
             raise KVTransferError(f"the prefill rank will not send blocks: {error}")
         await self.engine.recv_blocks(info.regions[0], [r.name for r in self.regions], pairs,

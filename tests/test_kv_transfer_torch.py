@@ -144,6 +144,9 @@ def test_random_blocks_move_bit_exact_between_two_processes_over_gloo(peer) -> N
         _check_landed(caches, _expected(), moved)
         with pytest.raises(KVTransferError, match="no one-sided reads"):
             asyncio.run(engine.read(peer.regions[0], [(0, 0, 8)], names[0]))
+        engine.disconnect(peer.endpoint.engine_id)  # out of step with the peer: nothing more on that pair
+        with pytest.raises(KVTransferError, match="not connected to KV peer"):
+            asyncio.run(engine.recv_blocks(peer.regions[0], names, [(0, 0)], BLOCK_BYTES, 4))
 
 
 def test_a_peer_that_is_gone_or_hung_gives_a_clear_error(peer, tmp_path) -> None:

@@ -235,6 +235,10 @@ class TorchDistEngine(KVTransferEngine):
         self._drop(self._peers, peer.engine_id)
         self._peers[peer.engine_id] = pair
 
+    def disconnect(self, peer_engine_id: str) -> None:
+        """Decode side: drop the pair with a peer (when it may be out of step: asked to send, no answer)."""
+        self._drop(self._peers, peer_engine_id)
+
     def _timedelta(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
