@@ -46,15 +46,17 @@ def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
 async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,
                    staging: tuple[str, str] = ("auto", "auto"),
                    dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), between=None,
-                   devices: tuple[str, str] = ("cpu", "cpu")):
+                   devices: tuple[str, str] = ("cpu", "cpu"), block_shape: tuple[int, ...] | None = None):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
     builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'.
     between: called with the number of commands done so far, after each (then they go one at a time).
-    devices: where the two caches live (the returned ones are CPU copies)."""
+    devices: where the two caches live (the returned ones are CPU copies). block_shape: one block of both caches
+    (default: the GQA layout [2, BS, HEADS, DIM])."""
     torch.manual_seed(0)
-    pre = [torch.randn(NUM_BLOCKS + 1, 2, BS, HEADS, DIM).to(dtypes[0]).to(devices[0]) for _ in range(LAYERS)]
-    dec = [torch.zeros(NUM_BLOCKS + 1, 2, BS, HEADS, decode_dim, dtype=dtypes[1], device=devices[1])
-           for _ in range(LAYERS)]
+    src_block = block_shape or (2, BS, HEADS, DIM)
+    dst_block = block_shape or (2, BS, HEADS, decode_dim)
+    pre = [torch.randn(NUM_BLOCKS + 1, *src_block).to(dtypes[0]).to(devices[0]) for _ in range(LAYERS)]
+    dec = [torch.zeros(NUM_BLOCKS + 1, *dst_block, dtype=dtypes[1], device=devices[1]) for _ in range(LAYERS)]
     _fake_runner("pw", pre)
     _fake_runner("dw", dec)
     def config(workers: str, stage: str) -> dict:
@@ -123,6 +125,23 @@ def test_migrated_blocks_land_exactly_and_nothing_else_is_touched(backend, stagi
                 assert torch.equal(d[dst], p[moved[dst]]), dst
             else:
                 assert not d[dst].any(), dst
+
+
+@pytest.mark.parametrize("backend,staging", [("local", ("auto", "auto")), ("torch_dist", ("auto", "auto")),
+                                             ("dlslime_tcp", ("always", "always"))])
+def test_an_mla_latent_cache_migrates_block_for_block(backend, staging):
+    """DeepSeek-V3's cache, [num_blocks, block_size, kv_lora_rank + rope_dim] per layer, moves like GQA's."""
+    if backend == "dlslime_tcp":
+        _need_dlslime()
+    pairs = (list(range(1, 41, 2)) + [60, 61, 62], list(range(70, 50, -1)) + [3, 4, 5])
+    pre, dec, done = uvloop.run(_migrate(backend, lambda src_kv: [_cmd("m", src_kv, *pairs)], staging=staging,
+                                         block_shape=(BS, 24)))
+    assert done[0].error is None, done
+    assert done[0].num_bytes == len(pairs[0]) * LAYERS * BS * 24 * 4
+    moved = dict(zip(pairs[1], pairs[0]))
+    for p, d in zip(pre, dec):
+        for dst in range(NUM_BLOCKS + 1):
+            assert torch.equal(d[dst], p[moved[dst]]) if dst in moved else not d[dst].any(), dst
 
 
 def test_a_layout_mismatch_and_an_absent_peer_come_back_as_migration_errors():

@@ -121,10 +121,11 @@ def plan_reads(
 
 
 def kv_block_bytes(cache: torch.Tensor) -> int:
-    """Bytes of one block of one layer's cache [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
-    if cache.dim() != 5 or cache.shape[1] != 2:
-        shape = tuple(cache.shape)
-        raise ValueError(f"expected a KV cache [num_blocks, 2, block_size, kv_heads, head_dim], got {shape}")
+    """Bytes of one block of one layer's cache: blocks first, each one contiguous run of bytes — the GQA layout
+    [num_blocks, 2, block_size, num_kv_heads, head_dim] or MLA's latent rows [num_blocks, block_size,
+    kv_lora_rank + rope_dim] alike (the data plane moves bytes and never looks inside a block)."""
+    if cache.dim() < 2:
+        raise ValueError(f"expected a KV cache [num_blocks, ...block], got {tuple(cache.shape)}")
     if not cache.is_contiguous():
         raise ValueError("KV cache must be contiguous: block b of a layer starts at b * block_bytes")
     return cache[0].numel() * cache.element_size()
