@@ -261,7 +261,7 @@ class DeepseekV3MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = linears.column(hidden_size, {"gate": intermediate_size, "up": intermediate_size},
                                            f"{what} of intermediate size {intermediate_size} (gate and up fused)")
-        self.down_proj = linears.row(intermediate_size, hidden_size, f"{what}'s down_proj",
+        self.down_proj = linears.row(intermediate_size, hidden_size, f"the down_proj of {what}",
                                      reduce_results=reduce_results)  # fmt: skip
         self.ops = current_ops()
 

@@ -317,6 +317,9 @@ def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) ->
 
 
 def _fp8_misaligned(what: str, unit: str, rows: int, full: int, first: int, block: int, tp: TPGroup) -> ValueError:
+    if tp.size == 1:  # only fused parts can be off the blocks
+        return ValueError(f"{what}: fusing parts of {rows} {unit} needs each to be a multiple of the weight block "
+                          f"({block})")
     return ValueError(f"{what}: tensor-parallel rank {tp.rank} of {tp.size} would keep {rows} of its {full} {unit} "
                       f"from {first} on, which do not fall on the FP8 weight blocks of {block}: each rank's share "
                       f"must be a multiple of the weight block (use a tensor-parallel size that splits it into "

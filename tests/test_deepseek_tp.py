@@ -155,3 +155,15 @@ def test_splits_that_cannot_work_are_refused(tmp_path: Path, monkeypatch: pytest
         _build(json.loads((fp8_dir / "config.json").read_text()), monkeypatch, rank=0, size=2)
     with pytest.raises(NotImplementedError, match=r"speculative decoding \(MTP\) with tensor parallelism"):
         _build(HUB_V3, monkeypatch, rank=0, size=8, mtp=True)
+
+
+def test_kimi_k2_fp8_splits_over_8_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kimi-K2's config (64 heads, 384 experts in one group) with DeepSeek's FP8 blocks: 8 heads a rank."""
+    kimi = {**HUB_V3, "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+            "first_k_dense_replace": 1, "vocab_size": 163840, "quantization_config": FP8_QUANT}  # fmt: skip
+    model = _build(kimi, monkeypatch, rank=7, size=8)
+    attn = model.model.layers[1].self_attn
+    assert attn.num_heads == 8 and tuple(attn.q_b_proj.weight_scale_inv.shape) == (8 * 192 // 128, 1536 // 128)
+    assert tuple(model.model.layers[1].mlp.experts.gate_up_proj.shape) == (384, 2 * 256, 7168)
+    assert tuple(model.model.embed_tokens.weight.shape) == (163840 // 8, 7168)
