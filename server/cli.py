@@ -140,4 +140,25 @@ def fleet_engines(spec: str | None, config: EngineConfig,
         name = f"{'engine' if role == 'both' else role}-{i}"
         engines.append((name, msgspec.structs.replace(config, disagg=msgspec.structs.replace(config.disagg,
                                                                                              role=role))))
-    return engines
+    return _own_gpus(engines)
+
+
+def _own_gpus(engines: list[tuple[str, EngineConfig]]) -> list[tuple[str, EngineConfig]]:
+    """Give each engine of a fleet its own GPUs when the machine has enough: engine k starts at GPU
+    first + k x (tensor_parallel_size x data_parallel_size). Otherwise (CPU, or too few GPUs) they share the
+    device they were given, as before. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
+    import torch
+
+    config = engines[0][1]
+    device = config.worker.device
+    if len(engines) < 2 or device == "cpu" or not torch.cuda.is_available():
+        return engines
+    if device not in ("auto", "cuda") and not device.startswith("cuda:"):
+        return engines
+    first = int(device.partition(":")[2] or 0)
+    per = config.parallel.tensor_parallel_size * config.parallel.data_parallel_size
+    if first + len(engines) * per > torch.cuda.device_count():
+        return engines
+    return [(name, msgspec.structs.replace(cfg, worker=msgspec.structs.replace(cfg.worker,
+                                                                              device=f"cuda:{first + k * per}")))
+            for k, (name, cfg) in enumerate(engines)]

@@ -51,3 +51,24 @@ def test_an_unreachable_registry_is_a_clear_error_before_any_model_loads(tmp_pat
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and f"cannot reach the registry redis://127.0.0.1:{port}/0" in out.stderr
     assert "Traceback" not in out.stderr and "loaded" not in out.stderr  # checked before the engines start
+
+
+def test_each_engine_of_a_fleet_gets_its_own_gpus_when_there_are_enough(monkeypatch):
+    import torch
+
+    from flotilla.config import EngineConfig
+    from flotilla.server.cli import fleet_engines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+    def devices(spec, **opts):
+        return [cfg.worker.device for _, cfg in fleet_engines(spec, EngineConfig.from_options(**opts), None)]
+
+    assert devices("prefill,decode") == ["cuda:0", "cuda:1"]
+    assert devices("prefill,decode", device="cuda:2") == ["cuda:2", "cuda:3"]
+    assert devices("prefill,decode", tensor_parallel_size=2) == ["cuda:0", "cuda:2"]
+    assert devices("both,both,both", tensor_parallel_size=2) == ["auto"] * 3  # 6 GPUs wanted, 4 there: shared
+    assert devices("prefill,decode", device="cpu") == ["cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices("prefill,decode") == ["auto", "auto"]
