@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 
 def alive(pid: int) -> bool:
@@ -20,3 +21,16 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.05)
     return [p for p in pids if alive(p)]
+
+
+def describe_process(pid: int) -> str:
+    """What a process that should be gone is doing: its command line, state, parent and kernel wait channel."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        status = {k: v.strip() for k, _, v in (line.partition(":") for line in
+                                               Path(f"/proc/{pid}/status").read_text().splitlines())}
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"{pid}: {e}"
+    return f"{pid} {cmd!r} state={status.get('State')} ppid={status.get('PPid')} " \
+           f"sigcgt={status.get('SigCgt')} sigblk={status.get('SigBlk')} wchan={wchan}"

@@ -21,7 +21,7 @@ import uvloop
 from flotilla.transport.channels import Inbox, Outbox, new_context
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.messages import PingRequest, PongResult
-from helpers_procs import alive, wait_gone
+from helpers_procs import alive, describe_process, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = """
@@ -109,7 +109,8 @@ def test_killing_the_launcher_takes_its_children_with_it(topology):
     pids = pids_from_table(read_until(proc, r"^endpoints: "))
     proc.kill()
     proc.wait()
-    assert not wait_gone(list(pids.values()))
+    left = wait_gone(list(pids.values()))
+    assert not left, [describe_process(p) for p in left]  # (seen once under a full suite run; not reproduced)
 
 
 def test_a_child_killed_later_tears_the_topology_down(topology):
