@@ -49,7 +49,10 @@ def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -
     return prefill, decodes
 
 
-def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_profile: bool = False) -> dict[str, Any]:
+def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_profile: bool = False,
+            host_profile: cProfile.Profile | None = None) -> dict[str, Any]:
+    """One batch size: decode steps one at a time, then overlapped. torch_profile: kernels of the overlapped pass;
+    host_profile: collects the overlapped pass's host functions (warm: no compilation in it)."""
     prefill, decodes = decode_plans(runner, batch, prompt_len, steps)
     runner.execute(prefill)
     forward_ms: list[float] = []
@@ -84,6 +87,8 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     torch.cuda.synchronize()
     if torch_profile:
         prof.start()
+    if host_profile is not None:
+        host_profile.enable()
     t0 = time.perf_counter()
     for k, plan in enumerate(overlapped):
         t1 = time.perf_counter()
@@ -94,6 +99,8 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     runner.finish_oldest()
     torch.cuda.synchronize()
     overlap_wall = (time.perf_counter() - t0) * 1000 / len(overlapped)
+    if host_profile is not None:
+        host_profile.disable()
     extra = {}
     if torch_profile:
         prof.stop()
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(the profiler's own host cost slows the host side: read the wall times from a run without it)")
     p.add_argument("--prefill", default="",
                    help="also time one eager prefill step: TOKENS[xPER_SEQ] (e.g. 8192x512), with its kernels")
-    p.add_argument("--cprofile", action="store_true", help="also print the host functions that cost the most")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also print the host functions that cost the most in the overlapped pass (per batch size)")
     args = p.parse_args(argv)
     dummy = args.model in SHAPES
     config = EngineConfig.from_options(
@@ -164,16 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=8192, block_size=16,
         attention_backend=args.attention_backend, device="cuda", enforce_eager=args.enforce_eager)
     runner = ModelRunner(config, progress=False)
-    if args.cprofile:
-        prof = cProfile.Profile()
-        prof.enable()
-    rows = [profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile) for b in args.batch.split(",")]
+    rows = []
+    for b in args.batch.split(","):
+        host = cProfile.Profile() if args.cprofile else None
+        rows.append(profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile, host))
+        if host is not None:  # the overlapped pass only: what the host does per step, without compilation
+            print(f"== host functions over {args.steps - 3} overlapped steps at batch {b} (divide by the steps)")
+            pstats.Stats(host).sort_stats("tottime").print_stats(30)
+            pstats.Stats(host).sort_stats("cumtime").print_stats(r"flotilla|flashinfer", 30)
     if args.prefill:
         tokens, _, per_seq = args.prefill.partition("x")
         rows.append(profile_prefill(runner, int(tokens), int(per_seq or 512)))
-    if args.cprofile:
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     for r in rows:
         print(json.dumps({"model": args.model, "attention": runner.model.attention_backend_name,
                           "cuda_graphs": runner.graphs is not None, **r}), flush=True)
