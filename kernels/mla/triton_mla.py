@@ -23,7 +23,13 @@ import triton.language as tl
 
 from flotilla.kernels.attention.fp8_kv import is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.triton.attention import _decode_merge_kernel, _decode_num_splits, _dot_precision
+from flotilla.kernels.triton.attention import (
+    _decode_merge_kernel,
+    _decode_num_splits,
+    _dot_precision,
+    _finish_decode,
+    _split_range,
+)
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16
@@ -52,6 +58,32 @@ def _store_latent_kernel(c_ptr, pe_ptr, cache_ptr, slot_ptr, stride_ct, stride_p
 
 
 @triton.jit
+def _mla_tile(
+    qn, qp, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, in_range, score_mask, offs_l, mask_l, offs_r, mask_r,
+    kv_lora_rank, sm_scale_log2, stride_cb, stride_cs, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step of the query rows (qn [M, L], qp [M, R]) over the cache rows at context positions
+    pos [N] (gathered through the block table), scores masked by score_mask [M, N]; returns (acc, m_i, l_i).
+    Callers make every row see a key in its first tile, so the running max is finite from then on."""
+    page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+    row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
+    # keys transposed ([D, N]) for the score dots; the latent part again as [N, D] for the value dot
+    kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
+    kp = tl.load(cache_ptr + row[None, :] + kv_lora_rank + offs_r[:, None],
+                 mask=mask_r[:, None] & in_range[None, :], other=0.0)  # fmt: skip
+    qk = tl.dot(qn, kl.to(qn.dtype), input_precision=DOT_PRECISION)
+    qk += tl.dot(qp, kp.to(qp.dtype), input_precision=DOT_PRECISION)
+    qk = tl.where(score_mask, qk * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=in_range[:, None] & mask_l[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), v.to(qn.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _mla_decode_kernel(
     qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, kv_scale, num_splits, num_heads, kv_lora_rank, rope_dim,
@@ -64,11 +96,7 @@ def _mla_decode_kernel(
     seq = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(qsl_ptr + seq).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    token, start, end = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
@@ -88,34 +116,12 @@ def _mla_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         in_range = pos < end
-        page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-        row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
-        # keys transposed ([D, N]) for the score dots; the latent part again as [N, D] for the value dot
-        kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
-        kp = tl.load(cache_ptr + row[None, :] + kv_lora_rank + offs_r[:, None],
-                     mask=mask_r[:, None] & in_range[None, :], other=0.0)  # fmt: skip
-        qk = tl.dot(qn, kl.to(qn.dtype), input_precision=DOT_PRECISION)
-        qk += tl.dot(qp, kp.to(qp.dtype), input_precision=DOT_PRECISION)
-        qk = tl.where(in_range[None, :], qk * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=in_range[:, None] & mask_l[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), v.to(qn.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _mla_tile(qn, qp, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, in_range, in_range[None, :],
+                                  offs_l, mask_l, offs_r, mask_r, kv_lora_rank, sm_scale_log2, stride_cb, stride_cs,
+                                  PAGE_SIZE, DOT_PRECISION)  # fmt: skip
 
-    empty = l_i == 0.0  # an empty split or a padding sequence (seq_len 0): output 0, lse -inf
-    out = acc / tl.where(empty, 1.0, l_i)[:, None] * kv_scale
-    out_mask = mask_h[:, None] & mask_l[None, :]
-    if DIRECT_OUT:
-        dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_l[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # part_* are [B, H, S(, L)]
-        tl.store(part_o_ptr + part[:, None] * kv_lora_rank + offs_l[None, :], out, mask=out_mask)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + part, lse, mask=mask_h)
+    _finish_decode(acc, m_i, l_i, kv_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h,
+                   offs_l, mask_l, kv_lora_rank, num_heads, num_splits, stride_ot, stride_oh, DIRECT_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -159,23 +165,10 @@ def _mla_prefill_kernel(
     for tile_start in range(0, end, BLOCK_N):
         pos = tile_start + offs_n
         in_range = pos < end
-        page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
-        row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
-        kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
-        kp = tl.load(cache_ptr + row[None, :] + kv_lora_rank + offs_r[:, None],
-                     mask=mask_r[:, None] & in_range[None, :], other=0.0)  # fmt: skip
-        qk = tl.dot(qn, kl.to(qn.dtype), input_precision=DOT_PRECISION)
-        qk += tl.dot(qp, kp.to(qp.dtype), input_precision=DOT_PRECISION)
-        visible = (pos[None, :] <= last_key[:, None]) & in_range[None, :]
-        qk = tl.where(visible, qk * sm_scale_log2, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from then on
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=in_range[:, None] & mask_l[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(qn.dtype), v.to(qn.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = (pos[None, :] <= last_key[:, None]) & in_range[None, :]  # every row sees key 0 in the first tile
+        acc, m_i, l_i = _mla_tile(qn, qp, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, in_range, visible,
+                                  offs_l, mask_l, offs_r, mask_r, kv_lora_rank, sm_scale_log2, stride_cb, stride_cs,
+                                  PAGE_SIZE, DOT_PRECISION)  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None] * kv_scale
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_l[None, :])
@@ -201,6 +194,17 @@ def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     )  # fmt: skip
 
 
+def _check(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(tokens, heads, kv_lora_rank, rope_dim) of a step's queries, checked against the cache's rows."""
+    num_tokens, num_heads, kv_lora_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
+    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
+        raise ValueError("q_latent and q_pe need a contiguous last dim")
+    return num_tokens, num_heads, kv_lora_rank, rope_dim
+
+
 def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, kv_scale: float = 1.0, *, num_splits: int | None = None,
                      block_h: int = 16, block_n: int = 32) -> torch.Tensor:
@@ -209,12 +213,7 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     for a CUDA graph; any value is correct for any seq_lens."""
     if meta.max_query_len > 1:
         raise ValueError(f"MLA decode takes one new token per sequence, not up to {meta.max_query_len}")
-    num_tokens, num_heads, kv_lora_rank = q_latent.shape
-    rope_dim = q_pe.shape[-1]
-    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
-    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
-        raise ValueError("q_latent and q_pe need a contiguous last dim")
+    num_tokens, num_heads, kv_lora_rank, rope_dim = _check(q_latent, q_pe, kv_cache)
     out = torch.empty_like(q_latent)
     num_seqs = meta.num_seqs
     if num_tokens == 0 or num_seqs == 0:
@@ -250,12 +249,7 @@ def paged_mla_prefill(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
                       scale: float, kv_scale: float = 1.0, *, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
     """Any number of new tokens per sequence (prefill chunks over a cached prefix, decodes, mixed): q_latent
     [T, H, kv_lora_rank], q_pe [T, H, rope_dim] -> [T, H, kv_lora_rank], causal (torch_ref.paged_mla)."""
-    num_tokens, num_heads, kv_lora_rank = q_latent.shape
-    rope_dim = q_pe.shape[-1]
-    if kv_cache.shape[-1] != kv_lora_rank + rope_dim or kv_cache.stride(-1) != 1:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} rows are not {kv_lora_rank} + {rope_dim} contiguous values")
-    if q_latent.stride(-1) != 1 or q_pe.stride(-1) != 1:
-        raise ValueError("q_latent and q_pe need a contiguous last dim")
+    num_tokens, num_heads, kv_lora_rank, rope_dim = _check(q_latent, q_pe, kv_cache)
     out = torch.empty_like(q_latent)
     num_seqs = meta.num_seqs
     if num_tokens == 0 or num_seqs == 0:

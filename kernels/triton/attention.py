@@ -107,6 +107,17 @@ def _attend_tile(
 
 
 @triton.jit
+def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """A decode program's (query token, first and end context position) for its split of sequence `seq`.
+    Splits are whole tiles, so only the last tile of the last non-empty split is partial."""
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(qsl_ptr + seq).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    return token, start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, v_scale, num_splits, num_heads, head_dim,
@@ -121,12 +132,7 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(qsl_ptr + seq).to(tl.int64)
-    # Splits are whole tiles, so only the last tile of the last non-empty split is partial.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    token, start, end = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
@@ -152,9 +158,20 @@ def _decode_kernel(
             stride_cb, stride_ckv, stride_cs, stride_ch, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
 
-    # An empty split (or a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf.
+    _finish_decode(acc, m_i, l_i, v_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h,
+                   offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, DIRECT_OUT)  # fmt: skip
+
+
+@triton.jit
+def _finish_decode(
+    acc, m_i, l_i, out_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h, offs_d, mask_d,
+    head_dim, num_heads, num_splits, stride_ot, stride_oh, DIRECT_OUT: tl.constexpr,
+):  # fmt: skip
+    """A decode program's epilogue (GQA and MLA kernels alike): with one split, the normalized output of its heads;
+    otherwise the split's normalized partial output and log2-sum-exp for _decode_merge_kernel. An empty split (or
+    a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf."""
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None] * v_scale
+    out = acc / tl.where(empty, 1.0, l_i)[:, None] * out_scale
     out_mask = mask_h[:, None] & mask_d[None, :]
     if DIRECT_OUT:
         dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]

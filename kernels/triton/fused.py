@@ -161,6 +161,16 @@ def _rotate_heads(x_ptr, dst_ptr, token, stride_xt, stride_xh, stride_dh, num_he
 
 
 @triton.jit
+def _cos_sin(cos_sin_ptr, pos_ptr, token, stride_cos, half, BLOCK_HALF: tl.constexpr):
+    """The token's rotary cos and sin halves ([1, BLOCK_HALF] float32 each) from the table row of its position."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    row = cos_sin_ptr + tl.load(pos_ptr + token) * stride_cos
+    cos = tl.load(row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
@@ -174,11 +184,7 @@ def _rope_kernel(
     (STORE_KV, slot -1 skipped; QUANT: quantized with k_scale / v_scale for an FP8 cache), or rotate k into
     k_out."""
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(pos_ptr + token)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + position * stride_cos
-    cos = tl.load(row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, token, stride_cos, half, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr + token * stride_qot, token, stride_qt, stride_qh, stride_qoh,
                   num_heads, half, cos, sin, 1.0, BLOCK_HQ, BLOCK_HALF)  # fmt: skip
     if STORE_KV:

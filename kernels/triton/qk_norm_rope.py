@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.triton.fused import _cos_sin
+
 FP8_MAX = tl.constexpr(448.0)
 """Largest finite float8_e4m3fn value (the store clamps to it, as the reference does)."""
 
@@ -59,11 +61,8 @@ def _qk_norm_rope_store_kernel(
 ):  # fmt: skip
     """One program per token of qkv [T, (Hq + 2 Hkv) * D]: q -> q_out [T, Hq, D]; k, v -> the cache slot."""
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(pos_ptr + token)
+    cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, token, stride_cos, half, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + position * stride_cos
-    cos = tl.load(row + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(row + half + offs_d, mask=offs_d < half, other=0.0).to(tl.float32)[None, :]
     base = qkv_ptr + token * stride_t
     q1, q2, qmask = _norm_rotate(base, qw_ptr, cos, sin, num_heads, half, head_dim, eps, BLOCK_HQ, BLOCK_HALF)
     offs_hq = tl.arange(0, BLOCK_HQ)
