@@ -262,7 +262,10 @@ class Fleet:
                     self._transfers.pop(tid, None)
                 yield item
         finally:
-            self._transfers.pop(tid, None)
+            if prefill._dead is None and decode._dead is None:
+                self._transfers.pop(tid, None)
+            # else _retire speaks for the dead engine (its partner may hold blocks or a pending transfer for it)
+            # and forgets the transfer, whichever of the two runs first
             prefill._pending.pop(req.rid, None)
             decode._pending.pop(req.rid, None)
             # a disconnect or a failure on one side: the other side drops the request too (aborting a request an
@@ -284,6 +287,9 @@ class Fleet:
         if hb is not None:
             await hb.stop()  # out of the registry: the router picks it no more
         for tid, (p, d) in list(self._transfers.items()):
+            if name not in (p, d):
+                continue
+            del self._transfers[tid]
             if d == name and self.clients[p].alive:
                 await self._schedulers[p].send(BlocksReleasedEvent(transfer_id=tid))
             elif p == name and self.clients[d].alive:

@@ -167,10 +167,9 @@ def test_a_prefill_engine_that_dies_fails_only_its_requests_and_the_rest_keep_se
     assert urllib.request.urlopen(pd.url + "/health", timeout=10).status == 200
     more = _requests(8, offset=80)
     assert _run_all(pd.url, more) == _run_all(colocated.url, more)
-    # every KV block is free again (a migration waiting on the dead engine fails within kv_transfer_timeout_s).
-    # decode-0's transfer count may keep the dead engine's transfers that ended before their KVReady (the
-    # scheduler shell's peer table: a gap outside the data plane, the same under dlslime_tcp): blocks only there
+    # every KV block is free again (a migration waiting on the dead engine fails within kv_transfer_timeout_s),
+    # and no transfer is held: those that ended before their KVReady got the fleet's notice for the dead engine
     _wait_idle(pd.url, ["prefill-0"], timeout=40)
-    m = _wait_idle(pd.url, ["decode-0"], timeout=40, transfers=False)
+    m = _wait_idle(pd.url, ["decode-0"], timeout=40)
     assert _engine_metric(m, "flotilla_engine_alive", "prefill-1") == 0
     assert _engine_metric(m, "flotilla_engine_alive", "decode-0") == 1
