@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -246,6 +247,15 @@ def test_dlslime_read_from_a_dead_peer_raises(peer) -> None:
             engine.connect(info)
 
 
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until every thread of `pid` is stopped (SIGSTOP), as /proc tells."""
+    deadline = time.monotonic() + timeout
+    tasks = f"/proc/{pid}/task"
+    while not all(open(f"{tasks}/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T" for t in os.listdir(tasks)):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
 def test_dlslime_read_from_a_hung_peer_times_out(peer) -> None:
     proc, info, remote = peer
     engine = create_kv_transfer_engine("dlslime_tcp", host="127.0.0.1", timeout_s=0.5)
@@ -253,6 +263,7 @@ def test_dlslime_read_from_a_hung_peer_times_out(peer) -> None:
         local = engine.register("kv", np.zeros(4096, dtype=np.uint8))
         engine.connect(info)
         os.kill(proc.pid, signal.SIGSTOP)  # accepts connections (kernel backlog) but never answers
+        _wait_stopped(proc.pid)  # the signal lands asynchronously: a read issued at once could still be served
 
         async def read_hung() -> None:
             await asyncio.wait_for(engine.read(remote, [(0, 0, 4096)], local), 10.0)
