@@ -118,6 +118,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     moe_backend: Literal["auto", "torch", "triton", "deep_gemm"] = "auto"
     """Kernels of a MoE model's experts: auto (triton on CUDA, torch elsewhere), or force one (deep_gemm needs
     deep_gemm and a Hopper GPU); a model without experts refuses a forced one."""
+    fp8_backend: Literal["auto", "torch", "triton", "deep_gemm"] = "auto"
+    """GEMMs of an FP8 block-scaled checkpoint's linears (DeepSeek-V3's e4m3 weights with 128x128 scales): auto
+    (triton on CUDA, torch elsewhere), or force one (deep_gemm: DeepGEMM's fp8_gemm_nt, Hopper only); a model
+    without FP8 weights refuses a forced one."""
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

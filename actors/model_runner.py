@@ -134,6 +134,8 @@ class ModelRunner:
             kwargs["fused_ops"] = config.worker.fused_ops
         if config.worker.moe_backend != "auto":  # only MoE models take it: a dense model refuses it at load
             kwargs["moe_backend"] = config.worker.moe_backend
+        if config.worker.fp8_backend != "auto":  # likewise only models with FP8 block-scaled weights
+            kwargs["fp8_backend"] = config.worker.fp8_backend
         spec = config.scheduler.speculative_config
         if spec is not None:
             check_speculative_config(config)
@@ -143,6 +145,9 @@ class ModelRunner:
                                               load_format=config.model.load_format)
         self.load_seconds = time.perf_counter() - t0
         self.model = self.loaded.module.eval()
+        if config.worker.fp8_backend != "auto" and getattr(self.model, "fp8_backend_name", None) is None:
+            raise ValueError(f"fp8_backend={config.worker.fp8_backend!r} was forced but {self.loaded.model_dir.name} "
+                             "has no FP8 weights (no fp8 quantization_config); leave it at auto")
         self.hf_config = self.loaded.config
         self.dtype = self.loaded.dtype
         self.block_size = config.cache.block_size

@@ -101,6 +101,7 @@ class GPUWorkerActor(Actor):
                 "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
                 "attention": r.model.attention_backend_name,
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
+                "fp8": getattr(r.model, "fp8_backend_name", None) or "-",
                 "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}",
                 "dp": f"{self.dp_rank}/{self.dp_size}", **dp.placement_detail(self.ep_layers)}
 

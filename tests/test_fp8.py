@@ -366,3 +366,28 @@ def test_quantization_config_parsing(fp8_dirs: tuple[Path, Path], quant: dict, e
     assert parse_hf_config({k: v for k, v in raw.items() if k != "quantization_config"}).quantization is None
     with pytest.raises(ValueError, match=error):
         parse_hf_config({**raw, "quantization_config": quant})
+
+
+# ---- the engine option (--fp8-backend) ----
+
+
+def test_the_fp8_backend_option_reaches_the_model_and_is_refused_where_it_does_not_apply(fp8_dirs, tmp_path):
+    from flotilla import LLM, SamplingParams
+    from flotilla.actors.runtime import ActorFailure
+    from helpers_engine import write_tiny_engine_model
+
+    fp8_dir, float_dir = fp8_dirs
+    options = dict(kv_cache_blocks=64, block_size=4, skip_tokenizer_init=True)
+    prompt = [{"prompt_token_ids": _tokens(9, 5)}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(fp8_dir), fp8_backend="torch", **options) as llm:
+        assert llm.client.ready_detail["worker/0"]["fp8"] == "torch"
+        forced = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(str(fp8_dir), **options) as llm:  # auto: the torch backend on the CPU, so the same tokens
+        assert llm.client.ready_detail["worker/0"]["fp8"] == "torch"
+        assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == forced
+    with pytest.raises(ActorFailure, match="has no FP8 weights"):
+        LLM(str(float_dir), fp8_backend="torch", **options)
+    dense = write_tiny_engine_model(tmp_path / "dense", "qwen3")
+    with pytest.raises(ActorFailure, match=r"Qwen3ForCausalLM\) takes no fp8_backend='triton'"):
+        LLM(str(dense), fp8_backend="triton", kv_cache_blocks=64, block_size=4)
