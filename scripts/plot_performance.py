@@ -26,7 +26,7 @@ def load(folders: list[Path]) -> dict[str, dict[str, dict]]:
     """{model: {engine label: result}} from flotilla-*.json and peer-*.json."""
     out: dict[str, dict[str, dict]] = {}
     for folder in folders:
-        for f in sorted(folder.glob("*.json")):
+        for f in sorted([*folder.glob("flotilla-*.json"), *folder.glob("peer-*.json")]):  # not the other records
             r = json.loads(f.read_text())
             if f.name.startswith("peer-"):
                 label = "vLLM 0.26.0"
