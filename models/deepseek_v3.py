@@ -71,9 +71,9 @@ from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts_gro
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.quant import FP8_DTYPE, Fp8LinearBackend, block_dequantize, get_fp8_backend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
-from flotilla.kernels.rope import rope_cos_sin_cache, rope_type, yarn_mscale
+from flotilla.kernels.rope import rope_type, yarn_mscale
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
-from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, _copy_checked
+from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, _copy_checked
 from flotilla.models.parallel import (
     ColumnParallelLinear,
     Fp8ColumnParallelLinear,
@@ -138,28 +138,6 @@ class Linears:
             return RowParallelLinear(in_features, out_features, bias, reduce_results)
         return Fp8RowParallelLinear(in_features, out_features, bias, self.block_size, self.backend, reduce_results,
                                     what)  # fmt: skip
-
-
-class MLARotaryEmbedding(nn.Module):
-    """The float32 cos/sin table [max_position, qk_rope_head_dim] (YaRN's attention factor included)."""
-
-    def __init__(self, config: HFModelConfig, rope_dim: int) -> None:
-        super().__init__()
-        self.rope_dim = rope_dim
-        self.max_position = config.max_position_embeddings
-        self.theta = config.rope_theta
-        self.scaling = config.rope_scaling
-        self.register_buffer("cos_sin_cache", self._build(None), persistent=False)
-
-    def _build(self, device: torch.device | None) -> torch.Tensor:
-        return rope_cos_sin_cache(self.rope_dim, self.max_position, self.theta, self.scaling, device=device)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MLARotaryEmbedding:
-        """Rebuild in float32 on the new device after .to() / .half() (as llama.RotaryEmbedding does)."""
-        super()._apply(fn, recurse)
-        if self.cos_sin_cache.device.type != "meta":
-            self.cos_sin_cache = self._build(self.cos_sin_cache.device)
-        return self
 
 
 def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
@@ -361,7 +339,7 @@ class DeepseekV3Model(nn.Module):
             DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linears) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = MLARotaryEmbedding(config, mla.qk_rope_head_dim)
+        self.rotary_emb = RotaryEmbedding(config, mla.qk_rope_head_dim)
         n = config.num_hidden_layers
         self.mtp_layers = nn.ModuleList(
             DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linears) for i in range(num_mtp_layers)

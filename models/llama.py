@@ -74,11 +74,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the float32 cos/sin table [max_position, head_dim] shared by all layers."""
+    """Holds the float32 cos/sin table [max_position, rotary_dim] shared by all layers (rotary_dim: the head
+    dim by default; MLA rotates only its qk_rope_head_dim part)."""
 
-    def __init__(self, config: HFModelConfig) -> None:
+    def __init__(self, config: HFModelConfig, rotary_dim: int | None = None) -> None:
         super().__init__()
-        self.head_dim = config.head_dim
+        self.head_dim = rotary_dim or config.head_dim
         self.max_position = config.max_position_embeddings
         self.theta = config.rope_theta
         self.scaling = config.rope_scaling

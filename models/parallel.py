@@ -44,16 +44,29 @@ from flotilla.kernels.quant.fp8_ref import num_blocks
 
 
 @dataclass(frozen=True, slots=True)
-class TPGroup:
-    """This process's place in its tensor-parallel group."""
+class ParallelGroup:
+    """This process's place in a group of ranks: its tensor-parallel group (TPGroup), or the expert-parallel
+    group of an engine's data-parallel ranks under enable_expert_parallel (EPGroup: MoE layers built while it
+    is set keep only their share of the experts)."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
-    """None with one rank: no collective ever runs."""
+    """None with one rank: no collective ever runs (the experts stay whole, no all-to-all)."""
 
+
+TPGroup = EPGroup = ParallelGroup
 
 _TP = TPGroup()
+
+
+def _join_world(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> ParallelGroup:
+    """The process-wide group of `size` ranks at rendezvous `init_method` (tcp://host:port), joined as `rank`;
+    blocks until every rank has joined. gloo for CPU tensors, nccl for CUDA ones."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelGroup(rank=rank, size=size, group=dist.group.WORLD)
 
 
 def tp_group() -> TPGroup:
@@ -70,10 +83,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         return _TP
     if _TP.size > 1:
         raise RuntimeError(f"this process already is rank {_TP.rank} of a tensor-parallel group of {_TP.size}")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _TP = TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+    _TP = _join_world(rank, size, init_method, device, timeout_s)
     return _TP
 
 
@@ -82,17 +92,6 @@ def destroy_tensor_parallel() -> None:
     if _TP.size > 1:
         dist.destroy_process_group()
     _TP = TPGroup()
-
-
-@dataclass(frozen=True, slots=True)
-class EPGroup:
-    """This process's place in its expert-parallel group (the data-parallel ranks of an engine under
-    enable_expert_parallel): MoE layers built while it is set keep only their share of the experts."""
-
-    rank: int = 0
-    size: int = 1
-    group: dist.ProcessGroup | None = None
-    """None with one rank: the experts stay whole and no all-to-all runs."""
 
 
 _EP = EPGroup()
@@ -112,10 +111,7 @@ def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.d
         return _EP
     if _EP.size > 1 or _TP.size > 1:
         raise RuntimeError("this process already belongs to a parallel group")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _EP = EPGroup(rank=rank, size=size, group=dist.group.WORLD)
+    _EP = _join_world(rank, size, init_method, device, timeout_s)
     return _EP
 
 

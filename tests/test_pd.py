@@ -20,10 +20,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import helpers_pd as pdh
 import openai
 import pytest
 import redis
-
 from flotilla.scripts.launch import load_deployment, serve_argv
 from flotilla.transport.endpoints import free_tcp_port
 from helpers_engine import write_tiny_engine_model
@@ -34,70 +34,6 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
 
-ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
-WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
-         "Continuous batching keeps the GPU busy ; paged attention keeps memory tidy").split()
-
-
-def _prompt(i: int) -> str:
-    # shared prefixes (the decode side's prefix cache skips blocks it holds) and lengths over many blocks
-    return " ".join(WORDS[: 3 + (i * 7) % 28]) + f" {i % 5}"
-
-
-def _requests(n: int, offset: int = 0) -> list[dict]:
-    out = []
-    for i in range(offset, offset + n):
-        kind = "chat" if i % 2 else "completion"
-        out.append({"kind": kind, "stream": (i // 2) % 2 == 1, "prompt": _prompt(i),
-                    "max_tokens": (1, 3, 8, 17)[i % 4]})
-    return out
-
-
-def _run(client: openai.OpenAI, r: dict) -> str:
-    common = dict(model="m", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
-                  extra_body=r.get("extra_body"))
-    if r["kind"] == "chat":
-        res = client.chat.completions.create(messages=[{"role": "user", "content": r["prompt"]}], **common)
-        if r["stream"]:
-            return "".join(c.choices[0].delta.content or "" for c in res if c.choices)
-        return res.choices[0].message.content
-    res = client.completions.create(prompt=r["prompt"], **common)
-    if r["stream"]:
-        return "".join(c.choices[0].text for c in res if c.choices)
-    return res.choices[0].text
-
-
-def _run_all(url: str, reqs: list[dict]) -> list[str]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda r: _run(client, r), reqs))
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def _engine_metric(m: dict[str, float], metric: str, engine: str) -> float:
-    return next(v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k)
-
-
-def _wait_idle(url: str, engines: list[str], timeout: float = 15.0) -> dict[str, float]:
-    """Every engine's KV blocks free and no transfer held (stats arrive when an engine idles)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(url)
-        busy = [(e, _engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e),
-                 _engine_metric(m, "flotilla_kv_transfers_in_flight", e)) for e in engines]
-        if all(u == 0 and t == 0 for _, u, t in busy):
-            return m
-        assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +77,7 @@ def servers(model, redis_url, tmp_path_factory):
                     'kv_transfer_backend = "dlslime_tcp"\n')
     pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
     try:
-        colocated = start_server(str(model), "--single-process", *ENGINE_OPTIONS, timeout=180)
+        colocated = start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180)
     except BaseException:
         pd.stop()
         raise
@@ -160,17 +96,17 @@ def test_the_shipped_1p1d_deployment_describes_one_prefill_and_one_decode_engine
 
 def test_1p2d_gives_the_colocated_greedy_outputs_and_moves_kv_over_dlslime(servers):
     pd, colocated = servers
-    reqs = _requests(32)
-    expected = _run_all(colocated.url, reqs)
-    got = _run_all(pd.url, reqs)
+    reqs = pdh.requests(32)
+    expected = pdh.run_all(colocated.url, reqs)
+    got = pdh.run_all(pd.url, reqs)
     for r, e, g in zip(reqs, expected, got):
         assert g == e, r
-    m = _wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])  # prefill's pinned blocks were all released
-    moved = [_engine_metric(m, "flotilla_kv_migration_bytes_total", d) for d in ("decode-0", "decode-1")]
+    m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])  # prefill's pinned blocks were all released
+    moved = [pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", d) for d in ("decode-0", "decode-1")]
     assert all(b > 0 for b in moved), moved  # the router used both decode engines, KV crossed dlslime TCP
     assert not [k for k in m if k.startswith("flotilla_kv_migration_bytes_total") and 'engine="prefill-0"' in k
                 and m[k] > 0]
-    routed = {e: _engine_metric(m, "flotilla_engine_requests_routed_total", e)
+    routed = {e: pdh.engine_metric(m, "flotilla_engine_requests_routed_total", e)
               for e in ("prefill-0", "decode-0", "decode-1")}
     assert routed["prefill-0"] == 32 and routed["decode-0"] + routed["decode-1"] == 32, routed
     registered = [x for x in pd.log if re.search(r"engine (prefill|decode)-\d \(\w+\) registered", x)]
@@ -182,21 +118,21 @@ def test_aborted_streams_free_nothing_early_and_everything_in_the_end(servers):
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def abort_early(i: int) -> None:
-        stream = client.completions.create(model="m", prompt=_prompt(i), max_tokens=60, temperature=0, stream=True)
+        stream = client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=60, temperature=0, stream=True)
         if i % 3:
             next(iter(stream))  # after the migration: the decode side runs it
         stream.close()  # i % 3 == 0: at once, likely before or during the migration
 
-    keep = _requests(12, offset=40)
+    keep = pdh.requests(12, offset=40)
     with ThreadPoolExecutor(16) as pool:
         aborted = [pool.submit(abort_early, i) for i in range(24)]
-        kept = pool.submit(_run_all, pd.url, keep)
+        kept = pool.submit(pdh.run_all, pd.url, keep)
         for f in aborted:
             f.result()
         got = kept.result()
     # the requests that ran beside the aborts read only their own KV
-    assert got == _run_all(colocated.url, keep)
-    _wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])
+    assert got == pdh.run_all(colocated.url, keep)
+    pdh.wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])
 
 
 def test_engines_register_in_redis_and_come_back_when_their_entry_expires(servers, redis_url):
@@ -224,9 +160,9 @@ def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_se
     worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
     # ignore_eos: every request is still decoding when the engine dies
-    reqs = [{"kind": "completion", "stream": True, "prompt": _prompt(60 + i), "max_tokens": 150,
+    reqs = [{"kind": "completion", "stream": True, "prompt": pdh.prompt(60 + i), "max_tokens": 150,
              "extra_body": {"ignore_eos": True}} for i in range(8)]
-    expected = _run_all(colocated.url, reqs)
+    expected = pdh.run_all(colocated.url, reqs)
     streams = [client.completions.create(model="m", prompt=r["prompt"], max_tokens=150, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True}) for r in reqs]
     firsts = [next(iter(s)).choices[0].text for s in streams]  # every request is decoding now
@@ -249,10 +185,10 @@ def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_se
             assert o == e
     # the router and the other engines keep serving; the dead engine left the registry
     assert urllib.request.urlopen(pd.url + "/health", timeout=10).status == 200
-    reqs = _requests(6, offset=80)
-    assert _run_all(pd.url, reqs) == _run_all(colocated.url, reqs)
-    m = _wait_idle(pd.url, ["prefill-0", "decode-0"])  # the dead engine's transfers were released on the prefill side
-    assert _engine_metric(m, "flotilla_engine_alive", "decode-1") == 0
+    reqs = pdh.requests(6, offset=80)
+    assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+    m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])  # the dead engine's transfers were released on the prefill side
+    assert pdh.engine_metric(m, "flotilla_engine_alive", "decode-1") == 0
     if redis_url is not None:
         r = redis.Redis.from_url(redis_url)
         try:
@@ -266,9 +202,9 @@ def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
     line = next(x for x in pd.log if "engine prefill-0 (prefill) registered" in x)
     worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    reqs = [{"kind": "completion", "stream": True, "prompt": _prompt(90 + i), "max_tokens": 100,
+    reqs = [{"kind": "completion", "stream": True, "prompt": pdh.prompt(90 + i), "max_tokens": 100,
              "extra_body": {"ignore_eos": True}} for i in range(4)]
-    expected = _run_all(colocated.url, reqs)
+    expected = pdh.run_all(colocated.url, reqs)
     streams = [client.completions.create(model="m", prompt=r["prompt"], max_tokens=100, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True}) for r in reqs]
     firsts = [next(iter(s)).choices[0].text for s in streams]  # their KV is on the decode engine now
@@ -288,4 +224,4 @@ def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="m", prompt="x", max_tokens=2)
     assert err.value.status_code == 503
-    _wait_idle(pd.url, ["decode-0"])
+    pdh.wait_idle(pd.url, ["decode-0"])

@@ -16,72 +16,15 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import helpers_pd as pdh
 import openai
 import pytest
-
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 
-ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
-WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
-         "Continuous batching keeps the GPU busy ; paged attention keeps memory tidy").split()
 ENGINES = ["prefill-0", "prefill-1", "decode-0"]
 
 
-def _prompt(i: int) -> str:
-    return " ".join(WORDS[: 3 + (i * 7) % 28]) + f" {i % 5}"
-
-
-def _requests(n: int, offset: int = 0) -> list[dict]:
-    return [{"chat": i % 2 == 1, "stream": (i // 2) % 2 == 1, "prompt": _prompt(i), "max_tokens": (1, 3, 8, 17)[i % 4]}
-            for i in range(offset, offset + n)]
-
-
-def _run(client: openai.OpenAI, r: dict) -> str:
-    common = dict(model="m", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
-                  extra_body=r.get("extra_body"))
-    if r["chat"]:
-        res = client.chat.completions.create(messages=[{"role": "user", "content": r["prompt"]}], **common)
-        if r["stream"]:
-            return "".join(c.choices[0].delta.content or "" for c in res if c.choices)
-        return res.choices[0].message.content
-    res = client.completions.create(prompt=r["prompt"], **common)
-    if r["stream"]:
-        return "".join(c.choices[0].text for c in res if c.choices)
-    return res.choices[0].text
-
-
-def _run_all(url: str, reqs: list[dict]) -> list[str]:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    with ThreadPoolExecutor(16) as pool:
-        return list(pool.map(lambda r: _run(client, r), reqs))
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def _engine_metric(m: dict[str, float], metric: str, engine: str) -> float:
-    return next(v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k)
-
-
-def _wait_idle(url: str, engines: list[str], timeout: float = 15.0, transfers: bool = True) -> dict[str, float]:
-    """Every engine's KV blocks free and (transfers) no transfer held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(url)
-        busy = [(e, _engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e),
-                 _engine_metric(m, "flotilla_kv_transfers_in_flight", e) if transfers else 0) for e in engines]
-        if all(u == 0 and t == 0 for _, u, t in busy):
-            return m
-        assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +36,7 @@ def servers(tmp_path_factory):
                     'kv_transfer_backend = "torch_dist"\nkv_staging_blocks = 8\nkv_transfer_timeout_s = 10\n')
     pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
     try:
-        colocated = start_server(str(model), "--single-process", *ENGINE_OPTIONS, timeout=180)
+        colocated = start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180)
     except BaseException:
         pd.stop()
         raise
@@ -104,12 +47,12 @@ def servers(tmp_path_factory):
 
 def test_greedy_outputs_match_a_colocated_engine_and_kv_moves_over_torch_dist(servers):
     pd, colocated = servers
-    reqs = _requests(24)
-    expected = _run_all(colocated.url, reqs)
-    assert _run_all(pd.url, reqs) == expected
-    m = _wait_idle(pd.url, ENGINES)  # every pinned prefill block was released
-    assert _engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
-    routed = {e: _engine_metric(m, "flotilla_engine_requests_routed_total", e) for e in ENGINES}
+    reqs = pdh.requests(24)
+    expected = pdh.run_all(colocated.url, reqs)
+    assert pdh.run_all(pd.url, reqs) == expected
+    m = pdh.wait_idle(pd.url, ENGINES)  # every pinned prefill block was released
+    assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
+    routed = {e: pdh.engine_metric(m, "flotilla_engine_requests_routed_total", e) for e in ENGINES}
     assert routed["prefill-0"] > 0 and routed["prefill-1"] > 0 and routed["decode-0"] == 24, routed
     registered = [x for x in pd.log if re.search(r"engine (prefill|decode)-\d \(\w+\) registered", x)]
     assert len(registered) == 3
@@ -122,34 +65,34 @@ def test_aborted_streams_free_nothing_early_and_everything_in_the_end(servers):
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def abort_early(i: int) -> None:
-        stream = client.completions.create(model="m", prompt=_prompt(i), max_tokens=60, temperature=0, stream=True)
+        stream = client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=60, temperature=0, stream=True)
         if i % 3:
             next(iter(stream))
         stream.close()
 
-    keep = _requests(8, offset=40)
+    keep = pdh.requests(8, offset=40)
     with ThreadPoolExecutor(16) as pool:
         aborted = [pool.submit(abort_early, i) for i in range(12)]
-        kept = pool.submit(_run_all, pd.url, keep)
+        kept = pool.submit(pdh.run_all, pd.url, keep)
         for f in aborted:
             f.result()
         got = kept.result()
-    assert got == _run_all(colocated.url, keep)
-    _wait_idle(pd.url, ENGINES)
+    assert got == pdh.run_all(colocated.url, keep)
+    pdh.wait_idle(pd.url, ENGINES)
 
 
 def test_a_prefill_engine_that_dies_fails_only_its_requests_and_the_rest_keep_serving(servers):
     pd, colocated = servers
     line = next(x for x in pd.log if "engine prefill-1 (prefill) registered" in x)
     worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))  # its KV-migration actor lives there too
-    reqs = [{"chat": False, "stream": False, "prompt": _prompt(60 + i), "max_tokens": 40,
+    reqs = [{"kind": "completion", "stream": False, "prompt": pdh.prompt(60 + i), "max_tokens": 40,
              "extra_body": {"ignore_eos": True}} for i in range(16)]
-    expected = _run_all(colocated.url, reqs)
+    expected = pdh.run_all(colocated.url, reqs)
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def run(r: dict) -> str | Exception:
         try:
-            return _run(client, r)
+            return pdh.run(client, r)
         except openai.APIError as e:
             return e
 
@@ -165,11 +108,11 @@ def test_a_prefill_engine_that_dies_fails_only_its_requests_and_the_rest_keep_se
             assert o == e
     # the decode engine's pair with the dead engine is gone; with the other prefill engine it keeps serving
     assert urllib.request.urlopen(pd.url + "/health", timeout=10).status == 200
-    more = _requests(8, offset=80)
-    assert _run_all(pd.url, more) == _run_all(colocated.url, more)
+    more = pdh.requests(8, offset=80)
+    assert pdh.run_all(pd.url, more) == pdh.run_all(colocated.url, more)
     # every KV block is free again (a migration waiting on the dead engine fails within kv_transfer_timeout_s),
     # and no transfer is held: those that ended before their KVReady got the fleet's notice for the dead engine
-    _wait_idle(pd.url, ["prefill-0"], timeout=40)
-    m = _wait_idle(pd.url, ["decode-0"], timeout=40)
-    assert _engine_metric(m, "flotilla_engine_alive", "prefill-1") == 0
-    assert _engine_metric(m, "flotilla_engine_alive", "decode-0") == 1
+    pdh.wait_idle(pd.url, ["prefill-0"], timeout=40)
+    m = pdh.wait_idle(pd.url, ["decode-0"], timeout=40)
+    assert pdh.engine_metric(m, "flotilla_engine_alive", "prefill-1") == 0
+    assert pdh.engine_metric(m, "flotilla_engine_alive", "decode-0") == 1

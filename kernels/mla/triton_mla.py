@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from flotilla.kernels.attention.fp8_kv import is_fp8
+from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.triton.attention import (
+    _LOG2E,
+    _MIN_DOT,
     _decode_merge_kernel,
     _decode_num_splits,
     _dot_precision,
@@ -31,9 +32,7 @@ from flotilla.kernels.triton.attention import (
     _split_range,
 )
 
-_LOG2E = 1.4426950408889634
-_MIN_DOT = 16
-FP8_MAX = tl.constexpr(448.0)
+FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
 @triton.jit

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
+from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX
 from flotilla.kernels.triton.fused import _cos_sin
 
-FP8_MAX = tl.constexpr(448.0)
+FP8_MAX = tl.constexpr(FP8_KV_MAX)
 """Largest finite float8_e4m3fn value (the store clamps to it, as the reference does)."""
 
 

@@ -1,0 +1,76 @@
+"""What the PD deployment tests share (`import helpers_pd as pdh`): the requests they send (chat and
+completion, streamed or not, over shared prefixes), running them through the real `openai` client, and reading
+the front end's /metrics per engine."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
+WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
+         "Continuous batching keeps the GPU busy ; paged attention keeps memory tidy").split()
+
+
+def prompt(i: int) -> str:
+    # shared prefixes (the decode side's prefix cache skips blocks it holds) and lengths over many blocks
+    return " ".join(WORDS[: 3 + (i * 7) % 28]) + f" {i % 5}"
+
+
+def requests(n: int, offset: int = 0) -> list[dict]:
+    out = []
+    for i in range(offset, offset + n):
+        kind = "chat" if i % 2 else "completion"
+        out.append({"kind": kind, "stream": (i // 2) % 2 == 1, "prompt": prompt(i),
+                    "max_tokens": (1, 3, 8, 17)[i % 4]})
+    return out
+
+
+def run(client: openai.OpenAI, r: dict) -> str:
+    common = dict(model="m", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
+                  extra_body=r.get("extra_body"))
+    if r["kind"] == "chat":
+        res = client.chat.completions.create(messages=[{"role": "user", "content": r["prompt"]}], **common)
+        if r["stream"]:
+            return "".join(c.choices[0].delta.content or "" for c in res if c.choices)
+        return res.choices[0].message.content
+    res = client.completions.create(prompt=r["prompt"], **common)
+    if r["stream"]:
+        return "".join(c.choices[0].text for c in res if c.choices)
+    return res.choices[0].text
+
+
+def run_all(url: str, reqs: list[dict]) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda r: run(client, r), reqs))
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def engine_metric(m: dict[str, float], metric: str, engine: str) -> float:
+    return next(v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k)
+
+
+def wait_idle(url: str, engines: list[str], timeout: float = 15.0, transfers: bool = True) -> dict[str, float]:
+    """Every engine's KV blocks free and (transfers) no transfer held (stats arrive when an engine idles)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        busy = [(e, engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e),
+                 engine_metric(m, "flotilla_kv_transfers_in_flight", e) if transfers else 0) for e in engines]
+        if all(u == 0 and t == 0 for _, u, t in busy):
+            return m
+        assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
+        time.sleep(0.05)
