@@ -21,7 +21,7 @@ import torch
 
 from flotilla.kernels.attention import flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.staging import upload
+from flotilla.kernels.staging import pinned, upload
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,11 @@ class DecodeGraphs:
                                  seq_lens=ones, block_tables=ones[:, None], slot_mapping=self.slots[:size],
                                  max_query_len=1, max_seq_len=1, block_size=self.block_size)
 
-    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
-        """Page tables for `size` rows: the real sequences first (tables[b] holds at least the pages of
-        seq_lens[b]), then padding rows, one page each, on the scratch block."""
+    def page_tables(self, size: int, seq_lens: np.ndarray,
+                    tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """FlashInfer's page tables (indptr, indices, last page lengths) for `size` rows: the real sequences
+        first (tables[b] holds at least the pages of seq_lens[b]), then padding rows, one page each, on the
+        scratch block."""
         bs = self.block_size
         pages = np.ones(size, dtype=np.int64)
         last = np.ones(size, dtype=np.int32)
@@ -88,7 +90,17 @@ class DecodeGraphs:
         if n:  # one concatenate of views, not a slice assignment per sequence
             real = int(indptr[n])
             indices[:real] = np.concatenate([t[:p] for t, p in zip(tables, pages[:n].tolist())])
-        self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, indices, last, **self.heads)
+        return indptr, indices, last
+
+    def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
+        indptr, indices, last = self.page_tables(size, seq_lens, tables)
+        # The page indices go straight into the buffer the graph reads, queued from pinned memory. Handing
+        # FlashInfer's plan() host indices instead makes it copy them with non_blocking=False (flashinfer 0.6
+        # decode.py), a copy that waits until the device has finished the step in flight: the host could then
+        # never run ahead of the device, and every decode step paid its whole launch time on top.
+        on_device = self.kv_indices[:len(indices)]
+        on_device.copy_(pinned(indices), non_blocking=True)
+        self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, on_device, last, **self.heads)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

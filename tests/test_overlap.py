@@ -114,6 +114,37 @@ def test_overlapped_steps_on_cuda_with_graphs_give_the_tokens_of_one_step_at_a_t
         assert got_tokens == want_tokens, depth
 
 
+@pytest.mark.gpu
+def test_launching_a_graph_decode_step_does_not_wait_for_the_device(cuda_runner_factory):
+    """The host must be able to run ahead: while the device is still busy (a long sleep kernel queued on its
+    stream), launching the next decode step (page tables, FlashInfer plan, graph replay, sampling, the copy
+    back) returns without waiting for it. A blocking copy anywhere in the launch (as FlashInfer's plan() makes
+    of host page indices) would return only after the sleep."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runner = cuda_runner_factory(200)
+    assert runner.graphs is not None
+    sched = BatchScheduler(SchedulerConfig(max_num_seqs=8, max_steps_in_flight=2),
+                           BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False),
+                           max_model_len=256)
+    for req in requests()[:4]:
+        sched.add(req)
+    for _ in range(3):  # the prompts, then two decode steps: every graph path warmed up
+        runner.launch(sched.schedule())
+        sched.update(runner.finish_oldest())
+    plan = sched.schedule()
+    assert len(plan.rids) == sum(plan.num_new_tokens.tolist()) == 4  # a pure decode step: the graph path
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time at H200 clocks
+    busy = torch.cuda.Event()
+    busy.record()
+    runner.launch(plan)
+    still_busy = not busy.query()
+    result = runner.finish_oldest()
+    assert still_busy, "launching the step waited for the device"
+    assert result.error is None and len(result.token_ids) == 4
+
+
 def test_a_step_that_feeds_unsettled_tokens_really_reads_them_from_the_device(runner_factory):
     runner = runner_factory(64)
     sched = BatchScheduler(SchedulerConfig(max_num_seqs=4, max_steps_in_flight=2),

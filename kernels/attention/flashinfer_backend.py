@@ -132,13 +132,17 @@ class FlashInferAttention:
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
 
-    def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: np.ndarray,
+    def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: torch.Tensor,
                    last_page_len: np.ndarray, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    page_size: int, dtype: torch.dtype, scale: float, kv_dtype: torch.dtype | None = None) -> None:
         """Plan a graph wrapper for the next replay and make `meta`'s layers use it; dtype is the query's,
-        kv_dtype the cache's (default: the same)."""
+        kv_dtype the cache's (default: the same). `indices` must already be on the device, in the wrapper's own
+        indices buffer: FlashInfer copies host indices with a blocking copy (it waits for the device), and a
+        copy of its buffer onto itself is a no-op."""
+        if indices.device.type != "cuda":
+            raise ValueError("plan_graph takes the page indices already on the device (the wrapper's buffer)")
         self._before_plan()
-        wrapper.plan(pinned(indptr), pinned(indices), pinned(last_page_len),
+        wrapper.plan(pinned(indptr), indices, pinned(last_page_len),
                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                      q_data_type=dtype, kv_data_type=kv_dtype or dtype, sm_scale=scale)
         self._active = wrapper
