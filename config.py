@@ -89,9 +89,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """fcfs: arrival order; priority: lower `priority` first, arrival order among equals."""
     max_waiting_requests: int = 4096
     """Requests queued beyond this are refused (HTTP 429) instead of growing memory without bound."""
-    max_steps_in_flight: int = 2
-    """Steps planned ahead of their results: 2 lets the scheduler plan step N+1 while the worker runs step
-    N (vLLM's async scheduling); 1 waits for each result before planning the next step."""
+    max_steps_in_flight: int = 3
+    """Steps planned ahead of their results: 1 waits for each result before planning the next step; 2 lets the
+    scheduler plan step N+1 while the worker runs step N (vLLM's async scheduling); 3 (default) also gives the
+    round trip result -> scheduler -> plan -> launch a second step's time, so a small model's short steps never
+    wait for it. H200, Qwen3-0.6B, one process per actor: nano workload 19,845 / 21,982 / 21,307 out tok/s and
+    batch-1 decode 394 / 512 / 418 tok/s at 2 / 3 / 4 (docs/performance.md, 2026-11-30 fourth session)."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (JSON on the command line, e.g. '{"method": "mtp", "num_speculative_tokens": 1}'):
     decodes verify drafted tokens; steps then run one at a time (max_steps_in_flight is taken as 1)."""

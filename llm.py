@@ -1,7 +1,7 @@
 """The offline API, as in vLLM: ``LLM(model).generate(prompts, SamplingParams(...))`` and ``LLM.chat``.
 
-LLM runs the real engine actors (in this process by default; ``placement="process"`` gives one
-process per actor) with an EngineClient on a private event loop in a background thread, so the
+LLM runs the real engine actors (one process each on a GPU, all in this process on CPU; ``placement``
+chooses) with an EngineClient on a private event loop in a background thread, so the
 calls here are plain synchronous functions.
 """
 
@@ -59,6 +59,15 @@ class RequestOutput:
     finished: bool = True
 
 
+def _on_gpu(device: str) -> bool:
+    """Whether the worker's `device` option means a GPU (auto: one is there)."""
+    if device == "auto":
+        import torch  # only to ask whether CUDA is there
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
 class LLM:
     """An engine for offline batch generation."""
 
@@ -66,18 +75,24 @@ class LLM:
                  **engine_options: Any) -> None:
         """model: HF folder (None = the embedded default model); engine_options: vLLM-named options
         (block_size, kv_cache_blocks, max_num_seqs, ...; see config.py), or a whole EngineConfig.
-        placement: inline (every actor in this process) or process (one each); default inline, or process
-        with tensor_parallel_size or data_parallel_size > 1 (one process per rank)."""
+        placement: inline (every actor in this process) or process (one each); default process on a GPU (and with
+        tensor_parallel_size or data_parallel_size > 1: one process per rank), inline on CPU. On a GPU the host work
+        of a step (scheduling, launching, detokenizing) is what limits a small model, and one process per actor
+        spreads it over cores instead of sharing one interpreter lock: H200, Qwen3-0.6B nano workload, 21,982
+        out tok/s with one process each against 16,239 inline (docs/performance.md, 2026-11-30 fourth session)."""
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
         if placement is None:
             parallel = self.config.parallel
-            placement = "process" if parallel.tensor_parallel_size * parallel.data_parallel_size > 1 else "inline"
+            on_gpu = _on_gpu(self.config.worker.device)
+            placement = "process" if on_gpu or parallel.tensor_parallel_size * parallel.data_parallel_size > 1 \
+                else "inline"
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="flotilla-llm", daemon=True)
         self._thread.start()
         try:
+            self.placement = placement
             self.client = EngineClient(self.config, placement=placement)
             self._run(self.client.start())
         except BaseException:

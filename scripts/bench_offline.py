@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=10000, help="token ids are drawn from [0, vocab] (peer: 10000)")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
-    p.add_argument("--placement", choices=["inline", "process"], default="inline",
-                   help="engine actors in this process (inline) or one process each")
+    p.add_argument("--placement", choices=["inline", "process"], default=None,
+                   help="engine actors in this process (inline) or one process each; default: LLM's (process on a "
+                        "GPU, inline on CPU)")
     p.add_argument("--json", default=None, help="write the result to this file too")
     add_engine_arguments(p)
     args = p.parse_args(argv)
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         start_s = time.perf_counter() - t0
         worker = llm.client.ready_detail.get("worker/0", {})
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        result: dict[str, Any] = {"engine": "flotilla", "model": args.model or "default", "placement": args.placement,
+        result: dict[str, Any] = {"engine": "flotilla", "model": args.model or "default", "placement": llm.placement,
                                   "device": worker.get("device"),
                                   "dtype": worker.get("dtype"), "attention": worker.get("attention"),
                                   "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
