@@ -72,15 +72,33 @@ class Sequence:
     """Disaggregated requests: the id shared by the prefill and the decode side."""
     num_drafts: int = 0
     """Speculative decoding: draft tokens the step in flight verifies for it."""
+    _ids: np.ndarray | None = None
+    """Prompt + output tokens as int32 with spare capacity, filled up to _ids_len (see token_ids)."""
+    _ids_len: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_ids(self) -> np.ndarray:
+        """Prompt + output tokens (a read-only view: tokens are only ever appended, so the positions it shows never
+        change). Amortised O(tokens added since the last call), not O(length): the prefix cache asks for them
+        each time a block fills up, for every running sequence."""
         if not self.output_ids:
             return self.prompt_ids
-        return np.concatenate((self.prompt_ids, np.asarray(self.output_ids, dtype=np.int32)))
+        n, p = self.num_tokens, len(self.prompt_ids)
+        ids = self._ids
+        if ids is None or len(ids) < n:  # (re)allocate with room to double
+            grown = np.empty(max(2 * n, 64), dtype=np.int32)
+            have = p if ids is None else self._ids_len
+            grown[:have] = self.prompt_ids if ids is None else ids[:have]
+            self._ids, self._ids_len, ids = grown, have, grown
+        if self._ids_len < n:
+            ids[self._ids_len:n] = self.output_ids[self._ids_len - p:]
+            self._ids_len = n
+        view = ids[:n]
+        view.flags.writeable = False
+        return view
 
 
 class BatchScheduler:

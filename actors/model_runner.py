@@ -163,6 +163,8 @@ class ModelRunner:
                           for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[_Pending] = deque()
+        self._st_cache: tuple[tuple, SamplingTensors] | None = None
+        """The last step's sampling options, reused while the same sequences sample (see _sampling_tensors)."""
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
@@ -337,29 +339,44 @@ class ModelRunner:
             ends = np.cumsum(num_new)[sampling_rows] - 1
             logits = self.model.compute_logits(hidden[upload(ends, self.device)])
         sampled = [seqs[i] for i in sampling_rows]
+        sampled_rids = [plan.rids[i] for i in sampling_rows]
         if self.rank == 0:
-            out, want = self._sample(sampled, logits)
+            out, want = self._sample(sampled, sampled_rids, logits)
         else:  # rank 0 samples for the group: these ranks only need its tokens (broadcast below)
             out, want = SamplerOutput(token_ids=torch.empty(len(sampled), dtype=torch.int64, device=self.device)), None
         token_ids = broadcast_from_first(out.token_ids)  # (int64 on every rank; in place)
         for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
             s.device_tokens[s.length] = (token_ids, row)
             s.length += 1
-        self._pending.append(_Pending.launch(plan.step, [plan.rids[i] for i in sampling_rows], sampled, out,
-                                             want is not None, self.device))
+        self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device))
 
-    def _sample(self, sampled: list[SeqState], logits: torch.Tensor) -> tuple[SamplerOutput, int | None]:
+    def _sample(self, sampled: list[SeqState], rids: list[str],
+                logits: torch.Tensor) -> tuple[SamplerOutput, int | None]:
         """Sample the next token of each sequence; also the most logprobs any of them asked for."""
         history = any(s.needs_history for s in sampled)
         if history and any(s.host_length < s.length for s in sampled):
             self._drain()  # penalties read every output token on the host
-        st = SamplingTensors.build(
-            [s.sampling for s in sampled], [s.length - s.num_prompt_tokens for s in sampled],
-            device=self.device, vocab_size=logits.shape[1],
-            prompt_token_ids=[s.tokens[:s.num_prompt_tokens] for s in sampled] if history else None,
-            output_token_ids=[s.tokens[s.num_prompt_tokens:] for s in sampled] if history else None)
+        st = self._sampling_tensors(sampled, rids, history, logits.shape[1])
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
         return sample(logits, st, want, generator=self.generator), want
+
+    def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,
+                          vocab: int) -> SamplingTensors:
+        """The step's sampling options on the device. Consecutive decode steps mostly sample the same sequences,
+        and then the options are the same tensors as last step (the sampler only reads them): reused, unless a
+        row's options change per step (penalties read the history; seeded rows hash the generation index)."""
+        key = (tuple(rids), vocab)
+        cached = self._st_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        st = SamplingTensors.build(
+            [s.sampling for s in sampled], [s.length - s.num_prompt_tokens for s in sampled],
+            device=self.device, vocab_size=vocab,
+            prompt_token_ids=[s.tokens[:s.num_prompt_tokens] for s in sampled] if history else None,
+            output_token_ids=[s.tokens[s.num_prompt_tokens:] for s in sampled] if history else None)
+        reusable = not history and st.seeded_rows.numel() == 0
+        self._st_cache = (key, st) if reusable else None
+        return st
 
     def _drain(self) -> None:
         """Finish every pending step's host side now (their results stay queued for finish_oldest)."""

@@ -84,3 +84,19 @@ def test_aborts_at_random_moments_with_steps_in_flight_release_everything():
             assert outputs[rid] == want[:len(outputs[rid])]  # what it produced before the abort is right
         else:
             assert outputs[rid] == want
+
+
+def test_a_sequences_token_ids_are_its_prompt_then_outputs_however_they_grow():
+    from flotilla.actors.batching import Sequence
+    seq = Sequence(rid="r", prompt_ids=np.arange(5, dtype=np.int32), sampling=SamplingParams(), stop_ids=frozenset(),
+                   priority=0, order=0)
+    assert seq.token_ids() is seq.prompt_ids
+    views = []
+    for tok in range(100, 300):  # past several reallocations of the buffer behind the views
+        seq.output_ids.append(tok)
+        if tok % 7 == 0:
+            views.append((seq.num_tokens, seq.token_ids()))
+    for n, view in views:  # earlier views keep showing what they showed
+        assert view.tolist() == list(range(5)) + list(range(100, 100 + n - 5))
+    assert seq.token_ids().tolist() == list(range(5)) + list(range(100, 300))
+    assert not seq.token_ids().flags.writeable

@@ -50,3 +50,45 @@ def test_flashinfer_matches_the_torch_reference(seqs):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     again = fi.forward(q, fi_cache, meta, scale)  # the same step's next layer reuses the plan
     torch.testing.assert_close(again.float(), got)
+
+
+def test_the_fast_graph_replan_gives_flashinfers_own_plan():
+    """fast_plan_graph (what a CUDA-graph decode re-plans with) must leave the wrapper exactly as FlashInfer's
+    plan() would: the same plan info, the same scheduler output in the pinned workspace, the same page tables,
+    and attention equal to the torch reference."""
+    import numpy as np
+
+    batch, block_size, num_heads, num_kv_heads, head_dim = 24, 16, 32, 8, 128
+    fi = flashinfer_backend.FlashInferAttention()
+    indptr_buf = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    indices_buf = torch.zeros(batch * 64, dtype=torch.int32, device="cuda")
+    last_buf = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    wrapper = fi.graph_decode_wrapper(torch.device("cuda"), indptr_buf, indices_buf, last_buf, tensor_cores=True)
+    heads = dict(num_qo_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=block_size)
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        lens = rng.integers(1, 1000, batch)
+        meta, cache, q, _, _ = _case([(int(n) - 1, 1) for n in lens], block_size, num_heads, num_kv_heads, head_dim,
+                                     seed=trial)
+        host = meta.host
+        pages = -(-host.seq_lens // block_size)
+        indptr = np.concatenate(([0], np.cumsum(pages))).astype(np.int32)
+        indices = np.concatenate([t[:p] for t, p in zip(host.block_tables, pages)]).astype(np.int32)
+        last = (host.seq_lens - (pages - 1) * block_size).astype(np.int32)
+        indices_buf[:len(indices)].copy_(torch.from_numpy(indices))
+        wrapper.plan(torch.from_numpy(indptr), indices_buf[:len(indices)], torch.from_numpy(last), **heads,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=head_dim ** -0.5)
+        torch.cuda.synchronize()
+        want_info, want_ws = list(wrapper._plan_info), wrapper._pin_memory_int_workspace_buffer.clone()
+        want_out = wrapper.run(q, cache)
+        indptr_buf.zero_(), last_buf.zero_()
+        wrapper._pin_memory_int_workspace_buffer.zero_()
+        assert flashinfer_backend.fast_plan_graph(wrapper, indptr, last, **heads)
+        torch.cuda.synchronize()
+        assert list(wrapper._plan_info) == want_info
+        assert torch.equal(wrapper._pin_memory_int_workspace_buffer, want_ws)
+        assert indptr_buf.tolist() == indptr.tolist() and last_buf.tolist() == last.tolist()
+        got_out = wrapper.run(q, cache)
+        torch.testing.assert_close(got_out, want_out, atol=0, rtol=0)
+        ref = paged_attention(q, cache, meta, head_dim ** -0.5).float()
+        torch.testing.assert_close(got_out.float(), ref, atol=2e-2, rtol=2e-2)

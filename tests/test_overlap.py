@@ -160,3 +160,24 @@ def test_a_step_that_feeds_unsettled_tokens_really_reads_them_from_the_device(ru
     assert (a.step, b.step) == (first.step, second.step)
     assert seq.host_length == seq.length and not seq.device_tokens
     assert seq.tokens[-2:].tolist() == [int(a.token_ids[0]), int(b.token_ids[0])]
+
+
+def test_decode_steps_of_the_same_sequences_reuse_their_sampling_options(runner_factory):
+    runner = runner_factory(64)
+    sched = BatchScheduler(SchedulerConfig(max_num_seqs=4, max_steps_in_flight=1),
+                           BlockManager(64, 4, enable_prefix_caching=False), max_model_len=256)
+    plain = [r for r in requests() if r.sampling.seed is None and r.sampling.repetition_penalty == 1.0
+             and r.sampling.presence_penalty == 0.0 and r.sampling.frequency_penalty == 0.0][:2]
+    for req in plain:
+        sched.add(req)
+    seen = []
+    for _ in range(4):  # the prompts, then three decode steps of the same two sequences
+        runner.launch(sched.schedule())
+        sched.update(runner.finish_oldest())
+        seen.append(runner._st_cache[1])
+    assert seen[1] is seen[2] is seen[3]
+    seeded = next(r for r in requests() if r.sampling.seed is not None)
+    sched.add(seeded)
+    runner.launch(sched.schedule())  # a seeded row hashes its generation index: nothing to reuse
+    sched.update(runner.finish_oldest())
+    assert runner._st_cache is None
