@@ -245,7 +245,7 @@ def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
     outs = {}
     for eager in (True, False):
         with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
-                 enforce_eager=eager) as engine:
+                 enforce_eager=eager, placement="inline") as engine:  # inline: the runner is inspected here
             assert (engine.client.runtime.actors["worker/0"].runner.graphs is None) == eager
             outs[eager] = run(engine, ps, max_tokens=lengths)
     assert outs[False] == outs[True]
