@@ -68,6 +68,16 @@ def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     return {"b1_decode_tok_per_s": round(generated / elapsed, 1), "b1_decode_ms_per_token": round(1000 * elapsed / generated, 3)}
 
 
+def repeated(run: Any, llm: LLM, args: argparse.Namespace, key: str) -> dict[str, Any]:
+    """`run` --repeat times on the same engine: the run with the median `key`, and every run's `key` (so the
+    spread between runs of the same code is measured, not guessed)."""
+    runs = [run(llm, args) for _ in range(args.repeat)]
+    if len(runs) == 1:
+        return runs[0]
+    median = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+    return {**median, key.replace("_per_s", "_per_s_runs"): [r[key] for r in runs]}
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.model in SHAPES:
         # the peer's settings: bf16, random weights, no tokenizer, max_model_len 4096, no prefix caching
@@ -92,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=10000, help="token ids are drawn from [0, vocab] (peer: 10000)")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each workload this many times on the same engine and report the median run and all "
+                        "runs (with prefix caching on, later nano runs find their prompts cached)")
     p.add_argument("--placement", choices=["inline", "process"], default=None,
                    help="engine actors in this process (inline) or one process each; default: LLM's (process on a "
                         "GPU, inline on CPU)")
@@ -110,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
                                   "model_load_s": float(worker.get("load_s", 0))}
         if args.workload in ("nano", "both"):
-            result.update(run_nano(llm, args))
+            result.update(repeated(run_nano, llm, args, "nano_workload_out_tok_per_s"))
         if args.workload in ("decode1", "both"):
-            result.update(run_decode1(llm, args))
+            result.update(repeated(run_decode1, llm, args, "b1_decode_tok_per_s"))
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

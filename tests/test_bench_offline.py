@@ -46,3 +46,14 @@ def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["nano_workload_seqs"] == 6 and result["nano_workload_out_tok_per_s"] > 0
     assert result["b1_decode_tok_per_s"] > 0 and result["device"] == "cpu"
+
+
+def test_bench_offline_repeats_report_the_median_run_and_every_run(tmp_path):
+    model = write_tiny_engine_model(tmp_path / "tiny")
+    out = tmp_path / "result.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "decode1", "--decode-in", "8", "--decode-out",
+                               "8", "--vocab", "300", "--repeat", "3", "--kv-cache-blocks", "64", "--block-size", "4",
+                               "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["b1_decode_tok_per_s_runs"]
+    assert len(runs) == 3 and result["b1_decode_tok_per_s"] == sorted(runs)[1]
