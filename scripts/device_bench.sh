@@ -23,7 +23,7 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   if [ "${PROFILE:-1}" = 1 ]; then
     # kernels (torch.profiler) and host functions (cProfile) in separate runs: each profiler slows the other side
     timeout 240 python3 -m flotilla.scripts.profile_step --model "$m" --batch 1,64,256 --steps 30 --torch-profile \
-      --prefill 8192x512 > "$R/profile-$m.log" 2>&1
+      --prefill 8192x512 --mixed 256x1000+8192x512 > "$R/profile-$m.log" 2>&1
     timeout 150 python3 -m flotilla.scripts.profile_step --model "$m" --batch 1,256 --steps 30 --cprofile \
       > "$R/cprofile-$m.log" 2>&1
     grep '^{' "$R/profile-$m.log" | cut -c1-300 || tail -3 "$R/profile-$m.log"

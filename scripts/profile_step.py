@@ -7,9 +7,11 @@ work means the host could not launch kernels fast enough (eager); wall minus the
 work outside the forward (metadata, sampling, copies). Then the same steps again as the worker runs
 them, overlapped (step k+1 launched before step k's tokens are waited for): overlapped_step_ms, and
 launch_host_ms, the host time to stage and launch one step; when it is below the device's step time
-the device never waits for the host.
+the device never waits for the host. Optionally one eager prefill step (--prefill) and one chunked-prefill
+step against its decode and prefill halves (--mixed: the nano workloads' prompt steps are such steps).
 
     python -m flotilla.scripts.profile_step --model qwen3-8b --batch 1,64 --steps 50
+    python -m flotilla.scripts.profile_step --model qwen3-0.6b --batch 256 --mixed 256x1000+8192x512
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -142,9 +145,90 @@ def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str,
             **kernel_table(prof, 1)}
 
 
+def mixed_plans(runner: ModelRunner, decodes: int, context: int, tokens: int,
+                per_seq: int) -> tuple[list[StepPlan], StepPlan, StepPlan, StepPlan]:
+    """Plans for one chunked-prefill step as the scheduler makes them: `decodes` running sequences with `context`
+    tokens cached each decode one token, and new prompts of `per_seq` tokens (`tokens` in all) run whole.
+    Returns (setup: the running sequences' prompts, in steps of at most 16,384 tokens; mixed: that step;
+    decode_only and prefill_only: its two halves alone, as the setup leaves the cache, for comparison)."""
+    bs = runner.block_size
+    n = max(1, tokens // per_seq)
+    rng = np.random.default_rng(1)
+    vocab = min(10000, runner.hf_config.vocab_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    next_block = 0
+
+    def seq(rid: str, length: int, room: int) -> NewSequence:
+        nonlocal next_block
+        blocks = -(-(length + room) // bs)
+        ids = np.arange(next_block, next_block + blocks, dtype=np.int32)
+        next_block += blocks
+        return NewSequence(rid=rid, token_ids=rng.integers(0, vocab, length, dtype=np.int32), num_computed_tokens=0,
+                           block_ids=ids, sampling=sp)
+
+    running = [seq(f"d{i}", context, 2) for i in range(decodes)]
+    prompts = [seq(f"p{i}", per_seq, 1) for i in range(n)]
+    if next_block > runner.num_blocks:
+        raise ValueError(f"the mixed step needs {next_block} KV blocks; the runner has {runner.num_blocks}")
+    per_step = max(1, 16384 // max(context, 1))
+    setup = [StepPlan(step=k, new_seqs=running[i:i + per_step], rids=[r.rid for r in running[i:i + per_step]],
+                      num_new_tokens=np.full(len(running[i:i + per_step]), context, np.int32))
+             for k, i in enumerate(range(0, decodes, per_step))]
+    base = len(setup)
+    none = np.zeros(0, np.int32)
+
+    def step(k: int, run: list[NewSequence], new: list[NewSequence]) -> StepPlan:
+        return StepPlan(step=base + k, new_seqs=new, rids=[r.rid for r in run] + [p.rid for p in new],
+                        num_new_tokens=np.array([1] * len(run) + [per_seq] * len(new), np.int32),
+                        new_block_counts=np.zeros(len(run) + len(new), np.int32), new_block_ids=none)
+
+    return setup, step(0, running, prompts), step(1, running, []), step(2, [], prompts)
+
+
+def profile_mixed(runner: ModelRunner, decodes: int, context: int, tokens: int, per_seq: int) -> dict[str, Any]:
+    """One chunked-prefill step (decodes + whole prompts) against its decode and prefill halves run alone: wall
+    time and kernels of each. A mixed step much slower than its halves together points at the attention call
+    that serves both kinds of rows (or at the mixed step running eagerly while decodes replay a graph)."""
+    setup, mixed, decode_only, prefill_only = mixed_plans(runner, decodes, context, tokens, per_seq)
+    out: dict[str, Any] = {"mixed_decodes": decodes, "mixed_context": context, "mixed_prefill_tokens":
+                           int(prefill_only.num_new_tokens.sum())}
+    for plan in setup:
+        runner.execute(plan)
+    prompt_rids = [r for r in mixed.rids if r.startswith("p")]
+    for name, plan in (("mixed", mixed), ("decode_only", decode_only), ("prefill_only", prefill_only)):
+        for attempt in ("warm", "timed"):  # the first run compiles / plans; the second is measured
+            if plan.new_seqs:  # run the prompts again from scratch: forget them first
+                runner.execute(StepPlan(step=plan.step + 10**6, finished_rids=prompt_rids))
+            # decode rows recompute the same position each time (num_computed is reset below), so every run of
+            # a plan does the same work
+            saved = {r: runner.seqs[r].num_computed for r in plan.rids if r in runner.seqs}
+            kw: dict[str, Any] = {}
+            if attempt == "timed":
+                kw = {"activities": [torch.profiler.ProfilerActivity.CPU]}
+                if runner.device.type == "cuda":
+                    kw["activities"].append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize()
+                prof = torch.profiler.profile(**kw)
+                prof.start()
+            t0 = time.perf_counter()
+            result = runner.execute(msgspec.structs.replace(plan, step=plan.step + (0 if attempt == "warm" else 10**5)))
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1000
+            if result.error is not None:
+                raise RuntimeError(f"{name}: {result.error}")
+            for r, c in saved.items():
+                s = runner.seqs[r]
+                s.num_computed, s.length, s.host_length = c, c + 1, c + 1
+            if attempt == "timed":
+                prof.stop()
+                table = kernel_table(prof, 1, top=8) if runner.device.type == "cuda" else {}
+                out[name] = {"step_ms": round(wall, 3), "sampled": len(result.rids), **table}
+    return out
+
+
 def decodes_for_overlap(decodes: list[StepPlan]) -> list[StepPlan]:
     """The same decode plans again under fresh step numbers, for a second, overlapped, pass."""
-    import msgspec
     base = decodes[-1].step + 1
     return [msgspec.structs.replace(p, step=base + i) for i, p in enumerate(decodes[3:])]
 
@@ -158,18 +242,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     p.add_argument("--attention-backend", default="auto", help="force an attention backend")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-blocks", type=int, default=24576, help="KV blocks of 16 tokens (--mixed needs room)")
     p.add_argument("--torch-profile", action="store_true",
                    help="profile the overlapped pass with torch.profiler: device busy time per step and the top kernels "
                         "(the profiler's own host cost slows the host side: read the wall times from a run without it)")
     p.add_argument("--prefill", default="",
                    help="also time one eager prefill step: TOKENS[xPER_SEQ] (e.g. 8192x512), with its kernels")
+    p.add_argument("--mixed", default="",
+                   help="also time one chunked-prefill step against its halves: DECODESxCONTEXT+TOKENSxPER_SEQ (e.g. "
+                        "256x1000+8192x512: 256 decodes at 1,000 tokens of context with 16 new 512-token prompts)")
     p.add_argument("--cprofile", action="store_true",
                    help="also print the host functions that cost the most in the overlapped pass (per batch size)")
     args = p.parse_args(argv)
     dummy = args.model in SHAPES
     config = EngineConfig.from_options(
         model=str(shape_dir(args.model)) if dummy else args.model, dtype="bfloat16",
-        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=8192, block_size=16,
+        load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=args.kv_cache_blocks,
+        block_size=16,
         attention_backend=args.attention_backend, device="cuda", enforce_eager=args.enforce_eager)
     runner = ModelRunner(config, progress=False)
     rows = []
@@ -183,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill:
         tokens, _, per_seq = args.prefill.partition("x")
         rows.append(profile_prefill(runner, int(tokens), int(per_seq or 512)))
+    if args.mixed:
+        dec, _, pre = args.mixed.partition("+")
+        (d, c), (t, ps) = (map(int, part.split("x")) for part in (dec, pre))
+        rows.append(profile_mixed(runner, d, c, t, ps))
     for r in rows:
         print(json.dumps({"model": args.model, "attention": runner.model.attention_backend_name,
                           "cuda_graphs": runner.graphs is not None, **r}), flush=True)

@@ -1,0 +1,50 @@
+"""scripts/profile_step.py's mixed-step profile on CPU: its plans are what the scheduler would send, and each of its
+three steps (mixed, decode half, prefill half) really runs the rows it claims (timings are only read on the GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from flotilla.actors.model_runner import ModelRunner
+from flotilla.config import EngineConfig
+from flotilla.scripts import profile_step
+
+from helpers_tiny_models import write_tiny_model
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> ModelRunner:
+    model = write_tiny_model(tmp_path / "m", "qwen3")
+    config = EngineConfig.from_options(model=str(model), device="cpu", dtype="float32", kv_cache_blocks=64,
+                                       block_size=4, skip_tokenizer_init=True)
+    return ModelRunner(config, progress=False)
+
+
+def test_a_mixed_step_samples_what_its_decode_and_prefill_halves_sample(runner):
+    setup, mixed, decode_only, prefill_only = profile_step.mixed_plans(runner, decodes=5, context=9, tokens=12,
+                                                                       per_seq=4)
+    assert len(setup) == 1 and sum(map(len, (p.rids for p in setup))) == 5
+    assert mixed.rids == decode_only.rids + prefill_only.rids and mixed.num_new_tokens.tolist() == [1] * 5 + [4] * 3
+    blocks = [b for p in setup + [prefill_only] for s in p.new_seqs for b in s.block_ids.tolist()]
+    assert len(blocks) == len(set(blocks))  # no two sequences share a KV block
+    for plan in setup:
+        runner.execute(plan)
+    got = runner.execute(mixed)
+    for r in prefill_only.rids:  # run the halves from the same state: prompts forgotten, decodes one step back
+        runner.seqs.pop(r)
+    for r in decode_only.rids:
+        s = runner.seqs[r]
+        s.num_computed, s.length, s.host_length = 9, 10, 10
+    halves = runner.execute(msgspec.structs.replace(decode_only, step=100))
+    halves_p = runner.execute(msgspec.structs.replace(prefill_only, step=101))
+    assert got.rids == halves.rids + halves_p.rids
+    assert got.token_ids.tolist() == halves.token_ids.tolist() + halves_p.token_ids.tolist()
+
+
+def test_profile_mixed_runs_each_step_twice_and_reports_them(runner):
+    out = profile_step.profile_mixed(runner, decodes=4, context=6, tokens=8, per_seq=4)
+    assert out["mixed"]["sampled"] == 6 and out["decode_only"]["sampled"] == 4 and out["prefill_only"]["sampled"] == 2
+    assert out["mixed_prefill_tokens"] == 8 and all(out[k]["step_ms"] > 0 for k in ("mixed", "decode_only"))
