@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# flotilla and vLLM 0.26.0 side by side in one device session: the third of the vLLM peer's three calls
+# (../shared/gpu/vllm-peer/make.sh builds .vllm-peer/; calls 1 and 2 copy its two xz parts to /tmp/vp/ on a warm
+# machine, no more than 30 s apart). This call installs vLLM there, then runs, per model, vLLM's peer_bench.py and
+# flotilla's bench_offline on the same workloads (the nano-vllm recipe with random.seed(0), and batch-1 decode):
+#   device run, carry [".vllm-peer/wheels", ".vllm-peer/install.sh", ".vllm-peer/peer_bench.py", ".gpu-bundle"],
+#   timeout 600:  bash scripts/device_compare.sh
+# The carried paths must stay under the 64 MiB limit: leave py-spy out of .gpu-bundle for this call.
+# MODELS (default "qwen3-0.6b qwen3-8b") and REPEAT (flotilla's --repeat, default 2) adjust it; the JSON lands in
+# $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.plot_performance reads them).
+set -uo pipefail
+OUT=${OUT:-/tmp/flotilla-out}
+R=$OUT/compare
+mkdir -p "$R" /tmp/vp
+cp -r .vllm-peer/wheels .vllm-peer/install.sh /tmp/vp/
+bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
+for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
+  # vLLM's environment stays in its subshell: it must not leak into flotilla's run
+  # (deepseek-v3-4l: VLLM_DEEP_GEMM_WARMUP=skip, or vLLM's warm-up compiles for ~50 minutes)
+  (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout 300 python3 .vllm-peer/peer_bench.py "$m") \
+    > "$R/peer-$m.log" 2>&1
+  tail -2 "$R/peer-$m.log"
+  (source .gpu-bundle/setup.sh && timeout 240 python3 -m flotilla.scripts.bench_offline --model "$m" \
+    --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
+  tail -1 "$R/flotilla-$m.log"
+done
+tar -czf "$OUT/compare.tgz" -C "$OUT" compare
