@@ -132,29 +132,36 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     tensor_parallel_size: int = 1
     """Worker ranks that each hold a slice of every layer (attention heads, MLP and experts' intermediate dim,
-    vocabulary) and all-reduce; one process per rank (gloo on CPU, nccl on CUDA: cuda:RANK)."""
+    vocabulary; whole experts instead under enable_expert_parallel) and all-reduce; one process per rank (gloo on
+    CPU, nccl on CUDA: cuda:RANK)."""
     data_parallel_size: int = 1
     """Data-parallel ranks: each has its own scheduler, KV cache and worker process(es) with a whole copy of the
     attention and dense layers; the front end gives each new request to the least loaded rank (GPUs: rank d
     uses cuda:d*tensor_parallel_size onwards)."""
     enable_expert_parallel: bool = False
-    """Spread a MoE model's routed experts over the data-parallel ranks (wide EP: each rank keeps num_experts /
-    data_parallel_size of them; tokens go to their experts' ranks by all-to-all and come back); the ranks then
-    step in lockstep, an idle one running an empty batch. Needs a MoE model and tensor_parallel_size 1."""
+    """Spread a MoE model's routed experts over the engine's ranks instead of slicing each one (vLLM's): each rank
+    keeps num_experts / expert_parallel_size whole experts. Over the data-parallel ranks (tensor_parallel_size 1,
+    wide EP) tokens go to their experts' ranks by all-to-all and come back, and the ranks step in lockstep, an idle
+    one running an empty batch. Over the tensor-parallel ranks (data_parallel_size 1) every rank routes the same
+    tokens and computes only its own experts' share, which the MoE output's all-reduce sums: no all-to-all;
+    attention, dense layers and shared experts stay tensor-parallel. Both at once is not built yet. Needs a MoE
+    model."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not built yet: the experts are "
-                             "spread over the data-parallel ranks (data_parallel_size), one worker each")
+        if self.enable_expert_parallel and self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not built yet for "
+                             "data_parallel_size > 1: the experts spread over the tensor-parallel ranks "
+                             "(data_parallel_size 1) or over the data-parallel ranks (tensor_parallel_size 1)")
 
     @property
     def expert_parallel_size(self) -> int:
-        """Ranks the experts are spread over: data_parallel_size with enable_expert_parallel, else 1."""
-        return self.data_parallel_size if self.enable_expert_parallel else 1
+        """Ranks the experts are spread over: tensor_parallel_size x data_parallel_size with
+        enable_expert_parallel (one of them is 1), else 1."""
+        return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
 
 
 class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

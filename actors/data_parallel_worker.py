@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flotilla.config import EngineConfig
-from flotilla.models.parallel import init_expert_parallel
+from flotilla.models.parallel import expert_parallel_over_tensor_parallel, init_expert_parallel
 from flotilla.models.qwen3_moe import StackedExperts
 
 
@@ -36,8 +36,9 @@ def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
 
 
 def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | None) -> None:
-    """Before the model is built: join the engine's expert-parallel group (its data-parallel ranks), so the
-    MoE layers keep only this rank's experts; on CPU share the host's cores between the ranks."""
+    """Before the model is built: join the engine's expert-parallel group (its data-parallel ranks), or with one
+    data-parallel rank spread the experts over the tensor-parallel group (which the runner joins), so the MoE
+    layers keep only this rank's experts; on CPU share the host's cores between the ranks."""
     size = config.parallel.data_parallel_size * config.parallel.tensor_parallel_size
     device = torch.device(config.worker.device if config.worker.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -45,6 +46,9 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     ep = config.parallel.expert_parallel_size
     if ep == 1:
+        return
+    if config.parallel.data_parallel_size == 1:  # TP x EP: the tensor-parallel ranks hold the same tokens
+        expert_parallel_over_tensor_parallel()
         return
     if init_method is None:
         raise ValueError("enable_expert_parallel needs the ranks' rendezvous address (ep_init_method)")
@@ -54,7 +58,8 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
 
 
 def expert_parallel_layers(model: nn.Module) -> list[StackedExperts]:
-    """The model's MoE layers whose experts are spread over an expert-parallel group, in forward order."""
+    """The model's MoE layers whose experts are spread over an expert-parallel group (of data-parallel or of
+    tensor-parallel ranks), in forward order."""
     return [m for m in model.modules() if isinstance(m, StackedExperts) and m.ep_experts is not None]
 
 
@@ -67,7 +72,8 @@ def empty_forward(layers: list[StackedExperts]) -> None:
 
 @torch.inference_mode()
 def expert_tokens(layers: list[StackedExperts]) -> np.ndarray:
-    """int64 [layers, experts]: tokens this rank routed to each expert since start, per MoE layer."""
+    """int64 [layers, experts]: tokens this rank routed to each expert since start, per MoE layer (under TP x EP
+    every tensor-parallel rank routes every token of its data-parallel rank: TP rank 0's counts are all)."""
     return torch.stack([layer.expert_tokens for layer in layers]).cpu().numpy()
 
 

@@ -21,7 +21,9 @@ rank t of data-parallel rank d; it answers rank d's scheduler (scheduler instanc
 the data-parallel ranks' workers form one group at `ep_init_method`, each keeping its share of the experts; a
 step without sequences (an idle rank keeping in step with busy ones) runs an empty forward through the MoE
 layers' all-to-alls, and the per-expert token counts go to the front end every EXPERT_LOAD_INTERVAL_S while
-steps run.
+steps run. With one data-parallel rank and tensor parallelism the experts spread over the TP ranks instead
+(models/qwen3_moe.py): no group of their own, no empty steps; TP rank 0 reports the counts, as under DP x EP
+(every TP rank routes every token, so one rank's counts count each token once).
 """
 
 from __future__ import annotations

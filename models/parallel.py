@@ -23,9 +23,11 @@ float32 `weight_scale_inv` per block) slice the weight and its scales together, 
 and end on the weight blocks (a partial last block only where the share ends the tensor); any other split
 is refused when the layer is built.
 
-Expert parallelism has a group of its own (`init_expert_parallel`, `ep_group()`: an engine's data-parallel
-ranks, actors/data_parallel.py); MoE layers built while it is set keep only their share of the experts
-(models/qwen3_moe.py).
+Expert parallelism: MoE layers built while `ep_group()` has several ranks keep only their share of the
+experts, whole (models/qwen3_moe.py). The group is an engine's data-parallel ranks, joined as a group of its own
+(`init_expert_parallel`, actors/data_parallel.py; tokens travel to their experts by all-to-all), or the
+tensor-parallel group itself (`expert_parallel_over_tensor_parallel`, with one data-parallel rank: the ranks hold
+the same tokens, so each computes its experts' share of all of them and the MoE output's all-reduce sums them).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from flotilla.kernels.quant.fp8_ref import num_blocks
 @dataclass(frozen=True, slots=True)
 class ParallelGroup:
     """This process's place in a group of ranks: its tensor-parallel group (TPGroup), or the expert-parallel
-    group of an engine's data-parallel ranks under enable_expert_parallel (EPGroup: MoE layers built while it
-    is set keep only their share of the experts)."""
+    group under enable_expert_parallel (EPGroup: MoE layers built while it is set keep only their share of the
+    experts): an engine's data-parallel ranks, or the tensor-parallel group again."""
 
     rank: int = 0
     size: int = 1
@@ -95,11 +97,32 @@ def destroy_tensor_parallel() -> None:
 
 
 _EP = EPGroup()
+_EP_OVER_TP = False
+"""Whether the experts are spread over the tensor-parallel group (expert_parallel_over_tensor_parallel)."""
 
 
 def ep_group() -> EPGroup:
-    """The expert-parallel group of this process (rank 0 of 1 unless init_expert_parallel ran)."""
-    return _EP
+    """The expert-parallel group of this process: the tensor-parallel group after
+    expert_parallel_over_tensor_parallel, else the data-parallel ranks' group (rank 0 of 1 unless
+    init_expert_parallel ran)."""
+    return _TP if _EP_OVER_TP else _EP
+
+
+def ep_ranks_share_tokens() -> bool:
+    """Whether every rank of ep_group() holds the same tokens (it is the tensor-parallel group): a MoE layer
+    then computes its experts' share of every token and the all-reduce that tensor parallelism runs anyway sums
+    the shares; no all-to-all."""
+    return _EP_OVER_TP
+
+
+def expert_parallel_over_tensor_parallel() -> None:
+    """Spread the experts over the tensor-parallel group (each rank keeps whole experts, not a slice of every
+    one): vLLM's layout for tensor_parallel_size > 1 with enable_expert_parallel and one data-parallel rank. May
+    run before init_tensor_parallel: the MoE layers read ep_group() when they are built."""
+    global _EP_OVER_TP
+    if _EP.size > 1:
+        raise RuntimeError("this process already belongs to an expert-parallel group of data-parallel ranks")
+    _EP_OVER_TP = True
 
 
 def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.device,
@@ -109,17 +132,17 @@ def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.d
     global _EP
     if size == 1:
         return _EP
-    if _EP.size > 1 or _TP.size > 1:
+    if _EP.size > 1 or _TP.size > 1 or _EP_OVER_TP:
         raise RuntimeError("this process already belongs to a parallel group")
     _EP = _join_world(rank, size, init_method, device, timeout_s)
     return _EP
 
 
 def destroy_expert_parallel() -> None:
-    global _EP
+    global _EP, _EP_OVER_TP
     if _EP.size > 1:
         dist.destroy_process_group()
-    _EP = EPGroup()
+    _EP, _EP_OVER_TP = EPGroup(), False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,15 @@ and up and the matching columns of its down projection, runs the same routing on
 block's output is summed over the ranks by one all-reduce after the experts' combine.
 
 Expert parallelism (an expert-parallel group set, models/parallel.py `ep_group`, with `expert_parallel=True`)
-keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_parallel.py's contiguous placement):
-each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts' ranks and back. The
+keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_parallel.py's contiguous placement).
+Over data-parallel ranks each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts'
+ranks and back. Over the tensor-parallel ranks (`ep_ranks_share_tokens`: TP x EP with one data-parallel rank,
+as vLLM does it) every rank routes the same tokens alike and `SharedTokenExperts` computes only its experts'
+(token, expert) slots; the block's all-reduce, which plain TP runs too, adds the ranks' partial outputs. The
 block counts the tokens routed to each expert (`expert_tokens`, summed over every step: what an expert-placement
-load balancer reads), and `empty_step` takes part in the all-to-alls without tokens (an idle data-parallel
-rank's step). Other ranks' experts are neither copied nor, through the loader, read (`ExpertTensors.remote`).
+load balancer reads; under TP x EP every rank counts every token, so one rank's counts are the engine's), and
+`empty_step` takes part in the all-to-alls without tokens (an idle data-parallel rank's step). Other ranks'
+experts are neither copied nor, through the loader, read (`ExpertTensors.remote`).
 """
 
 from __future__ import annotations
@@ -34,10 +38,18 @@ import torch
 from torch import nn
 
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
-from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
+from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement, SharedTokenExperts
 from flotilla.models.hf_config import HFModelConfig, MoEConfig
 from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
-from flotilla.models.parallel import all_reduce, check_shape, divide, ep_group, tp_group
+from flotilla.models.parallel import (
+    ParallelGroup,
+    all_reduce,
+    check_shape,
+    divide,
+    ep_group,
+    ep_ranks_share_tokens,
+    tp_group,
+)
 
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 """A routed expert's checkpoint tensor: `<layer>.mlp.experts.{e}.{gate,up,down}_proj.weight`."""
@@ -47,7 +59,8 @@ _STACKED = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|dow
 class StackedExperts(nn.Module):
     """The routed experts of one layer as stacked weights (transformers 5's Qwen3MoeExperts layout), each
     expert's intermediate dim cut to this rank's share under tensor parallelism; with `expert_parallel` and an
-    expert-parallel group of several ranks, only this rank's experts (the rows of `placement.local_experts`)."""
+    expert-parallel group of several ranks, only this rank's experts (the rows of `placement.local_experts`),
+    whole."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend,
                  expert_parallel: bool = False) -> None:
@@ -56,10 +69,11 @@ class StackedExperts(nn.Module):
         ep = ep_group() if expert_parallel else None
         self.placement: ExpertPlacement | None = None
         """Which rank holds each expert (None: this rank holds them all)."""
-        self.ep_experts: ExpertParallelExperts | None = None
+        self.ep_experts: ExpertParallelExperts | SharedTokenExperts | None = None
         if ep is not None and ep.size > 1:
             self.placement = ExpertPlacement(num_experts, ep.size, ep.rank, device=torch.get_default_device())
-            self.ep_experts = ExpertParallelExperts(self.placement, ep.group, backend)
+            self.ep_experts = (SharedTokenExperts(self.placement, backend) if ep_ranks_share_tokens() else
+                               ExpertParallelExperts(self.placement, ep.group, backend))
             # int64 [E]: (token, expert) slots this rank routed to each expert since start
             self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         local = num_experts if self.placement is None else self.placement.num_local_experts
@@ -68,10 +82,11 @@ class StackedExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
-        intermediate_size = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        split = tp if self.placement is None else ParallelGroup()  # whole experts under expert parallelism
+        intermediate_size = divide(intermediate_size, split.size, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         """This rank's rows of each expert's gate (and of its up)."""
-        self.first = tp.rank * intermediate_size
+        self.first = split.rank * intermediate_size
         """The first of them in the checkpoint's intermediate dim."""
         self.backend = backend
         # Uninitialized like Linear: weights always come from a checkpoint (or load_format=dummy).
@@ -93,7 +108,8 @@ class StackedExperts(nn.Module):
             0 <= expert - self.first_expert < self.placement.num_local_experts)
 
     def empty_step(self) -> None:
-        """Take part in the expert-parallel all-to-alls with no tokens (collective: the other ranks run a batch)."""
+        """Take part in the expert-parallel all-to-alls with no tokens (collective: the other ranks run a batch;
+        nothing runs over the tensor-parallel ranks, which have no all-to-all)."""
         assert self.ep_experts is not None
         w = self.gate_up_proj
         self.ep_experts(w.new_empty((0, self.hidden_size)), w, self.down_proj,
@@ -210,6 +226,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
+        # under TP each rank's partial sum (its slice of every expert, or under TP x EP its whole experts): summed
         return all_reduce(self.experts(hidden, topk_weights, topk_ids))
 
 

@@ -119,7 +119,8 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     runs tensor_parallel_size worker instances (instance = rank), one process each, that meet at a
     rendezvous address chosen here (torch.distributed's tcp:// init). Data parallelism runs one scheduler per
     rank (instance = DP rank) and tensor_parallel_size workers for each (actors/data_parallel.py); under expert
-    parallelism the ranks' workers meet at one more address."""
+    parallelism the data-parallel ranks' workers meet at one more address (over the tensor-parallel ranks the
+    experts need none: their group is the TP group)."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
     disagg = config.disagg.role != "both"
@@ -139,7 +140,7 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
             worker["dist_init_method"] = addresses[0]
         else:
             worker["dist_init_methods"] = addresses
-    if config.parallel.expert_parallel_size > 1:
+    if config.parallel.expert_parallel_size > 1 and dp > 1:  # over TP ranks the experts use the TP group
         worker["ep_init_method"] = f"tcp://127.0.0.1:{free_tcp_port()}"
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
@@ -170,8 +171,9 @@ def check_expert_parallel(config: EngineConfig) -> None:
                          "(no num_experts in its config.json)")
     ep = config.parallel.expert_parallel_size
     if moe.num_experts % ep:
+        over = "data_parallel_size" if config.parallel.tensor_parallel_size == 1 else "tensor_parallel_size"
         raise ValueError(f"enable_expert_parallel: {moe.num_experts} experts cannot be split evenly over "
-                         f"data_parallel_size={ep} ranks")
+                         f"{over}={ep} ranks (each rank keeps num_experts / {ep} whole experts)")
 
 
 class EngineClient:

@@ -25,6 +25,14 @@ for that. Not built: deep_ep itself — "deep_ep" is a name `get_ep_backend` kno
 `ExpertPlacement` maps each expert to its rank and to its row in that rank's stacked weights (contiguous
 today: rank r owns experts [r*E/ep, (r+1)*E/ep)), and keeps the last step's per-expert token counts, which
 is what an expert-placement load balancer (EPLB) reads.
+
+Ranks that hold the same tokens (the tensor-parallel ranks of one data-parallel rank: vLLM's TP x EP without
+data parallelism) need no dispatch: `SharedTokenExperts` computes, on each rank, only the slots of its own
+experts (the others count as zeros) and combines them as above into a partial output; the MoE block's
+tensor-parallel all-reduce then adds the ranks' partials. It runs no collective of its own, and like dispatch it
+reads the number of its slots back to the host (a step is not capturable in a CUDA graph); vLLM's kernels skip
+the other ranks' slots inside the grouped GEMM instead (an expert map with -1), which is the way to a static
+shape here too.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ __all__ = [
     "Dispatched",
     "ExpertParallelExperts",
     "ExpertPlacement",
+    "SharedTokenExperts",
     "available_ep_backends",
     "combine",
     "dispatch",
@@ -88,6 +97,12 @@ class ExpertPlacement:
         if stacked.shape[0] != self.num_experts:
             raise ValueError(f"a stacked expert tensor of {stacked.shape[0]} experts, expected {self.num_experts}")
         return stacked.narrow(0, self.first_local_expert, self.num_local_experts)
+
+    def record(self, routed: torch.Tensor, local_ids: torch.Tensor) -> None:
+        """The step's loads: routed int64 [slots] the experts of this rank's routing, local_ids int64 [rows] the
+        local expert of each row this rank's experts computed."""
+        self.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
+        self.local_expert_load.zero_().scatter_add_(0, local_ids, torch.ones_like(local_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +152,7 @@ def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, placement: ExpertPlac
     _all_to_all(recv_hidden, send_hidden, recv_splits, send_splits, group)
     _all_to_all(recv_ids, send_ids, recv_splits, send_splits, group)
 
-    placement.expert_load.zero_().scatter_add_(0, flat, torch.ones_like(flat))
-    local = recv_ids.to(torch.int64)
-    placement.local_expert_load.zero_().scatter_add_(0, local, torch.ones_like(local))
+    placement.record(flat, recv_ids.to(torch.int64))
     return Dispatched(hidden=recv_hidden, local_ids=recv_ids, order=order, send_splits=send_splits,
                       recv_splits=recv_splits)
 
@@ -150,18 +163,24 @@ def combine(expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torc
     ranks and sum each token's k results weighted by its routing -> [T, H] in expert_out's dtype.
     Collective, like dispatch."""
     num_tokens, top_k = topk_ids.shape
-    dtype, width = expert_out.dtype, expert_out.shape[1]
+    width = expert_out.shape[1]
     back = expert_out.new_empty((num_tokens * top_k, width))
     _all_to_all(back, expert_out, dispatched.send_splits, dispatched.recv_splits, group)
     per_slot = torch.empty_like(back)
     per_slot[dispatched.order] = back  # back into slot order: row token * k + j
-    per_slot = per_slot.view(num_tokens, top_k, width)
-    # As torch_ref.fused_experts: scaled in float32, rounded to the activation dtype, summed in float32 in
-    # ascending expert order.
+    return _weighted_sum(per_slot.view(num_tokens, top_k, width), topk_weights, topk_ids)
+
+
+def _weighted_sum(per_slot: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's expert outputs per_slot [T, k, W] (slot order) weighted by its routing and summed -> [T, W] in
+    per_slot's dtype, as torch_ref.fused_experts does it: scaled in float32, rounded to the activation dtype,
+    summed in float32 in ascending expert order."""
+    num_tokens, top_k, width = per_slot.shape
+    dtype = per_slot.dtype
     weighted = (per_slot.float() * topk_weights.unsqueeze(-1)).to(dtype)
     by_expert = torch.argsort(topk_ids, dim=1, stable=True)
     weighted = weighted.gather(1, by_expert.unsqueeze(-1).expand_as(weighted))
-    out = torch.zeros((num_tokens, width), dtype=torch.float32, device=expert_out.device)
+    out = torch.zeros((num_tokens, width), dtype=torch.float32, device=per_slot.device)
     for j in range(top_k):  # k adds over whole tensors, in a fixed order
         out += weighted[:, j].float()
     return out.to(dtype)
@@ -206,10 +225,7 @@ class ExpertParallelExperts:
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
-        local = self.placement.num_local_experts
-        if w13.shape[0] != local or w2.shape[0] != local:
-            raise ValueError(f"expected the stacked weights of this rank's {local} experts, got {w13.shape[0]} "
-                             f"(w13) and {w2.shape[0]} (w2)")
+        _check_local_weights(self.placement, w13, w2)
         sent = dispatch(hidden, topk_ids, self.placement, self.group)
         if sent.hidden.shape[0]:
             ones = torch.ones((sent.hidden.shape[0], 1), dtype=torch.float32, device=hidden.device)
@@ -217,3 +233,38 @@ class ExpertParallelExperts:
         else:  # nothing came: the empty result still goes through combine's all-to-all
             expert_out = sent.hidden
         return combine(expert_out, sent, topk_weights, topk_ids, self.group)
+
+
+def _check_local_weights(placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    local = placement.num_local_experts
+    if w13.shape[0] != local or w2.shape[0] != local:
+        raise ValueError(f"expected the stacked weights of this rank's {local} experts, got {w13.shape[0]} "
+                         f"(w13) and {w2.shape[0]} (w2)")
+
+
+class SharedTokenExperts:
+    """This rank's share of a MoE layer's experts when every rank of the expert-parallel group holds the same
+    tokens and routing (the tensor-parallel ranks): `fused_experts`' contract (hidden [T, H], routing [T, k] ->
+    [T, H]) with the weights of this rank's experts only, giving the part of each token's weighted sum that its
+    experts here contribute (zero for a token routed only elsewhere). The sum over the ranks (the caller's
+    all-reduce) is the whole layer's output."""
+
+    def __init__(self, placement: ExpertPlacement, backend: MoEBackend | None = None) -> None:
+        self.placement = placement
+        self.backend = backend or get_moe_backend("auto")
+
+    def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        p = self.placement
+        _check_local_weights(p, w13, w2)
+        num_tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        mine = torch.nonzero(p.expert_to_rank[flat] == p.ep_rank).squeeze(1)  # the one host sync of a step
+        local_ids = p.expert_to_local[flat[mine]]
+        p.record(flat, local_ids)  # every rank routed every token: each counts all of them (report one rank's)
+        per_slot = hidden.new_zeros((num_tokens * top_k, hidden.shape[1]))
+        if mine.numel():
+            ones = torch.ones((mine.numel(), 1), dtype=torch.float32, device=hidden.device)
+            per_slot[mine] = self.backend.fused_experts(hidden.index_select(0, mine // top_k), w13, w2, ones,
+                                                        local_ids.to(torch.int32).unsqueeze(1))
+        return _weighted_sum(per_slot.view(num_tokens, top_k, hidden.shape[1]), topk_weights, topk_ids)
