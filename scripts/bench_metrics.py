@@ -2,12 +2,13 @@
 
 The definitions are vLLM's benchmark_serving ones, so numbers from both tools mean the same thing:
 
-  TTFT  send -> first chunk with non-empty text (what a user waits before text appears)
+  TTFT  send -> first chunk that brought tokens (any chunk before the choice's end: with text, or with none yet
+        from a token id-only server or a token inside a UTF-8 character)
   E2E   send -> end of the stream
   TPOT  (E2E - TTFT) / (output_tokens - 1), per request with more than one output token: the mean
         decode time per token after the first, from the server's own token count (usage), not from
         chunks, so it stays right when one chunk carries several tokens
-  ITL   every gap between consecutive text chunks, pooled over requests (what a reader sees stall)
+  ITL   every gap between consecutive token chunks, pooled over requests (what a reader sees stall)
 
 Percentiles interpolate linearly (numpy's default, as vLLM). Throughputs divide by the wall time
 of the whole rate, first send to last byte. Goodput counts only requests that met every SLO given.
@@ -44,7 +45,7 @@ class RequestResult:
     end_time: float = 0.0
     """When the stream ended (data: [DONE]), s."""
     output_tokens: int = 0
-    """Tokens generated: usage.completion_tokens, or the text chunks when the server sent no usage."""
+    """Tokens generated: usage.completion_tokens, or the token chunks when the server sent no usage."""
     success: bool = False
     """The stream ended with [DONE] and no error."""
     error: str = ""
@@ -69,7 +70,7 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        """Gaps between consecutive text chunks, s."""
+        """Gaps between consecutive token chunks, s."""
         return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     def detail(self) -> dict[str, Any]:

@@ -111,7 +111,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
                     if event.get("error"):
                         result.error = f"error event: {str(event['error'])[:200]}"
                         return
-                    if any(choice.get("text") for choice in event.get("choices") or ()):
+                    # a chunk with text, or with none before the choice's end (a token id-only server, a token
+                    # inside a UTF-8 character), brought tokens; the end's empty chunk brought none
+                    if any(c.get("text") or c.get("finish_reason") is None for c in event.get("choices") or ()):
                         result.chunk_times.append(now)
                     if event.get("usage"):
                         result.output_tokens, usage_seen = int(event["usage"]["completion_tokens"]), True

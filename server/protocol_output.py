@@ -454,7 +454,10 @@ class CompletionStreamState(_Stream, _Completion):
             return b""
         out: list[bytes] = []
         logprobs = self._completion_logprobs(choice, delta) if self.top_logprobs is not None else None
-        if delta.text or logprobs:
+        # A delta with new tokens is a chunk even when they show no text yet (a token id-only engine, a partial
+        # UTF-8 character): a streaming client then sees every step, as from vLLM, whose completions stream
+        # skips only deltas without tokens.
+        if delta.text or logprobs or delta.token_ids:
             out.append(self._chunk({"index": index, "text": delta.text, "logprobs": logprobs,
                                     "finish_reason": None}))
         if delta.finish_reason is not None:

@@ -94,7 +94,9 @@ def stream_one(handler) -> RequestResult:
     return asyncio.run(go())
 
 
-def test_sse_stream_parsing_counts_text_chunks_and_trusts_usage():
+def test_sse_stream_parsing_counts_token_chunks_and_trusts_usage():
+    """Every chunk before a choice's end brought tokens (with text, or none yet: a token id-only server, a token
+    inside a UTF-8 character); the end's empty chunk brought none."""
     sent = []
 
     def ok(request: httpx.Request) -> httpx.Response:
@@ -103,8 +105,8 @@ def test_sse_stream_parsing_counts_text_chunks_and_trusts_usage():
                                                completion("", "length"), USAGE, b"[DONE]"))
 
     r = stream_one(ok)
-    assert r.success and r.error == "" and r.output_tokens == 3 and len(r.chunk_times) == 2
-    assert r.send_time <= r.chunk_times[0] <= r.chunk_times[1] <= r.end_time
+    assert r.success and r.error == "" and r.output_tokens == 3 and len(r.chunk_times) == 4
+    assert r.send_time <= r.chunk_times[0] <= r.chunk_times[-1] <= r.end_time
     assert sent[0]["prompt"] == [1, 2, 3, 4] and sent[0]["ignore_eos"] and sent[0]["stream"]
     assert sent[0]["stream_options"] == {"include_usage": True} and sent[0]["max_tokens"] == 3
 

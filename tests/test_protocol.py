@@ -464,6 +464,18 @@ def test_completion_stream_with_two_prompts_and_usage():
     assert evs[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_completion_stream_sends_a_chunk_per_delta_with_tokens_even_without_text():
+    """A token id-only engine (skip_tokenizer_init) or a token that ends inside a UTF-8 character has no text yet:
+    the stream still shows the step (as vLLM's completions stream does), so a client measures every token's time;
+    a delta with neither text nor tokens (a prefill chunk) stays silent."""
+    req = parse_completion_request(b'{"prompt": [1, 2], "stream": true}')
+    state = CompletionStreamState(req, request_id="c", model="m")
+    assert state.on_delta(0, delta("", ())) == b""
+    evs = events(state.on_delta(0, delta("", (7,))) + state.on_delta(0, delta("", (8,), "length")) + state.finish())
+    texts = [(c["text"], c["finish_reason"]) for ev in evs for c in ev["choices"]]
+    assert texts == [("", None), ("", None), ("", "length")]
+
+
 def test_completion_logprobs_legacy_format():
     req = parse_completion_request(b'{"prompt": "p", "logprobs": 1, "stream": true}')
     d1 = delta("Hello world", (0, 1), logprobs=[-0.5, -0.25], top_ids=[[2, 0], [1, 3]], top_logprobs=[[-0.1, -0.5],
