@@ -186,12 +186,12 @@ def fast_plan_graph(wrapper: object, indptr: np.ndarray, last_page_len: np.ndarr
     sequence lengths and their maximum with per-element tensor iteration, resolves dtypes and modules, and copies
     the indices buffer onto itself: ~15% of a Qwen3-0.6B batch-256 decode launch on the H200 (py-spy). vLLM
     (fast_plan_decode) and SGLang (fast_decode_plan) do the same. Written against flashinfer 0.6 (decode.py's
-    plan, tensor-core branch); returns False, and the caller takes plan(), for anything else: another version,
-    the CUDA-core kernel, a wrapper not planned yet. tests/test_kernels_flashinfer.py checks both give the same
-    plan."""
+    plan, tensor-core branch, fa2 backend); returns False, and the caller takes plan(), for anything else: another
+    version, the CUDA-core kernel, the fa3 backend FlashInfer may pick for an FP8 cache (not run on a GPU yet), a
+    wrapper not planned yet. tests/test_kernels_flashinfer.py checks both give the same plan."""
     module = getattr(wrapper, "_cached_module", None)
     if (module is None or not getattr(wrapper, "use_tensor_cores", False) or not wrapper.is_cuda_graph_enabled
-            or getattr(wrapper, "_backend", None) not in ("fa2", "fa3") or not _FLASHINFER_0_6):
+            or getattr(wrapper, "_backend", None) != "fa2" or not _FLASHINFER_0_6):
         return False
     from flashinfer.utils import _get_range_buf
 
@@ -205,8 +205,7 @@ def fast_plan_graph(wrapper: object, indptr: np.ndarray, last_page_len: np.ndarr
     args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
             _get_range_buf(batch + 1, "cpu"), indptr_host, kv_lens, batch, batch, num_qo_heads, num_kv_heads,
             page_size, True, head_dim, head_dim, False, -1]
-    if wrapper._backend == "fa2":
-        args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas
+    args += [-1, False, 0]  # fa2's fixed_split_size, disable_split_kv, num_colocated_ctas
     wrapper._plan_info = module.plan(*args)
     wrapper._max_kv_len = int(kv_lens.max())
     return True
