@@ -240,15 +240,23 @@ for pointers, constexprs in json.loads(sys.argv[1]):
 @pytest.mark.slow
 def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """The interpreter checks little of the language's typing: compile both passes for an H200 (sm_90) at
-    Qwen3-30B-A3B's shapes (bf16, H 2048, I 768, top-8) in a child without TRITON_INTERPRET."""
+    Qwen3-30B-A3B's shapes (bf16, H 2048, I 768, top-8), and in the FP8 mode at DeepSeek-V3's (e4m3 with 128x128
+    block scales, bf16 activations, H 7168, I 2048, top-8), in a child without TRITON_INTERPRET."""
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_slots_ptr": "*i32",
-                "block_experts_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
+                "block_experts_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32",
+                "a_scale_ptr": "*bf16", "w_scale_ptr": "*bf16"}  # fmt: skip
+    bf16 = dict(FP8=False, UP_SCALE_ROW=0, BLOCK_SCALE_N=1, BLOCK_SCALE_K=1)  # the FP8 mode is tests/test_fp8_moe.py's
     specs = [
         (pointers, dict(N=768, K=2048, TOP_K=8, GATE_UP=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-                        DOT_PRECISION="tf32")),
+                        DOT_PRECISION="tf32", **bf16)),
         (pointers, dict(N=2048, K=768, TOP_K=8, GATE_UP=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
-                        DOT_PRECISION="tf32")),
+                        DOT_PRECISION="tf32", **bf16)),
     ]  # fmt: skip
+    fp8_pointers = {**pointers, "a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32",
+                    "w_scale_ptr": "*fp32"}  # fmt: skip
+    fp8 = dict(TOP_K=8, FP8=True, BLOCK_SCALE_N=128, BLOCK_SCALE_K=128, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")
+    specs += [(fp8_pointers, dict(fp8, N=2048, K=7168, GATE_UP=True, UP_SCALE_ROW=16, BLOCK_M=64)),
+              (fp8_pointers, dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16))]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, json.dumps(specs)], env=env,

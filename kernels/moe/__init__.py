@@ -10,6 +10,13 @@ rows [e0, e1) of both and receives only the tokens routed there.
 - "triton": triton_experts, sorted-token grouped GEMMs with SiLU-and-mul fused (CUDA, or the CPU
   interpreter under TRITON_INTERPRET=1).
 - "deep_gemm": deep_gemm_experts on DeepGEMM's contiguous grouped GEMM (CUDA with deep_gemm, bf16).
+
+FP8 experts (DeepSeek-V3's e4m3 weights with float32 128x128 block scales, kept as the checkpoint stores
+them) go through a backend's `fused_experts_fp8(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+block_size)` (torch_ref.fused_experts_fp8 documents it): "torch" dequantizes each expert with tokens on every
+call (the CPU path, exactly the dequantized model), "triton" runs triton_experts' kernel in its FP8 (W8A8) mode
+(activations quantized per token and 1 x block_k group). "deep_gemm" has none (its FP8 grouped GEMM is not
+wired): "auto" with fp8_weights never picks it, and forcing it for FP8 experts is refused.
 """
 
 from __future__ import annotations
@@ -39,17 +46,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FusedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+FusedExpertsFp8 = Callable[..., torch.Tensor]
+"""(hidden [T, H], w13 e4m3 [E, 2I, H], w13_scale, w2 e4m3 [E, H, I], w2_scale, topk_weights, topk_ids,
+block_size) -> [T, H] in hidden's dtype (torch_ref.fused_experts_fp8)."""
 
 
 @dataclass(frozen=True, slots=True)
 class MoEBackend:
-    """One implementation of the experts: fused_experts(hidden, w13, w2, topk_weights, topk_ids)."""
+    """One implementation of the experts: fused_experts(hidden, w13, w2, topk_weights, topk_ids), and its
+    fused_experts_fp8 for e4m3 block-scaled weights (None: this backend has no FP8 experts)."""
 
     name: str
     fused_experts: FusedExperts
+    fused_experts_fp8: FusedExpertsFp8 | None = None
 
 
-_BACKENDS: dict[str, MoEBackend] = {"torch": MoEBackend(name="torch", fused_experts=torch_ref.fused_experts)}
+_BACKENDS: dict[str, MoEBackend] = {
+    "torch": MoEBackend(name="torch", fused_experts=torch_ref.fused_experts, fused_experts_fp8=torch_ref.fused_experts_fp8)
+}
 _OPTIONAL = ("triton", "deep_gemm")
 """Backends built on first use, when their package and device are there."""
 _logged_auto_choice = False
@@ -79,33 +93,44 @@ def deep_gemm_usable() -> bool:
     return deep_gemm_experts.import_deep_gemm() is not None
 
 
-def best_moe_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """The fastest backend for experts on `device`: deep_gemm (bf16, once DEEP_GEMM_IN_AUTO), then triton
-    on CUDA, else the torch reference."""
+def best_moe_backend(device: torch.device, dtype: torch.dtype | None = None, fp8_weights: bool = False) -> str:
+    """The fastest backend for experts on `device`: deep_gemm (bf16 weights, once DEEP_GEMM_IN_AUTO), then
+    triton on CUDA, else the torch reference. `fp8_weights`: the experts are e4m3 block-scaled."""
     if device.type != "cuda":
         return "torch"
-    if DEEP_GEMM_IN_AUTO and dtype == torch.bfloat16 and deep_gemm_usable():
+    if DEEP_GEMM_IN_AUTO and dtype == torch.bfloat16 and not fp8_weights and deep_gemm_usable():
         return "deep_gemm"
     return "triton" if triton_usable() else "torch"
 
 
 def get_moe_backend(name: str = "auto", device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> MoEBackend:
+                    dtype: torch.dtype | None = None, fp8_weights: bool = False) -> MoEBackend:
     """The backend called `name`; "auto" picks the best one for `device` (default: torch's current default
-    device) and dtype (default: torch's default dtype), and logs the choice once."""
+    device) and dtype (default: torch's default dtype), and logs the choice once. `fp8_weights`: the experts
+    are e4m3 block-scaled, so the backend must have fused_experts_fp8 (ValueError when a forced one has not)."""
     global _logged_auto_choice
     if name == "auto":
-        name = best_moe_backend(device or torch.get_default_device(), dtype or torch.get_default_dtype())
+        name = best_moe_backend(device or torch.get_default_device(), dtype or torch.get_default_dtype(), fp8_weights)
         if not _logged_auto_choice:
-            logger.info("MoE backend: %s (auto)", name)
+            logger.info("MoE backend: %s (auto%s)", name, ", FP8 experts" if fp8_weights else "")
             _logged_auto_choice = True
+    backend = _backend(name)
+    if fp8_weights and backend.fused_experts_fp8 is None:
+        raise ValueError(f"MoE backend {name!r} has no FP8 experts (e4m3 block-scaled weights); choices for them: "
+                         f"{', '.join(n for n in available_moe_backends() if n != 'deep_gemm')}")
+    return backend
+
+
+def _backend(name: str) -> MoEBackend:
+    """The backend called `name`, built on first use; ValueError naming what is missing."""
     if name == "triton" and name not in _BACKENDS:
         if not triton_usable():
             raise ValueError("MoE backend 'triton' needs the triton package and CUDA (or TRITON_INTERPRET=1)")
         # Optional dependency (CPU-only installs lack it), so imported only when this backend is chosen.
         from flotilla.kernels.moe import triton_experts
 
-        _BACKENDS[name] = MoEBackend(name=name, fused_experts=triton_experts.fused_experts)
+        _BACKENDS[name] = MoEBackend(name=name, fused_experts=triton_experts.fused_experts,
+                                     fused_experts_fp8=triton_experts.fused_experts_fp8)
     if name == "deep_gemm" and name not in _BACKENDS:
         if not deep_gemm_usable():
             raise ValueError("MoE backend 'deep_gemm' needs the deep_gemm package and a CUDA GPU of compute "

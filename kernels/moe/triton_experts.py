@@ -14,6 +14,15 @@ experts is a single launch whose grid does not depend on the routing (CUDA-graph
 
 Rounding follows kernels/moe/torch_ref.py: every value that the reference holds in the activation dtype
 is rounded here too. Importing this module imports triton; the dispatch imports it only when chosen.
+
+FP8 experts (`fused_experts_fp8`: DeepSeek-V3's e4m3 weights with float32 block scales, kept as the checkpoint
+stores them) run the same kernel in its FP8 mode, as vLLM's fused_moe does with `use_fp8_w8a8` and a
+`block_shape`: each pass's input is quantized per row and group of block_k columns (one float32 scale each;
+pass 1's per token, pass 2's per sorted row; in torch before the pass, not fused yet), both operands enter
+tl.dot as e4m3 with a float32 accumulator, and each K step's partial product is scaled by its rows' group
+scales times each column's weight-block scale (one scale load per column and step, so a tile may straddle
+weight blocks along N; BLOCK_K divides block_k). w13's scales hold gate's block rows, then up's
+(torch_ref.check_fp8_expert_scales has the shapes); the reference is torch_ref.fused_experts_fp8_w8a8.
 """
 
 from __future__ import annotations
@@ -23,17 +32,24 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
+from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
+from flotilla.kernels.quant.fp8_ref import per_token_group_quantize
 
 
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr, weights_ptr,
     num_slots, stride_am, stride_we, stride_wn, stride_om,
+    a_scale_ptr, w_scale_ptr, stride_asm, stride_wse, stride_wsn,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr = False, UP_SCALE_ROW: tl.constexpr = 0, BLOCK_SCALE_N: tl.constexpr = 1,
+    BLOCK_SCALE_K: tl.constexpr = 1,
 ):  # fmt: skip
     """One program: rows [pid_m * BLOCK_M, +BLOCK_M) of the sorted slots (one expert) times columns
-    [pid_n * BLOCK_N, +BLOCK_N) of that expert's weight [N(, +N for up), K] transposed."""
+    [pid_n * BLOCK_N, +BLOCK_N) of that expert's weight [N(, +N for up), K] transposed. With FP8, a and w are
+    e4m3, a with one scale per row and BLOCK_SCALE_K columns, w with one per BLOCK_SCALE_N x BLOCK_SCALE_K
+    block (up's from block row UP_SCALE_ROW on); the scale arguments are unused otherwise."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -51,6 +67,10 @@ def _expert_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    if FP8:
+        a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (offs_n // BLOCK_SCALE_N) * stride_wsn
+        up_scale_ptrs = w_scale_ptr + expert * stride_wse + (UP_SCALE_ROW + offs_n // BLOCK_SCALE_N) * stride_wsn
     # tl.full, not tl.zeros: triton.language's @jit helpers (zeros, cdiv, sigmoid) break the CPU
     # interpreter when triton was imported before TRITON_INTERPRET=1; builtins do not.
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
@@ -59,10 +79,20 @@ def _expert_gemm_kernel(
         k_mask = offs_k < K - k_tile * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if FP8:  # this K step's activation group and weight block column
+            group = (k_tile * BLOCK_K) // BLOCK_SCALE_K
+            a_scale = tl.load(a_scale_ptrs + group, mask=valid, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + group, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if GATE_UP:  # the up rows sit N rows below the gate rows of the same expert
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
+            if FP8:
+                up_scale = tl.load(up_scale_ptrs + group, mask=n_mask, other=0.0)
+                acc_up += tl.dot(a, w_up) * a_scale[:, None] * up_scale[None, :]
+            else:
+                acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -87,17 +117,28 @@ def pick_block_m(num_slots: int, num_experts: int) -> int:
 
 
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
-                 topk_weights: torch.Tensor, top_k: int, gate_up: bool, block_n: int, block_k: int) -> None:  # fmt: skip
+                 topk_weights: torch.Tensor, top_k: int, gate_up: bool, block_n: int, block_k: int,
+                 w_scale: torch.Tensor | None = None, block_size: tuple[int, int] = (1, 1)) -> None:  # fmt: skip
+    """One pass; with w_scale (FP8 weights), a is first quantized per row and block_size[1] group."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
     k = w.shape[2]
     if a.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("fused_experts needs a contiguous last dimension in activations and weights")
+    dot_precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    scales: tuple = (a, w, 0, 0, 0)  # unused without FP8: any pointers
+    fp8: dict = {}
+    if w_scale is not None:
+        a, a_scale = per_token_group_quantize(a, block_size[1])
+        w_scale = w_scale.float().contiguous()
+        scales = (a_scale, w_scale, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+        fp8 = dict(FP8=True, UP_SCALE_ROW=w_scale.shape[1] // 2 if gate_up else 0, BLOCK_SCALE_N=block_size[0],
+                   BLOCK_SCALE_K=block_size[1])  # fmt: skip
     grid = (blocks.block_experts.numel(), triton.cdiv(n, block_n))
     _expert_gemm_kernel[grid](
         a, w, out, blocks.sorted_slots, blocks.block_experts, blocks.num_padded, topk_weights,
-        blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales,
         N=n, K=k, TOP_K=top_k, GATE_UP=gate_up, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision, **fp8,
     )  # fmt: skip
 
 
@@ -115,16 +156,53 @@ def fused_experts(
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Block sizes of at least 16
     (tl.dot's minimum on NVIDIA GPUs)."""
+    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, block_m, block_n, block_k)
+
+
+def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                block_size: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
+    """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return torch.empty_like(hidden)
+    w13_scale, w2_scale = scales if scales is not None else (None, None)
     block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
     blocks = sort_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k)
+    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size)
     per_slot = torch.empty(blocks.num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k)
+    _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size)
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+def fused_experts_fp8(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """Same contract as torch_ref.fused_experts_fp8: hidden [T, H] (float), e4m3 w13 [E, 2I, H] / w2 [E, H, I]
+    with their float32 block scales, topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype,
+    computed as torch_ref.fused_experts_fp8_w8a8. block_k (default: the weights' block_k, at most 128) divides
+    the weights' block_k, a power of two."""
+    check_fp8_expert_scales(w13, w13_scale, w2, w2_scale, block_size)
+    bk = block_size[1]
+    block_k = block_k or min(bk, 128)
+    if bk & (bk - 1) or bk % block_k:
+        raise ValueError(f"the FP8 expert kernel steps K by {block_k}, which must divide the weights' block_k {bk} "
+                         "(a power of two)")  # fmt: skip
+    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, block_m, block_n, block_k, (w13_scale, w2_scale),
+                       block_size)  # fmt: skip
