@@ -84,8 +84,8 @@ Run prompts through the engine offline (the same actors as `serve`, no HTTP) and
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     p.add_argument("--placement", choices=["inline", "process"], default=None,
-                   help="inline: every actor in this process; process: one process per actor; default: inline, "
-                        "process with --tensor-parallel-size > 1")
+                   help="inline: every actor in this process; process: one process per actor; default: process on a "
+                        "GPU or with --tensor-parallel-size / --data-parallel-size > 1, inline on CPU")
     add_engine_arguments(p)
 
 
