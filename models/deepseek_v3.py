@@ -30,7 +30,7 @@ a split that does not fall on the weight blocks is refused when the model is bui
 Expert parallelism (an engine's data-parallel ranks under enable_expert_parallel, models/parallel.py
 `ep_group`): as Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
 rank keeps E / ep routed experts and loads only their tensors (an FP8 checkpoint's other experts are not
-even dequantized), routes its own tokens (the grouped top-k, routed_scaling_factor included in the weights),
+even read), routes its own tokens (the grouped top-k, routed_scaling_factor included in the weights),
 and the experts' ExpertParallelExperts sends the (token, expert) slots to their owners and combines the
 weighted results; the shared experts, the dense layers (first_k_dense_replace) and attention stay whole on
 every rank. An idle rank's empty step runs each MoE layer's all-to-alls, in layer order.
@@ -50,9 +50,9 @@ actors/spec_decode.py drives it.
 FP8 checkpoints (config.json quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}):
 the q / kv_a projections, o_proj, the dense MLPs and the shared experts are Fp8BlockLinear (e4m3 `weight`
 + float32 `weight_scale_inv` per block, kernels/quant's backends; their tensor-parallel subclasses when split);
-kv_b_proj (read as W_UK / W_UV by the
-absorbed attention) and the routed experts are dequantized once at load into the model dtype: FP8 grouped
-expert GEMMs are not built yet.
+the routed experts stay e4m3 with their block scales too (models/deepseek_v3_moe.py Fp8StackedExperts, run by
+the MoE backend's FP8 grouped GEMMs; each rank's share of an expert's intermediate dim must be whole blocks);
+kv_b_proj (read as W_UK / W_UV by the absorbed attention) is dequantized once at load into the model dtype.
 """
 
 from __future__ import annotations
@@ -62,12 +62,11 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
-from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts_grouped
+from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.quant import FP8_DTYPE, Fp8LinearBackend, block_dequantize, get_fp8_backend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
@@ -85,6 +84,7 @@ from flotilla.models.parallel import (
     tp_group,
     vocab_parallel_logits,
 )
+from flotilla.models.deepseek_v3_moe import SCALE_SUFFIX, DeepseekV3Router, Fp8ExpertScales, Fp8StackedExperts
 from flotilla.models.qwen3_moe import PER_EXPERT, ExpertTensors, StackedExperts
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,6 @@ the RMSNorm default, not config.rms_norm_eps."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 _GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight_scale_inv")
-_SCALE_SUFFIX = "_scale_inv"
 
 _WHOLE = "whole"
 """The shard id of a column-parallel layer that is one checkpoint tensor (not fused from parts)."""
@@ -247,34 +246,19 @@ class DeepseekV3MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DeepseekV3Router(nn.Module):
-    """The MoE gate: float32 router weight [E, H] and score-correction bias [E] (kept in float32 whatever the
-    model's dtype, as transformers keeps them: near-equal scores must not be reordered by rounding)."""
-
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
-        super().__init__()
-        self.moe = moe
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32),
-                                                    requires_grad=False)  # fmt: skip
-
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> (weights float32 [T, k], expert ids int32 [T, k])."""
-        moe = self.moe
-        logits = F.linear(hidden.float(), self.weight)
-        return select_experts_grouped(logits, moe.num_experts_per_tok, moe.num_groups, moe.topk_groups,
-                                      self.e_score_correction_bias, moe.norm_topk_prob,
-                                      moe.routed_scaling_factor)  # fmt: skip
-
-
 class DeepseekV3MoE(nn.Module):
     """Router -> routed experts (kernels/moe) + shared experts (a dense MLP every token passes)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linears: Linears) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, backend: MoEBackend, linears: Linears,
+                 fp8_experts: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.gate = DeepseekV3Router(hidden_size, moe)  # replicated: every TP rank routes the same tokens alike
-        self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
-                                      expert_parallel=True)  # fmt: skip
+        if not fp8_experts or linears.block_size is None:
+            self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
+                                          expert_parallel=True)  # fmt: skip
+        else:  # an FP8 checkpoint's experts stay e4m3 (models/deepseek_v3_moe.py)
+            self.experts = Fp8StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
+                                             linears.block_size)  # fmt: skip
         self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linears,
                                              reduce_results=False, what="the shared experts")
                                if moe.num_shared_experts else None)  # fmt: skip
@@ -361,11 +345,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     class implements). `mla_backend` picks the MLA kernels ("auto", "torch"; defaults to the worker's
     attention_backend when that is forced), `moe_backend` the experts' ("auto", "torch", "triton", ...),
     `fp8_backend` the FP8 linears' under an fp8 quantization_config ("auto", "torch", "triton", "deep_gemm").
-    `mtp`: also build and load the checkpoint's (first) MTP layer, for speculative decoding."""
+    `mtp`: also build and load the checkpoint's (first) MTP layer, for speculative decoding. `fp8_experts`: keep
+    an FP8 checkpoint's routed experts in e4m3 with their block scales (None: when the MoE backend has FP8 experts,
+    as all but deep_gemm do; False: dequantize them once at load into the model dtype, twice the memory)."""
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
                  moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto",
-                 mtp: bool = False) -> None:  # fmt: skip
+                 mtp: bool = False, fp8_experts: bool | None = None) -> None:  # fmt: skip
         super().__init__()
         if mtp and config.num_nextn_predict_layers < 1:
             raise ValueError("speculative method 'mtp' needs the checkpoint's multi-token-prediction layer, but "
@@ -397,8 +383,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attention_backend_name = f"mla_{backend.name}"
         """The attention kernels chosen (for the ready log line; not a GQA backend's name, so the worker
         does not build flashinfer decode graphs for it)."""
-        self.moe_backend = get_moe_backend(moe_backend, device=device, dtype=torch.get_default_dtype())
+        keep_fp8 = config.quantization is not None and fp8_experts is not False
+        self.moe_backend = get_moe_backend(moe_backend, device=device, dtype=torch.get_default_dtype(),
+                                           fp8_weights=keep_fp8 and (fp8_experts is True or moe_backend == "auto"))
         self.moe_backend_name = self.moe_backend.name
+        self.fp8_experts = keep_fp8 and self.moe_backend.fused_experts_fp8 is not None
+        """Whether the routed experts are e4m3 (an FP8 checkpoint's, on a backend with FP8 experts)."""
+        if keep_fp8 and not self.fp8_experts:
+            logger.info("MoE backend %s has no FP8 experts: the routed experts are dequantized at load",
+                        self.moe_backend_name)
         ops = get_ops(fused_ops, device=device)
         self.fused_ops_name = ops.name
         self.quant = config.quantization
@@ -416,7 +409,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe
         if moe is not None and moe.is_sparse(layer_idx):
-            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend, self.linears)
+            return DeepseekV3MoE(self.config.hidden_size, moe, self.moe_backend, self.linears, self.fp8_experts)
         return DeepseekV3MLP(self.config.hidden_size, self.config.intermediate_size, self.linears,
                              what=f"the dense MLP of layer {layer_idx}")  # fmt: skip
 
@@ -456,17 +449,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         owners = {f"{prefix}.{p}" if prefix else p: m for prefix, m in self.named_modules() if hasattr(m, "load")
                   for p, _ in m.named_parameters(recurse=False)}
         experts = ExpertTensors(self)  # the routed experts' tensors, this rank's only under expert parallelism
+        expert_scales = Fp8ExpertScales(self)  # and their block scales, when they stay FP8
         gate_up_seen: dict[str, set[str]] = {}
         loaded: set[str] = set()
         skipped_mtp = 0
-        for name, tensor in self._fp8_paired(map(self._mtp_renamed, weights), params, experts):
+        for name, tensor in self._fp8_paired(map(self._mtp_renamed, weights), params, experts, expert_scales):
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             layer = _LAYER.match(name)
             if layer is not None and int(layer[1]) >= self.num_hidden_layers:
                 skipped_mtp += 1  # the multi-token-prediction layers that follow the decoder stack
                 continue
-            if experts.load(name, tensor):
+            if experts.load(name, tensor) or expert_scales.load(name, tensor):
                 continue
             if name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
                 proj = "gate_proj" if ".gate_proj." in name else "up_proj"
@@ -488,7 +482,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             logger.info("skipped %d tensors of multi-token-prediction layers (%s)", skipped_mtp,
                         "shared embedding / head copies, or layers past the first" if self.num_mtp_layers
                         else "MTP is off: no speculative_config")  # fmt: skip
-        return loaded | experts.loaded
+        return loaded | experts.loaded | expert_scales.loaded
 
     def _mtp_renamed(self, item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         """Checkpoint layer num_hidden_layers + i -> `model.mtp_layers.i` when the MTP layer is built; its copies
@@ -508,21 +502,24 @@ class DeepseekV3ForCausalLM(nn.Module):
         keep = ExpertTensors(self).keep
         return lambda name: keep(self._mtp_renamed((name, None))[0])  # type: ignore[arg-type]
 
-    def _fp8_param(self, params: dict[str, nn.Parameter], name: str) -> bool:
-        """Whether checkpoint weight `name` loads into an Fp8BlockLinear's e4m3 weight (as it is)."""
-        if self.quant is None or PER_EXPERT.match(name):
+    def _fp8_param(self, params: dict[str, nn.Parameter], name: str, expert_scales: Fp8ExpertScales) -> bool:
+        """Whether checkpoint weight `name` loads into an e4m3 parameter as it is (an Fp8BlockLinear's, or FP8
+        routed experts')."""
+        if self.quant is None:
             return False
+        if PER_EXPERT.match(name):
+            return expert_scales.is_fp8(name)
         for suffix in (".gate_proj.weight", ".up_proj.weight"):
             if name.endswith(suffix):
                 name = name.removesuffix(suffix) + ".gate_up_proj.weight"
         return any(params.get(n) is not None and params[n].dtype == FP8_DTYPE for n in (name, f"model.{name}"))
 
     def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
-                    experts: ExpertTensors) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-        """The checkpoint's tensors with FP8 handled: weights and scales of Fp8BlockLinears pass as they are;
-        an FP8 weight whose parameter is not FP8 (kv_b_proj, routed experts) waits for its scale (or the
-        scale for it) and passes dequantized to float32; other expert-parallel ranks' experts (weights and
-        scales) are dropped unread. At the end, an FP8 weight without its scale (or a
+                    experts: ExpertTensors, expert_scales: Fp8ExpertScales) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """The checkpoint's tensors with FP8 handled: weights and scales of Fp8BlockLinears and FP8 routed experts
+        pass as they are; an FP8 weight whose parameter is not FP8 (kv_b_proj; the routed experts when not kept in
+        FP8) waits for its scale (or the scale for it) and passes dequantized to float32; other expert-parallel
+        ranks' experts (weights and scales) are dropped unread. At the end, an FP8 weight without its scale (or a
         scale without its weight) is a ValueError naming the tensor missing."""
         waiting_weights: dict[str, torch.Tensor] = {}
         waiting_scales: dict[str, torch.Tensor] = {}
@@ -535,15 +532,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             if experts.remote(name):
                 continue
-            is_scale = name.endswith(".weight" + _SCALE_SUFFIX)
+            is_scale = name.endswith(".weight" + SCALE_SUFFIX)
             if self.quant is None:
                 if is_scale or tensor.dtype == FP8_DTYPE:
                     raise ValueError(f"checkpoint tensor {name!r}: FP8 block-scaled weights, but config.json has no "
                                      "quantization_config with quant_method 'fp8' and a weight_block_size")  # fmt: skip
                 yield name, tensor
                 continue
-            base = name.removesuffix(_SCALE_SUFFIX) if is_scale else name
-            if self._fp8_param(params, base):
+            base = name.removesuffix(SCALE_SUFFIX) if is_scale else name
+            if self._fp8_param(params, base, expert_scales):
                 if not is_scale and tensor.dtype != FP8_DTYPE:
                     raise ValueError(f"checkpoint tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, but "
                                      "the fp8 quantization_config makes it an FP8 (e4m3) block-scaled weight")  # fmt: skip
@@ -562,10 +559,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             else:
                 yield name, tensor
         if unscaled := sorted(set(waiting_weights) | (direct_weights - direct_scales)):
-            raise ValueError(f"checkpoint tensor {unscaled[0] + _SCALE_SUFFIX!r} is missing: the FP8 weight "
+            raise ValueError(f"checkpoint tensor {unscaled[0] + SCALE_SUFFIX!r} is missing: the FP8 weight "
                              f"{unscaled[0]!r} has no block scales ({len(unscaled)} FP8 weights without them)")  # fmt: skip
         if orphans := sorted(set(waiting_scales) | (direct_scales - direct_weights)):
-            raise ValueError(f"checkpoint tensor {orphans[0] + _SCALE_SUFFIX!r} has no FP8 weight {orphans[0]!r}")
+            raise ValueError(f"checkpoint tensor {orphans[0] + SCALE_SUFFIX!r} has no FP8 weight {orphans[0]!r}")
 
     def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""

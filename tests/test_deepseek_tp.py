@@ -61,8 +61,8 @@ def test_tp2_ranks_decode_like_one_rank(tmp_path: Path) -> None:
     """The float model, the Kimi-K2-like one (one expert group, q_proj without q_lora, tied embeddings) and an
     FP8 checkpoint, each loaded by 2 gloo ranks (tests/helpers_deepseek_tp_rank.py) and decoded greedily in a
     batch: every rank's logits are the one-rank model's."""
-    # 16x16 blocks: every rank's FP8 share (q_b_proj's 96 rows, o_proj's 48 columns, the dense MLP's 64 and
-    # the shared expert's 16 intermediate rows) is whole blocks; kv_b_proj and the routed experts dequantize
+    # 16x16 blocks: every rank's FP8 share (q_b_proj's 96 rows, o_proj's 48 columns, the dense MLP's 64, the
+    # shared expert's and each routed expert's 16 intermediate rows) is whole blocks; kv_b_proj dequantizes
     fp8_dir, _ = write_tiny_deepseek_fp8_pair(tmp_path / "fp8", block=(16, 16))
     model_dirs = [write_tiny_deepseek_model(tmp_path / n, n) for n in ("deepseek_v3", "deepseek_v3_no_q_lora")]
     model_dirs.append(fp8_dir)
@@ -118,6 +118,9 @@ def test_each_rank_keeps_its_heads_and_slices(fp8: bool, monkeypatch: pytest.Mon
         assert isinstance(attn.o_proj, Fp8RowParallelLinear)
         assert tuple(attn.o_proj.weight_scale_inv.shape) == (7168 // 128, 16 * 128 // 128)
         assert attn.kv_b_proj.weight.dtype != FP8_DTYPE  # dequantized at load, then sliced
+        assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == FP8_DTYPE  # the routed experts stay
+        assert tuple(moe.experts.gate_up_proj_scale_inv.shape) == (256, 2 * 256 // 128, 7168 // 128)
+        assert tuple(moe.experts.down_proj_scale_inv.shape) == (256, 7168 // 128, 256 // 128)
     else:
         assert isinstance(attn.q_b_proj, ColumnParallelLinear) and isinstance(attn.o_proj, RowParallelLinear)
 

@@ -275,7 +275,9 @@ def test_fp8_checkpoint_matches_its_dequantized_float_model(fp8_dirs: tuple[Path
                   model.model.layers[0].mlp.gate_up_proj, model.model.layers[1].mlp.shared_experts.down_proj):  # fmt: skip
         assert isinstance(layer, Fp8BlockLinear) and layer.weight.dtype == FP8_DTYPE
     assert attn.kv_b_proj.weight.dtype == torch.float32  # dequantized at load (absorbed into the attention)
-    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float32  # routed: dequantized at load
+    experts = model.model.layers[1].mlp.experts  # routed: e4m3 with block scales, dequantized per call on CPU
+    assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.down_proj.dtype == FP8_DTYPE
+    assert experts.gate_up_proj_scale_inv.dtype == torch.float32
     reference = load_flotilla_model(float_dir)
     prompt = _tokens(11, seed=1)
     tokens, logits = _greedy(model, prompt, 16)
