@@ -23,6 +23,8 @@ import torch
 from flotilla import LLM, SamplingParams
 from flotilla.actors.data_parallel import StepLockstep
 from flotilla.config import EngineConfig
+from flotilla.kernels.moe import torch_ref
+from flotilla.kernels.quant import FP8_DTYPE, block_dequantize
 from flotilla.models import deepseek_v3, loader, parallel, qwen3_moe
 from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads, sum_stats
@@ -32,6 +34,7 @@ from flotilla.transport.messages import ExpertLoadEvent, SchedulerStatsEvent
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
 from helpers_server import start_server
 from helpers_tiny_models import (
+    FP8_BLOCK as BLOCK,
     TINY_DEEPSEEK_CONFIGS,
     TINY_MOE_CONFIGS,
     load_flotilla_model,
@@ -170,10 +173,11 @@ def test_dp2_ep2_kimi_k2_style_deepseek_gives_the_one_rank_tokens(tmp_path: Path
     assert got == want
 
 
-def test_an_expert_parallel_deepseek_rank_reads_and_dequantizes_only_its_own_experts(
+def test_an_expert_parallel_deepseek_rank_reads_only_its_own_experts_and_keeps_them_fp8(
         deepseek_fp8_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Rank 1 of 2 (the group faked: loading runs no collective) keeps experts 4-7 of each MoE layer, equal to
-    the whole model's rows 4-7; experts 0-3's FP8 weights and scales are neither read nor dequantized."""
+    """Rank 1 of 2 (the group faked: loading runs no collective) keeps experts 4-7 of each MoE layer in FP8, equal
+    to the checkpoint's experts 4-7 (dequantized: the whole float model's rows 4-7); experts 0-3's FP8 weights and
+    scales are not read, and no expert is dequantized at load (only kv_b_proj is)."""
     config = TINY_DEEPSEEK_CONFIGS["deepseek_v3"]
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
     deepseek_fp8_dir, float_dir = deepseek_fp8_dirs
@@ -198,12 +202,16 @@ def test_an_expert_parallel_deepseek_rank_reads_and_dequantizes_only_its_own_exp
     experts = [n for n in read if ".mlp.experts." in n]
     assert all(int(n.split(".mlp.experts.")[1].split(".")[0]) >= 4 for n in experts)
     assert len(experts) == moe_layers * 4 * 3 * 2  # 4 experts x (gate, up, down) x (weight, scale)
-    mine_dequantized = config["num_hidden_layers"] + moe_layers * 4 * 3  # kv_b_proj, and the 4 experts' projections
+    mine_dequantized = config["num_hidden_layers"]  # kv_b_proj; the routed experts stay FP8
     assert len(dequantized) == mine_dequantized
     for i in range(config["first_k_dense_replace"], config["num_hidden_layers"]):
         mine, full = model.model.layers[i].mlp.experts, whole.model.layers[i].mlp.experts
         assert mine.placement.local_experts == range(4, 8) and mine.gate_up_proj.shape[0] == 4
-        assert torch.equal(mine.gate_up_proj, full.gate_up_proj[4:]) and torch.equal(mine.down_proj, full.down_proj[4:])
+        assert mine.gate_up_proj.dtype == FP8_DTYPE
+        for e in range(4):
+            w13 = torch_ref.w13_block_dequantize(mine.gate_up_proj[e], mine.gate_up_proj_scale_inv[e], BLOCK)
+            w2 = block_dequantize(mine.down_proj[e], mine.down_proj_scale_inv[e], BLOCK)
+            assert torch.equal(w13, full.gate_up_proj[4 + e]) and torch.equal(w2, full.down_proj[4 + e])
         shared, whole_shared = model.model.layers[i].mlp.shared_experts, whole.model.layers[i].mlp.shared_experts
         assert shared.down_proj.weight.shape == whole_shared.down_proj.weight.shape  # whole on every rank
     # load_weights fed every tensor (no loader in between) drops the other rank's experts before dequantizing
