@@ -66,7 +66,8 @@ class Fp8StackedExperts(StackedExperts):
             raise ValueError(f"MoE backend {backend.name!r} has no FP8 experts")
         # The layer's own backend (and the dispatch layer's, under expert parallelism) reads the scales from here.
         super().__init__(num_experts, hidden_size, intermediate_size,
-                         MoEBackend(name=backend.name, fused_experts=self._fused_experts), expert_parallel=True)
+                         MoEBackend(name=backend.name, fused_experts=self._fused_experts), expert_parallel=True,
+                         weight_dtype=FP8_DTYPE)
         self.fp8_backend = backend
         self.block_size = (int(block_size[0]), int(block_size[1]))
         self.dtype = torch.get_default_dtype()
@@ -83,10 +84,6 @@ class Fp8StackedExperts(StackedExperts):
                                  "parallelism)")  # fmt: skip
         local = self.gate_up_proj.shape[0]
         w13_scale, w2_scale = fp8_expert_scale_shapes(local, hidden_size, inter, self.block_size)
-        # StackedExperts made float parameters of these shapes; the e4m3 ones replace them (same names)
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * inter, hidden_size, dtype=FP8_DTYPE),
-                                         requires_grad=False)  # fmt: skip
-        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter, dtype=FP8_DTYPE), requires_grad=False)
         self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(w13_scale, dtype=torch.float32), requires_grad=False)
         self.down_proj_scale_inv = nn.Parameter(torch.empty(w2_scale, dtype=torch.float32), requires_grad=False)
 

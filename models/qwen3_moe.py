@@ -63,7 +63,9 @@ class StackedExperts(nn.Module):
     whole."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, weight_dtype: torch.dtype | None = None) -> None:
+        """weight_dtype: the stacked weights' dtype (default: torch's default dtype, the model's); an FP8 subclass
+        passes e4m3 so no float copy of every expert is ever allocated."""
         super().__init__()
         tp = tp_group()
         ep = ep_group() if expert_parallel else None
@@ -90,8 +92,10 @@ class StackedExperts(nn.Module):
         """The first of them in the checkpoint's intermediate dim."""
         self.backend = backend
         # Uninitialized like Linear: weights always come from a checkpoint (or load_format=dummy).
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size, dtype=weight_dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size, dtype=weight_dtype),
+                                      requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] and the routing [T, k] -> the weighted sum of each token's experts [T, H]."""
