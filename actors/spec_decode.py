@@ -68,6 +68,9 @@ def check_speculative_config(config: EngineConfig) -> None:
     if config.model.load_format != "dummy" and not any(map(layer.match, _checkpoint_names(Path(config.model.model)))):
         raise ValueError(f"speculative method 'mtp': {config.model.model} declares num_nextn_predict_layers but its "
                          f"checkpoint has no MTP layer (no model.layers.{hf.num_hidden_layers}.eh_proj.weight)")
+    if config.parallel.tensor_parallel_size > 1:
+        raise NotImplementedError("speculative decoding with tensor parallelism is not built: the MTP layer is not "
+                                  "split over the ranks, and the verify step's accepted tokens are not shared yet")
     if config.parallel.expert_parallel_size > 1:
         raise NotImplementedError("speculative decoding with expert parallelism is not built: the MTP layer's MoE "
                                   "would have to join every rank's all-to-alls")

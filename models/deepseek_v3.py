@@ -27,12 +27,13 @@ FP8 linears slice their weights and block scales together (Fp8ColumnParallelLine
 a split that does not fall on the weight blocks is refused when the model is built. Speculative decoding
 (MTP) under tensor parallelism is refused.
 
-Expert parallelism (an engine's data-parallel ranks under enable_expert_parallel, models/parallel.py
-`ep_group`): as Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
+Expert parallelism (under enable_expert_parallel: the engine's data-parallel ranks with all-to-all dispatch, or
+its tensor-parallel ranks with every token on each and the TP all-reduce; models/parallel.py `ep_group`): as
+Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
 rank keeps E / ep routed experts and loads only their tensors (an FP8 checkpoint's other experts are not
 even read), routes its own tokens (the grouped top-k, routed_scaling_factor included in the weights),
 and the experts' ExpertParallelExperts sends the (token, expert) slots to their owners and combines the
-weighted results; the shared experts, the dense layers (first_k_dense_replace) and attention stay whole on
+weighted results (SharedTokenExperts computes its own slots of the shared tokens instead); the shared experts, the dense layers (first_k_dense_replace) and attention stay whole on
 every rank. An idle rank's empty step runs each MoE layer's all-to-alls, in layer order.
 
 Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and

@@ -22,6 +22,7 @@ from flotilla import LLM, SamplingParams
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
+from flotilla.actors.spec_decode import check_speculative_config
 from flotilla.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
@@ -229,6 +230,15 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path, model_dir: Pat
         make_runner(qwen, 1)
     with pytest.raises(ValueError, match="num_speculative_tokens must be at least 1"):
         SpeculativeConfig(num_speculative_tokens=0)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    for parallel, refusal in (({"tensor_parallel_size": 2}, "with tensor parallelism is not built"),
+                              ({"tensor_parallel_size": 2, "enable_expert_parallel": True},
+                               "with tensor parallelism is not built"),
+                              ({"data_parallel_size": 2, "enable_expert_parallel": True},
+                               "with expert parallelism is not built")):
+        config = EngineConfig.from_options(model=str(model_dir), speculative_config=spec, **parallel)
+        with pytest.raises(NotImplementedError, match=refusal):  # before any rank starts
+            check_speculative_config(config)
     plain_model = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch"}).module
     assert plain_model.num_layers == 3 and len(plain_model.model.mtp_layers) == 0  # MTP off: its tensors skipped
     mtp = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch", "mtp": True}).module
