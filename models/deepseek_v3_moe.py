@@ -106,11 +106,8 @@ class Fp8StackedExperts(StackedExperts):
                           names: tuple[str, str]) -> bool:  # fmt: skip
         """One expert's gate_proj / up_proj scales [ceil(I/bn), ceil(H/bk)] or down_proj's [ceil(H/bn), ceil(I/bk)],
         this rank's block rows / columns; False (nothing copied) for an expert another rank holds."""
-        if expert >= self.num_experts:
-            raise ValueError(f"checkpoint tensor {names[0]!r} names expert {expert}, but the model has "
-                             f"{self.num_experts} experts")  # fmt: skip
-        expert -= self.first_expert
-        if not 0 <= expert < param.shape[0]:
+        expert = self.local_index(expert, param, names)
+        if expert is None:
             return False
         (bn, bk), h, full = self.block_size, self.hidden_size, self.full_intermediate_size
         if proj == "down_proj":

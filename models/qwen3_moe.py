@@ -120,15 +120,20 @@ class StackedExperts(nn.Module):
                         torch.empty((0, 1), dtype=torch.float32, device=w.device),
                         torch.empty((0, 1), dtype=torch.int32, device=w.device))
 
-    def load_expert(self, param: nn.Parameter, expert: int, proj: str, src: torch.Tensor,
-                    names: tuple[str, str]) -> bool:
-        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] checkpoint tensor, this rank's part;
-        False (nothing copied) for an expert another expert-parallel rank holds."""
+    def local_index(self, expert: int, param: nn.Parameter, names: tuple[str, str]) -> int | None:
+        """The row of global `expert` in this rank's stacked `param`; None when another rank holds it."""
         if expert >= self.num_experts:
             raise ValueError(f"checkpoint tensor {names[0]!r} names expert {expert}, but the model has "
                              f"{self.num_experts} experts")  # fmt: skip
         expert -= self.first_expert
-        if not 0 <= expert < param.shape[0]:
+        return expert if 0 <= expert < param.shape[0] else None
+
+    def load_expert(self, param: nn.Parameter, expert: int, proj: str, src: torch.Tensor,
+                    names: tuple[str, str]) -> bool:
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] checkpoint tensor, this rank's part;
+        False (nothing copied) for an expert another expert-parallel rank holds."""
+        expert = self.local_index(expert, param, names)
+        if expert is None:
             return False
         inter, first = self.intermediate_size, self.first
         if proj == "down_proj":
