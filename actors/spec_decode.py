@@ -38,9 +38,10 @@ import numpy as np
 import torch
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
-from flotilla.kernels.sampling import SamplingTensors, sample
+from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.hf_config import load_hf_config
+from flotilla.models.parallel import broadcast_from_first
 from flotilla.transport.messages import StepResult
 from safetensors import safe_open
 
@@ -68,12 +69,10 @@ def check_speculative_config(config: EngineConfig) -> None:
     if config.model.load_format != "dummy" and not any(map(layer.match, _checkpoint_names(Path(config.model.model)))):
         raise ValueError(f"speculative method 'mtp': {config.model.model} declares num_nextn_predict_layers but its "
                          f"checkpoint has no MTP layer (no model.layers.{hf.num_hidden_layers}.eh_proj.weight)")
-    if config.parallel.tensor_parallel_size > 1:
-        raise NotImplementedError("speculative decoding with tensor parallelism is not built: the MTP layer is not "
-                                  "split over the ranks, and the verify step's accepted tokens are not shared yet")
-    if config.parallel.expert_parallel_size > 1:
-        raise NotImplementedError("speculative decoding with expert parallelism is not built: the MTP layer's MoE "
-                                  "would have to join every rank's all-to-alls")
+    if config.parallel.data_parallel_size > 1 and config.parallel.enable_expert_parallel:
+        raise NotImplementedError("speculative decoding with expert parallelism over data-parallel ranks is not "
+                                  "built: the MTP layer's MoE would have to join every rank's all-to-alls, which "
+                                  "run in lockstep while verify steps and drafts differ per rank")
 
 
 def _checkpoint_names(model_dir: Path) -> list[str]:
@@ -179,12 +178,17 @@ class MTPSpeculator:
         gen = [seqs[i].length - seqs[i].num_prompt_tokens + j for i, j in zip(owner, local.tolist())]
         history = any(seqs[i].needs_history for i in samplers)
         logits = self.model.compute_logits(hidden)
+        if r.rank != 0:  # tensor parallelism: rank 0 samples for the group and every rank verifies its tokens
+            return SamplerOutput(token_ids=broadcast_from_first(
+                torch.empty(len(owner), dtype=torch.int64, device=r.device))), None
         st = SamplingTensors.build(
             params, gen, device=r.device, vocab_size=logits.shape[1],
             prompt_token_ids=[seqs[i].tokens[:seqs[i].num_prompt_tokens] for i in owner] if history else None,
             output_token_ids=[seqs[i].tokens[seqs[i].num_prompt_tokens:] for i in owner] if history else None)
         want = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        return sample(logits, st, want, generator=r.generator), want
+        out = sample(logits, st, want, generator=r.generator)
+        broadcast_from_first(out.token_ids)  # (int64; a no-op without tensor parallelism)
+        return out, want
 
     def _draft(self, hidden: torch.Tensor, seqs: list[SeqState], positions: list[int]) -> list[list[int]]:
         """Drafts for the next step: the MTP head on `hidden` (its output at each sequence's last accepted

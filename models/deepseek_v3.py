@@ -24,8 +24,10 @@ the shared experts split their intermediate dim (gate/up column-, down row-paral
 split each expert's intermediate dim (StackedExperts) under a replicated router, and a MoE layer sums the
 routed and shared experts' partial outputs with one all-reduce. Embedding and LM head are vocab-parallel.
 FP8 linears slice their weights and block scales together (Fp8ColumnParallelLinear, Fp8RowParallelLinear);
-a split that does not fall on the weight blocks is refused when the model is built. Speculative decoding
-(MTP) under tensor parallelism is refused.
+a split that does not fall on the weight blocks is refused when the model is built. Under speculative
+decoding (MTP) every rank runs the MTP layer on its heads and experts too; rank 0 samples the verify step's
+tokens for the group (actors/spec_decode.py), and the drafts are the argmax of the gathered logits, the same on
+every rank.
 
 Expert parallelism (under enable_expert_parallel: the engine's data-parallel ranks with all-to-all dispatch, or
 its tensor-parallel ranks with every token on each and the TP all-reduce; models/parallel.py `ep_group`): as
@@ -368,10 +370,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"n_routed_experts={moe.num_experts} is not a multiple of n_group={moe.num_groups}")
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        if mtp and tp_group().size > 1:
-            raise NotImplementedError("speculative decoding (MTP) with tensor parallelism is not built: the "
-                                      "speculator's verification and drafts do not yet take rank 0's tokens; run "
-                                      "tensor_parallel_size=1 or no speculative_config")  # fmt: skip
         self.config = config
         self.mla = mla
         self.num_hidden_layers = config.num_hidden_layers

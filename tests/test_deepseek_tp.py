@@ -156,8 +156,9 @@ def test_splits_that_cannot_work_are_refused(tmp_path: Path, monkeypatch: pytest
     fp8_dir, _ = write_tiny_deepseek_fp8_pair(tmp_path)
     with pytest.raises(ValueError, match=r"o_proj: tensor-parallel rank 0 of 2 would keep 48 of its 96 input columns"):
         _build(json.loads((fp8_dir / "config.json").read_text()), monkeypatch, rank=0, size=2)
-    with pytest.raises(NotImplementedError, match=r"speculative decoding \(MTP\) with tensor parallelism"):
-        _build(HUB_V3, monkeypatch, rank=0, size=8, mtp=True)
+    # the MTP layer is split like the decoder layers (speculation under TP: tests/test_spec_decode.py)
+    mtp = _build({**HUB_V3, "num_hidden_layers": 4}, monkeypatch, rank=0, size=8, mtp=True).model.mtp_layers[0]
+    assert mtp.self_attn.num_heads == 16 and tuple(mtp.eh_proj.weight.shape) == (7168, 2 * 7168)
 
 
 def test_kimi_k2_fp8_splits_over_8_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

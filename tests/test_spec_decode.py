@@ -231,14 +231,12 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path, model_dir: Pat
     with pytest.raises(ValueError, match="num_speculative_tokens must be at least 1"):
         SpeculativeConfig(num_speculative_tokens=0)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    for parallel, refusal in (({"tensor_parallel_size": 2}, "with tensor parallelism is not built"),
-                              ({"tensor_parallel_size": 2, "enable_expert_parallel": True},
-                               "with tensor parallelism is not built"),
-                              ({"data_parallel_size": 2, "enable_expert_parallel": True},
-                               "with expert parallelism is not built")):
-        config = EngineConfig.from_options(model=str(model_dir), speculative_config=spec, **parallel)
-        with pytest.raises(NotImplementedError, match=refusal):  # before any rank starts
-            check_speculative_config(config)
+    config = EngineConfig.from_options(model=str(model_dir), speculative_config=spec, data_parallel_size=2,
+                                       enable_expert_parallel=True)
+    with pytest.raises(NotImplementedError, match="expert parallelism over data-parallel ranks is not built"):
+        check_speculative_config(config)  # refused before any rank starts
+    for parallel in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}):
+        check_speculative_config(EngineConfig.from_options(model=str(model_dir), speculative_config=spec, **parallel))
     plain_model = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch"}).module
     assert plain_model.num_layers == 3 and len(plain_model.model.mtp_layers) == 0  # MTP off: its tensors skipped
     mtp = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch", "mtp": True}).module
@@ -258,6 +256,38 @@ def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Pa
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[str(spec)] = [o.outputs[0].token_ids for o in got]
     assert outs["None"] == list(outs.values())[1]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+def test_speculation_under_tensor_parallelism_gives_one_ranks_tokens(model_dir: Path, expert_parallel: bool) -> None:
+    """TP=2 (and TP=2 with the experts spread over the two ranks): every rank runs the main model and the MTP layer
+    on its share and rank 0 samples the verify steps for both. Greedy and seeded requests get plain TP=1 decoding's
+    tokens; an unseeded sampled one gets what speculation at TP=1 samples (rank 0 draws what the lone rank draws).
+    (Rank 1 taking rank 0's tokens is not observable here: both ranks' samplers start from the same seed and see
+    the same gathered logits, so they would draw alike; the broadcast keeps them together when anything differs.)"""
+    prompts = [r.prompt_ids.tolist() for r in requests()[:4]]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 2 + \
+        [SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+         SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)]
+    options = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def tokens(**kw) -> list[list[int]]:
+        with LLM(str(model_dir), **options, **kw) as llm:
+            out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            deadline = time.monotonic() + 10  # the scheduler's stats follow its steps asynchronously
+            while "speculative_config" in kw and time.monotonic() < deadline and (
+                    llm.client.stats is None or not llm.client.stats.spec_draft_tokens):
+                time.sleep(0.05)
+            if "speculative_config" in kw:
+                assert llm.client.stats.spec_draft_tokens > 0  # drafts really were verified
+        return [o.outputs[0].token_ids for o in out]
+
+    plain, one_rank = tokens(), tokens(speculative_config=spec)
+    got = tokens(tensor_parallel_size=2, enable_expert_parallel=expert_parallel, speculative_config=spec,
+                 placement="process")
+    assert got[:3] == plain[:3] == one_rank[:3]
+    assert got[3] == one_rank[3]
 
 
 def test_speculating_block_manager_recomputes_a_hits_last_block() -> None:
