@@ -144,7 +144,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     wide EP) tokens go to their experts' ranks by all-to-all and come back, and the ranks step in lockstep, an idle
     one running an empty batch. Over the tensor-parallel ranks (data_parallel_size 1) every rank routes the same
     tokens and computes only its own experts' share, which the MoE output's all-reduce sums: no all-to-all;
-    attention, dense layers and shared experts stay tensor-parallel. Both at once is not built yet. Needs a MoE
+    attention, dense layers and shared experts stay tensor-parallel. With both, over all data_parallel_size x
+    tensor_parallel_size ranks: each TP rank sends a 1/tensor_parallel_size share of its data-parallel rank's tokens
+    by all-to-all and the TP all-reduce restores the rest; the data-parallel ranks step in lockstep. Needs a MoE
     model."""
 
     def __post_init__(self) -> None:
@@ -152,15 +154,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not built yet for "
-                             "data_parallel_size > 1: the experts spread over the tensor-parallel ranks "
-                             "(data_parallel_size 1) or over the data-parallel ranks (tensor_parallel_size 1)")
 
     @property
     def expert_parallel_size(self) -> int:
         """Ranks the experts are spread over: tensor_parallel_size x data_parallel_size with
-        enable_expert_parallel (one of them is 1), else 1."""
+        enable_expert_parallel, else 1."""
         return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
 
 

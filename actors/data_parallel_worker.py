@@ -13,7 +13,11 @@ import torch
 from torch import nn
 
 from flotilla.config import EngineConfig
-from flotilla.models.parallel import expert_parallel_over_tensor_parallel, init_expert_parallel
+from flotilla.models.parallel import (
+    expert_parallel_over_tensor_parallel,
+    init_data_parallel_world,
+    init_expert_parallel,
+)
 from flotilla.models.qwen3_moe import StackedExperts
 
 
@@ -35,11 +39,14 @@ def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     return config if worker is config.worker else msgspec.structs.replace(config, worker=worker)
 
 
-def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | None) -> None:
-    """Before the model is built: join the engine's expert-parallel group (its data-parallel ranks), or with one
-    data-parallel rank spread the experts over the tensor-parallel group (which the runner joins), so the MoE
-    layers keep only this rank's experts; on CPU share the host's cores between the ranks."""
-    size = config.parallel.data_parallel_size * config.parallel.tensor_parallel_size
+def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | None, tp_rank: int = 0) -> None:
+    """Before the model is built: join the engine's expert-parallel group, so the MoE layers keep only this rank's
+    experts; on CPU share the host's cores between the ranks. The group is the data-parallel ranks (one
+    tensor-parallel rank each), or with one data-parallel rank the tensor-parallel group (which the runner joins),
+    or with both every rank of the engine: one world at `init_method` whose tensor-parallel sub-groups the runner
+    then uses (models/parallel.py init_data_parallel_world)."""
+    dp_size, tp_size = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
+    size = dp_size * tp_size
     device = torch.device(config.worker.device if config.worker.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu" and size > 1:  # more threads than cores per rank would only thrash
@@ -47,14 +54,18 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
     ep = config.parallel.expert_parallel_size
     if ep == 1:
         return
-    if config.parallel.data_parallel_size == 1:  # TP x EP: the tensor-parallel ranks hold the same tokens
+    if dp_size == 1:  # TP x EP: the tensor-parallel ranks hold the same tokens
         expert_parallel_over_tensor_parallel()
         return
     if init_method is None:
         raise ValueError("enable_expert_parallel needs the ranks' rendezvous address (ep_init_method)")
     if device.type == "cuda":
+        device = torch.device("cuda", (device.index or 0) + tp_rank)  # rank_config gave the DP rank's first GPU
         torch.cuda.set_device(device)
-    init_expert_parallel(dp_rank, ep, init_method, device)
+    if tp_size == 1:
+        init_expert_parallel(dp_rank, ep, init_method, device)
+    else:
+        init_data_parallel_world(dp_rank, dp_size, tp_rank, tp_size, init_method, device)
 
 
 def expert_parallel_layers(model: nn.Module) -> list[StackedExperts]:

@@ -29,7 +29,7 @@ from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, 
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
-from flotilla.models.parallel import broadcast_from_first, init_tensor_parallel
+from flotilla.models.parallel import broadcast_from_first, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult
 
@@ -119,14 +119,18 @@ class ModelRunner:
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
         self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and tp_group().size == 1:  # (joined already under DP x TP x EP: a sub-group)
             if dist_init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs the ranks' rendezvous address (dist_init_method)")
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             else:  # the ranks share the host's cores; more threads than cores each would only thrash
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+                ranks = self.tp_size * config.parallel.data_parallel_size
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
             init_tensor_parallel(rank, self.tp_size, dist_init_method, self.device)
+        elif self.tp_size > 1 and (tp_group().size, tp_group().rank) != (self.tp_size, rank):
+            raise RuntimeError(f"this process is tensor-parallel rank {tp_group().rank} of {tp_group().size}, "
+                               f"not rank {rank} of {self.tp_size}")
         t0 = time.perf_counter()
         # "auto" choices are resolved by the model for its device and head size
         kwargs = {"attention_backend": config.worker.attention_backend}

@@ -110,7 +110,7 @@ class GPUWorkerActor(Actor):
     def _load(self) -> ModelRunner:
         """On the runner thread: join the expert-parallel group (if any), then build the runner."""
         config = dp.rank_config(self.config, self.dp_rank)
-        dp.join_expert_parallel(config, self.dp_rank, self.ctx.config.get("ep_init_method"))
+        dp.join_expert_parallel(config, self.dp_rank, self.ctx.config.get("ep_init_method"), self.rank)
         methods = self.ctx.config.get("dist_init_methods")  # one TP rendezvous per data-parallel rank
         return ModelRunner(config, rank=self.rank, dist_init_method=methods[self.dp_rank] if methods else
                            self.ctx.config.get("dist_init_method"))

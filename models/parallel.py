@@ -28,6 +28,8 @@ experts, whole (models/qwen3_moe.py). The group is an engine's data-parallel ran
 (`init_expert_parallel`, actors/data_parallel.py; tokens travel to their experts by all-to-all), or the
 tensor-parallel group itself (`expert_parallel_over_tensor_parallel`, with one data-parallel rank: the ranks hold
 the same tokens, so each computes its experts' share of all of them and the MoE output's all-reduce sums them).
+With both (data_parallel_size D x tensor_parallel_size T, `init_data_parallel_world`) the D*T ranks join one world:
+the expert-parallel group is all of it and each data-parallel rank's T ranks form a tensor-parallel sub-group.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
 
 def destroy_tensor_parallel() -> None:
     global _TP
-    if _TP.size > 1:
+    if _TP.size > 1 and dist.is_initialized():  # (a sub-group's world may be gone with the expert group's)
         dist.destroy_process_group()
     _TP = TPGroup()
 
@@ -138,9 +140,28 @@ def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.d
     return _EP
 
 
+def init_data_parallel_world(dp_rank: int, dp_size: int, tp_rank: int, tp_size: int, init_method: str,
+                             device: torch.device, timeout_s: float = 600.0) -> tuple[TPGroup, EPGroup]:
+    """Data parallelism x tensor parallelism x expert parallelism: join the world of every rank of the engine
+    (dp_size x tp_size processes, global rank dp_rank * tp_size + tp_rank) at `init_method`; it is the
+    expert-parallel group, and each data-parallel rank's tp_size ranks form a tensor-parallel sub-group (every
+    process creates every sub-group, in the same order, as torch.distributed.new_group requires). Sets both
+    tp_group() and ep_group(); blocks until every rank has joined."""
+    global _TP, _EP
+    if _EP.size > 1 or _TP.size > 1 or _EP_OVER_TP:
+        raise RuntimeError("this process already belongs to a parallel group")
+    if not (0 <= dp_rank < dp_size and 0 <= tp_rank < tp_size):
+        raise ValueError(f"rank (dp {dp_rank}, tp {tp_rank}) is not in a world of {dp_size} x {tp_size}")
+    world = _join_world(dp_rank * tp_size + tp_rank, dp_size * tp_size, init_method, device, timeout_s)
+    groups = [dist.new_group(list(range(d * tp_size, (d + 1) * tp_size))) for d in range(dp_size)]
+    _TP = TPGroup(rank=tp_rank, size=tp_size, group=groups[dp_rank])
+    _EP = world
+    return _TP, _EP
+
+
 def destroy_expert_parallel() -> None:
     global _EP, _EP_OVER_TP
-    if _EP.size > 1:
+    if _EP.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _EP, _EP_OVER_TP = EPGroup(), False
 
@@ -166,8 +187,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank (in place)."""
     tp = _TP
-    if tp.size > 1:
-        dist.broadcast(x, src=0, group=tp.group)
+    if tp.size > 1:  # group_src: the group's rank 0 (a data-parallel rank's sub-group starts at d * tp globally)
+        dist.broadcast(x, group_src=0, group=tp.group)
     return x
 
 

@@ -21,7 +21,9 @@ keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_paralle
 Over data-parallel ranks each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts'
 ranks and back. Over the tensor-parallel ranks (`ep_ranks_share_tokens`: TP x EP with one data-parallel rank,
 as vLLM does it) every rank routes the same tokens alike and `SharedTokenExperts` computes only its experts'
-(token, expert) slots; the block's all-reduce, which plain TP runs too, adds the ranks' partial outputs. The
+(token, expert) slots; the block's all-reduce, which plain TP runs too, adds the ranks' partial outputs. Over
+all ranks of data parallelism x tensor parallelism each TP rank dispatches its 1/T share of its data-parallel
+rank's tokens by all-to-all (`token_share`) and the same all-reduce fills in the others' rows. The
 block counts the tokens routed to each expert (`expert_tokens`, summed over every step: what an expert-placement
 load balancer reads; under TP x EP every rank counts every token, so one rank's counts are the engine's), and
 `empty_step` takes part in the all-to-alls without tokens (an idle data-parallel rank's step). Other ranks'
@@ -74,8 +76,9 @@ class StackedExperts(nn.Module):
         self.ep_experts: ExpertParallelExperts | SharedTokenExperts | None = None
         if ep is not None and ep.size > 1:
             self.placement = ExpertPlacement(num_experts, ep.size, ep.rank, device=torch.get_default_device())
+            share = {"token_share": (tp.rank, tp.size)} if tp.size > 1 else {}  # DP x TP x EP: 1/T of the tokens
             self.ep_experts = (SharedTokenExperts(self.placement, backend) if ep_ranks_share_tokens() else
-                               ExpertParallelExperts(self.placement, ep.group, backend))
+                               ExpertParallelExperts(self.placement, ep.group, backend, **share))
             # int64 [E]: (token, expert) slots this rank routed to each expert since start
             self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         local = num_experts if self.placement is None else self.placement.num_local_experts

@@ -119,8 +119,9 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     runs tensor_parallel_size worker instances (instance = rank), one process each, that meet at a
     rendezvous address chosen here (torch.distributed's tcp:// init). Data parallelism runs one scheduler per
     rank (instance = DP rank) and tensor_parallel_size workers for each (actors/data_parallel.py); under expert
-    parallelism the data-parallel ranks' workers meet at one more address (over the tensor-parallel ranks the
-    experts need none: their group is the TP group)."""
+    parallelism the data-parallel ranks' workers meet at one more address instead, all tp x dp of them, and their
+    TP groups are sub-groups of that world (over the tensor-parallel ranks alone the experts need none: their
+    group is the TP group)."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
     disagg = config.disagg.role != "both"
@@ -134,13 +135,14 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
                          "engines (--engines) instead")
     if config.parallel.enable_expert_parallel:
         check_expert_parallel(config)
-    if tp > 1:
+    dp_ep = config.parallel.expert_parallel_size > 1 and dp > 1
+    if tp > 1 and not dp_ep:  # (under DP x TP x EP the TP groups are sub-groups of the EP ranks' world)
         addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(dp)]  # one TP group per DP rank
         if dp == 1:
             worker["dist_init_method"] = addresses[0]
         else:
             worker["dist_init_methods"] = addresses
-    if config.parallel.expert_parallel_size > 1 and dp > 1:  # over TP ranks the experts use the TP group
+    if dp_ep:  # over TP ranks alone the experts use the TP group
         worker["ep_init_method"] = f"tcp://127.0.0.1:{free_tcp_port()}"
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
@@ -171,7 +173,8 @@ def check_expert_parallel(config: EngineConfig) -> None:
                          "(no num_experts in its config.json)")
     ep = config.parallel.expert_parallel_size
     if moe.num_experts % ep:
-        over = "data_parallel_size" if config.parallel.tensor_parallel_size == 1 else "tensor_parallel_size"
+        over = ("data_parallel_size" if config.parallel.tensor_parallel_size == 1 else "tensor_parallel_size"
+                if config.parallel.data_parallel_size == 1 else "data_parallel_size x tensor_parallel_size")
         raise ValueError(f"enable_expert_parallel: {moe.num_experts} experts cannot be split evenly over "
                          f"{over}={ep} ranks (each rank keeps num_experts / {ep} whole experts)")
 

@@ -240,8 +240,6 @@ def test_expert_parallel_and_data_parallel_options_are_checked_before_anything_s
         engine_topology(EngineConfig.from_options(enable_expert_parallel=True), "process")
     with pytest.raises(ValueError, match="8 experts cannot be split evenly over data_parallel_size=3"):
         LLM(str(moe_dir), data_parallel_size=3, enable_expert_parallel=True, **OPTIONS)
-    with pytest.raises(ValueError, match="with tensor_parallel_size > 1 is not built yet"):
-        EngineConfig.from_options(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
         EngineConfig.from_options(data_parallel_size=0)
     with pytest.raises(ValueError, match="one process per rank: use placement='process'"):

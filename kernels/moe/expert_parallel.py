@@ -26,6 +26,13 @@ for that. Not built: deep_ep itself — "deep_ep" is a name `get_ep_backend` kno
 today: rank r owns experts [r*E/ep, (r+1)*E/ep)), and keeps the last step's per-expert token counts, which
 is what an expert-placement load balancer (EPLB) reads.
 
+Data parallelism x tensor parallelism (D x T ranks, experts over all of them): each data-parallel rank's T
+tensor-parallel ranks hold the same tokens, so `ExpertParallelExperts(token_share=(t, T))` has TP rank t dispatch
+and combine only its 1/T share of them over the group of all D*T ranks, with zeros in the other rows; the MoE
+block's tensor-parallel all-reduce then puts the whole output on every TP rank (a zero plus a value is the value:
+each token's result is exactly the one the all-to-all brought back). vLLM's naive DP x EP all-gathers every DP
+rank's tokens to every rank instead and masks; this moves each (token, expert) slot once.
+
 Ranks that hold the same tokens (the tensor-parallel ranks of one data-parallel rank: vLLM's TP x EP without
 data parallelism) need no dispatch: `SharedTokenExperts` computes, on each rank, only the slots of its own
 experts (the others count as zeros) and combines them as above into a partial output; the MoE block's
@@ -210,8 +217,14 @@ class ExpertParallelExperts:
     see ExpertPlacement.local_slice)."""
 
     def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None,
-                 backend: MoEBackend | None = None, ep_backend: str = "auto") -> None:
+                 backend: MoEBackend | None = None, ep_backend: str = "auto",
+                 token_share: tuple[int, int] = (0, 1)) -> None:
+        """token_share: (this rank's index, count) among the ranks that hold the same tokens (the
+        tensor-parallel ranks of one data-parallel rank under DP x TP x EP): each dispatches only its contiguous
+        share of them and returns zeros elsewhere, so the caller's tensor-parallel all-reduce fills in the rest."""
         size = 1 if group is None else dist.get_world_size(group)
+        if not 0 <= token_share[0] < token_share[1]:
+            raise ValueError(f"token share {token_share[0]} is not one of {token_share[1]}")
         if size != placement.ep_size:
             raise ValueError(f"the placement is for {placement.ep_size} expert-parallel ranks but the process "
                              f"group has {size}")
@@ -222,10 +235,29 @@ class ExpertParallelExperts:
         self.group = group
         self.backend = backend or get_moe_backend("auto")
         self.ep_backend = get_ep_backend(ep_backend)
+        self.token_share = token_share
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         _check_local_weights(self.placement, w13, w2)
+        share, shares = self.token_share
+        if shares == 1:
+            return self._dispatched(hidden, w13, w2, topk_weights, topk_ids)
+        # Rows [first, end) of the tokens every sharing rank holds: the ranks' shares cover each token once
+        # (a share may be empty; its rank still takes part in the all-to-alls).
+        num_tokens = hidden.shape[0]
+        per_share = -(-num_tokens // shares)
+        first, end = min(share * per_share, num_tokens), min((share + 1) * per_share, num_tokens)
+        part = self._dispatched(hidden[first:end], w13, w2, topk_weights[first:end], topk_ids[first:end])
+        # the routing of every shared token, not only this share's, so that one rank's counts count them all
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        self.placement.expert_load.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+        out = hidden.new_zeros(hidden.shape)
+        out[first:end] = part
+        return out
+
+    def _dispatched(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
         sent = dispatch(hidden, topk_ids, self.placement, self.group)
         if sent.hidden.shape[0]:
             ones = torch.ones((sent.hidden.shape[0], 1), dtype=torch.float32, device=hidden.device)

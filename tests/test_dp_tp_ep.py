@@ -1,0 +1,153 @@
+"""Data parallelism x tensor parallelism (x expert parallelism): data_parallel_size=2, tensor_parallel_size=2, four
+worker processes joined by gloo.
+
+- without expert parallelism the two data-parallel ranks are independent TP2 replicas (a TP world each);
+- with enable_expert_parallel the four ranks form one world: the experts spread over all four (each keeps
+  E / 4, whole), each data-parallel rank's two ranks are a tensor-parallel sub-group, and each TP rank sends
+  half of its data-parallel rank's tokens to the experts' ranks by all-to-all (kernels/moe/expert_parallel.py
+  `token_share`); the TP all-reduce restores the other half;
+- either way the engine gives the one-process engine's greedy tokens, with both data-parallel ranks busy and
+  with one idle (under EP its two ranks run empty steps through the all-to-alls), and under EP the per-expert
+  loads count each routed token once;
+- what cannot be built is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flotilla import LLM, SamplingParams
+from flotilla.config import EngineConfig
+from flotilla.kernels.moe import get_moe_backend, select_experts, torch_ref
+from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
+from flotilla.server.engine_client import engine_topology
+from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
+from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_moe_model
+
+OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, placement="process")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+DP2_TP2 = dict(data_parallel_size=2, tensor_parallel_size=2)
+
+
+def _prompts() -> list[dict]:
+    rng = random.Random(17)
+    """Four for both data-parallel ranks, then one for a single rank (not seen before: no prefix-cache hit)."""
+    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (5, 19, 9, 3, 7)]
+
+
+def _generate_within(llm: LLM, prompts: list[dict], timeout_s: float) -> list[list[int]]:
+    """Greedy tokens, failing (not hanging) if ranks out of step leave a collective waiting."""
+    out: list[list[list[int]]] = []
+    run = threading.Thread(target=lambda: out.append(
+        [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]), daemon=True)
+    run.start()
+    run.join(timeout_s)
+    assert out, f"generation did not finish in {timeout_s} s: the ranks' collectives do not pair up"
+    return out[0]
+
+
+def _one_process_tokens(model_dir: Path, prompts: list[dict]) -> list[list[int]]:
+    with LLM(str(model_dir), **{**OPTIONS, "placement": "inline"}) as llm:
+        return _generate_within(llm, prompts, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_dir = write_tiny_moe_model(tmp_path_factory.mktemp("dp_tp_ep") / "qwen3_moe", "qwen3_moe")
+    write_tiny_tokenizer(model_dir, vocab_size=320)
+    return model_dir
+
+
+@pytest.mark.parametrize("shares", [2, 3])
+def test_the_token_shares_cover_every_token_once(shares: int) -> None:
+    """The sharing ranks' outputs (zeros outside each one's rows), summed as the TP all-reduce sums them, are the
+    one-process MoE (to rounding: the experts' GEMMs see other batches); each share counts every token's routing (one rank's counts are all of them)."""
+    g = torch.Generator().manual_seed(shares)
+    experts, hidden, inter, tokens, top_k = 8, 16, 12, 7, 2
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / 4
+    w2 = torch.randn(experts, hidden, inter, generator=g) / 4
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = select_experts(torch.randn(tokens, experts, generator=g) * 3, top_k, renormalize=True)
+    want = torch_ref.fused_experts(x, w13, w2, weights, ids)
+    outs = []
+    for share in range(shares):
+        placement = ExpertPlacement(experts, 1, 0)  # one EP rank: the all-to-alls are copies
+        layer = ExpertParallelExperts(placement, None, get_moe_backend("torch"), token_share=(share, shares))
+        out = layer(x, w13, w2, weights, ids)
+        rows = range(share * -(-tokens // shares), min((share + 1) * -(-tokens // shares), tokens))
+        assert placement.local_expert_load.sum() == len(rows) * top_k  # only its share went through dispatch
+        assert placement.expert_load.sum() == tokens * top_k
+        assert not out[[i for i in range(tokens) if i not in rows]].any()
+        outs.append(out)
+    torch.testing.assert_close(sum(outs[1:], outs[0]), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="token share 2 is not one of 2"):
+        ExpertParallelExperts(ExpertPlacement(experts, 1, 0), None, token_share=(2, 2))
+
+
+def test_dp2_tp2_dense_qwen3_gives_the_one_process_tokens(tmp_path: Path) -> None:
+    """Without expert parallelism: two independent TP2 replicas (a rendezvous each), both busy, then one idle."""
+    model_dir = write_tiny_engine_model(tmp_path / "qwen3", "qwen3")
+    prompts = _prompts()
+    want = _one_process_tokens(model_dir, prompts)
+    with LLM(str(model_dir), **DP2_TP2, **OPTIONS) as llm:
+        detail = llm.client.ready_detail
+        assert [(detail[f"worker/{w}"]["dp"], detail[f"worker/{w}"]["tp"]) for w in range(4)] == [
+            ("0/2", "0/2"), ("0/2", "1/2"), ("1/2", "0/2"), ("1/2", "1/2")]
+        assert len({llm.client.runtime.ready[f"worker/{w}"].pid for w in range(4)}) == 4
+        assert _generate_within(llm, prompts[:4], timeout_s=120) == want[:4]
+        assert llm.client.coordinator.assigned == [2, 2]
+        assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]
+    assert all(len(t) == GREEDY.max_tokens for t in want)
+
+
+def _expert_loads_reaching(client, done, timeout_s: float = 10.0) -> np.ndarray:
+    deadline = time.monotonic() + timeout_s
+    while (total := client.expert_loads.total()) is None or not done(total):
+        assert time.monotonic() < deadline, f"expert loads stayed at {total}"
+        time.sleep(0.1)
+    return total
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_idle(
+        moe_dir: Path, expert_parallel: bool) -> None:  # fmt: skip
+    prompts = _prompts()
+    want = _one_process_tokens(moe_dir, prompts)
+    with LLM(str(moe_dir), **DP2_TP2, enable_expert_parallel=expert_parallel, **OPTIONS) as llm:
+        client = llm.client
+        detail = client.ready_detail
+        if expert_parallel:  # experts over all four ranks, global rank = dp * 2 + tp
+            assert [(detail[f"worker/{w}"]["ep"], detail[f"worker/{w}"]["experts"]) for w in range(4)] == [
+                ("0/4", "0-1/8"), ("1/4", "2-3/8"), ("2/4", "4-5/8"), ("3/4", "6-7/8")]
+        else:
+            assert "ep" not in detail["worker/0"]
+        got = _generate_within(llm, prompts[:4], timeout_s=120)
+        assert client.coordinator.assigned == [2, 2]
+        assert got == want[:4]
+        # one request: DP rank 0 runs it while both TP ranks of DP rank 1 run empty steps (under EP)
+        assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]
+        assert client.coordinator.assigned == [3, 2]
+        if expert_parallel:  # every token computed went to top_k experts per MoE layer, counted once
+            top_k = TINY_MOE_CONFIGS["qwen3_moe"]["num_experts_per_tok"]
+            computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
+            loads = _expert_loads_reaching(client, lambda t: t.sum(axis=1).tolist() == [computed * top_k] * 2)
+            assert loads.shape == (2, 8) and (loads > 0).sum() > 4  # more than one rank's experts were used
+            assert sorted(client.expert_loads.by_rank) == [0, 1]
+
+
+def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"8 experts cannot be split evenly over "
+                                         r"data_parallel_size x tensor_parallel_size=6 ranks"):
+        LLM(str(moe_dir), data_parallel_size=3, tensor_parallel_size=2, enable_expert_parallel=True, **OPTIONS)
+    config = EngineConfig.from_options(model=str(moe_dir), enable_expert_parallel=True, **DP2_TP2)
+    assert config.parallel.expert_parallel_size == 4
+    worker = engine_topology(config, "process").spec("worker")
+    assert worker.count == 4 and worker.config["ep_init_method"].startswith("tcp://127.0.0.1:")
+    assert "dist_init_methods" not in worker.config  # the TP groups are sub-groups of the EP ranks' world
