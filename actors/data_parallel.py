@@ -5,8 +5,9 @@ workers (worker instance d * tp + t is TP rank t of DP rank d); one tokenizer an
 ranks, and the front end's coordinator (server/dp_coordinator.py) gives each request to one rank.
 
 Without expert parallelism the ranks are independent replicas (a MoE model keeps every expert on every
-rank). With enable_expert_parallel the D workers form one expert-parallel group: each keeps num_experts / D
-experts (models/qwen3_moe.py) and every forward runs the MoE layers' all-to-alls across all of them. So every
+rank). With enable_expert_parallel the D x tp workers form one expert-parallel group: each keeps num_experts /
+(D x tp) experts (models/qwen3_moe.py; with tp > 1 each TP rank sends its share of its DP rank's tokens) and
+every forward runs the MoE layers' all-to-alls across all of them. So every
 rank must run exactly as many forwards as the others, in step (vLLM's DP engine cores run a dummy batch
 when idle for the same reason):
 

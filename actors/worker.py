@@ -23,7 +23,9 @@ step without sequences (an idle rank keeping in step with busy ones) runs an emp
 layers' all-to-alls, and the per-expert token counts go to the front end every EXPERT_LOAD_INTERVAL_S while
 steps run. With one data-parallel rank and tensor parallelism the experts spread over the TP ranks instead
 (models/qwen3_moe.py): no group of their own, no empty steps; TP rank 0 reports the counts, as under DP x EP
-(every TP rank routes every token, so one rank's counts count each token once).
+(every TP rank routes every token, so one rank's counts count each token once). With both (data_parallel_size D,
+tensor_parallel_size T, EP) all D x T workers join one world at `ep_init_method`, their TP groups sub-groups of
+it (actors/data_parallel_worker.py join_expert_parallel); every TP rank of an idle DP rank runs the empty steps.
 """
 
 from __future__ import annotations

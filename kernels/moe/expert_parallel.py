@@ -30,8 +30,8 @@ Data parallelism x tensor parallelism (D x T ranks, experts over all of them): e
 tensor-parallel ranks hold the same tokens, so `ExpertParallelExperts(token_share=(t, T))` has TP rank t dispatch
 and combine only its 1/T share of them over the group of all D*T ranks, with zeros in the other rows; the MoE
 block's tensor-parallel all-reduce then puts the whole output on every TP rank (a zero plus a value is the value:
-each token's result is exactly the one the all-to-all brought back). vLLM's naive DP x EP all-gathers every DP
-rank's tokens to every rank instead and masks; this moves each (token, expert) slot once.
+each token's result is exactly the one the all-to-all brought back). vLLM's naive DP x EP backends gather every
+DP rank's tokens on every rank instead and reduce the results back; this moves each (token, expert) slot once.
 
 Ranks that hold the same tokens (the tensor-parallel ranks of one data-parallel rank: vLLM's TP x EP without
 data parallelism) need no dispatch: `SharedTokenExperts` computes, on each rank, only the slots of its own
