@@ -8,7 +8,7 @@ worker processes joined by gloo.
   `token_share`); the TP all-reduce restores the other half;
 - either way the engine gives the one-process engine's greedy tokens, with both data-parallel ranks busy and
   with one idle (under EP its two ranks run empty steps through the all-to-alls), and under EP the per-expert
-  loads count each routed token once;
+  loads count each routed token once (Qwen3 dense, Qwen3-MoE; DeepSeek-V3 with its shared expert under EP);
 - what cannot be built is refused before anything starts.
 """
 
@@ -29,7 +29,7 @@ from flotilla.kernels.moe import get_moe_backend, select_experts, torch_ref
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
 from flotilla.server.engine_client import engine_topology
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
-from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_moe_model
+from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_deepseek_model, write_tiny_moe_model
 
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, placement="process")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -140,6 +140,20 @@ def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_i
             loads = _expert_loads_reaching(client, lambda t: t.sum(axis=1).tolist() == [computed * top_k] * 2)
             assert loads.shape == (2, 8) and (loads > 0).sum() > 4  # more than one rank's experts were used
             assert sorted(client.expert_loads.by_rank) == [0, 1]
+
+
+def test_dp2_tp2_ep4_deepseek_v3_gives_the_one_process_tokens(tmp_path: Path) -> None:
+    """DeepSeek-V3's MoE block adds its tensor-parallel shared expert's partial to the routed experts' token shares
+    before the one all-reduce; a dense first layer, grouped routing (float checkpoint)."""
+    model_dir = write_tiny_deepseek_model(tmp_path / "deepseek_v3", "deepseek_v3")
+    write_tiny_tokenizer(model_dir, vocab_size=320)
+    prompts = _prompts()
+    want = _one_process_tokens(model_dir, prompts)
+    with LLM(str(model_dir), **DP2_TP2, enable_expert_parallel=True, **OPTIONS) as llm:
+        assert [llm.client.ready_detail[f"worker/{w}"]["experts"] for w in range(4)] == [
+            "0-1/8", "2-3/8", "4-5/8", "6-7/8"]
+        assert _generate_within(llm, prompts[:4], timeout_s=120) == want[:4]
+        assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]  # DP rank 1 idle
 
 
 def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> None:
