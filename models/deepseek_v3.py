@@ -29,8 +29,9 @@ decoding (MTP) every rank runs the MTP layer on its heads and experts too; rank 
 tokens for the group (actors/spec_decode.py), and the drafts are the argmax of the gathered logits, the same on
 every rank.
 
-Expert parallelism (under enable_expert_parallel: the engine's data-parallel ranks with all-to-all dispatch, or
-its tensor-parallel ranks with every token on each and the TP all-reduce; models/parallel.py `ep_group`): as
+Expert parallelism (under enable_expert_parallel: the engine's data-parallel ranks with all-to-all dispatch, its
+tensor-parallel ranks with every token on each and the TP all-reduce, or all D x T ranks with each TP rank
+dispatching its share of its DP rank's tokens; models/parallel.py `ep_group`): as
 Qwen3-MoE's (models/qwen3_moe.py, whose StackedExperts and ExpertTensors serve both), each
 rank keeps E / ep routed experts and loads only their tensors (an FP8 checkpoint's other experts are not
 even read), routes its own tokens (the grouped top-k, routed_scaling_factor included in the weights),
