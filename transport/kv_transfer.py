@@ -30,8 +30,8 @@ import asyncio
 import uuid
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, Self
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, Self, TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +52,34 @@ Buffer = torch.Tensor | np.ndarray | bytearray | memoryview
 
 class KVTransferError(RuntimeError):
     """The one error of the data plane: bad ranges, unknown regions, timeouts, a peer that is gone."""
+
+
+POLL_MIN_S = 0.0001
+"""First sleep between completion polls, seconds (a small transfer completes in well under a millisecond)."""
+POLL_MAX_S = 0.005
+"""Longest sleep between completion polls, seconds (bounds the latency added to a long transfer)."""
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+_T = TypeVar("_T")
+
+
+def refuse_wildcard(host: str) -> None:
+    """KV memory is served on one named interface, never on every interface of the host."""
+    if host in _WILDCARD_HOSTS:
+        raise KVTransferError(f"refusing to serve KV memory on wildcard address {host!r}: name one interface")
+
+
+async def poll_until(check: Callable[[], _T | None], deadline: float) -> _T | None:
+    """check()'s first result that is not None, polled from asyncio with sleeps doubling from POLL_MIN_S to
+    POLL_MAX_S (the backends' completion calls must not block the event loop); None once the loop's clock passes
+    `deadline`."""
+    loop = asyncio.get_running_loop()
+    sleep = POLL_MIN_S
+    while (result := check()) is None:
+        if loop.time() >= deadline:
+            return None
+        await asyncio.sleep(sleep)
+        sleep = min(sleep * 2, POLL_MAX_S)
+    return result
 
 
 def as_byte_tensor(buffer: Buffer) -> torch.Tensor:

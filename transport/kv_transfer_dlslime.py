@@ -34,22 +34,18 @@ from flotilla.transport.kv_transfer import (
     KVTransferError,
     Range,
     RegionInfo,
+    poll_until,
+    refuse_wildcard,
 )
 
-POLL_MIN_S = 0.0001
-"""First sleep between completion polls, seconds (a small read completes in well under a millisecond)."""
-POLL_MAX_S = 0.005
-"""Longest sleep between completion polls, seconds (bounds the latency added to a long read)."""
 _STATUS_SUCCESS = 0
 """dlslime's TCP_SUCCESS completion status."""
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 def _check_bindable(host: str, port: int) -> None:
     """Fail early when `host` is not a local address: dlslime only logs a failed bind and then listens on
     an ephemeral port of every interface, which would expose this process's memory beyond `host`."""
-    if host in _WILDCARD_HOSTS:
-        raise KVTransferError(f"refusing to serve KV memory on wildcard address {host!r}: name one interface")
+    refuse_wildcard(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,15 +174,12 @@ class DlslimeTCPEngine(KVTransferEngine):
             raise KVTransferError(f"dlslime read from {peer.engine_id} failed: {e}") from e
         if future is None:
             raise KVTransferError(f"KV peer {peer.engine_id} was dropped during the read")
-        sleep = POLL_MIN_S
-        while (status := future.wait_for(0)) is None:
-            if loop.time() >= deadline:
-                self._drop_peer(peer.engine_id)
-                raise KVTransferError(
-                    f"read of {len(ranges)} ranges from KV peer {peer.engine_id} timed out; connection dropped"
-                )
-            await asyncio.sleep(sleep)
-            sleep = min(sleep * 2, POLL_MAX_S)
+        status = await poll_until(lambda: future.wait_for(0), deadline)
+        if status is None:
+            self._drop_peer(peer.engine_id)
+            raise KVTransferError(
+                f"read of {len(ranges)} ranges from KV peer {peer.engine_id} timed out; connection dropped"
+            )
         if status != _STATUS_SUCCESS:
             self._drop_peer(peer.engine_id)
             raise KVTransferError(

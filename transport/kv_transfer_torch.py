@@ -55,16 +55,13 @@ from flotilla.transport.kv_transfer import (
     KVTransferError,
     Range,
     RegionInfo,
+    poll_until,
+    refuse_wildcard,
 )
 
-POLL_MIN_S = 0.0001
-"""First sleep between completion polls of an NCCL work, seconds."""
-POLL_MAX_S = 0.005
-"""Longest sleep between completion polls, seconds."""
 HANDSHAKE = 0x6B76  # "kv": the decode side's first message on a new pair
 SEND_TAG = 0
 """Tag of every KV send/recv (one pair carries one migration at a time, in order)."""
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _nccl_env_lock = threading.Lock()
 
 
@@ -132,8 +129,7 @@ class TorchDistEngine(KVTransferEngine):
     backend: ClassVar[str] = "torch_dist"
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if host in _WILDCARD_HOSTS:
-            raise KVTransferError(f"refusing to serve KV on wildcard address {host!r}: name one interface")
+        refuse_wildcard(host)
         super().__init__(timeout_s)
         self.host = host
         self.device: torch.device | None = None
@@ -407,13 +403,9 @@ class TorchDistEngine(KVTransferEngine):
                 reason = "timed out" if "Timed out" in str(e) else f"failed, the peer is gone? ({e})"
                 raise KVTransferError(f"{what} {reason}; the pair was dropped") from e
             return
-        sleep = POLL_MIN_S
-        while not work.is_completed():
-            if loop.time() >= deadline:
-                self._fail(pair)
-                raise KVTransferError(f"{what} timed out; the pair was dropped (NCCL communicator aborted)")
-            await asyncio.sleep(sleep)
-            sleep = min(sleep * 2, POLL_MAX_S)
+        if await poll_until(lambda: True if work.is_completed() else None, deadline) is None:
+            self._fail(pair)
+            raise KVTransferError(f"{what} timed out; the pair was dropped (NCCL communicator aborted)")
         try:
             exc = work.exception()
         except RuntimeError as e:
