@@ -59,15 +59,6 @@ class RequestOutput:
     finished: bool = True
 
 
-def _on_gpu(device: str) -> bool:
-    """Whether the worker's `device` option means a GPU (auto: one is there)."""
-    if device == "auto":
-        import torch  # only to ask whether CUDA is there
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
 class LLM:
     """An engine for offline batch generation."""
 
@@ -85,7 +76,9 @@ class LLM:
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
         if placement is None:
             parallel = self.config.parallel
-            on_gpu = _on_gpu(self.config.worker.device)
+            from flotilla.actors.model_runner import resolve_device  # what the worker will run on
+
+            on_gpu = resolve_device(self.config.worker.device).type == "cuda"
             placement = "process" if on_gpu or parallel.tensor_parallel_size * parallel.data_parallel_size > 1 \
                 else "inline"
         self._loop = uvloop.new_event_loop()

@@ -8,8 +8,6 @@ options refused before anything starts."""
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +30,7 @@ from flotilla.server.engine_client import engine_topology
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import ExpertLoadEvent, SchedulerStatsEvent
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
+from helpers_parallel import expert_loads_reaching, generate_within, generated_tokens, random_prompts
 from helpers_server import start_server
 from helpers_tiny_models import (
     FP8_BLOCK as BLOCK,
@@ -50,22 +49,15 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 def _prompts() -> list[dict]:
-    rng = random.Random(11)
-    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (5, 23, 9, 14)]
+    return random_prompts(11, (5, 23, 9, 14))
 
 
 def _tokens(llm: LLM, prompts: list[dict]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return generated_tokens(llm, prompts, GREEDY)
 
 
 def _generate_within(llm: LLM, prompts: list[dict], timeout_s: float) -> list[list[int]]:
-    """Greedy tokens, failing (not hanging) if ranks out of step leave a collective waiting."""
-    out: list[list[list[int]]] = []
-    worker = threading.Thread(target=lambda: out.append(_tokens(llm, prompts)), daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    assert out, f"generation did not finish in {timeout_s} s: the data-parallel ranks' collectives do not pair up"
-    return out[0]
+    return generate_within(llm, prompts, GREEDY, timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +98,14 @@ def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle
         # every token the ranks computed went to top_k experts in each MoE layer (layer 1 is dense)
         top_k = TINY_MOE_CONFIGS["qwen3_moe"]["num_experts_per_tok"]
         computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
-        busy = _expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == [computed * top_k] * 2)
+        busy = expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == [computed * top_k] * 2)
         assert busy.shape == (2, 8)
         assert sorted(client.expert_loads.by_rank) == [0, 1]
         # one request: rank 0 runs it, rank 1 has nothing and runs empty steps through the all-to-alls
         alone = _generate_within(llm, prompts[2:3], timeout_s=60)
         assert client.coordinator.assigned == [3, 2]
         assert alone == want[2:3]
-        _expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
+        expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +119,7 @@ def deepseek_fp8_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
 
 
 def _deepseek_prompts() -> list[dict]:
-    rng = random.Random(5)
-    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (7, 19, 11, 4)]
+    return random_prompts(5, (7, 19, 11, 4))
 
 
 def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(
@@ -150,13 +141,13 @@ def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_ran
         moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
         computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
         expected = [computed * config["num_experts_per_tok"]] * moe_layers
-        busy = _expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == expected)
+        busy = expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == expected)
         assert busy.shape == (moe_layers, config["n_routed_experts"])
         # one request: rank 0 runs it while rank 1, idle, runs empty steps through the all-to-alls
         alone = _generate_within(llm, prompts[1:2], timeout_s=30)
         assert client.coordinator.assigned == [3, 2]
         assert alone == want[1:2]
-        _expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
+        expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
 
 
 def test_dp2_ep2_kimi_k2_style_deepseek_gives_the_one_rank_tokens(tmp_path: Path) -> None:
@@ -220,15 +211,6 @@ def test_an_expert_parallel_deepseek_rank_reads_only_its_own_experts_and_keeps_t
     weights = load_file(str(deepseek_fp8_dir / "model.safetensors"))
     assert fresh.load_weights(weights.items()) == set(dict(fresh.named_parameters()))
     assert len(dequantized) == mine_dequantized
-
-
-def _expert_loads_reaching(client, done, timeout_s: float = 10.0) -> np.ndarray:
-    """The summed per-expert counts once `done` holds for them (the workers report every half second)."""
-    deadline = time.monotonic() + timeout_s
-    while (total := client.expert_loads.total()) is None or not done(total):
-        assert time.monotonic() < deadline, f"expert loads stayed at {total}"
-        time.sleep(0.1)
-    return total
 
 
 def test_expert_parallel_and_data_parallel_options_are_checked_before_anything_starts(moe_dir: Path,

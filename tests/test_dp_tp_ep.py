@@ -14,12 +14,8 @@ worker processes joined by gloo.
 
 from __future__ import annotations
 
-import random
-import threading
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,6 +25,7 @@ from flotilla.kernels.moe import get_moe_backend, select_experts, torch_ref
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
 from flotilla.server.engine_client import engine_topology
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
+from helpers_parallel import expert_loads_reaching, generate_within, random_prompts
 from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_deepseek_model, write_tiny_moe_model
 
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4, placement="process")
@@ -37,20 +34,12 @@ DP2_TP2 = dict(data_parallel_size=2, tensor_parallel_size=2)
 
 
 def _prompts() -> list[dict]:
-    rng = random.Random(17)
     """Four for both data-parallel ranks, then one for a single rank (not seen before: no prefix-cache hit)."""
-    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (5, 19, 9, 3, 7)]
+    return random_prompts(17, (5, 19, 9, 3, 7))
 
 
 def _generate_within(llm: LLM, prompts: list[dict], timeout_s: float) -> list[list[int]]:
-    """Greedy tokens, failing (not hanging) if ranks out of step leave a collective waiting."""
-    out: list[list[list[int]]] = []
-    run = threading.Thread(target=lambda: out.append(
-        [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]), daemon=True)
-    run.start()
-    run.join(timeout_s)
-    assert out, f"generation did not finish in {timeout_s} s: the ranks' collectives do not pair up"
-    return out[0]
+    return generate_within(llm, prompts, GREEDY, timeout_s)
 
 
 def _one_process_tokens(model_dir: Path, prompts: list[dict]) -> list[list[int]]:
@@ -107,14 +96,6 @@ def test_dp2_tp2_dense_qwen3_gives_the_one_process_tokens(tmp_path: Path) -> Non
     assert all(len(t) == GREEDY.max_tokens for t in want)
 
 
-def _expert_loads_reaching(client, done, timeout_s: float = 10.0) -> np.ndarray:
-    deadline = time.monotonic() + timeout_s
-    while (total := client.expert_loads.total()) is None or not done(total):
-        assert time.monotonic() < deadline, f"expert loads stayed at {total}"
-        time.sleep(0.1)
-    return total
-
-
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_idle(
         moe_dir: Path, expert_parallel: bool) -> None:  # fmt: skip
@@ -137,7 +118,7 @@ def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_i
         if expert_parallel:  # every token computed went to top_k experts per MoE layer, counted once
             top_k = TINY_MOE_CONFIGS["qwen3_moe"]["num_experts_per_tok"]
             computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
-            loads = _expert_loads_reaching(client, lambda t: t.sum(axis=1).tolist() == [computed * top_k] * 2)
+            loads = expert_loads_reaching(client, lambda t: t.sum(axis=1).tolist() == [computed * top_k] * 2)
             assert loads.shape == (2, 8) and (loads > 0).sum() > 4  # more than one rank's experts were used
             assert sorted(client.expert_loads.by_rank) == [0, 1]
 

@@ -13,11 +13,8 @@ rank; vLLM's layout): the routed experts spread over the T tensor-parallel ranks
 
 from __future__ import annotations
 
-import random
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -30,6 +27,7 @@ from flotilla.models import loader, parallel
 from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
 from flotilla.server.engine_client import engine_topology
 from helpers_engine import write_tiny_tokenizer
+from helpers_parallel import expert_loads_reaching, generated_tokens, random_prompts
 from helpers_tiny_models import (
     TINY_MOE_CONFIGS,
     load_flotilla_model,
@@ -109,21 +107,11 @@ def test_a_tp_ep_rank_keeps_whole_experts_and_reads_only_its_own(moe_dir: Path,
 
 
 def _prompts() -> list[dict]:
-    rng = random.Random(13)
-    return [{"prompt_token_ids": [rng.randrange(3, 320) for _ in range(n)]} for n in (5, 23, 9, 14, 3)]
+    return random_prompts(13, (5, 23, 9, 14, 3))
 
 
 def _tokens(llm: LLM, prompts: list[dict]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-
-def _expert_loads_reaching(client, done, timeout_s: float = 10.0) -> np.ndarray:
-    """The per-expert counts once `done` holds for them (the worker reports every half second)."""
-    deadline = time.monotonic() + timeout_s
-    while (total := client.expert_loads.total()) is None or not done(total):
-        assert time.monotonic() < deadline, f"expert loads stayed at {total}"
-        time.sleep(0.1)
-    return total
+    return generated_tokens(llm, prompts, GREEDY)
 
 
 def test_tp2_ep2_gives_the_one_rank_tokens_and_counts_each_routed_token_once(moe_dir: Path) -> None:
@@ -140,7 +128,7 @@ def test_tp2_ep2_gives_the_one_rank_tokens_and_counts_each_routed_token_once(moe
         got = _tokens(llm, prompts)
         computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
         top_k = CONFIG["num_experts_per_tok"]
-        loads = _expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == [computed * top_k] * 2)
+        loads = expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == [computed * top_k] * 2)
         assert loads.shape == (2, 8)  # both MoE layers, every expert: rank 1's experts counted too
         assert (loads[:, 4:].sum(axis=1) > 0).all() and (loads[:, :4].sum(axis=1) > 0).all()
         assert sorted(client.expert_loads.by_rank) == [0]  # one data-parallel rank reports
