@@ -8,20 +8,30 @@
 # The carried paths must stay under the 64 MiB limit: leave py-spy out of .gpu-bundle for this call.
 # MODELS (default "qwen3-0.6b qwen3-8b") and REPEAT (flotilla's --repeat, default 2) adjust it; the JSON lands in
 # $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.plot_performance reads them).
+# A later call on the same warm machine skips the install (/tmp/vp/site stays); TESTS="tests/a.py ..." first runs
+# those GPU tests (pytest -m gpu).
 set -uo pipefail
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/compare
 mkdir -p "$R" /tmp/vp
-cp -r .vllm-peer/wheels .vllm-peer/install.sh /tmp/vp/
-bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
+if [ ! -f /tmp/vp/env.sh ] || [ ! -d /tmp/vp/site/vllm ]; then
+  cp -r .vllm-peer/wheels .vllm-peer/install.sh /tmp/vp/
+  bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
+fi
+if [ -n "${TESTS:-}" ]; then
+  (source .gpu-bundle/setup.sh && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu $TESTS -p no:cacheprovider -q) \
+    > "$R/gpu-tests.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -15
+fi
 for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   # vLLM's environment stays in its subshell: it must not leak into flotilla's run
   # (deepseek-v3-4l: VLLM_DEEP_GEMM_WARMUP=skip, or vLLM's warm-up compiles for ~50 minutes)
-  (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout 300 python3 .vllm-peer/peer_bench.py "$m") \
+  (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout "${PEER_TIMEOUT:-300}" python3 .vllm-peer/peer_bench.py "$m") \
     > "$R/peer-$m.log" 2>&1
   tail -2 "$R/peer-$m.log"
-  (source .gpu-bundle/setup.sh && timeout 240 python3 -m flotilla.scripts.bench_offline --model "$m" \
+  (source .gpu-bundle/setup.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.bench_offline --model "$m" \
     --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
   tail -1 "$R/flotilla-$m.log"
 done
 tar -czf "$OUT/compare.tgz" -C "$OUT" compare
+tar -czf - -C ~/.cache flashinfer 2>/dev/null | split -b 15M - "$OUT/fic."
