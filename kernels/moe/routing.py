@@ -9,9 +9,15 @@ runs inside CUDA graphs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+FUSED_ALIGN_MAX_SLOTS = 16384
+"""On CUDA, sort_by_expert runs kernels/moe/triton_align.py's single launch up to this many slots (tokens x top_k;
+every decode batch), and its torch version beyond (large prefills, where ~25 launches are noise next to the GEMMs).
+FLOTILLA_MOE_FUSED_ALIGN=0 keeps the torch version everywhere (for A/B runs)."""
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +41,8 @@ class ExpertBlocks:
     """
 
     sorted_slots: torch.Tensor
-    """int32 [max_rows]: slot ids grouped by expert (ascending expert, slots in order within one);
-    padding rows hold num_slots."""
+    """int32 [max_rows]: slot ids grouped by expert (ascending expert; slots ascending within one from the
+    torch version, in any order from the triton one); padding rows hold num_slots."""
     block_experts: torch.Tensor
     """int32 [max_rows // block_m]: the expert of each block of block_m rows (meaningful for blocks
     below num_padded; later ones repeat the last expert and must be skipped)."""
@@ -48,8 +54,19 @@ class ExpertBlocks:
     """Rows per block: every block holds one expert's slots only."""
 
 
+def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Rows of the worst case: every expert's run padded by up to block_m - 1 rows, rounded up to block_m."""
+    return -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+
+
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
-    """Group the slots of topk_ids [T, top_k] by expert and pad each expert's run to block_m rows."""
+    """Group the slots of topk_ids [T, top_k] by expert and pad each expert's run to block_m rows. On CUDA (up
+    to FUSED_ALIGN_MAX_SLOTS slots) one triton launch does it, with slots in any order within an expert's run."""
+    if (topk_ids.is_cuda and topk_ids.numel() <= FUSED_ALIGN_MAX_SLOTS
+            and os.environ.get("FLOTILLA_MOE_FUSED_ALIGN", "1") != "0"):
+        from flotilla.kernels.moe.triton_align import align_by_expert  # imports triton: CUDA only
+
+        return align_by_expert(topk_ids, num_experts, block_m)
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
@@ -65,7 +82,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     rank = torch.arange(num_slots, device=device)
     dest = starts[experts_sorted] + rank - first_slot_rank[experts_sorted]
 
-    max_rows = -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    max_rows = padded_rows(num_slots, num_experts, block_m)
     sorted_slots = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
     sorted_slots[dest] = order.to(torch.int32)
     block_starts = torch.arange(0, max_rows, block_m, device=device)
