@@ -13,6 +13,8 @@ source .gpu-bundle/setup.sh
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/results
 mkdir -p "$R"
+# triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
+[ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 400 python3 -m pytest -m gpu tests/ -v -p no:cacheprovider --durations=5 > "$R/gpu-tests.log" 2>&1
@@ -41,3 +43,5 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
 done
 tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$R"
 tar -czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fic."
+# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."

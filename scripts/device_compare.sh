@@ -14,6 +14,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/compare
 mkdir -p "$R" /tmp/vp
+# triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
+[ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 if [ ! -f /tmp/vp/env.sh ] || [ ! -d /tmp/vp/site/vllm ]; then
   cp -r .vllm-peer/wheels .vllm-peer/install.sh /tmp/vp/
   bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
@@ -35,3 +37,5 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
 done
 tar -czf "$OUT/compare.tgz" -C "$OUT" compare
 tar -czf - -C ~/.cache flashinfer 2>/dev/null | split -b 15M - "$OUT/fic."
+# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."

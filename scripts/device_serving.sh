@@ -12,6 +12,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/serving
 mkdir -p "$R"
+# triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
+[ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 M=${MODEL:-qwen3-8b}
 DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.bench_shapes import shape_dir; print(shape_dir('$M'))")}
 BENCH=(python3 -m flotilla.scripts.bench_serving --num-prompts "${PROMPTS:-200}" --input-len "${INPUT_LEN:-1024}"
@@ -54,3 +56,5 @@ if [ "${VLLM:-0}" = 1 ] && [ -f /tmp/vp/env.sh ]; then
 fi
 [ -f "$R/serve-flotilla.json" ] && python3 -m flotilla.scripts.plot_serving "${plots[@]}" "$R/serving-$M.png"
 tar -czf "$OUT/serving.tgz" -C "$OUT" serving
+# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."
