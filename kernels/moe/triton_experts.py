@@ -18,7 +18,7 @@ is rounded here too. Importing this module imports triton; the dispatch imports 
 FP8 experts (`fused_experts_fp8`: DeepSeek-V3's e4m3 weights with float32 block scales, kept as the checkpoint
 stores them) run the same kernel in its FP8 mode, as vLLM's fused_moe does with `use_fp8_w8a8` and a
 `block_shape`: each pass's input is quantized per row and group of block_k columns (one float32 scale each;
-pass 1's per token, pass 2's per sorted row; in torch before the pass, not fused yet), both operands enter
+pass 1's per token, pass 2's per sorted row; one triton launch before each pass, kernels/quant/fp8_quant_triton.py), both operands enter
 tl.dot as e4m3 with a float32 accumulator, and each K step's partial product is scaled by its rows' group
 scales times each column's weight-block scale (one scale load per column and step, so a tile may straddle
 weight blocks along N; BLOCK_K divides block_k). w13's scales hold gate's block rows, then up's
@@ -33,7 +33,7 @@ import triton.language as tl
 
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
-from flotilla.kernels.quant.fp8_ref import per_token_group_quantize
+from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
 
 @triton.jit

@@ -106,7 +106,9 @@ def _deep_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
         raise ValueError(f"deep_gemm's FP8 GEMM takes 128x128 weight blocks, not {block_size[0]}x{block_size[1]}")
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    a, a_scale = per_token_group_quantize(x2, 128)
+    from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize as quantize  # one launch (CUDA)
+
+    a, a_scale = quantize(x2, 128)
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
     deep_gemm.fp8_gemm_nt((a, a_scale), (weight, scale_inv.float()), out)
     if bias is not None:

@@ -1,7 +1,7 @@
 """A block-scaled FP8 GEMM in triton: y = dequant(x_fp8, x_scales) @ dequant(w_fp8, w_scale_inv)^T.
 
-The activation is quantized per token and group of block_k columns (kernels/quant/fp8_ref.py, in torch
-for now: a fused quantization kernel is not built). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
+The activation is quantized per token and group of block_k columns, in one launch of its own
+(kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values; not fused into the GEMM yet). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
 K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on the tensor cores with a
 float32 accumulator and scales each partial product by its tokens' group scales times the weight
 block's scale before adding it (BLOCK_N divides block_n, so a tile meets one weight block per K step).
@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.quant.fp8_ref import num_blocks, per_token_group_quantize
+from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
+from flotilla.kernels.quant.fp8_ref import num_blocks
 
 
 @triton.jit
