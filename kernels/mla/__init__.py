@@ -7,10 +7,10 @@ rope_dim], the latent c_kv then the roped k_pe of each token. flash_mla reads it
 adding them changes no allocation. An FP8 (e4m3) cache keeps the layout: the store quantizes whole rows with one
 kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 
-- "torch": torch_ref, the reference and the CPU path ("auto" everywhere for now).
+- "torch": torch_ref, the reference and the CPU path ("auto" without CUDA).
 - "triton": triton_mla, a flash-decoding kernel for decode steps, a one-launch store (no host sync) and
-  a causal flash-attention kernel for prefill and mixed steps. Forced by name (`--attention-backend triton`) until it has
-  been measured on a GPU.
+  a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA (its decode kernel matched the
+  reference at DeepSeek-V3 sizes on an H200).
 - Not built yet: flash_mla (decode), flashinfer's MLA.
 """
 
@@ -60,9 +60,11 @@ def available_mla_backends() -> list[str]:
 
 
 def best_mla_backend(device: torch.device) -> str:
-    """The fastest backend usable on `device`: only the torch reference exists so far."""
-    del device  # flash_mla / flashinfer / triton will be chosen here by capability
-    return "torch"
+    """The fastest backend usable on `device`: triton on CUDA, else the torch reference (flash_mla and
+    flashinfer's MLA would come first here once built)."""
+    from flotilla.kernels.attention import triton_usable
+
+    return "triton" if device.type == "cuda" and triton_usable() else "torch"
 
 
 def get_mla_backend(name: str = "auto", device: torch.device | None = None) -> MLABackend:
