@@ -20,10 +20,20 @@ every decode batch), and its torch version beyond (large prefills, where ~25 lau
 FLOTILLA_MOE_FUSED_ALIGN=0 keeps the torch version everywhere (for A/B runs)."""
 
 
+def _fused_routing(logits: torch.Tensor) -> bool:
+    """Whether routing runs kernels/moe/triton_routing.py's single launch: on CUDA, unless
+    FLOTILLA_MOE_FUSED_ROUTING=0 (A/B runs). Its ids may differ from torch.topk's only on exact ties."""
+    return logits.is_cuda and os.environ.get("FLOTILLA_MOE_FUSED_ROUTING", "1") != "0"
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing (Qwen2/3-MoE, Mixtral): router_logits [T, E] -> (weights float32 [T, top_k],
     expert ids int32 [T, top_k]). The softmax runs in float32; with `renormalize` (HF's norm_topk_prob)
-    the k weights are rescaled to sum to 1."""
+    the k weights are rescaled to sum to 1. On CUDA one triton launch (_fused_routing)."""
+    if _fused_routing(router_logits):
+        from flotilla.kernels.moe.triton_routing import fused_select_experts  # imports triton: CUDA only
+
+        return fused_select_experts(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -110,7 +120,12 @@ def select_experts_grouped(
     group rated by the sum of its two best biased scores (score + correction_bias), and only the topk_groups
     best groups compete for the top_k. The bias only chooses: the weights are the raw scores of the chosen
     experts, renormalized to sum to 1 if `renormalize` (HF's norm_topk_prob), times routed_scaling_factor.
-    Static shapes, no host sync (CUDA-graph safe)."""
+    Static shapes, no host sync (CUDA-graph safe). On CUDA one triton launch (_fused_routing)."""
+    if _fused_routing(router_logits):
+        from flotilla.kernels.moe.triton_routing import fused_select_experts_grouped  # imports triton: CUDA only
+
+        return fused_select_experts_grouped(router_logits, top_k, num_groups, topk_groups, correction_bias,
+                                            renormalize, routed_scaling_factor)  # fmt: skip
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
