@@ -5,9 +5,15 @@ per layer, each costing ~10-20 us of Python and driver time, far more than the G
 A graph replays all of them with one launch. Batches are padded up to the next captured size; padded
 rows read and write a scratch KV block that the scheduler never hands out, and their outputs are dropped.
 
-What is captured is exactly `model(input_ids, positions, kv_caches, meta)` over static input buffers.
-Attention (flashinfer) is planned on the host before each replay into fixed page-table buffers the
-graph reads; logits and sampling stay outside the graph (their shapes depend on the real batch).
+What is captured is exactly `model(input_ids, positions, kv_caches, meta)` over static input buffers;
+logits and sampling stay outside the graph (their shapes depend on the real batch). How attention gets its
+batch depends on the backend:
+
+- flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads.
+- the triton kernels (GQA "triton", MLA "mla_triton"): they read only device metadata, so the graph captures
+  them over static seq_lens / block_tables / query_start_loc buffers that each replay refills. Their decode
+  kernels take a number of context splits fixed at capture (sized for max_model_len), which is correct for
+  any context length (kernels/triton/attention.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import pinned, upload
 
 log = logging.getLogger(__name__)
+
+STATIC_TABLE_BACKENDS = ("triton", "mla_triton")
+"""Attention backends (a model's attention_backend_name) whose decode reads only device metadata, so a graph
+captures them over static tables; flashinfer is planned on the host instead."""
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -44,20 +54,30 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         gmax = self.sizes[-1]
-        self.attn = flashinfer_backend.shared()
-        cfg = model.config
-        attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
-        self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-                          head_dim=cfg.head_dim, page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
-                          scale=cfg.head_dim ** -0.5)
+        self.static_tables = model.attention_backend_name in STATIC_TABLE_BACKENDS
+        """Attention reads static device tables (the triton kernels), not flashinfer's planned buffers."""
+        self.max_blocks_per_seq = max_blocks_per_seq
+        if self.static_tables:
+            i32 = dict(dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(gmax + 1, **i32)
+            self.seq_lens = torch.ones(gmax, **i32)
+            self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
+        else:
+            self.attn = flashinfer_backend.shared()
+            cfg = model.config
+            attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
+            self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=cfg.head_dim,
+                              page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
+                              scale=cfg.head_dim ** -0.5)  # fmt: skip
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(gmax, **i64)
         self.positions = torch.zeros(gmax, **i64)
         self.slots = torch.full((gmax,), self.scratch_slot, **i64)
-        i32 = dict(dtype=torch.int32, device=device)
-        self.kv_indptr = torch.zeros(gmax + 1, **i32)
-        self.kv_indices = torch.zeros(gmax * max_blocks_per_seq, **i32)
-        self.kv_last = torch.zeros(gmax, **i32)
+        if not self.static_tables:  # flashinfer's page tables, which plan() fills
+            i32 = dict(dtype=torch.int32, device=device)
+            self.kv_indptr = torch.zeros(gmax + 1, **i32)
+            self.kv_indices = torch.zeros(gmax * max_blocks_per_seq, **i32)
+            self.kv_last = torch.zeros(gmax, **i32)
         self.wrappers: dict[int, object] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -67,6 +87,11 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - t0)
 
     def _meta(self, size: int) -> AttentionMetadata:
+        if self.static_tables:  # the kernels read these buffers; max_seq_len sizes their fixed context splits
+            return AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+                                     block_tables=self.block_tables[:size], slot_mapping=self.slots[:size],
+                                     max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
+                                     block_size=self.block_size)  # fmt: skip
         # Only slot_mapping and the python ints matter inside the graph; flashinfer reads its own buffers.
         ones = torch.ones(size, dtype=torch.int32, device=self.device)
         return AttentionMetadata(query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
@@ -92,7 +117,27 @@ class DecodeGraphs:
             indices[:real] = np.concatenate([t[:p] for t, p in zip(tables, pages[:n].tolist())])
         return indptr, indices, last
 
+    def static_tables_for(self, size: int, seq_lens: np.ndarray,
+                          tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(seq_lens [size], block tables [size, pages of the longest sequence]) for the static-table kernels:
+        the real sequences first, then padding rows of one token on the scratch block."""
+        bs = self.block_size
+        n = len(seq_lens)
+        lens = np.ones(size, dtype=np.int32)
+        lens[:n] = seq_lens
+        width = max(1, int(-(-int(seq_lens.max()) // bs)) if n else 1)
+        table = np.full((size, width), self.scratch_block, dtype=np.int32)
+        for b, (t, length) in enumerate(zip(tables, seq_lens.tolist())):
+            pages = -(-length // bs)
+            table[b, :pages] = t[:pages]
+        return lens, table
+
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
+        if self.static_tables:
+            lens, table = self.static_tables_for(size, seq_lens, tables)
+            self.seq_lens[:size].copy_(pinned(lens), non_blocking=True)
+            self.block_tables[:size, :table.shape[1]].copy_(pinned(table), non_blocking=True)
+            return
         indptr, indices, last = self.page_tables(size, seq_lens, tables)
         # The page indices go straight into the buffer the graph reads, queued from pinned memory. Handing
         # FlashInfer's plan() host indices instead makes it copy them with non_blocking=False (flashinfer 0.6
@@ -106,10 +151,11 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self.wrappers[size] = self.attn.graph_decode_wrapper(
-                self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size],
-                tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],
-                                                                    self.heads["num_kv_heads"]))
+            if not self.static_tables:
+                self.wrappers[size] = self.attn.graph_decode_wrapper(
+                    self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size],
+                    tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],
+                                                                        self.heads["num_kv_heads"]))
             self.metas[size] = self._meta(size)
             self._plan(size, np.zeros(0, dtype=np.int64), [])
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flotilla.actors.cuda_graphs import DecodeGraphs
+from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
@@ -174,7 +174,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # with tensor parallelism the decode graphs would capture the all-reduces: not validated on a GPU yet
         if (self.device.type == "cuda" and not config.worker.enforce_eager and self.tp_size == 1
-                and self.model.attention_backend_name == "flashinfer"):
+                and self.model.attention_backend_name in ("flashinfer", *STATIC_TABLE_BACKENDS)):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs,
                                        max_blocks_per_seq=-(-self.max_model_len // self.block_size),

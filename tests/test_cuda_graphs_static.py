@@ -1,0 +1,62 @@
+"""CUDA-graph decode over static device tables: the triton attention kernels (GQA "triton", MLA "mla_triton")
+captured in graphs like flashinfer's (actors/cuda_graphs.py). The host-side tables are checked here without a
+GPU; the `gpu` tests compare graph replay against eager steps through the whole engine."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from flotilla import LLM, SamplingParams
+from flotilla.actors.cuda_graphs import DecodeGraphs
+
+from helpers_engine import write_tiny_engine_model
+from helpers_tiny_models import write_tiny_deepseek_model
+
+
+def test_static_tables_take_each_sequences_pages_then_pad_on_the_scratch_block():
+    g = DecodeGraphs.__new__(DecodeGraphs)  # no capture: only the host-side tables are under test
+    g.block_size, g.scratch_block = 4, 99
+    tables = [np.array([5, 6, 7, 0, 0], np.int32), np.array([9, 1, 1], np.int32), np.array([3, 4, 8, 2], np.int32)]
+    lens, table = g.static_tables_for(6, np.array([9, 1, 16]), tables)
+    assert lens.tolist() == [9, 1, 16, 1, 1, 1]  # padding rows: one token, on the scratch block
+    assert table.tolist() == [[5, 6, 7, 99], [9, 99, 99, 99], [3, 4, 8, 2]] + [[99] * 4] * 3
+    lens, table = g.static_tables_for(2, np.zeros(0, np.int64), [])
+    assert lens.tolist() == [1, 1] and table.tolist() == [[99], [99]]
+
+
+def _greedy(engine: LLM, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ps = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=3 + i, temperature=0.0, ignore_eos=True) for i in range(n)]  # batches shrink
+    return [o.outputs[0].token_ids for o in engine.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                             use_tqdm=False)]
+
+
+def _graph_and_eager(model: str, **options) -> dict[bool, list[list[int]]]:
+    outs = {}
+    for eager in (True, False):
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                 enforce_eager=eager, placement="inline", **options) as engine:  # inline: the runner is inspected
+            graphs = engine.client.runtime.actors["worker/0"].runner.graphs
+            assert (graphs is None) == eager
+            assert eager or graphs.static_tables
+            outs[eager] = _greedy(engine, 12, seed=21)
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_gqa_attention_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
+    outs = _graph_and_eager(str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64")), attention_backend="triton")
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_mla_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
+    outs = _graph_and_eager(str(write_tiny_deepseek_model(tmp_path / "ds")))
+    assert outs[False] == outs[True]
