@@ -8,6 +8,8 @@
 # MODELS (default "qwen3-0.6b qwen3-8b"), BENCH_ARGS (extra bench_offline flags), REPEAT (default 3), TESTS=0 (skip
 # the GPU tests: without a JIT cache they spend minutes compiling kernels), PROFILE=0 (skip the step profiles) and
 # SPY=1 (py-spy the first model's nano run; needs the static py-spy binary copied to .gpu-bundle/py-spy) adjust it.
+# TESTS="tests/a.py tests/b.py" runs only those GPU test files; with TEST_GPU=N (a machine of several GPUs) they run
+# on GPU N alongside the benchmarks (which then keep to CUDA_VISIBLE_DEVICES as given, e.g. 0), TESTS_TIMEOUT seconds.
 set -uo pipefail
 source .gpu-bundle/setup.sh
 OUT=${OUT:-/tmp/flotilla-out}
@@ -16,9 +18,18 @@ mkdir -p "$R"
 # triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
 [ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-if [ "${TESTS:-1}" = 1 ]; then
-  timeout 400 python3 -m pytest -m gpu tests/ -v -p no:cacheprovider --durations=5 > "$R/gpu-tests.log" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -25
+tests=${TESTS:-1}
+[ "$tests" = 1 ] && tests=tests/
+test_pid=
+if [ "$tests" != 0 ]; then
+  run_tests() { timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -m gpu $tests -v -p no:cacheprovider --durations=5 \
+                  > "$R/gpu-tests.log" 2>&1; }
+  if [ -n "${TEST_GPU:-}" ]; then
+    CUDA_VISIBLE_DEVICES=$TEST_GPU run_tests & test_pid=$!
+  else
+    run_tests
+    grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -25
+  fi
 fi
 first=1
 for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
@@ -41,6 +52,10 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   fi
   first=0
 done
+if [ -n "$test_pid" ]; then
+  wait "$test_pid"
+  grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -25
+fi
 tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$R"
 tar -czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fic."
 # for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
