@@ -15,9 +15,11 @@
 # 2058-4086 tokens, outputs of 64-128), MAX_LEN (4608), MIG_ARGS (bench_migration's flags; default
 # "--round-blocks 64,256 --poll-caps 0.0001"), SERVE_ARGS (extra `flotilla serve` flags for both setups), STAGES (default
 # "tests migration pd dp"), READY_S (how long a server may take to start, 240).
-# CPU smoke run at toy size (no GPU; gloo instead of NCCL):
+# CPU smoke run at toy size (no GPU; gloo instead of NCCL), on a tiny random model written first with
+#   python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from helpers_engine import \
+#     write_tiny_engine_model as w; w(Path('/tmp/tiny'))"
 #   NO_BUNDLE=1 MODEL_DIR=/tmp/tiny DTYPE=float32 PROMPTS=4 RATES=inf INPUT_LEN=24 OUTPUT_LEN=8 VOCAB=300 MAX_LEN=128 \
-#     MIG_ARGS="--device cpu --layers 2 --blocks 64" SERVE_ARGS="--block-size 4 --kv-cache-blocks 160" \
+#     MIG_ARGS="--device cpu --layers 2 --blocks 64 --poll-caps 0.0001" SERVE_ARGS="--block-size 4 --kv-cache-blocks 160" \
 #     bash scripts/device_pd.sh
 # Results in $OUT/pd.tgz: gpu-tests.log, migration.{json,log}, serve-{pd,dp}.json, bench-*.log, server-*.log,
 # metrics-*.txt (the servers' /metrics after the run: KV bytes migrated, requests routed per engine).
