@@ -10,10 +10,11 @@ logits and sampling stay outside the graph (their shapes depend on the real batc
 batch depends on the backend:
 
 - flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads.
-- the triton kernels (GQA "triton", MLA "mla_triton"): they read only device metadata, so the graph captures
-  them over static seq_lens / block_tables / query_start_loc buffers that each replay refills. Their decode
-  kernels take a number of context splits fixed at capture (sized for max_model_len), which is correct for
-  any context length (kernels/triton/attention.py).
+- the triton kernels (GQA "triton", MLA "mla_triton") and FlashMLA ("mla_flash_mla"): they read only device
+  metadata, so the graph captures them over static seq_lens / block_tables / query_start_loc buffers that each
+  replay refills. The triton decode kernels take a number of context splits fixed at capture (sized for
+  max_model_len), which is correct for any context length (kernels/triton/attention.py); FlashMLA's scheduler
+  metadata is computed inside the captured first layer (kernels/mla/flash_mla_backend.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flotilla.kernels.staging import pinned, upload
 
 log = logging.getLogger(__name__)
 
-STATIC_TABLE_BACKENDS = ("triton", "mla_triton")
+STATIC_TABLE_BACKENDS = ("triton", "mla_triton", "mla_flash_mla")
 """Attention backends (a model's attention_backend_name) whose decode reads only device metadata, so a graph
 captures them over static tables; flashinfer is planned on the host instead."""
 
@@ -161,6 +162,7 @@ class DecodeGraphs:
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
             self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
             torch.cuda.synchronize(self.device)
+            self.metas[size].backend_state.clear()  # per-step state (FlashMLA's scheduling) is computed in the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self.model(*args)

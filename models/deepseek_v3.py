@@ -381,8 +381,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         backend = get_mla_backend(mla_backend if mla_backend != "auto" else attention_backend, device=device)
         self.mla_backend_name = backend.name
         self.attention_backend_name = f"mla_{backend.name}"
-        """The attention kernels chosen (for the ready log line; not a GQA backend's name, so the worker
-        does not build flashinfer decode graphs for it)."""
+        """The attention kernels chosen (for the ready log line, and for the worker's decode graphs: mla_triton
+        and mla_flash_mla are captured over static tables, actors/cuda_graphs.py)."""
         keep_fp8 = config.quantization is not None and fp8_experts is not False
         self.moe_backend = get_moe_backend(moe_backend, device=device, dtype=torch.get_default_dtype(),
                                            fp8_weights=keep_fp8 and (fp8_experts is True or moe_backend == "auto"))

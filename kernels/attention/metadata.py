@@ -7,7 +7,7 @@ order. The GPU worker builds this once per step; every layer (and every attentio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ class AttentionMetadata:
     """Tokens per KV block (0 when unknown)."""
     host: HostMetadata | None = None
     """The same layout in host memory, for kernels that plan on the CPU (flashinfer) without a device sync."""
+    backend_state: dict = field(default_factory=dict)
+    """What an attention backend computes once per step and every layer reuses (FlashMLA's scheduler metadata)."""
 
     @property
     def num_seqs(self) -> int:
@@ -65,6 +67,7 @@ class AttentionMetadata:
             if isinstance(value, torch.Tensor):
                 value = value.to(device, non_blocking=non_blocking)
             moved[f.name] = value
+        moved["backend_state"] = {}  # computed for the old device's tensors
         return AttentionMetadata(**moved)
 
     @classmethod

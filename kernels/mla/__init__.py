@@ -11,7 +11,9 @@ kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 - "triton": triton_mla, a flash-decoding kernel for decode steps, a one-launch store (no host sync) and
   a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA (its decode kernel matched the
   reference at DeepSeek-V3 sizes on an H200).
-- Not built yet: flash_mla (decode), flashinfer's MLA.
+- "flash_mla": DeepSeek's FlashMLA for decode steps (flash_mla_backend.py; block size 64, bf16 cache, Hopper),
+  the triton kernels for prefill and the store. Forced by name until measured on a GPU.
+- Not built yet: flashinfer's MLA.
 """
 
 from __future__ import annotations
@@ -52,11 +54,19 @@ def _triton_backend() -> MLABackend:
     return MLABackend(name="triton", store_latent=triton_mla.store_latent, forward=triton_mla.paged_mla)
 
 
+def _flash_mla_backend() -> MLABackend:
+    from flotilla.kernels.mla import flash_mla_backend as fm
+
+    return MLABackend(name="flash_mla", store_latent=fm.store_latent, forward=fm.paged_mla)
+
+
 def available_mla_backends() -> list[str]:
     """Names accepted by get_mla_backend, "auto" included (triton where it can run)."""
     from flotilla.kernels.attention import triton_usable
+    from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
 
-    return ["auto", *_BACKENDS, *(["triton"] if triton_usable() else [])]
+    return ["auto", *_BACKENDS, *(["triton"] if triton_usable() else []),
+            *(["flash_mla"] if triton_usable() and flash_mla_usable() else [])]
 
 
 def best_mla_backend(device: torch.device) -> str:
@@ -78,6 +88,8 @@ def get_mla_backend(name: str = "auto", device: torch.device | None = None) -> M
             _logged_auto_choice = True
     if name == "triton" and "triton" in available_mla_backends():
         return _triton_backend()
+    if name == "flash_mla" and "flash_mla" in available_mla_backends():
+        return _flash_mla_backend()
     if name not in _BACKENDS:
         raise ValueError(f"unknown MLA backend {name!r}; choices: {', '.join(available_mla_backends())}")
     return _BACKENDS[name]

@@ -1,0 +1,137 @@
+"""The flash_mla MLA backend (kernels/mla/flash_mla_backend.py).
+
+On CPU a torch stand-in with FlashMLA's contract (written here from its documented interface, not from our
+reference) checks the adapter: the query and cache views, the output's shape, and that the scheduler metadata
+is made once per step and shared by every layer. The `gpu` tests run the real FlashMLA at DeepSeek-V3's sizes
+against the float32 reference, and through the whole engine (eager and in CUDA graphs) against triton MLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.mla import flash_mla_backend as fmb
+from flotilla.kernels.mla import mla_cache_shape, torch_ref
+
+ON_HOPPER = fmb.flash_mla_usable()
+
+
+def _decode_batch(seq_lens, heads, dtype=torch.bfloat16, seed=0, device="cpu"):
+    """A decode step over 64-token blocks: (q_latent [B, H, 512], q_pe [B, H, 64], cache, meta)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bs = fmb.BLOCK_SIZE
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 2
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
+    cache = torch.zeros(mla_cache_shape(num_blocks, bs, fmb.LATENT, fmb.ROPE), device=device, dtype=dtype)
+    rows = torch.randn(sum(seq_lens), fmb.LATENT + fmb.ROPE, generator=gen, device=device).to(dtype)
+    fill = AttentionMetadata.from_lists([0] * len(seq_lens), list(seq_lens), tables, bs, device=device)
+    torch_ref.store_latent(rows[:, :fmb.LATENT], rows[:, fmb.LATENT:], cache, fill.slot_mapping)
+    meta = AttentionMetadata.from_lists([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs, device=device)
+    q_latent = torch.randn(len(seq_lens), heads, fmb.LATENT, generator=gen, device=device).to(dtype)
+    q_pe = torch.randn(len(seq_lens), heads, fmb.ROPE, generator=gen, device=device).to(dtype)
+    return q_latent, q_pe, cache, meta
+
+
+class _StandIn:
+    """FlashMLA's dense decode contract in plain torch: q [B, 1, H, 576], k_cache [blocks, 64, 1, 576], block_table
+    [B, max_blocks] int32, cache_seqlens [B] int32 -> (out [B, 1, H, head_dim_v], lse); keys are whole rows, values
+    their first head_dim_v entries. Records the scheduler objects it was handed."""
+
+    def __init__(self) -> None:
+        self.scheds: list[object] = []
+
+    @staticmethod
+    def get_mla_metadata(*args, **kwargs):
+        return SimpleNamespace(have_initialized=False), None
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
+                               softmax_scale=None, causal=False):  # fmt: skip
+        assert q.dim() == 4 and q.shape[1] == 1 and k_cache.dim() == 4 and k_cache.shape[2] == 1
+        assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32 and num_splits is None
+        self.scheds.append(sched)
+        sched.have_initialized = True
+        outs = []
+        for b in range(q.shape[0]):
+            n = int(cache_seqlens[b])
+            keys = k_cache[block_table[b].long()].reshape(-1, k_cache.shape[-1])[:n].float()  # [n, 576]
+            probs = torch.softmax((q[b, 0].float() @ keys.T) * softmax_scale, dim=-1)  # [H, n]
+            outs.append(probs @ keys[:, :head_dim_v])
+        return torch.stack(outs)[:, None].to(q.dtype), None
+
+
+def test_the_adapter_gives_the_reference_and_shares_one_schedule_per_step():
+    stand_in = _StandIn()
+    q_latent, q_pe, cache, meta = _decode_batch([1, 70, 200, 64], heads=4)
+    want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.05)
+    for _layer in range(3):  # three layers of one step
+        got = fmb.paged_mla_decode(q_latent, q_pe, cache, meta, 0.05, flash_mla=stand_in)
+        assert got.shape == q_latent.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    assert len(stand_in.scheds) == 3 and len({id(s) for s in stand_in.scheds}) == 1
+    next_step = dataclasses.replace(meta, backend_state={})  # the next step's metadata (same shapes here)
+    fmb.paged_mla_decode(q_latent, q_pe, cache, next_step, 0.05, flash_mla=stand_in)
+    assert stand_in.scheds[-1] is not stand_in.scheds[0]  # a new step schedules anew
+
+
+def test_layouts_flash_mla_cannot_read_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="block_size 64"):
+        fmb.check_cache(torch.zeros(mla_cache_shape(4, 16, 512, 64), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="kv_lora_rank 512"):
+        fmb.check_cache(torch.zeros(mla_cache_shape(4, 64, 256, 64), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="triton MLA backend for an FP8 cache"):
+        fmb.check_cache(torch.zeros(mla_cache_shape(4, 64, 512, 64), dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with flash_mla")
+@pytest.mark.parametrize(("batch", "heads"), [(1, 128), (64, 128), (8, 16)])
+def test_flash_mla_matches_the_float32_reference_at_deepseek_v3_sizes(batch, heads):
+    lens = [random.Random(batch).randint(1, 3000) for _ in range(batch)]
+    q_latent, q_pe, cache, meta = _decode_batch(lens, heads, seed=batch, device="cuda")
+    want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.1)
+    got = fmb.paged_mla_decode(q_latent, q_pe, cache, meta, 0.1)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _write_flash_mla_shaped_deepseek(model_dir):
+    """A small DeepSeek-V3 with FlashMLA's shapes (kv_lora_rank 512, rope 64, 16 heads), random weights."""
+    import transformers
+
+    from helpers_tiny_models import _COMMON
+
+    config = transformers.DeepseekV3Config(**{**_COMMON, **dict(
+        num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=1024, tie_word_embeddings=False)})  # fmt: skip
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).float().eval().save_pretrained(model_dir, safe_serialization=True)
+    return str(model_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with flash_mla")
+def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path):
+    from flotilla import LLM, SamplingParams
+
+    model = _write_flash_mla_shaped_deepseek(tmp_path / "ds")
+    rng = random.Random(5)
+    ps = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 150))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
+    outs = {}
+    for eager in (True, False):
+        with LLM(model, block_size=64, kv_cache_blocks=64, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                 attention_backend="flash_mla", enforce_eager=eager, placement="inline") as engine:
+            assert engine.client.ready_detail["worker/0"]["attention"] == "mla_flash_mla"
+            assert (engine.client.runtime.actors["worker/0"].runner.graphs is None) == eager
+            outs[eager] = [o.outputs[0].token_ids for o in engine.generate(
+                [{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+    assert outs[False] == outs[True]
