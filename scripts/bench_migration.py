@@ -19,7 +19,7 @@ block size). A batch of --prompts prompts of --prompt-tokens tokens each becomes
 After the last repetition of actor and engine the decode cache is checked bit for bit: every migrated block
 equals its source block and every other block is still zero. GB/s are 1e9 bytes per second of the migrated
 bytes (KV of every layer of every prompt). Both ends run in this one process (two event-loop tasks, threads
-for the packs); a deployment runs them in two processes, so this is, if anything, pessimistic.
+for the packs and unpacks), where a deployment runs them in two: the rounds, packs and waits are the same code.
 
     # on a machine with two GPUs (Qwen3-8B, 16 prompts x 4096 tokens = 9.7 GB per repetition)
     python -m flotilla.scripts.bench_migration --round-blocks 64,256 --json migration.json
@@ -414,16 +414,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="total blocks over all prompts instead of --prompts x --prompt-tokens (0: from those)")
     work.add_argument("--spare-blocks", type=int, default=64,
                       help="extra decode-cache blocks no migration names (checked to stay zero)")
-    work.add_argument("--round-blocks", type=_csv_ints, default=[DisaggConfig().kv_staging_blocks],
+    work.add_argument("--round-blocks", type=_csv_ints, default=str(DisaggConfig().kv_staging_blocks),
                       help="blocks per send round (kv_staging_blocks), comma-separated: one row each for actor, "
                            "engine and raw")
-    work.add_argument("--poll-caps", type=_csv_floats, default=[],
+    work.add_argument("--poll-caps", type=_csv_floats, default="",
                       help="also run engine and actor with the backend's completion polling capped at each of these "
                            "seconds (comma-separated; its sleeps otherwise double from 0.1 ms up to 5 ms, so a "
                            "round can wait up to twice its transfer time before the next one starts)")
     work.add_argument("--seed", type=int, default=0, help="seed of the cache bytes and block ids")
     run_group = p.add_argument_group("run")
-    run_group.add_argument("--paths", type=_paths, default=list(PATHS),
+    run_group.add_argument("--paths", type=_paths, default=",".join(PATHS),
                            help=f"what to measure, comma-separated, from {', '.join(PATHS)} (see above)")
     run_group.add_argument("--repeat", type=int, default=3, help="timed repetitions per row (median and best reported)")
     run_group.add_argument("--warmup", type=int, default=1, help="untimed repetitions before them")
