@@ -45,6 +45,7 @@ __all__ = [
     "get_fp8_backend",
     "per_token_group_dequantize",
     "per_token_group_quantize",
+    "quantize_activations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,15 @@ def deep_gemm_usable() -> bool:
     return import_deep_gemm() is not None
 
 
+def quantize_activations(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_ref.per_token_group_quantize's result: one triton launch on CUDA (fp8_quant_triton), torch elsewhere."""
+    if x.is_cuda:
+        from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize as quantize  # imports triton
+
+        return quantize(x, group_size)
+    return per_token_group_quantize(x, group_size)
+
+
 def _deep_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                       bias: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:  # fmt: skip
     """DeepGEMM's fp8_gemm_nt((x_fp8, x_scales [M, K/128]), (w_fp8, w_scale_inv), out bf16): its contract
@@ -106,9 +116,7 @@ def _deep_gemm_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
         raise ValueError(f"deep_gemm's FP8 GEMM takes 128x128 weight blocks, not {block_size[0]}x{block_size[1]}")
     n, k = weight.shape
     x2 = x.reshape(-1, k)
-    from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize as quantize  # one launch (CUDA)
-
-    a, a_scale = quantize(x2, 128)
+    a, a_scale = quantize_activations(x2, 128)
     out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
     deep_gemm.fp8_gemm_nt((a, a_scale), (weight, scale_inv.float()), out)
     if bias is not None:

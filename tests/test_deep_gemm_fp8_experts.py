@@ -1,0 +1,47 @@
+"""deep_gemm's FP8 experts (kernels/moe/deep_gemm_experts.fused_experts_fp8): the layout, quantization and combine
+on CPU with DeepGEMM's FP8 grouped GEMM replaced by a torch implementation of its contract (padding rows NaN-filled
+first, so a layout that read them would fail), against the W8A8 reference; on a Hopper GPU with deep_gemm, the real
+GEMM at DeepSeek-V3's expert sizes against the triton FP8 experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flotilla.kernels.moe import deep_gemm_experts, torch_ref
+from test_fp8_moe import _fp8_case
+
+HAS_DEEP_GEMM = deep_gemm_experts.import_deep_gemm() is not None and torch.cuda.is_available()
+
+
+def _nan_padding_gemm(a, b, d, m_indices):
+    d.fill_(float("nan"))
+    deep_gemm_experts.grouped_fp8_gemm_reference(a, b, d, m_indices)
+
+
+@pytest.mark.parametrize(("tokens", "alignment"), [(1, 8), (13, 4), (40, 16)])
+def test_fp8_layout_with_deep_gemms_contract_matches_the_w8a8_reference(tokens, alignment):
+    case = _fp8_case(tokens, 256, 128, 6, 2, (128, 128), torch.float32, seed=tokens, device=torch.device("cpu"))
+    want = torch_ref.fused_experts_fp8_w8a8(*case, block_size=(128, 128))
+    got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128), gemm=_nan_padding_gemm,
+                                              alignment=alignment)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_deep_gemm_cannot_take_are_refused():
+    case = _fp8_case(2, 64, 32, 4, 2, (16, 16), torch.float32, seed=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="128x128 weight blocks"):
+        deep_gemm_experts.fused_experts_fp8(*case, block_size=(16, 16), gemm=_nan_padding_gemm, alignment=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_DEEP_GEMM, reason="needs deep_gemm and a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(tokens):
+    from flotilla.kernels.moe import triton_experts
+
+    case = _fp8_case(tokens, 7168, 2048, 16, 8, (128, 128), torch.bfloat16, seed=tokens, device=torch.device("cuda"))
+    want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128))
+    got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128))
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
