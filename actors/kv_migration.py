@@ -366,7 +366,6 @@ class KVMigrationActor(Actor):
             return
         assert self.engine is not None and self.memory is not None
         pairs = list(zip(cmd.src_block_ids.tolist(), cmd.dst_block_ids.tolist()))
-        before = self.engine.bytes_read
         error = None
         try:
             if pairs:
@@ -383,7 +382,8 @@ class KVMigrationActor(Actor):
             error = f"KV migration from {cmd.src_engine} failed: {e}"
             if self._peers.get(cmd.src_kv[self.rank]) is peer:
                 del self._peers[cmd.src_kv[self.rank]]  # ask and connect again on the next command
-        moved = self.engine.bytes_read - before
+        # what this command moved (not the engine's running count, which migrations from other peers share)
+        moved = 0 if error is not None else len(pairs) * len(self.memory.caches) * self.memory.block_bytes
         self.bytes_moved += moved
         await self._done(cmd, error=error, num_bytes=moved)
 

@@ -281,9 +281,7 @@ async def bench_actor(setup: Setup, rb: int, repeat: int, warmup: int, timeout_s
             errors = [d.error for d in done if d.error]
             if errors:
                 raise BenchError(f"actor: {len(errors)} migrations failed, first: {errors[0]}")
-            # the bytes actually landed are checked below; MigrationDone's count is reported as it comes (it
-            # counts the engine's bytes from the command's arrival, so migrations queued behind one another
-            # on a peer count each other's bytes too)
+            # the bytes actually landed are checked below; MigrationDone's count is reported as it comes
             reported = sum(d.num_bytes for d in done)
             if i >= warmup:
                 times.append(elapsed)

@@ -43,6 +43,8 @@ def test_the_actor_path_lands_every_block_and_touches_nothing_else():
     assert len(setup.prompts) == 5 and sum(len(s) for s, _ in setup.prompts) == 40
     rows = uvloop.run(bm.run(args, setup, lambda _: None))
     assert [r["path"] for r in rows] == ["actor"]
+    # MigrationDone counts each command's own bytes, even with migrations queued behind one another on a peer
+    assert rows[0]["reported_bytes"] == setup.migrated_bytes
     moved = {d: s for src, dst in setup.prompts for s, d in zip(src, dst)}
     for s, d in zip(setup.src, setup.dst):  # checked here independently of the script's own check
         for block in range(d.shape[0]):

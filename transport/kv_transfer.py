@@ -68,17 +68,17 @@ def refuse_wildcard(host: str) -> None:
         raise KVTransferError(f"refusing to serve KV memory on wildcard address {host!r}: name one interface")
 
 
-async def poll_until(check: Callable[[], _T | None], deadline: float) -> _T | None:
+async def poll_until(check: Callable[[], _T | None], deadline: float, max_sleep: float | None = None) -> _T | None:
     """check()'s first result that is not None, polled from asyncio with sleeps doubling from POLL_MIN_S to
-    POLL_MAX_S (the backends' completion calls must not block the event loop); None once the loop's clock passes
-    `deadline`."""
+    max_sleep (default POLL_MAX_S; the backends' completion calls must not block the event loop); None once the
+    loop's clock passes `deadline`."""
     loop = asyncio.get_running_loop()
-    sleep = POLL_MIN_S
+    sleep, cap = POLL_MIN_S, POLL_MAX_S if max_sleep is None else max_sleep
     while (result := check()) is None:
         if loop.time() >= deadline:
             return None
         await asyncio.sleep(sleep)
-        sleep = min(sleep * 2, POLL_MAX_S)
+        sleep = min(sleep * 2, cap)
     return result
 
 

@@ -36,6 +36,7 @@ Not yet run on GPUs: the NCCL tests are marked gpu.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import os
@@ -61,6 +62,12 @@ from flotilla.transport.kv_transfer import (
 
 HANDSHAKE = 0x6B76  # "kv": the decode side's first message on a new pair
 SEND_TAG = 0
+ROUNDS_IN_FLIGHT = 1
+"""Rounds posted ahead of the one being waited for, NCCL only (double buffering: one round on the wire while the
+next is packed, or unpacked): each costs a round's buffer of device memory on both sides."""
+GPU_POLL_MAX_S = 0.0002
+"""Longest sleep between completion checks of NCCL work and unpacks: a round moves in about a millisecond over
+NVLink, so the default backoff (up to 5 ms) would leave the link idle most of the time."""
 """Tag of every KV send/recv (one pair carries one migration at a time, in order)."""
 _nccl_env_lock = threading.Lock()
 
@@ -310,6 +317,9 @@ class TorchDistEngine(KVTransferEngine):
             except TimeoutError:
                 raise KVTransferError(f"the KV pair with {requester} was not built in time") from None
             sent = 0
+            in_flight: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
+            ahead = ROUNDS_IN_FLIGHT if pair.backend == "nccl" else 0
+            what = f"sending blocks to {requester}"
             for start, stop in rounds(len(block_ids), round_blocks):
 
                 def pack_and_send(ids: Sequence[int] = block_ids[start:stop]) -> tuple[dist.Work, torch.Tensor]:
@@ -320,10 +330,12 @@ class TorchDistEngine(KVTransferEngine):
                             torch.index_select(layer, 0, idx, out=out)
                         return self._group(pair).send([buf], 1, SEND_TAG), buf
 
-                work, buf = await self._issue(pair, pack_and_send)
-                await self._wait(pair, work, deadline, f"sending {stop - start} blocks to {requester}")
-                sent += buf.numel()
-                del buf
+                in_flight.append(await self._issue(pair, pack_and_send))
+                sent += in_flight[-1][1].numel()
+                while len(in_flight) > ahead:  # the next round packs while this one is on the wire
+                    await self._wait(pair, in_flight.popleft()[0], deadline, what)
+            while in_flight:
+                await self._wait(pair, in_flight.popleft()[0], deadline, what)
             return sent
 
     async def recv_blocks(self, peer: RegionInfo, regions: Sequence[str], pairs: Sequence[tuple[int, int]],
@@ -340,6 +352,11 @@ class TorchDistEngine(KVTransferEngine):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         received = 0
+        nccl = pair.backend == "nccl"
+        what = f"receiving blocks from {peer.engine_id}"
+        # NCCL: round r + 1 is posted and round r's unpack queued behind its receive on our stream before anything
+        # waits; a round's buffer is let go once its unpack is done. gloo: one round at a time, waited in a thread.
+        in_flight: collections.deque[tuple[dist.Work, torch.cuda.Event | None, torch.Tensor]] = collections.deque()
         async with pair.lock:
             for start, stop in rounds(len(pairs), round_blocks):
 
@@ -349,22 +366,41 @@ class TorchDistEngine(KVTransferEngine):
                         return self._group(pair).recv([buf], 0, SEND_TAG), buf
 
                 work, buf = await self._issue(pair, post)
-                await self._wait(pair, work, deadline, f"receiving {stop - start} blocks from {peer.engine_id}")
+                if not nccl:
+                    await self._wait(pair, work, deadline, what)
 
                 def unpack(buf: torch.Tensor = buf, work: dist.Work = work,
-                           dst: list[int] = [d for _, d in pairs[start:stop]]) -> None:
+                           dst: list[int] = [d for _, d in pairs[start:stop]]) -> torch.cuda.Event | None:
                     with self._stream():
-                        if pair.backend == "nccl":
-                            work.wait()  # our stream waits for NCCL's before reading the buffer
+                        if nccl:
+                            work.wait()  # our stream waits for NCCL's before reading the buffer (the host does not)
                         idx = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
                         for layer, data in zip(layers, buf):
                             layer.index_copy_(0, idx, data)
-                        self._synchronize()  # landed before MigrationDone
+                        if self._cuda_stream is None:
+                            return None
+                        done = torch.cuda.Event()
+                        done.record(self._cuda_stream)
+                        return done
 
-                await asyncio.to_thread(unpack)
+                in_flight.append((work, await asyncio.to_thread(unpack), buf))
                 received += buf.numel()
-                self.bytes_read += buf.numel()
+                while len(in_flight) > (ROUNDS_IN_FLIGHT if nccl else 0):
+                    await self._landed(pair, *in_flight.popleft()[:2], deadline, what)
+            while in_flight:  # every block landed before MigrationDone
+                await self._landed(pair, *in_flight.popleft()[:2], deadline, what)
+        self.bytes_read += received
         return received
+
+    async def _landed(self, pair: _Pair, work: dist.Work, unpacked: torch.cuda.Event | None, deadline: float,
+                      what: str) -> None:
+        """Wait until a round's receive completed and its unpack ran (the pair is dropped on a timeout)."""
+        if pair.backend == "nccl":
+            await self._wait(pair, work, deadline, what)
+        if unpacked is not None and await poll_until(lambda: True if unpacked.query() else None, deadline,
+                                                     GPU_POLL_MAX_S) is None:  # fmt: skip
+            self._fail(pair)
+            raise KVTransferError(f"{what}: unpacking timed out; the pair was dropped")
 
     def _stream(self) -> contextlib.AbstractContextManager:
         """On a GPU, a side stream of this engine's own for packs, unpacks and handshakes: off the legacy default
@@ -403,7 +439,7 @@ class TorchDistEngine(KVTransferEngine):
                 reason = "timed out" if "Timed out" in str(e) else f"failed, the peer is gone? ({e})"
                 raise KVTransferError(f"{what} {reason}; the pair was dropped") from e
             return
-        if await poll_until(lambda: True if work.is_completed() else None, deadline) is None:
+        if await poll_until(lambda: True if work.is_completed() else None, deadline, GPU_POLL_MAX_S) is None:
             self._fail(pair)
             raise KVTransferError(f"{what} timed out; the pair was dropped (NCCL communicator aborted)")
         try:
