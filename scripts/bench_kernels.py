@@ -1,0 +1,506 @@
+"""Kernel micro-benchmark on the GPU: each backend of flotilla's MoE, FP8 and MLA kernels at real model sizes.
+
+One JSON line per measurement ({"bench", "backend", the point, "ms", metrics, "iters", "first_ms"}), a
+{"skipped": reason} line for a backend that cannot run here (once per bench and backend), an {"error": ...} line
+for a point that raised (the others go on), an "env" line first and a "summary" line last. Benches (--only):
+
+- moe:      Qwen3-30B-A3B experts (E=128, top_k=8, H=2048, I=768, bf16), triton_experts.fused_experts vs
+            deep_gemm_experts.fused_experts over T tokens routed by routing.select_experts on random logits.
+            tflops = 2*T*top_k*3*H*I / time; gbps = bytes of the distinct experts hit (3*H*I*2 each) / time.
+- fp8_moe:  DeepSeek-V3 experts (E=256, top_k=8, H=7168, I=2048, e4m3 weights, 128x128 float32 block scales,
+            grouped routing 8 groups / 4), triton_experts.fused_experts_fp8 vs deep_gemm_experts.fused_experts_fp8;
+            gbps counts 3*H*I bytes per distinct expert (scales left out).
+- fp8_gemm: dense block-scaled FP8 GEMM at DeepSeek-V3's N x K (q_b 24576x1536, o_proj 7168x16384, kv_a+q_a
+            2112x7168, 4096x7168): fp8_triton.fp8_block_linear vs kernels/quant's _deep_gemm_linear (both quantize
+            the bf16 activations first, inside the time), and cuBLAS bf16 (torch.matmul on the dequantized weight)
+            as the yardstick; tflops = 2*M*N*K / time.
+- mla:      MLA decode at DeepSeek-V3 sizes (128 heads, kv_lora_rank 512, rope 64, block 64 shuffled, bf16 cache):
+            triton_mla.paged_mla_decode vs flash_mla_backend.paged_mla_decode, the latter as every layer but the
+            first runs it ("flash_mla": the step's scheduler metadata reused) and as the first layer
+            ("flash_mla_first": metadata made in the call); gbps = batch*ctx*576*2 bytes / time.
+- routing:  routing.select_experts + routing.sort_by_expert at T=1 and 256 (Qwen3: E=128, top_k=8) with
+            FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused"), as plain
+            launches ("eager") and replayed from a CUDA graph ("graph").
+
+Timing: the first call is timed alone (first_ms: triton / DeepGEMM JIT compiles land there), then a short run
+sizes `iters` so the timed run lasts about --target-s, with CUDA events (bench_attention._time: 3 warm-up calls,
+then the mean). A fixed seed makes every run route the same tokens.
+
+    python -m flotilla.scripts.bench_kernels --json /tmp/kernels.json
+    python -m flotilla.scripts.bench_kernels --only moe,fp8_moe --quick
+
+--cpu-smoke runs every bench at tiny sizes without CUDA through the torch references and DeepGEMM's expert layouts
+over their torch GEMM stand-ins (triton, DeepGEMM's dense GEMM and FlashMLA skipped), to test the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.moe.routing import select_experts, select_experts_grouped, sort_by_expert
+
+BENCHES = ("moe", "fp8_moe", "fp8_gemm", "mla", "routing")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every bench's shapes: the real models' on the GPU, tiny ones for --cpu-smoke."""
+
+    moe: tuple[int, int, int, int]  # E, top_k, H, I
+    moe_tokens: tuple[int, ...]
+    fp8_moe: tuple[int, int, int, int, int, int]  # E, top_k, H, I, groups, topk_groups
+    fp8_moe_tokens: tuple[int, ...]
+    gemm_shapes: tuple[tuple[str, int, int], ...]  # (name, N, K)
+    gemm_m: tuple[int, ...]
+    mla: tuple[int, int, int, int]  # heads, kv_lora_rank, rope, block
+    mla_batch: tuple[int, ...]
+    mla_ctx: int
+    routing_tokens: tuple[int, ...]
+
+
+GPU_SIZES = Sizes(
+    moe=(128, 8, 2048, 768), moe_tokens=(1, 16, 64, 256, 1024, 4096),
+    fp8_moe=(256, 8, 7168, 2048, 8, 4), fp8_moe_tokens=(1, 64, 512, 4096),
+    gemm_shapes=(("q_b", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168), ("4096x7168", 4096, 7168)),
+    gemm_m=(1, 64, 4096),
+    mla=(128, 512, 64, 64), mla_batch=(1, 16, 64, 128), mla_ctx=4096,
+    routing_tokens=(1, 256),
+)  # fmt: skip
+QUICK = {"moe_tokens": (1, 64, 1024), "fp8_moe_tokens": (1, 512), "gemm_m": (1, 4096), "mla_batch": (1, 64)}
+SMOKE_SIZES = Sizes(
+    moe=(8, 2, 64, 32), moe_tokens=(1, 5),
+    fp8_moe=(8, 2, 256, 128, 4, 2), fp8_moe_tokens=(1, 5),
+    gemm_shapes=(("tiny", 256, 128),), gemm_m=(1, 3),
+    mla=(4, 512, 64, 64), mla_batch=(1, 2), mla_ctx=100,
+    routing_tokens=(1, 6),
+)  # fmt: skip
+SMOKE_ALIGNMENT = 16
+"""DeepGEMM's row alignment stand-in on CPU (its own is 128)."""
+
+
+class Bench:
+    """Runs the points, times them, prints and keeps the records."""
+
+    def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool) -> None:
+        self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
+        self.records: list[dict] = []
+
+    def emit(self, record: dict) -> None:
+        print(json.dumps(record), flush=True)
+        self.records.append(record)
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed)
+
+    def measure(self, fn: Callable[[], object]) -> tuple[float, float, int]:
+        """(ms per call, ms of the first call, iterations timed)."""
+        cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        first_ms = (time.perf_counter() - t0) * 1e3
+        if not cuda:  # the smoke run: plumbing only, two plain calls
+            t0 = time.perf_counter()
+            for _ in range(2):
+                fn()
+            return (time.perf_counter() - t0) * 1e3 / 2, first_ms, 2
+        from flotilla.scripts.bench_attention import _time  # CUDA events, 3 warm-up calls, us per call
+
+        estimate_us = _time(fn, 3)
+        iters = int(min(max(self.target_s * 1e6 / max(estimate_us, 1.0), 5), 20000))
+        return _time(fn, iters) / 1e3, first_ms, iters
+
+    def point(self, base: dict, fn: Callable[..., object], *args: object, flops: float = 0, nbytes: float = 0) -> None:
+        """Time fn(*args) and emit base + ms (+ tflops from `flops`, gbps from `nbytes`, when given); on an exception
+        emit base + error and go on."""
+        try:
+            ms, first_ms, iters = self.measure(lambda: fn(*args))
+            record = {**base, "ms": round(ms, 4)}
+            if flops:
+                record["tflops"] = round(flops / ms / 1e9, 3)
+            if nbytes:
+                record["gbps"] = round(nbytes / ms / 1e6, 3)
+            self.emit({**record, "iters": iters, "first_ms": round(first_ms, 1)})
+        except Exception as exc:  # noqa: BLE001 - one failing point must not end the run
+            self.emit({**base, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                       "where": traceback.format_exc(limit=-3)[-1500:]})  # fmt: skip
+            _recover(self.device)
+
+
+def _recover(device: torch.device) -> None:
+    """After a failed point: let pending work finish (a sticky CUDA error shows up in the next points) and free."""
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Set environment variables for the block (the routing code reads them at call time), then restore."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _triton_reason(bench: Bench) -> str | None:
+    """Why the triton kernels are left out of this run (None: they run)."""
+    if bench.smoke:
+        return "the CPU smoke run leaves the triton kernels out (tests/test_*triton*.py run them interpreted)"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+Backends = list[tuple[str, Callable | str]]
+"""(backend name, its function, or why it cannot run here)."""
+
+
+def _runnable(bench: Bench, name: str, backends: Backends) -> Backends:
+    """The runnable backends; a skipped line for each other one."""
+    keep = []
+    for backend, fn in backends:
+        if isinstance(fn, str):
+            bench.emit({"bench": name, "backend": backend, "skipped": fn})
+        else:
+            keep.append((backend, fn))
+    return keep
+
+
+# --- moe / fp8_moe -------------------------------------------------------------------------------------------------
+
+
+def _moe_backends(bench: Bench, fp8: bool) -> Backends:
+    from flotilla.kernels.moe import deep_gemm_experts, deep_gemm_usable, torch_ref
+
+    backends: Backends = []
+    reason = _triton_reason(bench)
+    if reason is None:
+        from flotilla.kernels.moe import triton_experts  # imports triton
+
+        backends.append(("triton", triton_experts.fused_experts_fp8 if fp8 else triton_experts.fused_experts))
+    else:
+        backends.append(("triton", reason))
+    dg_fn = getattr(deep_gemm_experts, "fused_experts_fp8" if fp8 else "fused_experts", None)
+    if dg_fn is None:
+        backends.append(("deep_gemm", "deep_gemm_experts has no fused_experts_fp8 yet"))
+    elif bench.smoke:  # DeepGEMM's layout and combine over the torch stand-in of its grouped GEMM
+        gemm = deep_gemm_experts.grouped_fp8_gemm_reference if fp8 else deep_gemm_experts.grouped_gemm_reference
+        backends.append(("deep_gemm_layout_ref", lambda *a: dg_fn(*a, gemm=gemm, alignment=SMOKE_ALIGNMENT)))
+    elif deep_gemm_usable():
+        backends.append(("deep_gemm", dg_fn))
+    else:
+        backends.append(("deep_gemm", "deep_gemm is not importable or the GPU is older than Hopper"))
+    if bench.smoke:
+        backends.append(("torch", torch_ref.fused_experts_fp8_w8a8 if fp8 else torch_ref.fused_experts))
+    return backends
+
+
+def _random_fp8(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Random e4m3 values (normal, sd 1), made a slice of the first dim at a time to bound the bf16 scratch."""
+    from flotilla.kernels.quant.fp8_ref import FP8_DTYPE
+
+    out = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+    step = max(1, (1 << 28) // max(1, math.prod(shape[1:])))
+    for i in range(0, shape[0], step):
+        chunk = out[i : i + step]
+        chunk.copy_(torch.randn(chunk.shape, generator=gen, device=device, dtype=torch.bfloat16).to(FP8_DTYPE))
+    return out
+
+
+def bench_moe(bench: Bench, sizes: Sizes) -> None:
+    backends = _runnable(bench, "moe", _moe_backends(bench, fp8=False))
+    if not backends:
+        return
+    e, top_k, h, inter = sizes.moe
+    dev, gen = bench.device, bench.generator()
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+    for t in sizes.moe_tokens:
+        hidden = torch.randn(t, h, generator=gen, device=dev).to(torch.bfloat16)
+        weights, ids = select_experts(torch.randn(t, e, generator=gen, device=dev), top_k, True)
+        hit = int(torch.unique(ids).numel())
+        flops, nbytes = 2 * t * top_k * 3 * h * inter, hit * 3 * h * inter * 2
+        for backend, fn in backends:
+            bench.point({"bench": "moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter, "tokens": t,
+                         "experts_hit": hit},
+                        fn, hidden, w13, w2, weights, ids, flops=flops, nbytes=nbytes)  # fmt: skip
+    del w13, w2
+    _recover(dev)
+
+
+def bench_fp8_moe(bench: Bench, sizes: Sizes) -> None:
+    backends = _runnable(bench, "fp8_moe", _moe_backends(bench, fp8=True))
+    if not backends:
+        return
+    e, top_k, h, inter, groups, topk_groups = sizes.fp8_moe
+    block = (128, 128)
+    dev, gen = bench.device, bench.generator()
+    w13, w2 = _random_fp8((e, 2 * inter, h), gen, dev), _random_fp8((e, h, inter), gen, dev)
+    # scales ~ 1e-2 (weights of sd ~0.01): [E, 2I/128, H/128] (gate's rows then up's) and [E, H/128, I/128]
+    w13_scale = torch.rand(e, 2 * inter // 128, h // 128, generator=gen, device=dev) * 1e-2 + 5e-3
+    w2_scale = torch.rand(e, h // 128, inter // 128, generator=gen, device=dev) * 1e-2 + 5e-3
+    for t in sizes.fp8_moe_tokens:
+        hidden = torch.randn(t, h, generator=gen, device=dev).to(torch.bfloat16)
+        logits = torch.randn(t, e, generator=gen, device=dev)
+        weights, ids = select_experts_grouped(logits, top_k, groups, topk_groups, None, True, 2.5)
+        hit = int(torch.unique(ids).numel())
+        flops, nbytes = 2 * t * top_k * 3 * h * inter, hit * 3 * h * inter
+        for backend, fn in backends:
+            bench.point({"bench": "fp8_moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter,
+                         "tokens": t, "experts_hit": hit},
+                        fn, hidden, w13, w13_scale, w2, w2_scale, weights, ids, block, flops=flops,
+                        nbytes=nbytes)  # fmt: skip
+    del w13, w2
+    _recover(dev)
+
+
+# --- fp8_gemm ------------------------------------------------------------------------------------------------------
+
+
+def bench_fp8_gemm(bench: Bench, sizes: Sizes) -> None:
+    from flotilla.kernels import quant
+    from flotilla.kernels.quant import fp8_ref
+
+    candidates: Backends = []
+    reason = _triton_reason(bench)
+    if reason is None:
+        from flotilla.kernels.quant import fp8_triton  # imports triton
+
+        candidates.append(("triton", fp8_triton.fp8_block_linear))
+    else:
+        candidates.append(("triton", reason))
+    if bench.smoke:
+        candidates.append(("deep_gemm", "needs deep_gemm on a Hopper GPU (no torch stand-in for the dense GEMM)"))
+        candidates.append(("torch", fp8_ref.fp8_block_linear_w8a8))
+    elif quant.deep_gemm_usable():
+        candidates.append(("deep_gemm", quant._deep_gemm_linear))
+    else:
+        candidates.append(("deep_gemm", "deep_gemm with fp8_gemm_nt is not importable or the GPU is pre-Hopper"))
+    backends = _runnable(bench, "fp8_gemm", candidates)
+    dev, gen = bench.device, bench.generator()
+    for shape, n, k in sizes.gemm_shapes:
+        weight = _random_fp8((n, k), gen, dev)
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen, device=dev) * 1e-2 + 5e-3
+        dense = fp8_ref.block_dequantize(weight, scale, (128, 128), torch.bfloat16)
+        for m in sizes.gemm_m:
+            x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
+            flops = 2 * m * n * k
+            base = {"bench": "fp8_gemm", "shape": shape, "N": n, "K": k, "M": m}
+            for backend, fn in backends:
+                bench.point({**base, "backend": backend}, fn, x, weight, scale, None, (128, 128), flops=flops)
+            bench.point({**base, "backend": "torch_bf16"}, torch.matmul, x, dense.t(), flops=flops)
+        del weight, dense
+    _recover(dev)
+
+
+# --- mla -----------------------------------------------------------------------------------------------------------
+
+
+def bench_mla(bench: Bench, sizes: Sizes) -> None:
+    from flotilla.kernels.mla import flash_mla_backend as fmb
+    from flotilla.kernels.mla import torch_ref
+
+    heads, latent, rope, block = sizes.mla
+    candidates: Backends = []
+    reason = _triton_reason(bench)
+    if reason is None:
+        from flotilla.kernels.mla import triton_mla  # imports triton
+
+        candidates.append(("triton", triton_mla.paged_mla_decode))
+    else:
+        candidates.append(("triton", reason))
+    if fmb.flash_mla_usable():
+        candidates.append(("flash_mla", fmb.paged_mla_decode))
+    else:
+        candidates.append(("flash_mla", "flash_mla is not importable or the GPU is not a Hopper"))
+    if bench.smoke:
+        candidates.append(("torch", torch_ref.paged_mla))
+    backends = _runnable(bench, "mla", candidates)
+    if not backends:
+        return
+    dev, gen, ctx = bench.device, bench.generator(), sizes.mla_ctx
+    scale = (128 + rope) ** -0.5  # DeepSeek-V3's qk_nope 128 + rope 64 (any value times the same)
+    pages = -(-ctx // block)
+    rng = np.random.default_rng(bench.seed)
+    for batch in sizes.mla_batch:
+        num_blocks = batch * pages + 1
+        cache = torch.randn(num_blocks, block, latent + rope, generator=gen, device=dev).to(torch.bfloat16)
+        tables = rng.permutation(num_blocks - 1)[: batch * pages].reshape(batch, pages)
+        meta = AttentionMetadata.from_lists([ctx - 1] * batch, [1] * batch, tables.tolist(), block, device=dev)
+        q_latent = torch.randn(batch, heads, latent, generator=gen, device=dev).to(torch.bfloat16)
+        q_pe = torch.randn(batch, heads, rope, generator=gen, device=dev).to(torch.bfloat16)
+        nbytes = batch * ctx * (latent + rope) * 2
+        base = {"bench": "mla", "heads": heads, "batch": batch, "ctx": ctx, "block": block}
+        for backend, fn in backends:
+            bench.point({**base, "backend": backend}, fn, q_latent, q_pe, cache, meta, scale, nbytes=nbytes)
+            if backend == "flash_mla":  # a step's first layer: the scheduler metadata made in the call
+                bench.point({**base, "backend": "flash_mla_first"}, _first_layer, fn, q_latent, q_pe, cache, meta,
+                            scale, nbytes=nbytes)  # fmt: skip
+        del cache
+    _recover(dev)
+
+
+def _first_layer(fn: Callable[..., torch.Tensor], q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:  # fmt: skip
+    """A step's first MLA layer: no scheduler metadata yet, so the call makes it."""
+    meta.backend_state.clear()
+    return fn(q_latent, q_pe, cache, meta, scale)
+
+
+# --- routing -------------------------------------------------------------------------------------------------------
+
+
+def bench_routing(bench: Bench, sizes: Sizes) -> None:
+    e, top_k, _, _ = sizes.moe
+    dev, gen = bench.device, bench.generator()
+    cuda = dev.type == "cuda"
+    fused_reason = _triton_reason(bench) if cuda else "off CUDA routing runs torch (the env flags matter on CUDA only)"
+    if fused_reason is not None:
+        bench.emit({"bench": "routing", "backend": "fused", "skipped": fused_reason})
+    for t in sizes.routing_tokens:
+        logits = torch.randn(t, e, generator=gen, device=dev)
+        block_m = 16
+        if fused_reason is None:
+            from flotilla.kernels.moe.triton_experts import pick_block_m  # imports triton
+
+            block_m = pick_block_m(t * top_k, e)
+
+        for backend, flag in (("torch", "0"), ("fused", "1")):
+            if backend == "fused" and fused_reason is not None:
+                continue
+            base = {"bench": "routing", "backend": backend, "E": e, "top_k": top_k, "tokens": t, "block_m": block_m}
+            with _env(FLOTILLA_MOE_FUSED_ROUTING=flag, FLOTILLA_MOE_FUSED_ALIGN=flag):
+                bench.point({**base, "mode": "eager"}, _route, logits, top_k, e, block_m)
+                if cuda:
+                    try:
+                        replay = _capture(lambda: _route(logits, top_k, e, block_m))  # noqa: B023 - used at once
+                    except Exception as exc:  # noqa: BLE001 - a capture failure is this point's result
+                        bench.emit({**base, "mode": "graph", "error": f"capture: {type(exc).__name__}: {exc}"[:2000]})
+                        _recover(dev)
+                        continue
+                    bench.point({**base, "mode": "graph"}, replay)
+
+
+def _route(logits: torch.Tensor, top_k: int, num_experts: int, block_m: int) -> object:
+    """What an MoE layer does before its experts: top-k routing, then the slots grouped by expert."""
+    return sort_by_expert(select_experts(logits, top_k, True)[1], num_experts, block_m)
+
+
+def _capture(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (after warm-up calls on a side stream, which compile any triton kernel)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
+
+RUNNERS = {"moe": bench_moe, "fp8_moe": bench_fp8_moe, "fp8_gemm": bench_fp8_gemm, "mla": bench_mla,
+           "routing": bench_routing}  # fmt: skip
+
+
+def _env_record(device: torch.device, args: argparse.Namespace) -> dict:
+    record = {"bench": "env", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "python": platform.python_version(), "seed": args.seed,
+              "target_s": args.target_s, "quick": args.quick, "cpu_smoke": args.cpu_smoke}  # fmt: skip
+    for package in ("triton", "deep_gemm", "flash_mla"):
+        if importlib.util.find_spec(package) is None:
+            record[package] = None
+            continue
+        try:
+            record[package] = getattr(__import__(package), "__version__", "importable")
+        except Exception as exc:  # noqa: BLE001 - a broken install is worth reporting, not fatal
+            record[package] = f"import fails: {type(exc).__name__}: {exc}"[:300]
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--only", default=",".join(BENCHES),
+                   help="benches to run, comma-separated, from: %(default)s")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help=f"fewer points ({', '.join(f'{k}={v}' for k, v in QUICK.items())}) and --target-s 0.05 "
+                        "unless given")  # fmt: skip
+    p.add_argument("--target-s", type=float, default=None,
+                   help="seconds each point's timed run lasts, roughly (default 0.2; 0.05 with --quick)")  # fmt: skip
+    p.add_argument("--mla-ctx", type=int, default=None,
+                   help=f"MLA context length in tokens (default {GPU_SIZES.mla_ctx})")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and routing logits")
+    p.add_argument("--json", default=None, help="also write every record (a JSON list) to this file")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny sizes on CPU through the torch references (plumbing test, timings meaningless)")  # fmt: skip
+    args = p.parse_args(argv)
+    only = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = sorted(set(only) - set(BENCHES))
+    if unknown:
+        p.error(f"unknown bench(es) {', '.join(unknown)}; choices: {', '.join(BENCHES)}")
+    if args.target_s is None:
+        args.target_s = 0.05 if args.quick else 0.2
+    if args.cpu_smoke:
+        device, sizes = torch.device("cpu"), SMOKE_SIZES
+    elif torch.cuda.is_available():
+        device, sizes = torch.device("cuda"), GPU_SIZES
+        if args.quick:
+            sizes = dataclasses.replace(GPU_SIZES, **QUICK)
+    else:
+        p.error("no CUDA device here: run on a GPU, or pass --cpu-smoke to test the plumbing at tiny sizes")
+    if args.mla_ctx is not None:
+        sizes = dataclasses.replace(sizes, mla_ctx=args.mla_ctx)
+    torch.manual_seed(args.seed)
+    bench = Bench(device, args.target_s, args.seed, args.cpu_smoke)
+    bench.emit(_env_record(device, args))
+    t0 = time.perf_counter()
+    for name in BENCHES:
+        if name not in only:
+            continue
+        try:
+            RUNNERS[name](bench, sizes)
+        except Exception as exc:  # noqa: BLE001 - setup failed (allocation, import): the other benches still run
+            bench.emit({"bench": name, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                        "where": traceback.format_exc(limit=-3)[-1500:]})  # fmt: skip
+            _recover(device)
+    counts = {kind: sum(kind in r for r in bench.records) for kind in ("ms", "skipped", "error")}
+    bench.emit({"bench": "summary", "measured": counts["ms"], "skipped": counts["skipped"], "errors": counts["error"],
+                "wall_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(bench.records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

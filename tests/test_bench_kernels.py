@@ -1,0 +1,78 @@
+"""scripts/bench_kernels.py's plumbing on CPU (--cpu-smoke: tiny sizes, torch references, DeepGEMM's expert layouts
+over their torch GEMM stand-ins): every bench emits well-formed records, stdout and --json agree, --only filters,
+and a failing point is an error record while the run goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flotilla.scripts import bench_kernels as bk
+
+
+def _lines(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert bk.main(["--cpu-smoke", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert records == _lines(capsys)  # the file holds exactly what was printed
+    assert records[0]["bench"] == "env" and records[0]["cpu_smoke"] is True and records[0]["device"] == "cpu"
+    summary = records[-1]
+    assert summary["bench"] == "summary" and summary["errors"] == 0
+    body = records[1:-1]
+    assert all(r["bench"] in bk.BENCHES and isinstance(r.get("backend"), str) for r in body)
+    errors = [r for r in body if "error" in r]
+    assert not errors, errors
+    measured = [r for r in body if "ms" in r]
+    skipped = [r for r in body if "skipped" in r]
+    assert len(measured) + len(skipped) == len(body)
+    assert summary["measured"] == len(measured) and summary["skipped"] == len(skipped)
+    for r in measured:
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["iters"] >= 1 and r["first_ms"] >= 0
+    for r in skipped:
+        assert isinstance(r["skipped"], str) and r["skipped"]
+    assert {r["bench"] for r in measured} == set(bk.BENCHES)  # every bench measured something on CPU
+    by = {}
+    for r in measured:
+        by.setdefault(r["bench"], set()).add(r["backend"])
+    assert by["moe"] == by["fp8_moe"] == {"torch", "deep_gemm_layout_ref"}
+    assert by["fp8_gemm"] == {"torch", "torch_bf16"} and by["mla"] == {"torch"} and by["routing"] == {"torch"}
+    smoke = bk.SMOKE_SIZES
+    moe = [r for r in measured if r["bench"] == "moe"]
+    assert sorted({r["tokens"] for r in moe}) == sorted(smoke.moe_tokens)
+    for r in moe + [r for r in measured if r["bench"] == "fp8_moe"]:
+        assert 1 <= r["experts_hit"] <= r["E"] and r["tflops"] >= 0 and r["gbps"] >= 0
+    gemm = [r for r in measured if r["bench"] == "fp8_gemm"]
+    want = {(n, k, m) for _, n, k in smoke.gemm_shapes for m in smoke.gemm_m}
+    assert {(r["N"], r["K"], r["M"]) for r in gemm} == want
+    assert {r["batch"] for r in measured if r["bench"] == "mla"} == set(smoke.mla_batch)
+    assert all(r["mode"] == "eager" for r in measured if r["bench"] == "routing")  # no CUDA graphs on CPU
+    triton_skips = {r["bench"] for r in skipped if r["backend"] == "triton"}
+    assert triton_skips == {"moe", "fp8_moe", "fp8_gemm", "mla"}
+
+
+def test_only_filters_and_a_failing_point_is_reported_while_the_run_goes_on(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr("flotilla.kernels.moe.torch_ref.fused_experts", broken)
+    assert bk.main(["--cpu-smoke", "--only", "moe,routing"]) == 0
+    records = _lines(capsys)
+    assert {r["bench"] for r in records} == {"env", "moe", "routing", "summary"}
+    failed = [r for r in records if "error" in r]
+    assert failed and all(r.get("backend") == "torch" and "kernel exploded" in r["error"] for r in failed)
+    assert {r["tokens"] for r in failed} == set(bk.SMOKE_SIZES.moe_tokens)
+    assert any(r.get("backend") == "deep_gemm_layout_ref" and "ms" in r for r in records)  # the others still ran
+    assert any(r["bench"] == "routing" and "ms" in r for r in records)
+    assert records[-1]["errors"] == len(failed)
+
+
+def test_unknown_benches_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bk.main(["--cpu-smoke", "--only", "moe,nope"])
+    assert "nope" in capsys.readouterr().err
