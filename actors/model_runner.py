@@ -119,12 +119,14 @@ class ModelRunner:
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
         self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
+        if self.device.type == "cuda":
+            # this thread's current device: triton launches on it, so a worker on cuda:1 (an engine of a fleet, a TP
+            # rank) must not leave it at cuda:0 ("Pointer argument cannot be accessed from Triton")
+            torch.cuda.set_device(self.device)
         if self.tp_size > 1 and tp_group().size == 1:  # (joined already under DP x TP x EP: a sub-group)
             if dist_init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs the ranks' rendezvous address (dist_init_method)")
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            else:  # the ranks share the host's cores; more threads than cores each would only thrash
+            if self.device.type != "cuda":  # the ranks share the host's cores; more threads than cores would thrash
                 ranks = self.tp_size * config.parallel.data_parallel_size
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
             init_tensor_parallel(rank, self.tp_size, dist_init_method, self.device)

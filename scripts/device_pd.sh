@@ -60,9 +60,9 @@ if want migration; then
   echo "exit $?"; tail -12 "$R/migration.log"
 fi
 
-wait_ready() {  # until GET $1/health answers 200, at most $2 s
-  python3 - "$1" "$2" <<'PY'
-import sys, time, httpx
+wait_ready() {  # until GET $1/health answers 200, at most $2 s, and only while process $3 (the server) lives
+  python3 - "$1" "$2" "$3" <<'PY'
+import os, sys, time, httpx
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     try:
@@ -70,6 +70,10 @@ while time.monotonic() < end:
             sys.exit(0)
     except httpx.HTTPError:
         pass
+    try:
+        os.kill(int(sys.argv[3]), 0)
+    except ProcessLookupError:
+        sys.exit(1)  # the server exited: it will not become ready
     time.sleep(0.5)
 sys.exit(1)
 PY
@@ -99,7 +103,7 @@ serve() {  # label, port, engines: start `flotilla serve`, warm it up, benchmark
     --kv-transfer-backend torch_dist --load-format dummy --skip-tokenizer-init --dtype "${DTYPE:-bfloat16}" \
     --max-model-len "${MAX_LEN:-4608}" --no-enable-prefix-caching ${SERVE_ARGS:-} > "$R/server-$label.log" 2>&1 &
   pid=$!
-  if wait_ready "$url" "$(cap "${READY_S:-240}")"; then
+  if wait_ready "$url" "$(cap "${READY_S:-240}")" "$pid"; then
     stage "$label ready"
     grep -E "registered|ready:" "$R/server-$label.log" | cut -c1-300
     # a short burst first: kernels that compile on their first use do not land in the measured TTFTs

@@ -442,13 +442,11 @@ class TorchDistEngine(KVTransferEngine):
         if await poll_until(lambda: True if work.is_completed() else None, deadline, GPU_POLL_MAX_S) is None:
             self._fail(pair)
             raise KVTransferError(f"{what} timed out; the pair was dropped (NCCL communicator aborted)")
-        try:
-            exc = work.exception()
+        try:  # completed: wait() returns at once, or raises what NCCL reported (Work.exception() has no binding)
+            work.wait()
         except RuntimeError as e:
-            exc = e
-        if exc is not None:
             self._fail(pair)
-            raise KVTransferError(f"{what} failed, the peer is gone? ({exc}); the pair was dropped")
+            raise KVTransferError(f"{what} failed, the peer is gone? ({e}); the pair was dropped") from e
 
     def _fail(self, pair: _Pair) -> None:
         table = self._serving if pair.rank == 0 else self._peers
