@@ -20,6 +20,7 @@ batch depends on the backend:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,13 @@ log = logging.getLogger(__name__)
 STATIC_TABLE_BACKENDS = ("triton", "mla_triton", "mla_flash_mla")
 """Attention backends (a model's attention_backend_name) whose decode reads only device metadata, so a graph
 captures them over static tables; flashinfer is planned on the host instead."""
+
+
+def static_table_graphs_enabled() -> bool:
+    """Whether the static-table backends get decode graphs: only with FLOTILLA_STATIC_TABLE_GRAPHS=1 until their
+    graph-against-eager tests (tests/test_cuda_graphs_static.py, tests/test_mla_flash.py) have passed on a GPU;
+    until then those backends decode eagerly."""
+    return os.environ.get("FLOTILLA_STATIC_TABLE_GRAPHS", "0") == "1"
 
 
 def capture_sizes(max_batch: int) -> list[int]:

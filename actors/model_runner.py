@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs
+from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, static_table_graphs_enabled
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
@@ -119,9 +119,10 @@ class ModelRunner:
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
         self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             # this thread's current device: triton launches on it, so a worker on cuda:1 (an engine of a fleet, a TP
-            # rank) must not leave it at cuda:0 ("Pointer argument cannot be accessed from Triton")
+            # rank) must not leave it at cuda:0 ("Pointer argument cannot be accessed from Triton"); plain "cuda" is
+            # the current device already (set_device refuses a device without an index)
             torch.cuda.set_device(self.device)
         if self.tp_size > 1 and tp_group().size == 1:  # (joined already under DP x TP x EP: a sub-group)
             if dist_init_method is None:
@@ -176,7 +177,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # with tensor parallelism the decode graphs would capture the all-reduces: not validated on a GPU yet
         if (self.device.type == "cuda" and not config.worker.enforce_eager and self.tp_size == 1
-                and self.model.attention_backend_name in ("flashinfer", *STATIC_TABLE_BACKENDS)):
+                and (self.model.attention_backend_name == "flashinfer"
+                     or (self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()))):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs,
                                        max_blocks_per_seq=-(-self.max_model_len // self.block_size),

@@ -351,7 +351,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     `fp8_backend` the FP8 linears' under an fp8 quantization_config ("auto", "torch", "triton", "deep_gemm").
     `mtp`: also build and load the checkpoint's (first) MTP layer, for speculative decoding. `fp8_experts`: keep
     an FP8 checkpoint's routed experts in e4m3 with their block scales (None: when the MoE backend has FP8 experts,
-    as every one does; False: dequantize them once at load into the model dtype, twice the memory)."""
+    as all but deep_gemm do; False: dequantize them once at load into the model dtype, twice the memory)."""
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
                  moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto",

@@ -37,6 +37,8 @@ def test_blocks_deep_gemm_cannot_take_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_DEEP_GEMM, reason="needs deep_gemm and a CUDA device")
+@pytest.mark.xfail(strict=True, reason="failed on an H200 on 2026-11-30 at all three sizes (cause not found yet: the "
+                   "activation-scale layout DeepGEMM wants is the first suspect); the backend does not offer it")
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(tokens):
     from flotilla.kernels.moe import triton_experts

@@ -119,9 +119,10 @@ def _write_flash_mla_shaped_deepseek(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with flash_mla")
-def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path):
+def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path, monkeypatch):
     from flotilla import LLM, SamplingParams
 
+    monkeypatch.setenv("FLOTILLA_STATIC_TABLE_GRAPHS", "1")  # opt-in until this test has passed on a GPU
     model = _write_flash_mla_shaped_deepseek(tmp_path / "ds")
     rng = random.Random(5)
     ps = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 150))] for _ in range(10)]
@@ -129,7 +130,8 @@ def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(t
     outs = {}
     for eager in (True, False):
         with LLM(model, block_size=64, kv_cache_blocks=64, device="cuda", dtype="bfloat16", max_num_seqs=16,
-                 attention_backend="flash_mla", enforce_eager=eager, placement="inline") as engine:
+                 attention_backend="flash_mla", enforce_eager=eager, placement="inline",
+                 skip_tokenizer_init=True) as engine:  # fmt: skip
             assert engine.client.ready_detail["worker/0"]["attention"] == "mla_flash_mla"
             assert (engine.client.runtime.actors["worker/0"].runner.graphs is None) == eager
             outs[eager] = [o.outputs[0].token_ids for o in engine.generate(

@@ -71,14 +71,25 @@ def test_int64_ids_and_a_strided_view_give_the_same_grouping() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize(("tokens", "experts", "block_m"), [(1, 128, 16), (256, 128, 16), (2048, 128, 64),
-                                                             (64, 256, 16)])  # fmt: skip
+@pytest.mark.xfail(strict=True, reason="on an H200 (2026-11-30) the kernel did not match at 16384 slots; "
+                   "sort_by_expert keeps the torch version above FUSED_ALIGN_MAX_SLOTS until this passes")
+def test_on_cuda_the_one_launch_grouping_at_16384_slots_matches_the_torch_version() -> None:
+    from flotilla.kernels.moe.triton_align import align_by_expert
+
+    ids = _ids(2048, 128, 8, seed=2048, device="cuda")
+    _check_same_grouping(align_by_expert(ids, 128, 64), routing.sort_by_expert(ids, 128, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(("tokens", "experts", "block_m"), [(1, 128, 16), (256, 128, 16), (64, 256, 16)])
 def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(tokens, experts, block_m,
                                                                              monkeypatch) -> None:  # fmt: skip
     from flotilla.kernels.moe import triton_experts
 
     ids = _ids(tokens, experts, 8, seed=tokens, device="cuda")
     fused = routing.sort_by_expert(ids, experts, block_m)
+    assert ids.numel() <= routing.FUSED_ALIGN_MAX_SLOTS  # the one-launch path is the one under test
     monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "0")
     reference = routing.sort_by_expert(ids, experts, block_m)
     _check_same_grouping(fused, reference)

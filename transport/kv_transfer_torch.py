@@ -320,12 +320,12 @@ class TorchDistEngine(KVTransferEngine):
             in_flight: collections.deque[tuple[dist.Work, torch.Tensor]] = collections.deque()
             ahead = ROUNDS_IN_FLIGHT if pair.backend == "nccl" else 0
             what = f"sending blocks to {requester}"
+            all_ids = self._upload_ids(block_ids)
             for start, stop in rounds(len(block_ids), round_blocks):
 
-                def pack_and_send(ids: Sequence[int] = block_ids[start:stop]) -> tuple[dist.Work, torch.Tensor]:
+                def pack_and_send(idx: torch.Tensor = all_ids[start:stop]) -> tuple[dist.Work, torch.Tensor]:
                     with self._stream():  # NCCL's stream waits for this one: the pack lands before the send
-                        idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
-                        buf = torch.empty((len(layers), len(ids), block_bytes), dtype=torch.uint8, device=self.device)
+                        buf = torch.empty((len(layers), len(idx), block_bytes), dtype=torch.uint8, device=self.device)
                         for layer, out in zip(layers, buf):
                             torch.index_select(layer, 0, idx, out=out)
                         return self._group(pair).send([buf], 1, SEND_TAG), buf
@@ -358,6 +358,7 @@ class TorchDistEngine(KVTransferEngine):
         # waits; a round's buffer is let go once its unpack is done. gloo: one round at a time, waited in a thread.
         in_flight: collections.deque[tuple[dist.Work, torch.cuda.Event | None, torch.Tensor]] = collections.deque()
         async with pair.lock:
+            all_dst = self._upload_ids([d for _, d in pairs])
             for start, stop in rounds(len(pairs), round_blocks):
 
                 def post(n: int = stop - start) -> tuple[dist.Work, torch.Tensor]:
@@ -370,11 +371,10 @@ class TorchDistEngine(KVTransferEngine):
                     await self._wait(pair, work, deadline, what)
 
                 def unpack(buf: torch.Tensor = buf, work: dist.Work = work,
-                           dst: list[int] = [d for _, d in pairs[start:stop]]) -> torch.cuda.Event | None:
+                           idx: torch.Tensor = all_dst[start:stop]) -> torch.cuda.Event | None:
                     with self._stream():
                         if nccl:
                             work.wait()  # our stream waits for NCCL's before reading the buffer (the host does not)
-                        idx = torch.tensor(dst, dtype=torch.long).to(self.device, non_blocking=True)
                         for layer, data in zip(layers, buf):
                             layer.index_copy_(0, idx, data)
                         if self._cuda_stream is None:
@@ -401,6 +401,16 @@ class TorchDistEngine(KVTransferEngine):
                                                      GPU_POLL_MAX_S) is None:  # fmt: skip
             self._fail(pair)
             raise KVTransferError(f"{what}: unpacking timed out; the pair was dropped")
+
+    def _upload_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an int64 tensor on this engine's device, queued on its side stream in one copy from pinned
+        memory: a copy from pageable memory would make the host wait for everything queued on the stream before it
+        (the previous round's unpack, so its receive), and rounds could then never overlap."""
+        host = torch.tensor(list(ids), dtype=torch.long)
+        if self._cuda_stream is None:
+            return host
+        with self._stream():
+            return host.pin_memory().to(self.device, non_blocking=True)
 
     def _stream(self) -> contextlib.AbstractContextManager:
         """On a GPU, a side stream of this engine's own for packs, unpacks and handshakes: off the legacy default

@@ -15,8 +15,10 @@ FP8 experts (DeepSeek-V3's e4m3 weights with float32 128x128 block scales, kept 
 them) go through a backend's `fused_experts_fp8(hidden, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
 block_size)` (torch_ref.fused_experts_fp8 documents it): "torch" dequantizes each expert with tokens on every
 call (the CPU path, exactly the dequantized model), "triton" runs triton_experts' kernel in its FP8 (W8A8) mode
-(activations quantized per token and 1 x block_k group), "deep_gemm" DeepGEMM's m_grouped_fp8_gemm_nt_contiguous
-(128x128 blocks only; not run on a GPU yet, so "auto" picks triton for FP8 experts).
+(activations quantized per token and 1 x block_k group). deep_gemm_experts.fused_experts_fp8 (DeepGEMM's
+m_grouped_fp8_gemm_nt_contiguous) is built and tested on CPU against DeepGEMM's contract, but on an H200 it did
+not match the triton FP8 experts, so the "deep_gemm" backend offers no FP8 experts yet: "auto" never picks it for
+them, and a forced one dequantizes the experts at load.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ def _backend(name: str) -> MoEBackend:
         if not deep_gemm_usable():
             raise ValueError("MoE backend 'deep_gemm' needs the deep_gemm package and a CUDA GPU of compute "
                              "capability 9.0 or newer")
-        _BACKENDS[name] = MoEBackend(name=name, fused_experts=deep_gemm_experts.fused_experts,
-                                     fused_experts_fp8=deep_gemm_experts.fused_experts_fp8)
+        # deep_gemm_experts.fused_experts_fp8 is not offered yet: it did not match the triton FP8 experts on an H200
+        _BACKENDS[name] = MoEBackend(name=name, fused_experts=deep_gemm_experts.fused_experts)
     if name not in _BACKENDS:
         raise ValueError(f"unknown MoE backend {name!r}; choices: {', '.join(available_moe_backends())}")
     return _BACKENDS[name]

@@ -51,7 +51,9 @@ def _align_kernel(
         ids = tl.load(ids_ptr + slots, mask=valid, other=0)
         tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
     tl.debug_barrier()
-    counts = tl.load(cursor_ptr + experts)  # zero past NUM_EXPERTS: no slot names those
+    # read back through the atomics' own path (L2), not a plain load that may hit a stale L1 line; zero past
+    # NUM_EXPERTS: no slot names those
+    counts = tl.atomic_add(cursor_ptr + experts, tl.full([E_P2], 0, tl.int32))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(num_padded_ptr, tl.sum(padded, 0))

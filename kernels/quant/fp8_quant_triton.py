@@ -3,9 +3,13 @@
 The torch version is ~10 kernels (cast, pad, abs, amax, clamp, two divisions, clamp, cast, copy) in front of
 every FP8 GEMM: DeepSeek-V3's dense projections and both passes of its routed experts. Here each program takes
 one token's row and BLOCK_G groups of group_size columns as a [BLOCK_G, GROUP] tile: the group's amax, its
-scale (amax / 448, at least 1e-12 / 448), and the e4m3 values (x / scale, clamped to +-448, rounded to nearest
-even), with the same float32 operations in the same order as the reference, so the results are identical
-(divisions are IEEE round-to-nearest, `div_rn`, as torch's are).
+scale (amax times float32(1 / 448), amax at least 1e-12), and the e4m3 values (x / scale, clamped to +-448, rounded
+to nearest even), with the same float32 operations in the same order as the reference, so the results are
+identical (the division is IEEE round-to-nearest, `div_rn`, as torch's tensor division is).
+
+On an H200 the first version, which divided amax by 448, differed from the reference's scales there: torch's CUDA
+kernels turn a division by a scalar into a multiplication by its reciprocal (its CPU ones do not). The reference
+now multiplies by the reciprocal itself, so CPU, CUDA and this kernel agree.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_DTYPE, FP8_MAX, num_blocks
+from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_DTYPE, FP8_MAX, FP8_MAX_INV, num_blocks
 
 BLOCK_G = 4
 """Groups one program quantizes (a [BLOCK_G, group_size] tile of one row)."""
@@ -38,14 +42,14 @@ def _round_to_e4m3(v):
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
                   GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_G: tl.constexpr,
-                  FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):  # fmt: skip
+                  FP8_MAX: tl.constexpr, FP8_MAX_INV: tl.constexpr, MIN_AMAX: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP_P2)[None, :]
     mask = (groups[:, None] < num_groups) & (tl.arange(0, GROUP_P2)[None, :] < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), tl.full([BLOCK_G], FP8_MAX, tl.float32))
+    scale = tl.maximum(amax, MIN_AMAX) * FP8_MAX_INV
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
@@ -67,6 +71,6 @@ def per_token_group_quantize(x: torch.Tensor, group_size: int = 128) -> tuple[to
         _quant_kernel[(m, triton.cdiv(groups, BLOCK_G))](
             x2, q, scales, k, groups, x2.stride(0), q.stride(0), scales.stride(0),
             GROUP=group_size, GROUP_P2=triton.next_power_of_2(group_size), BLOCK_G=BLOCK_G, FP8_MAX=FP8_MAX,
-            MIN_AMAX=_MIN_AMAX,
+            FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX,
         )  # fmt: skip
     return q.view(*lead, k), scales.view(*lead, groups)

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 """448: the largest finite e4m3fn value; a block's amax maps onto it."""
+FP8_MAX_INV = 1.0 / FP8_MAX
+"""The scale of an activation group is amax times this (a float32 multiply)."""
 _MIN_AMAX = 1e-12
 """An all-zero block gets this amax, so its scale is tiny but not zero (no 0/0)."""
 
@@ -57,11 +59,13 @@ def block_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: 
 
 def per_token_group_quantize(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization: x [..., K] -> (e4m3 [..., K], float32 scales [..., ceil(K/group)]),
-    one scale per token and group of `group_size` columns (amax / FP8_MAX)."""
+    one scale per token and group of `group_size` columns (amax x FP8_MAX_INV)."""
     k = x.shape[-1]
     groups = num_blocks(k, group_size)
     padded = F.pad(x.float(), (0, groups * group_size - k)).view(*x.shape[:-1], groups, group_size)
-    scales = padded.abs().amax(dim=-1).clamp(min=_MIN_AMAX) / FP8_MAX
+    # times the float32 reciprocal, not / FP8_MAX: torch's CUDA kernels divide by a scalar that way and its CPU ones
+    # do not, so written out like this the scales are the same bits on CPU, CUDA and the triton kernel
+    scales = padded.abs().amax(dim=-1).clamp(min=_MIN_AMAX) * FP8_MAX_INV
     q = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(*x.shape[:-1], groups * group_size)[..., :k].contiguous(), scales
 
