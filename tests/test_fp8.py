@@ -11,8 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from helpers_tiny_models import (  # noqa: E402
 )
 from safetensors.torch import load_file  # noqa: E402
 
+from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.quant import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
@@ -186,18 +185,6 @@ def test_triton_fp8_linear_matches_the_w8a8_reference(tokens: int, shape: tuple[
     assert fp8_block_linear(x[:0], q, s, None, block, backend="triton").shape == (0, n)
 
 
-_COMPILE_DRIVER = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flotilla.kernels.quant.fp8_triton import _fp8_block_gemm_kernel as fn
-for pointers, constexprs in json.loads(sys.argv[1]):
-    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-"""
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.slow
 def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None:
@@ -207,11 +194,8 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
                 "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     specs = [(pointers, dict(K=16384, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
              (pointers, dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128))]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, json.dumps(specs)], env=env,
-                           capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90([("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], c, 4) for p, c in specs],
+                     tmp_path)
 
 
 @gpu_test

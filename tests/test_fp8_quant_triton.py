@@ -80,3 +80,15 @@ def test_on_cuda_at_deepseek_v3_sizes(tokens) -> None:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     for k in (7168, 2048, 1536):
         _check_identical((torch.randn(tokens, k, generator=gen, device="cuda") * 4).bfloat16(), 128)
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
+    """Compiled for an H200 (sm_90) in a child without the interpreter, for bf16 and float32 activations."""
+    from helpers_triton import compile_for_sm90
+
+    specs = [("flotilla.kernels.quant.fp8_quant_triton", "_quant_kernel",
+              {"x_ptr": x, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, [],
+              dict(GROUP=128, GROUP_P2=128, BLOCK_G=4, FP8_MAX=448.0, FP8_MAX_INV=1 / 448.0, MIN_AMAX=1e-12), 4)
+             for x in ("*bf16", "*fp32")]  # fmt: skip
+    compile_for_sm90(specs, tmp_path)

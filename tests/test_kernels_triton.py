@@ -12,10 +12,8 @@ on the GPU, and the `gpu`-marked tests add realistic sizes.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -98,6 +96,7 @@ def _repair_interpreter() -> None:
 if INTERPRET:
     _repair_interpreter()
 
+from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels import activation, norm, rope  # noqa: E402
 from flotilla.kernels.attention import (  # noqa: E402
     AttentionMetadata,
@@ -315,20 +314,6 @@ def test_tiny_llama_with_triton_backend_matches_torch_backend(tmp_path):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-_COMPILE_DRIVER = """
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-target = GPUTarget("cuda", int(sys.argv[1]), 32)
-for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[2]):
-    fn = getattr(importlib.import_module(module), name)
-    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
-                 for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
-"""
-
-
 def _compile_specs() -> list:
     """(module, kernel, pointer element types, float args, constexprs, num_warps) at production shapes:
     bf16 Llama-3-8B heads (GQA 4, head_dim 128), a group of 3, head_dim 256; fp32 for the "ieee" dots."""
@@ -383,13 +368,7 @@ def _compile_specs() -> list:
 def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """The interpreter runs kernels as numpy and checks little of the language's typing, so compile each
     kernel for an H100/H200 (sm_90, ptxas bundled with triton) in a child without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run(
-        [sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(_compile_specs())],
-        env=env, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90(_compile_specs(), tmp_path)
 
 
 # ---- realistic sizes on the GPU (bf16, Llama-3-8B-like heads, block_size 16) ----
@@ -529,11 +508,7 @@ def test_qk_norm_rope_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
               {**ptrs, "cache_ptr": cache}, ["eps", "k_scale", "v_scale"],
               dict(BLOCK_HQ=hq, BLOCK_HKV=8, BLOCK_HALF=64, QUANT=cache == "*fp8e4nv"), warps)
              for cache in ("*bf16", "*fp8e4nv") for hq, warps in ((16, 8), (32, 8))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(specs)],
-                           env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90(specs, tmp_path)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")

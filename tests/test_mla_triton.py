@@ -21,6 +21,7 @@ if INTERPRET:  # the interpreter's bf16 dots and casts repaired to compute what 
 
     _repair_interpreter()
 
+from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.attention import AttentionMetadata  # noqa: E402
 from flotilla.kernels.mla import available_mla_backends, get_mla_backend, mla_cache_shape  # noqa: E402
 from flotilla.kernels.mla import torch_ref  # noqa: E402
@@ -165,12 +166,6 @@ def test_gpu_decode_kernel_at_deepseek_v3_sizes(batch):
 @pytest.mark.slow
 def test_mla_kernels_compile_for_sm90_at_deepseek_v3_sizes(tmp_path):
     """The interpreter checks little of triton's typing: compile for an H100/H200 (sm_90) in a child process."""
-    import json
-    import subprocess
-    import sys
-
-    from test_kernels_triton import _COMPILE_DRIVER
-
     ptrs = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}
     mod = "flotilla.kernels.mla.triton_mla"
@@ -184,8 +179,4 @@ def test_mla_kernels_compile_for_sm90_at_deepseek_v3_sizes(tmp_path):
                                                   DOT_PRECISION="tf32"), 8) for cache in ("*bf16", "*fp8e4nv")]
     specs += [(mod, "_store_latent_kernel", {**store, "cache_ptr": cache}, ["kv_scale"],
                dict(BLOCK_L=512, BLOCK_R=64, QUANT=cache == "*fp8e4nv"), 4) for cache in ("*bf16", "*fp8e4nv")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, "90", json.dumps(specs)],
-                           env=env, capture_output=True, text=True, timeout=240, check=False)
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90(specs, tmp_path)

@@ -10,10 +10,7 @@ that tests/test_kernels_triton.py makes. `gpu`-marked tests add realistic sizes 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +20,7 @@ ON_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
+from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.moe import (  # noqa: E402
     available_moe_backends,
     best_moe_backend,
@@ -224,18 +222,6 @@ def test_tiny_qwen3_moe_with_triton_experts_matches_torch_experts(tmp_path):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-_COMPILE_DRIVER = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flotilla.kernels.moe.triton_experts import _expert_gemm_kernel as fn
-for pointers, constexprs in json.loads(sys.argv[1]):
-    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-"""
-
-
 @needs_triton
 @pytest.mark.slow
 def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
@@ -257,11 +243,8 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     fp8 = dict(TOP_K=8, FP8=True, BLOCK_SCALE_N=128, BLOCK_SCALE_K=128, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")
     specs += [(fp8_pointers, dict(fp8, N=2048, K=7168, GATE_UP=True, UP_SCALE_ROW=16, BLOCK_M=64)),
               (fp8_pointers, dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16))]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, json.dumps(specs)], env=env,
-                           capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90([("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], c, 4) for p, c in specs],
+                     tmp_path)
 
 
 # ---- realistic sizes on the GPU (bf16, Qwen3-30B-A3B's expert shapes) ----

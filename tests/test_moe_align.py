@@ -102,3 +102,20 @@ def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(
     monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "1")
     with_fused = triton_experts.fused_experts(x, w13, w2, weights, ids)
     assert torch.equal(with_fused, without)  # rows are computed on their own: the order within an expert is moot
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
+    """Compiled for an H200 (sm_90) in a child without the interpreter: the atomics, barriers and cumsum."""
+    from helpers_triton import compile_for_sm90
+
+    ptrs = {n: "*i32" for n in ("ids_ptr", "sorted_ptr", "block_experts_ptr", "num_padded_ptr", "cursor_ptr")}
+    specs = [("flotilla.kernels.moe.triton_align", "_align_kernel", {**ptrs, "ids_ptr": ids}, [],
+              dict(NUM_EXPERTS=e, E_P2=triton_p2(e), BLOCK_M=bm, CHUNK=1024, BLOCK_CHUNK=32, SLOTS_BOUND=2048,
+                   ROWS_BOUND=4096, BLOCKS_BOUND=256), 4)
+             for ids, e, bm in (("*i32", 128, 16), ("*i64", 256, 64), ("*i32", 60, 32))]  # fmt: skip
+    compile_for_sm90(specs, tmp_path)
+
+
+def triton_p2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

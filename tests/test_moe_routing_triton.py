@@ -14,10 +14,7 @@ and a `slow` test compiles both kernels for sm_90 without a GPU.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if not HAS_TRITON or not (ON_CUDA or INTERPRET):
     pytest.skip("triton cannot run here (no CUDA device and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
+from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.moe import routing, triton_routing  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
@@ -204,19 +202,6 @@ def test_a_mutated_kernel_fails_the_check(mutation: str, tmp_path: Path) -> None
 
 # ---- compiled for an H200 without one ----
 
-_COMPILE_DRIVER = """
-import json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from flotilla.kernels.moe import triton_routing
-for name, pointers, constexprs, num_warps in json.loads(sys.argv[1]):
-    fn = getattr(triton_routing, name)
-    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": num_warps})
-"""
-
 
 @pytest.mark.slow
 def test_routing_kernels_compile_for_sm90_without_a_gpu(tmp_path):
@@ -239,11 +224,7 @@ def test_routing_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         (grouped, {**bf16, "bias_ptr": "*fp32", "scaling": "fp32"}, dict(v3, HAS_BIAS=True, BLOCK_T=1), 1),
         (grouped, {**fp32, "bias_ptr": "*fp32", "scaling": "fp32"}, dict(v3, HAS_BIAS=False, BLOCK_T=4), 4),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    child = subprocess.run([sys.executable, "-c", _COMPILE_DRIVER, json.dumps(specs)], env=env,
-                           capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
-    assert child.returncode == 0, child.stderr[-4000:]
+    compile_for_sm90([("flotilla.kernels.moe.triton_routing", name, p, [], c, w) for name, p, c, w in specs], tmp_path)
 
 
 # ---- real batch sizes on the GPU ----

@@ -1,0 +1,42 @@
+"""Compiling triton kernels for an H100/H200 (sm_90) without a GPU.
+
+Triton's CPU interpreter runs kernels as numpy and checks little of the language's typing, so each kernel is
+also compiled for sm_90 (ptxas ships with triton) in a child process started without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_DRIVER = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
+for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[2]):
+    fn = getattr(importlib.import_module(module), name)
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
+                 for a in fn.arg_names}
+    triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
+"""
+
+CompileSpec = tuple[str, str, dict[str, str], Sequence[str], dict[str, Any], int]
+"""(module, kernel name, argument types of the pointers (and any typed scalar), the float scalars' names (other
+scalars are i32), constexpr values, num_warps)."""
+
+
+def compile_for_sm90(specs: Sequence[CompileSpec], cache_dir: Path, capability: int = 90) -> None:
+    """Compile every spec for compute capability `capability` in a child process; AssertionError with the child's
+    stderr if any fails. `cache_dir` keeps the child's triton cache out of the user's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    child = subprocess.run([sys.executable, "-c", _DRIVER, str(capability), json.dumps(list(specs))], env=env,
+                           capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
