@@ -146,3 +146,33 @@ def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> N
     worker = engine_topology(config, "process").spec("worker")
     assert worker.count == 4 and worker.config["ep_init_method"].startswith("tcp://127.0.0.1:")
     assert "dist_init_methods" not in worker.config  # the TP groups are sub-groups of the EP ranks' world
+
+
+def test_flotilla_serve_runs_dp2_tp2_ep4_and_answers_like_one_process(moe_dir: Path) -> None:
+    """The same topology behind `flotilla serve` and the real openai client: concurrent greedy completions over
+    token-id prompts give the one-process engine's text, and /metrics counts the experts' tokens."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from helpers_server import start_server
+
+    prompts = _prompts()[:4]
+    with LLM(str(moe_dir), **{**OPTIONS, "placement": "inline"}) as llm:
+        want = [o.outputs[0].text for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    server = start_server(str(moe_dir), "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                          "--enable-expert-parallel", "--kv-cache-blocks", "128", "--block-size", "4", timeout=240)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def text(p: dict) -> str:
+            out = client.completions.create(model=moe_dir.name, prompt=p["prompt_token_ids"], temperature=0,
+                                            max_tokens=GREEDY.max_tokens, extra_body={"ignore_eos": True})  # fmt: skip
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(text, prompts)) == want
+        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+        assert "flotilla_expert_tokens_total{" in metrics
+    finally:
+        server.stop()
