@@ -13,7 +13,8 @@ kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
   reference at DeepSeek-V3 sizes on an H200).
 - "flash_mla": DeepSeek's FlashMLA for decode steps (flash_mla_backend.py; block size 64, bf16 cache, Hopper),
   the triton kernels for prefill and the store. Forced by name until measured on a GPU.
-- Not built yet: flashinfer's MLA.
+- "flashinfer": FlashInfer's BatchMLAPagedAttentionWrapper for every step (flashinfer_mla_backend.py; bf16 / fp16
+  cache, eager), the triton store. Forced by name; not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -60,13 +61,22 @@ def _flash_mla_backend() -> MLABackend:
     return MLABackend(name="flash_mla", store_latent=fm.store_latent, forward=fm.paged_mla)
 
 
+def _flashinfer_backend() -> MLABackend:
+    from flotilla.kernels.mla import flashinfer_mla_backend as fi
+
+    return MLABackend(name="flashinfer", store_latent=fi.store_latent, forward=fi.paged_mla)
+
+
 def available_mla_backends() -> list[str]:
     """Names accepted by get_mla_backend, "auto" included (triton where it can run)."""
     from flotilla.kernels.attention import triton_usable
     from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
+    from flotilla.kernels.mla.flashinfer_mla_backend import flashinfer_mla_usable
 
+    on_gpu = triton_usable() and torch.cuda.is_available()  # (their stores are the triton kernel)
     return ["auto", *_BACKENDS, *(["triton"] if triton_usable() else []),
-            *(["flash_mla"] if triton_usable() and flash_mla_usable() else [])]
+            *(["flash_mla"] if on_gpu and flash_mla_usable() else []),
+            *(["flashinfer"] if on_gpu and flashinfer_mla_usable() else [])]
 
 
 def best_mla_backend(device: torch.device) -> str:
@@ -90,6 +100,8 @@ def get_mla_backend(name: str = "auto", device: torch.device | None = None) -> M
         return _triton_backend()
     if name == "flash_mla" and "flash_mla" in available_mla_backends():
         return _flash_mla_backend()
+    if name == "flashinfer" and "flashinfer" in available_mla_backends():
+        return _flashinfer_backend()
     if name not in _BACKENDS:
         raise ValueError(f"unknown MLA backend {name!r}; choices: {', '.join(available_mla_backends())}")
     return _BACKENDS[name]
