@@ -58,7 +58,7 @@ from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import CacheConfig, DisaggConfig, EngineConfig
 from flotilla.kernels.attention import kv_cache_shape
 from flotilla.scripts.bench_shapes import SHAPES
-from flotilla.transport import kv_transfer
+from flotilla.transport import kv_transfer, kv_transfer_torch
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.kv_transfer import create_kv_transfer_engine, kv_block_bytes
 from flotilla.transport.kv_transfer_torch import TorchDistEngine
@@ -310,11 +310,12 @@ async def run(args: argparse.Namespace, setup: Setup, log: Callable[[str], None]
                                          raw="raw" in args.paths and poll is None)
                 for r in got:
                     if r["path"] in args.paths:
-                        rows.append(_polled(r, poll))
+                        rows.append(_polled(r, poll, args.device == "cuda"))
                         log(_line(rows[-1]))
             if "actor" in args.paths:
                 for rb in args.round_blocks:
-                    rows.append(_polled(await bench_actor(setup, rb, args.repeat, args.warmup, args.timeout), poll))
+                    rows.append(_polled(await bench_actor(setup, rb, args.repeat, args.warmup, args.timeout), poll,
+                                       args.device == "cuda"))
                     log(_line(rows[-1]))
     copy = next((r for r in rows if r["path"] == "copy"), None)
     if copy is not None:
@@ -326,21 +327,25 @@ async def run(args: argparse.Namespace, setup: Setup, log: Callable[[str], None]
 @contextlib.contextmanager
 def _polling(cap: float | None) -> Iterator[None]:
     """Completion polling of the KV backends (transport/kv_transfer.poll_until: sleeps doubling from POLL_MIN_S to
-    POLL_MAX_S) capped at `cap` seconds while the block runs; None leaves it as it is."""
+    POLL_MAX_S, or to kv_transfer_torch.GPU_POLL_MAX_S for NCCL work) capped at `cap` seconds while the block runs;
+    None leaves it as it is."""
     if cap is None:
         yield
         return
-    saved = kv_transfer.POLL_MIN_S, kv_transfer.POLL_MAX_S
+    saved = kv_transfer.POLL_MIN_S, kv_transfer.POLL_MAX_S, kv_transfer_torch.GPU_POLL_MAX_S
     kv_transfer.POLL_MIN_S, kv_transfer.POLL_MAX_S = min(saved[0], cap), cap
+    kv_transfer_torch.GPU_POLL_MAX_S = cap
     try:
         yield
     finally:
-        kv_transfer.POLL_MIN_S, kv_transfer.POLL_MAX_S = saved
+        kv_transfer.POLL_MIN_S, kv_transfer.POLL_MAX_S, kv_transfer_torch.GPU_POLL_MAX_S = saved
 
 
-def _polled(row: dict[str, Any], cap: float | None) -> dict[str, Any]:
+def _polled(row: dict[str, Any], cap: float | None, gpu: bool) -> dict[str, Any]:
+    """The row with the completion-polling cap its run had (the NCCL path has its own, shorter default)."""
     if row["path"] in ("engine", "actor"):
-        row["poll_max_s"] = kv_transfer.POLL_MAX_S if cap is None else cap
+        default = kv_transfer_torch.GPU_POLL_MAX_S if gpu else kv_transfer.POLL_MAX_S
+        row["poll_max_s"] = default if cap is None else cap
     return row
 
 
