@@ -97,8 +97,11 @@ SMOKE_ALIGNMENT = 16
 class Bench:
     """Runs the points, times them, prints and keeps the records."""
 
-    def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool) -> None:
+    def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
+                 moe_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
+        self.moe_tiles = moe_tiles or []
+        """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.records: list[dict] = []
 
     def emit(self, record: dict) -> None:
@@ -203,7 +206,11 @@ def _moe_backends(bench: Bench, fp8: bool) -> Backends:
     if reason is None:
         from flotilla.kernels.moe import triton_experts  # imports triton
 
-        backends.append(("triton", triton_experts.fused_experts_fp8 if fp8 else triton_experts.fused_experts))
+        fused = triton_experts.fused_experts_fp8 if fp8 else triton_experts.fused_experts
+        backends.append(("triton", fused))
+        for text in bench.moe_tiles:  # a tuning sweep: the same kernel with other tiles / warps / stages
+            tiles = triton_experts._parse_tiles(text)
+            backends.append((f"triton[{text}]", lambda *a, fused=fused, tiles=tiles: fused(*a, **tiles)))
     else:
         backends.append(("triton", reason))
     dg_fn = getattr(deep_gemm_experts, "fused_experts_fp8" if fp8 else "fused_experts", None)
@@ -459,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds each point's timed run lasts, roughly (default 0.2; 0.05 with --quick)")  # fmt: skip
     p.add_argument("--mla-ctx", type=int, default=None,
                    help=f"MLA context length in tokens (default {GPU_SIZES.mla_ctx})")  # fmt: skip
+    p.add_argument("--moe-tiles", default="",
+                   help="extra triton expert-kernel variants for moe / fp8_moe, ';'-separated, each like "
+                        "FLOTILLA_MOE_TILES: m=BLOCK_M,n=BLOCK_N,k=BLOCK_K,w=num_warps,s=num_stages (any subset), "
+                        "e.g. 'n=128,k=128,s=4;m=32,n=128,w=8'")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and routing logits")
     p.add_argument("--json", default=None, help="also write every record (a JSON list) to this file")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -481,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mla_ctx is not None:
         sizes = dataclasses.replace(sizes, mla_ctx=args.mla_ctx)
     torch.manual_seed(args.seed)
-    bench = Bench(device, args.target_s, args.seed, args.cpu_smoke)
+    bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
+                  [t.strip() for t in args.moe_tiles.split(";") if t.strip()])  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

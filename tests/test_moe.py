@@ -166,6 +166,29 @@ def test_triton_fused_experts_match_reference(tokens, hidden, inter, experts, to
     _check_fused(run, tokens, hidden, inter, experts, top_k, dtype, seed=tokens + hidden)
 
 
+@needs_triton
+def test_moe_tiles_from_the_environment_reach_the_kernel_and_bad_ones_are_refused(monkeypatch):
+    """FLOTILLA_MOE_TILES (tuning sweeps) sets tiles and launch options the caller leaves open; explicit ones win."""
+    from flotilla.kernels.moe import triton_experts
+
+    seen = []
+    real = triton_experts._expert_gemm
+
+    def spy(*args, **kwargs):
+        seen.append((args[3].block_m, args[7], args[8], args[11] if len(args) > 11 else kwargs.get("launch")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_experts, "_expert_gemm", spy)
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "m=32,n=16,k=32,w=2,s=2")
+    _check_fused(triton_experts.fused_experts, 5, 48, 24, 8, 2, torch.float32, seed=3)
+    assert seen[-1] == (32, 16, 32, {"num_warps": 2, "num_stages": 2})
+    _check_fused(lambda *a: triton_experts.fused_experts(*a, block_n=32), 5, 48, 24, 8, 2, torch.float32, seed=3)
+    assert seen[-1][2] == 32  # the caller's block_n over the environment's
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "m=32,q=1")
+    with pytest.raises(ValueError, match="FLOTILLA_MOE_TILES: 'q=1'"):
+        _check_fused(triton_experts.fused_experts, 5, 48, 24, 8, 2, torch.float32, seed=3)
+
+
 @pytest.mark.parametrize(("tokens", "alignment", "dtype"), [(1, 8, torch.float32), (11, 4, torch.float32),
                                                             (30, 16, torch.bfloat16)])  # fmt: skip
 def test_deep_gemm_layout_with_its_gemm_contract_matches_reference(tokens, alignment, dtype):

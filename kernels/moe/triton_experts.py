@@ -27,6 +27,9 @@ weight blocks along N; BLOCK_K divides block_k). w13's scales hold gate's block 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -110,6 +113,27 @@ def _expert_gemm_kernel(
         tl.store(out_ptrs, y.to(dtype), mask=valid[:, None] & n_mask[None, :])
 
 
+TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages"}
+"""FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset)."""
+
+
+@functools.cache
+def _parse_tiles(text: str) -> dict[str, int]:
+    tiles = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in TILE_KEYS or not value.isdigit():
+            raise ValueError(f"FLOTILLA_MOE_TILES: {item!r} is not one of {', '.join(k + '=N' for k in TILE_KEYS)}")
+        tiles[TILE_KEYS[key]] = int(value)
+    return tiles
+
+
+def env_tiles() -> dict[str, int]:
+    """The expert kernel's tiles and launch options forced by FLOTILLA_MOE_TILES (for tuning sweeps,
+    scripts/bench_kernels.py --moe-tiles); empty when unset."""
+    return _parse_tiles(os.environ.get("FLOTILLA_MOE_TILES", ""))
+
+
 def pick_block_m(num_slots: int, num_experts: int) -> int:
     """Rows per block: small when experts get few tokens each (decode), where padding would dominate."""
     per_expert = num_slots / num_experts
@@ -118,7 +142,8 @@ def pick_block_m(num_slots: int, num_experts: int) -> int:
 
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
                  topk_weights: torch.Tensor, top_k: int, gate_up: bool, block_n: int, block_k: int,
-                 w_scale: torch.Tensor | None = None, block_size: tuple[int, int] = (1, 1)) -> None:  # fmt: skip
+                 w_scale: torch.Tensor | None = None, block_size: tuple[int, int] = (1, 1),
+                 launch: dict | None = None) -> None:  # fmt: skip
     """One pass; with w_scale (FP8 weights), a is first quantized per row and block_size[1] group."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
     k = w.shape[2]
@@ -138,7 +163,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Ex
         a, w, out, blocks.sorted_slots, blocks.block_experts, blocks.num_padded, topk_weights,
         blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales,
         N=n, K=k, TOP_K=top_k, GATE_UP=gate_up, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision, **fp8,
+        DOT_PRECISION=dot_precision, **fp8, **(launch or {}),
     )  # fmt: skip
 
 
@@ -150,19 +175,29 @@ def fused_experts(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Block sizes of at least 16
-    (tl.dot's minimum on NVIDIA GPUs)."""
-    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, block_m, block_n, block_k)
+    (tl.dot's minimum on NVIDIA GPUs); tiles and launch options not given come from FLOTILLA_MOE_TILES, else
+    the defaults (block_m by pick_block_m, 64 x 64, triton's warps and stages)."""
+    t = {**env_tiles(), **{k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                                                  num_warps=num_warps, num_stages=num_stages).items() if v}}
+    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t.get("block_m"), t.get("block_n", 64),
+                       t.get("block_k", 64), launch=_launch(t))  # fmt: skip
+
+
+def _launch(tiles: dict[str, int]) -> dict[str, int]:
+    return {k: tiles[k] for k in ("num_warps", "num_stages") if k in tiles}
 
 
 def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                block_size: tuple[int, int] = (1, 1)) -> torch.Tensor:  # fmt: skip
+                block_size: tuple[int, int] = (1, 1), launch: dict | None = None) -> torch.Tensor:  # fmt: skip
     """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
@@ -174,9 +209,9 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     blocks = sort_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size)
+    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
     per_slot = torch.empty(blocks.num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size)
+    _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size, launch)
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
 
 
@@ -191,18 +226,23 @@ def fused_experts_fp8(
     block_size: tuple[int, int] = (128, 128),
     *,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts_fp8: hidden [T, H] (float), e4m3 w13 [E, 2I, H] / w2 [E, H, I]
     with their float32 block scales, topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype,
     computed as torch_ref.fused_experts_fp8_w8a8. block_k (default: the weights' block_k, at most 128) divides
     the weights' block_k, a power of two."""
     check_fp8_expert_scales(w13, w13_scale, w2, w2_scale, block_size)
+    t = {**env_tiles(), **{k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                                                  num_warps=num_warps, num_stages=num_stages).items() if v}}
     bk = block_size[1]
-    block_k = block_k or min(bk, 128)
+    block_m, block_n = t.get("block_m"), t.get("block_n", 64)
+    block_k = t.get("block_k") or min(bk, 128)
     if bk & (bk - 1) or bk % block_k:
         raise ValueError(f"the FP8 expert kernel steps K by {block_k}, which must divide the weights' block_k {bk} "
                          "(a power of two)")  # fmt: skip
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, block_m, block_n, block_k, (w13_scale, w2_scale),
-                       block_size)  # fmt: skip
+                       block_size, _launch(t))  # fmt: skip
