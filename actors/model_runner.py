@@ -175,8 +175,11 @@ class ModelRunner:
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
-        # with tensor parallelism the decode graphs would capture the all-reduces: not validated on a GPU yet
-        if (self.device.type == "cuda" and not config.worker.enforce_eager and self.tp_size == 1
+        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1) until its GPU
+        # test (tests/test_tp_graphs.py) has passed; never with expert parallelism, whose dispatch reads counts back
+        tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
+                                      and not config.parallel.enable_expert_parallel)
+        if (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
                 and (self.model.attention_backend_name == "flashinfer"
                      or (self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()))):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefill-decode disaggregation on a machine with two GPUs (issue 7), in one device call:
-#   1. the two-GPU tests of the torch_dist KV backend (NCCL) and of the KV-migration actors;
+#   1. the two-GPU tests of the torch_dist KV backend (NCCL), of the KV-migration actors and of TP=2 decode graphs;
 #   2. KV migration bandwidth cuda:0 -> cuda:1 at Qwen3-8B's KV shape (scripts/bench_migration.py: the actors'
 #      path, the engine's send/recv, raw NCCL and a plain peer copy);
 #   3. serving on the Qwen3-8B shape (random weights, token-id prompts): 1P1D (`--engines prefill,decode`,
@@ -48,7 +48,7 @@ DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.bench_shapes import shape_d
 if want tests; then
   stage "two-GPU tests"
   timeout "$(cap 150)" python3 -m pytest -m gpu tests/test_kv_transfer_torch.py tests/test_kv_migration.py \
-    -k "two_gpus or nccl" -v -p no:cacheprovider > "$R/gpu-tests.log" 2>&1
+    tests/test_tp_graphs.py -k "two_gpus or nccl or tp2" -v -p no:cacheprovider > "$R/gpu-tests.log" 2>&1
   echo "exit $?"; grep -E "PASSED|SKIPPED|FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -8
 fi
 
