@@ -119,3 +119,20 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
 
 def triton_p2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"), [(1, 128, 8, 16), (3, 8, 2, 16), (64, 16, 4, 32),
+                                                                     (300, 128, 8, 64)])  # fmt: skip
+def test_the_rows_bound_is_tight_for_small_batches_and_never_too_small(tokens, experts, top_k, block_m) -> None:
+    """padded_rows counts padding only for experts that can get a slot: batch-1 decode of 128 experts at top-8 needs
+    8 blocks, not 120; and whatever the routing (spread over as many experts as possible, or piled on a few) the
+    rows in use fit."""
+    slots = tokens * top_k
+    bound = routing.padded_rows(slots, experts, block_m)
+    if (tokens, experts) == (1, 128):
+        assert bound // block_m == 8
+    for skew in (False, True):
+        blocks = routing.sort_by_expert(_ids(tokens, experts, top_k, seed=slots, skew=skew), experts, block_m)
+        assert blocks.sorted_slots.numel() == bound and int(blocks.num_padded) <= bound
+    spread = (torch.arange(slots) % experts).view(tokens, top_k).to(torch.int32)  # as many busy experts as can be
+    assert int(routing.sort_by_expert(spread, experts, block_m).num_padded) <= bound

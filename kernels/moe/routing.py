@@ -48,8 +48,8 @@ class ExpertBlocks:
     """The (token, k) slots of a routing grouped by expert, each expert's run padded to `block_m` rows.
 
     A slot is token * top_k + j: the j-th expert choice of a token (its row in topk_ids.flatten()).
-    Sizes are the worst case for the batch (num_slots + E * (block_m - 1), rounded up to block_m), so
-    they depend only on the batch shape; `num_padded` says how many rows are really in use.
+    Sizes are the worst case for the batch (padded_rows: num_slots + min(E, num_slots) * (block_m - 1), rounded up
+    to block_m), so they depend only on the batch shape; `num_padded` says how many rows are really in use.
     """
 
     sorted_slots: torch.Tensor
@@ -67,8 +67,11 @@ class ExpertBlocks:
 
 
 def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Rows of the worst case: every expert's run padded by up to block_m - 1 rows, rounded up to block_m."""
-    return -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+    """Rows of the worst case, rounded up to block_m: each expert that gets a slot pads its run by up to
+    block_m - 1 rows, and at most min(num_experts, num_slots) experts get one. (A batch-1 decode step of 128
+    experts at top-8 thus needs 8 blocks of 16 rows, not 120: the expert GEMMs launch a program per block.)"""
+    busy = min(num_experts, num_slots)
+    return -(-(num_slots + busy * (block_m - 1)) // block_m) * block_m
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
