@@ -74,11 +74,26 @@ def expert_parallel_layers(model: nn.Module) -> list[StackedExperts]:
     return [m for m in model.modules() if isinstance(m, StackedExperts) and m.ep_experts is not None]
 
 
+def mtp_expert_layers(model: nn.Module) -> list[StackedExperts]:
+    """The expert-parallel layers of the model's multi-token-prediction layers (DeepSeek-V3's), in forward order;
+    none without them."""
+    mtp = getattr(getattr(model, "model", None), "mtp_layers", None)
+    return expert_parallel_layers(mtp) if mtp is not None else []
+
+
 @torch.inference_mode()
-def empty_forward(layers: list[StackedExperts]) -> None:
-    """An idle rank's step: every expert-parallel layer's all-to-alls, in order, with no tokens."""
+def empty_forward(layers: list[StackedExperts], mtp_layers: list[StackedExperts] | None = None,
+                  mtp_passes: int = 0) -> None:  # fmt: skip
+    """An idle rank's step: every expert-parallel layer's all-to-alls, in order, with no tokens. With MTP speculation
+    a busy rank's step runs the main model once and the MTP layer `mtp_passes` times (the verify pass's and every
+    draft's), so `layers` is then the main model's layers and the MTP layer's follow that many times."""
+    mtp = {id(m) for m in mtp_layers or ()}
     for layer in layers:
-        layer.empty_step()
+        if id(layer) not in mtp:
+            layer.empty_step()
+    for _ in range(mtp_passes):
+        for layer in mtp_layers or ():
+            layer.empty_step()
 
 
 @torch.inference_mode()

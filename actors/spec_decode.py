@@ -69,10 +69,6 @@ def check_speculative_config(config: EngineConfig) -> None:
     if config.model.load_format != "dummy" and not any(map(layer.match, _checkpoint_names(Path(config.model.model)))):
         raise ValueError(f"speculative method 'mtp': {config.model.model} declares num_nextn_predict_layers but its "
                          f"checkpoint has no MTP layer (no model.layers.{hf.num_hidden_layers}.eh_proj.weight)")
-    if config.parallel.data_parallel_size > 1 and config.parallel.enable_expert_parallel:
-        raise NotImplementedError("speculative decoding with expert parallelism over data-parallel ranks is not "
-                                  "built: the MTP layer's MoE would have to join every rank's all-to-alls, which "
-                                  "run in lockstep while verify steps and drafts differ per rank")
 
 
 def _checkpoint_names(model_dir: Path) -> list[str]:
@@ -96,6 +92,14 @@ class MTPSpeculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
+        par = runner.config.parallel
+        from flotilla.actors.data_parallel_worker import mtp_expert_layers
+
+        self.mtp_ep_layers = mtp_expert_layers(self.model) \
+            if par.data_parallel_size > 1 and par.enable_expert_parallel else []  # fmt: skip
+        """The MTP layer's expert-parallel layers when their all-to-alls span data-parallel ranks: every step then
+        runs the MTP layer exactly num_speculative_tokens times on every rank (empty passes where a rank has no
+        more drafts to make), as the ranks' all-to-alls must pair up."""
 
     @torch.inference_mode()
     def step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int]) -> StepResult:
@@ -136,6 +140,7 @@ class MTPSpeculator:
                 mtp_ids[starts[i + 1] - 1] = s.buffer[c + n]
         if not samplers:
             model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)  # its KV only
+            self._pad_mtp_passes(1)
             return StepResult(step=step)
 
         out, want = self._sample(seqs, samplers, seg, local, hidden[upload(rows, dev)])
@@ -198,6 +203,7 @@ class MTPSpeculator:
         tokens = model.mtp_logits(hidden).argmax(dim=-1)
         drafts = [[t] for t in tokens.tolist()]
         live = np.arange(len(seqs))
+        passes = 1  # the verify pass's MTP forward
         for _ in range(self.num_speculative_tokens - 1):
             pos = [positions[i] + len(drafts[i]) for i in live.tolist()]
             ok = np.asarray([p < r.max_model_len and p // bs < len(seqs[i].block_ids)
@@ -212,7 +218,16 @@ class MTPSpeculator:
                                                 device=r.device)
             positions_t = positions_from_lists(pos, [1] * len(pos), device=r.device)
             hidden = model.mtp_forward(tokens, positions_t, hidden, r.kv_caches, meta)
+            passes += 1
             tokens = model.mtp_logits(hidden).argmax(dim=-1)
             for i, t in zip(live.tolist(), tokens.tolist()):
                 drafts[i].append(t)
+        self._pad_mtp_passes(passes)
         return drafts
+
+    def _pad_mtp_passes(self, done: int) -> None:
+        """Under data-parallel expert parallelism: the MTP layer's all-to-alls with no tokens until this step ran it
+        num_speculative_tokens times (see mtp_ep_layers)."""
+        for _ in range(self.num_speculative_tokens - done):
+            for layer in self.mtp_ep_layers:
+                layer.empty_step()

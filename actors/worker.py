@@ -154,7 +154,11 @@ class GPUWorkerActor(Actor):
         self.runner.launch(plan)
         if self.ep_layers:
             if not plan.rids:
-                dp.empty_forward(self.ep_layers)
+                spec = self.runner.spec
+                if spec is None:
+                    dp.empty_forward(self.ep_layers)
+                else:  # the MTP layer's all-to-alls as often as a speculating step runs it
+                    dp.empty_forward(self.ep_layers, spec.mtp_ep_layers, spec.num_speculative_tokens)
             self._steps_run += 1
 
     async def _report_expert_loads(self) -> None:

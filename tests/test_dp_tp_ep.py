@@ -151,6 +151,7 @@ def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> N
 def test_flotilla_serve_runs_dp2_tp2_ep4_and_answers_like_one_process(moe_dir: Path) -> None:
     """The same topology behind `flotilla serve` and the real openai client: concurrent greedy completions over
     token-id prompts give the one-process engine's text, and /metrics counts the experts' tokens."""
+    import time
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
@@ -172,7 +173,10 @@ def test_flotilla_serve_runs_dp2_tp2_ep4_and_answers_like_one_process(moe_dir: P
 
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(text, prompts)) == want
-        metrics = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
-        assert "flotilla_expert_tokens_total{" in metrics
+        deadline = time.monotonic() + 20  # the workers report expert loads every half second, after their steps
+        while "flotilla_expert_tokens_total{" not in (
+                metrics := urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()):
+            assert time.monotonic() < deadline, "no expert token counts in /metrics"
+            time.sleep(0.2)
     finally:
         server.stop()

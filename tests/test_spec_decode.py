@@ -231,11 +231,8 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path, model_dir: Pat
     with pytest.raises(ValueError, match="num_speculative_tokens must be at least 1"):
         SpeculativeConfig(num_speculative_tokens=0)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
-    config = EngineConfig.from_options(model=str(model_dir), speculative_config=spec, data_parallel_size=2,
-                                       enable_expert_parallel=True)
-    with pytest.raises(NotImplementedError, match="expert parallelism over data-parallel ranks is not built"):
-        check_speculative_config(config)  # refused before any rank starts
-    for parallel in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}):
+    for parallel in ({"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+                     {"data_parallel_size": 2, "enable_expert_parallel": True}):  # (each served, tests below)
         check_speculative_config(EngineConfig.from_options(model=str(model_dir), speculative_config=spec, **parallel))
     plain_model = load_model(str(model_dir), progress=False, model_kwargs={"attention_backend": "torch"}).module
     assert plain_model.num_layers == 3 and len(plain_model.model.mtp_layers) == 0  # MTP off: its tensors skipped
@@ -341,3 +338,23 @@ def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_
         assert "flotilla_spec_decode_accepted_tokens_total{" in text
     finally:
         server.stop()
+
+
+def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path) -> None:
+    """DP2 x EP2: each data-parallel rank speculates on its own requests, and every step runs the MTP layer's
+    all-to-alls num_speculative_tokens times on both ranks (empty passes where a rank has fewer drafts to make, and
+    an idle rank's empty step runs them too), so the ranks' collectives pair up: greedy tokens are plain decoding's,
+    with both ranks busy and then with one idle."""
+    from helpers_parallel import generate_within
+
+    prompts = [{"prompt_token_ids": r.prompt_ids.tolist()} for r in requests()[:5]]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    options = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    with LLM(str(model_dir), **options, placement="inline") as llm:
+        want = generate_within(llm, prompts, greedy, 120)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(str(model_dir), **options, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
+             placement="process") as llm:  # fmt: skip
+        assert generate_within(llm, prompts[:4], greedy, 120) == want[:4]  # both data-parallel ranks busy
+        assert llm.client.coordinator.assigned == [2, 2]
+        assert generate_within(llm, prompts[4:], greedy, 60) == want[4:]  # one rank idle, running empty steps
