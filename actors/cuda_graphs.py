@@ -129,16 +129,15 @@ class DecodeGraphs:
     def static_tables_for(self, size: int, seq_lens: np.ndarray,
                           tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(seq_lens [size], block tables [size, pages of the longest sequence]) for the static-table kernels:
-        the real sequences first, then padding rows of one token on the scratch block."""
-        bs = self.block_size
-        n = len(seq_lens)
+        the real sequences first, then padding rows of one token on the scratch block (page_tables' pages, as
+        rows)."""
+        indptr, indices, _ = self.page_tables(size, seq_lens, tables)
+        pages = np.diff(indptr)
         lens = np.ones(size, dtype=np.int32)
-        lens[:n] = seq_lens
-        width = max(1, int(-(-int(seq_lens.max()) // bs)) if n else 1)
-        table = np.full((size, width), self.scratch_block, dtype=np.int32)
-        for b, (t, length) in enumerate(zip(tables, seq_lens.tolist())):
-            pages = -(-length // bs)
-            table[b, :pages] = t[:pages]
+        lens[:len(seq_lens)] = seq_lens
+        table = np.full((size, int(pages.max())), self.scratch_block, dtype=np.int32)
+        rows = np.repeat(np.arange(size), pages)
+        table[rows, np.arange(len(indices)) - indptr[rows]] = indices
         return lens, table
 
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from flotilla.actors.data_parallel_worker import mtp_expert_layers
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
@@ -93,8 +94,6 @@ class MTPSpeculator:
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
         par = runner.config.parallel
-        from flotilla.actors.data_parallel_worker import mtp_expert_layers
-
         self.mtp_ep_layers = mtp_expert_layers(self.model) \
             if par.data_parallel_size > 1 and par.enable_expert_parallel else []  # fmt: skip
         """The MTP layer's expert-parallel layers when their all-to-alls span data-parallel ranks: every step then

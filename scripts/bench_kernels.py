@@ -209,7 +209,7 @@ def _moe_backends(bench: Bench, fp8: bool) -> Backends:
         fused = triton_experts.fused_experts_fp8 if fp8 else triton_experts.fused_experts
         backends.append(("triton", fused))
         for text in bench.moe_tiles:  # a tuning sweep: the same kernel with other tiles / warps / stages
-            tiles = triton_experts._parse_tiles(text)
+            tiles = triton_experts.parse_tiles(text)
             backends.append((f"triton[{text}]", lambda *a, fused=fused, tiles=tiles: fused(*a, **tiles)))
     else:
         backends.append(("triton", reason))

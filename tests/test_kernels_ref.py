@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -126,6 +127,15 @@ def test_metadata_from_lists() -> None:
     assert padded.block_tables.shape == (1, 8)
     with pytest.raises(ValueError, match="sequence 1 has 1 blocks but needs 2"):
         AttentionMetadata.from_lists([0, 4], [1, 1], [[1], [2]], block_size=4)
+
+
+def test_host_metadata_in_flashinfers_csr_form() -> None:
+    """The paged cache as FlashInfer's plans take it (the GQA and MLA flashinfer backends share it): each sequence's
+    pages in use, concatenated, and how full its last page is."""
+    meta = AttentionMetadata.from_lists([0, 5, 2], [3, 1, 2], [[7, 2], [4, 1], [9]], block_size=4)
+    indptr, indices, last = meta.host.paged_kv(4)
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 1, 3, 4], [7, 4, 1, 9], [3, 2, 4])
+    assert indptr.dtype == indices.dtype == last.dtype == np.int32
 
 
 def test_attention_backend_dispatch() -> None:

@@ -15,29 +15,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.mla import flash_mla_backend as fmb
 from flotilla.kernels.mla import mla_cache_shape, torch_ref
+from helpers_mla import mla_step
 
 ON_HOPPER = fmb.flash_mla_usable()
 
 
 def _decode_batch(seq_lens, heads, dtype=torch.bfloat16, seed=0, device="cpu"):
     """A decode step over 64-token blocks: (q_latent [B, H, 512], q_pe [B, H, 64], cache, meta)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    bs = fmb.BLOCK_SIZE
-    num_blocks = sum(-(-n // bs) for n in seq_lens) + 2
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    cache = torch.zeros(mla_cache_shape(num_blocks, bs, fmb.LATENT, fmb.ROPE), device=device, dtype=dtype)
-    rows = torch.randn(sum(seq_lens), fmb.LATENT + fmb.ROPE, generator=gen, device=device).to(dtype)
-    fill = AttentionMetadata.from_lists([0] * len(seq_lens), list(seq_lens), tables, bs, device=device)
-    torch_ref.store_latent(rows[:, :fmb.LATENT], rows[:, fmb.LATENT:], cache, fill.slot_mapping)
-    meta = AttentionMetadata.from_lists([n - 1 for n in seq_lens], [1] * len(seq_lens), tables, bs, device=device)
-    q_latent = torch.randn(len(seq_lens), heads, fmb.LATENT, generator=gen, device=device).to(dtype)
-    q_pe = torch.randn(len(seq_lens), heads, fmb.ROPE, generator=gen, device=device).to(dtype)
-    return q_latent, q_pe, cache, meta
+    return mla_step([n - 1 for n in seq_lens], [1] * len(seq_lens), fmb.LATENT, fmb.ROPE, heads, fmb.BLOCK_SIZE, seed,
+                    device, dtype)  # fmt: skip
 
 
 class _StandIn:

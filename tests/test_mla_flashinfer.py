@@ -15,28 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.mla import flashinfer_mla_backend as fib
-from flotilla.kernels.mla import mla_cache_shape, torch_ref
-
-
-def _step(cached: list[int], new: list[int], rank: int, rope: int, heads: int, block_size: int, seed: int,
-          device: str = "cpu", dtype: torch.dtype = torch.float32):  # fmt: skip
-    """(q_latent, q_pe, cache, meta) of one step: cached tokens already stored, `new` tokens per sequence."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    lens = [c + n for c, n in zip(cached, new)]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 2
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    cache = torch.zeros(mla_cache_shape(num_blocks, block_size, rank, rope), device=device, dtype=dtype)
-    rows = torch.randn(sum(lens), rank + rope, generator=gen, device=device).to(dtype)
-    fill = AttentionMetadata.from_lists([0] * len(lens), lens, tables, block_size, device=device)
-    torch_ref.store_latent(rows[:, :rank], rows[:, rank:], cache, fill.slot_mapping)
-    meta = AttentionMetadata.from_lists(cached, new, tables, block_size, device=device)
-    q_latent = torch.randn(sum(new), heads, rank, generator=gen, device=device).to(dtype)
-    q_pe = torch.randn(sum(new), heads, rope, generator=gen, device=device).to(dtype)
-    return q_latent, q_pe, cache, meta
+from flotilla.kernels.mla import torch_ref
+from helpers_mla import mla_step
 
 
 class _Wrapper:
@@ -81,8 +62,8 @@ STAND_IN = SimpleNamespace(mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=_Wr
 @pytest.mark.parametrize(("cached", "new"), [([0, 9, 40, 3], [1, 1, 1, 1]),     # decode
                                              ([0, 12, 5], [7, 1, 16]),           # prefill, decode, a chunk
                                              ([], [])])  # fmt: skip
-def test_the_adapter_gives_the_reference_and_plans_once_per_step(cached, new):
-    q_latent, q_pe, cache, meta = _step(cached, new, rank=32, rope=8, heads=4, block_size=4, seed=len(new))
+def test_the_adapter_gives_the_reference_and_plans_once_permla_step(cached, new):
+    q_latent, q_pe, cache, meta = mla_step(cached, new, rank=32, rope=8, heads=4, block_size=4, seed=len(new))
     before = _Wrapper.plans
     want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2)
     for _layer in range(3):
@@ -95,7 +76,7 @@ def test_the_adapter_gives_the_reference_and_plans_once_per_step(cached, new):
 
 
 def test_an_fp8_cache_and_a_step_without_host_metadata_are_refused():
-    q_latent, q_pe, cache, meta = _step([3], [1], rank=32, rope=8, heads=4, block_size=4, seed=1)
+    q_latent, q_pe, cache, meta = mla_step([3], [1], rank=32, rope=8, heads=4, block_size=4, seed=1)
     with pytest.raises(ValueError, match="not FP8"):
         fib.paged_mla(q_latent, q_pe, cache.to(torch.float8_e4m3fn), meta, 0.2, flashinfer=STAND_IN)
     with pytest.raises(ValueError, match="host metadata"):
@@ -107,7 +88,7 @@ def test_an_fp8_cache_and_a_step_without_host_metadata_are_refused():
 @pytest.mark.parametrize(("cached", "new"), [([random.Random(1).randint(1, 3000) for _ in range(64)], [1] * 64),
                                              ([0, 700, 31], [300, 1, 64])])  # fmt: skip
 def test_flashinfer_mla_matches_the_float32_reference_at_deepseek_v3_sizes(cached, new):
-    q_latent, q_pe, cache, meta = _step(cached, new, rank=512, rope=64, heads=128, block_size=64, seed=len(new),
+    q_latent, q_pe, cache, meta = mla_step(cached, new, rank=512, rope=64, heads=128, block_size=64, seed=len(new),
                                         device="cuda", dtype=torch.bfloat16)  # fmt: skip
     want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.1)
     got = fib.paged_mla(q_latent, q_pe, cache, meta, 0.1)

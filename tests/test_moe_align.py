@@ -107,18 +107,16 @@ def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(
 @pytest.mark.slow
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
     """Compiled for an H200 (sm_90) in a child without the interpreter: the atomics, barriers and cumsum."""
+    import triton
     from helpers_triton import compile_for_sm90
 
     ptrs = {n: "*i32" for n in ("ids_ptr", "sorted_ptr", "block_experts_ptr", "num_padded_ptr", "cursor_ptr")}
     specs = [("flotilla.kernels.moe.triton_align", "_align_kernel", {**ptrs, "ids_ptr": ids}, [],
-              dict(NUM_EXPERTS=e, E_P2=triton_p2(e), BLOCK_M=bm, CHUNK=1024, BLOCK_CHUNK=32, SLOTS_BOUND=2048,
+              dict(NUM_EXPERTS=e, E_P2=triton.next_power_of_2(e), BLOCK_M=bm, CHUNK=1024, BLOCK_CHUNK=32, SLOTS_BOUND=2048,
                    ROWS_BOUND=4096, BLOCKS_BOUND=256), 4)
              for ids, e, bm in (("*i32", 128, 16), ("*i64", 256, 64), ("*i32", 60, 32))]  # fmt: skip
     compile_for_sm90(specs, tmp_path)
 
-
-def triton_p2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"), [(1, 128, 8, 16), (3, 8, 2, 16), (64, 16, 4, 32),

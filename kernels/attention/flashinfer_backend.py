@@ -86,12 +86,7 @@ class FlashInferAttention:
         if host is None:
             raise ValueError("the flashinfer backend needs AttentionMetadata built with host copies (from_lists)")
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        pages = -(-host.seq_lens // block_size)
-        kv_indptr = np.zeros(len(pages) + 1, dtype=np.int32)
-        np.cumsum(pages, out=kv_indptr[1:])
-        used = np.arange(host.block_tables.shape[1])[None, :] < pages[:, None]
-        kv_indices = host.block_tables[used].astype(np.int32)  # row-major: each sequence's pages in order
-        last_page_len = (host.seq_lens - (pages - 1) * block_size).astype(np.int32)
+        kv_indptr, kv_indices, last_page_len = host.paged_kv(block_size)
         decode, prefill = self._wrappers_for(query.device, decode_tensor_cores(query.shape[1], num_kv_heads))
         common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
                       q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)

@@ -24,6 +24,17 @@ class HostMetadata:
     block_tables: np.ndarray
     """int32 [B, max_blocks_per_seq]."""
 
+    def paged_kv(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The paged cache in CSR form, as FlashInfer's plans take it (int32): kv_indptr [B+1], kv_indices (each
+        sequence's pages in order, concatenated) and last_page_len [B]."""
+        pages = -(-self.seq_lens // block_size)
+        kv_indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        np.cumsum(pages, out=kv_indptr[1:])
+        used = np.arange(self.block_tables.shape[1])[None, :] < pages[:, None]
+        kv_indices = self.block_tables[used].astype(np.int32)  # row-major: each sequence's pages in order
+        last_page_len = (self.seq_lens - (pages - 1) * block_size).astype(np.int32)
+        return kv_indptr, kv_indices, last_page_len
+
 
 @dataclass(slots=True)
 class AttentionMetadata:

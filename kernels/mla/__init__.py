@@ -57,14 +57,16 @@ def _triton_backend() -> MLABackend:
 
 def _flash_mla_backend() -> MLABackend:
     from flotilla.kernels.mla import flash_mla_backend as fm
+    from flotilla.kernels.mla import triton_mla  # the same cache layout: triton's store
 
-    return MLABackend(name="flash_mla", store_latent=fm.store_latent, forward=fm.paged_mla)
+    return MLABackend(name="flash_mla", store_latent=triton_mla.store_latent, forward=fm.paged_mla)
 
 
 def _flashinfer_backend() -> MLABackend:
     from flotilla.kernels.mla import flashinfer_mla_backend as fi
+    from flotilla.kernels.mla import triton_mla  # the same cache layout: triton's store
 
-    return MLABackend(name="flashinfer", store_latent=fi.store_latent, forward=fi.paged_mla)
+    return MLABackend(name="flashinfer", store_latent=triton_mla.store_latent, forward=fi.paged_mla)
 
 
 def available_mla_backends() -> list[str]:

@@ -83,10 +83,3 @@ def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
 
     return triton_mla.paged_mla_prefill(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
 
-
-def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 kv_scale: float = 1.0) -> None:
-    """The triton one-launch store (the layout is the same)."""
-    from flotilla.kernels.mla import triton_mla
-
-    triton_mla.store_latent(c_kv, k_pe, kv_cache, slot_mapping, kv_scale)

@@ -3,7 +3,7 @@
 FlashInfer's MLA kernels take the compressed cache as two page tensors, the latent [pages, page_size, 512] and the
 roped key part [pages, page_size, 64]: the two column ranges of kernels/mla's [blocks, block_size, 576] rows, passed
 as strided views, so nothing is copied. They serve decode, prefill chunks over a cached prefix and mixed steps alike
-(causal, the new tokens being the last of each sequence). The wrapper is planned once per step from the step's host
+(causal, the new tokens being the last of each sequence); the store is triton_mla's. The wrapper is planned once per step from the step's host
 metadata (no device sync), by the first layer that attends, and the other layers reuse the plan through the step's
 AttentionMetadata.backend_state. One wrapper (and its 128 MiB workspace) per device.
 
@@ -48,19 +48,12 @@ def page_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
     host = meta.host
     if host is None:
         raise ValueError("the flashinfer MLA backend plans from the step's host metadata, which this step lacks")
-    bs = meta.block_size
-    seq_lens = np.asarray(host.seq_lens, dtype=np.int64)
-    pages = -(-seq_lens // bs)
-    kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
-    np.cumsum(pages, out=kv_indptr[1:])
-    tables = np.asarray(host.block_tables)
-    indices = np.concatenate([tables[b, :p] for b, p in enumerate(pages.tolist())]) if len(pages) else \
-        np.zeros(0, dtype=np.int32)  # fmt: skip
-    kv_indices = torch.from_numpy(indices.astype(np.int32))
+    kv_indptr, indices, _ = host.paged_kv(meta.block_size)
+    kv_indices = torch.from_numpy(indices)
     if torch.cuda.is_available():
         kv_indices = kv_indices.pin_memory()  # its copy to the device then does not wait for the device
-    return (torch.from_numpy(np.asarray(host.query_start_loc, dtype=np.int32)), torch.from_numpy(kv_indptr),
-            kv_indices, torch.from_numpy(seq_lens.astype(np.int32)))  # fmt: skip
+    return (torch.from_numpy(host.query_start_loc.astype(np.int32)), torch.from_numpy(kv_indptr), kv_indices,
+            torch.from_numpy(host.seq_lens.astype(np.int32)))  # fmt: skip
 
 
 def _wrapper(device: torch.device, flashinfer: ModuleType) -> object:
@@ -93,10 +86,3 @@ def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
         meta.backend_state["flashinfer_mla"] = wrapper
     return wrapper.run(q_latent, q_pe, kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:])
 
-
-def store_latent(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 kv_scale: float = 1.0) -> None:
-    """The triton one-launch store (the layout is the same)."""
-    from flotilla.kernels.mla import triton_mla
-
-    triton_mla.store_latent(c_kv, k_pe, kv_cache, slot_mapping, kv_scale)

@@ -118,7 +118,8 @@ TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "
 
 
 @functools.cache
-def _parse_tiles(text: str) -> dict[str, int]:
+def parse_tiles(text: str) -> dict[str, int]:
+    """FLOTILLA_MOE_TILES's text -> the expert kernel's keyword arguments (ValueError naming a bad item)."""
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
@@ -131,7 +132,7 @@ def _parse_tiles(text: str) -> dict[str, int]:
 def env_tiles() -> dict[str, int]:
     """The expert kernel's tiles and launch options forced by FLOTILLA_MOE_TILES (for tuning sweeps,
     scripts/bench_kernels.py --moe-tiles); empty when unset."""
-    return _parse_tiles(os.environ.get("FLOTILLA_MOE_TILES", ""))
+    return parse_tiles(os.environ.get("FLOTILLA_MOE_TILES", ""))
 
 
 def pick_block_m(num_slots: int, num_experts: int) -> int:
@@ -184,10 +185,14 @@ def fused_experts(
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Block sizes of at least 16
     (tl.dot's minimum on NVIDIA GPUs); tiles and launch options not given come from FLOTILLA_MOE_TILES, else
     the defaults (block_m by pick_block_m, 64 x 64, triton's warps and stages)."""
-    t = {**env_tiles(), **{k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                                                  num_warps=num_warps, num_stages=num_stages).items() if v}}
+    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t.get("block_m"), t.get("block_n", 64),
                        t.get("block_k", 64), launch=_launch(t))  # fmt: skip
+
+
+def _tiles(**given: int | None) -> dict[str, int]:
+    """The caller's tiles and launch options over FLOTILLA_MOE_TILES's (None: not given)."""
+    return {**env_tiles(), **{k: v for k, v in given.items() if v}}
 
 
 def _launch(tiles: dict[str, int]) -> dict[str, int]:
@@ -236,8 +241,7 @@ def fused_experts_fp8(
     computed as torch_ref.fused_experts_fp8_w8a8. block_k (default: the weights' block_k, at most 128) divides
     the weights' block_k, a power of two."""
     check_fp8_expert_scales(w13, w13_scale, w2, w2_scale, block_size)
-    t = {**env_tiles(), **{k: v for k, v in dict(block_m=block_m, block_n=block_n, block_k=block_k,
-                                                  num_warps=num_warps, num_stages=num_stages).items() if v}}
+    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     bk = block_size[1]
     block_m, block_n = t.get("block_m"), t.get("block_n", 64)
     block_k = t.get("block_k") or min(bk, 128)
