@@ -1,5 +1,6 @@
 """The one-launch FP8 activation quantization (kernels/quant/fp8_quant_triton.py) against fp8_ref's torch version:
-the same e4m3 bytes and the same float32 scales, bit for bit. On CPU under triton's interpreter
+the same e4m3 bytes and the same float32 scales, bit for bit (on CUDA all but the rare value at a rounding
+midpoint: _check_identical says why). On CPU under triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1), on CUDA at DeepSeek-V3 sizes in the `gpu` test."""
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1
 
 def _check_identical(x: torch.Tensor, group: int) -> None:
     """Identical scales and e4m3 bytes; triton's CPU interpreter writes -0 as +0 (its float8 cast drops the sign
-    of zero), so on CPU zeros compare by value, everything else by byte."""
+    of zero), so on CPU zeros compare by value, everything else by byte. On CUDA a few values may round the other
+    way: at 4,096 tokens of DeepSeek-V3 sizes (44M values) some bytes differed on an H200 (2026-11-30), none at 64
+    tokens, as expected if torch's CUDA division and the kernel's IEEE division (div_rn) can differ in the last
+    bit of float32, which moves e4m3's rounding only for a quotient that close to the midpoint between two e4m3
+    values (about one in 2^20). Those, and only those, are let through: adjacent e4m3 values around a midpoint
+    the exact quotient lies within a few float32 ulps of, in at most one value in 100,000."""
     from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
     want_q, want_s = fp8_ref.per_token_group_quantize(x, group)
@@ -29,8 +35,16 @@ def _check_identical(x: torch.Tensor, group: int) -> None:
     if not got_q.is_cuda:
         zero = want_q.float() == 0
         assert torch.equal(got_q.float()[zero], want_q.float()[zero])
-        got_bytes, want_bytes = got_bytes[~zero], want_bytes[~zero]
-    assert torch.equal(got_bytes, want_bytes)
+        assert torch.equal(got_bytes[~zero], want_bytes[~zero])
+        return
+    differ = got_bytes != want_bytes
+    assert int(differ.sum()) <= x.numel() // 100_000, f"{int(differ.sum())} of {x.numel()} e4m3 bytes differ"
+    if differ.any():
+        exact = (x.double() / want_s.double().repeat_interleave(group, dim=-1)[..., : x.shape[-1]])[differ]
+        got, want = got_q.double()[differ], want_q.double()[differ]
+        step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()))) - 3).clamp(min=2.0**-9)
+        assert ((got - want).abs() <= step).all(), "a value rounded more than one e4m3 step away"
+        assert ((exact - (got + want) / 2).abs() <= exact.abs() * 2.0**-21).all(), "a value far from a midpoint"
 
 
 @pytest.mark.parametrize(("shape", "group", "dtype"), [
