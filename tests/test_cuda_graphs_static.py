@@ -49,14 +49,8 @@ def _graph_and_eager(model: str, **options) -> dict[bool, list[list[int]]]:
     return outs
 
 
-@pytest.fixture
-def static_graphs(monkeypatch):
-    monkeypatch.setenv("FLOTILLA_STATIC_TABLE_GRAPHS", "1")  # opt-in until these tests have passed on a GPU
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.usefixtures("static_graphs")
 def test_triton_gqa_attention_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
     outs = _graph_and_eager(str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64")), attention_backend="triton")
     assert outs[False] == outs[True]
@@ -64,7 +58,6 @@ def test_triton_gqa_attention_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.usefixtures("static_graphs")
 def test_triton_mla_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
     outs = _graph_and_eager(str(write_tiny_deepseek_model(tmp_path / "ds")))
     assert outs[False] == outs[True]

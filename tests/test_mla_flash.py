@@ -107,10 +107,9 @@ def _write_flash_mla_shaped_deepseek(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with flash_mla")
-def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path, monkeypatch):
+def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path):
     from flotilla import LLM, SamplingParams
 
-    monkeypatch.setenv("FLOTILLA_STATIC_TABLE_GRAPHS", "1")  # opt-in until this test has passed on a GPU
     model = _write_flash_mla_shaped_deepseek(tmp_path / "ds")
     rng = random.Random(5)
     ps = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 150))] for _ in range(10)]
