@@ -11,6 +11,9 @@ from typing import Literal
 
 import msgspec
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block when CacheConfig.block_size is unset and the attention kernels need no other size."""
+
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which model, in which dtype, how long a sequence may be."""
@@ -40,8 +43,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The paged KV cache."""
 
-    block_size: int = 16
-    """Tokens per KV block."""
+    block_size: int | None = None
+    """Tokens per KV block; unset: 16, or 64 for a DeepSeek-style (MLA) model on FlashMLA, whose kernel pages 64."""
     kv_cache_blocks: int | None = None
     """Number of KV blocks; overrides sizing from memory."""
     gpu_memory_utilization: float = 0.9
@@ -55,7 +58,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     unless calibrated: half the bytes of a 16-bit cache, so twice the tokens, at a small accuracy cost)."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 2:
             raise ValueError("kv_cache_blocks must be at least 2")

@@ -24,7 +24,7 @@ import torch
 
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, static_table_graphs_enabled
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
-from flotilla.config import EngineConfig
+from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
@@ -157,7 +157,9 @@ class ModelRunner:
                              "has no FP8 weights (no fp8 quantization_config); leave it at auto")
         self.hf_config = self.loaded.config
         self.dtype = self.loaded.dtype
-        self.block_size = config.cache.block_size
+        settle = getattr(self.model, "settle_kv_layout", None)  # a model whose kernels need their own page size
+        self.block_size = (settle(config.cache.block_size, config.cache.kv_cache_dtype) if settle is not None
+                           else config.cache.block_size or DEFAULT_BLOCK_SIZE)  # fmt: skip
         self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)

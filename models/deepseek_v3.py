@@ -69,7 +69,9 @@ import torch
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
+from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
+from flotilla.kernels.mla.flash_mla_backend import BLOCK_SIZE as FLASH_MLA_BLOCK
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.quant import FP8_DTYPE, Fp8LinearBackend, block_dequantize, get_fp8_backend
@@ -378,7 +380,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers + self.num_mtp_layers
         """KV cache layers: the decoder stack's, then the MTP layer's."""
         device = torch.get_default_device()
-        backend = get_mla_backend(mla_backend if mla_backend != "auto" else attention_backend, device=device)
+        requested = mla_backend if mla_backend != "auto" else attention_backend
+        self._mla_auto = requested == "auto"
+        """Whether the MLA kernels were picked here (settle_kv_layout may then trade FlashMLA for triton)."""
+        backend = get_mla_backend(requested, device=device, kv_lora_rank=mla.kv_lora_rank,
+                                  rope_dim=mla.qk_rope_head_dim, dtype=torch.get_default_dtype())
         self.mla_backend_name = backend.name
         self.attention_backend_name = f"mla_{backend.name}"
         """The attention kernels chosen (for the ready log line, and for the worker's decode graphs: mla_triton
@@ -434,6 +440,27 @@ class DeepseekV3ForCausalLM(nn.Module):
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer's output rows [N, H] -> float32 logits [N, vocab] of the token two positions ahead."""
         return self.compute_logits(self.model.mtp_layers[0].shared_head.norm(hidden))
+
+    def settle_kv_layout(self, block_size: int | None, kv_cache_dtype: str) -> int:
+        """The KV block size for the engine's cache options (block_size None: the engine's default). FlashMLA
+        reads only bfloat16 pages of 64 tokens: chosen by "auto" it gives way to triton when the options rule
+        that out (an FP8 cache, another block size); forced by name it refuses them."""
+        if self.mla_backend_name != "flash_mla":
+            return block_size or DEFAULT_BLOCK_SIZE
+        if block_size in (None, FLASH_MLA_BLOCK) and kv_cache_dtype == "auto":
+            return FLASH_MLA_BLOCK
+        why = (f"kv_cache_dtype {kv_cache_dtype}" if kv_cache_dtype != "auto" else f"block_size {block_size}")
+        if not self._mla_auto:
+            raise ValueError(f"the flash_mla MLA backend reads bfloat16 pages of {FLASH_MLA_BLOCK} tokens, not {why}: "
+                             f"leave block_size unset (or {FLASH_MLA_BLOCK}) and kv_cache_dtype auto, or use the "
+                             "triton MLA backend")  # fmt: skip
+        backend = get_mla_backend("triton")
+        for module in self.modules():
+            if isinstance(module, DeepseekV3Attention):
+                module.backend = backend
+        self.mla_backend_name, self.attention_backend_name = backend.name, f"mla_{backend.name}"
+        logger.info("MLA backend: triton, not FlashMLA (which cannot page a cache with %s)", why)
+        return block_size or DEFAULT_BLOCK_SIZE
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla)."""

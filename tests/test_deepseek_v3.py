@@ -231,3 +231,50 @@ def test_engine_greedy_output_equals_transformers_generate(tmp_path: Path) -> No
             ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
                               attention_mask=torch.ones_like(ids))[0, len(p):].tolist()  # fmt: skip
         assert out.outputs[0].token_ids == ref
+
+
+def test_mla_auto_picks_flash_mla_only_for_its_shapes_on_a_hopper_gpu(monkeypatch) -> None:
+    from flotilla.kernels import attention
+    from flotilla.kernels.mla import best_mla_backend, flash_mla_backend
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(attention, "triton_usable", lambda: True)
+    monkeypatch.setattr(flash_mla_backend, "flash_mla_usable", lambda: True)
+    assert best_mla_backend(cuda, 512, 64, bf16) == "flash_mla"  # DeepSeek-V3 / Kimi-K2's latent
+    assert best_mla_backend(cuda, 512, 64, torch.float16) == "triton"
+    assert best_mla_backend(cuda, 256, 64, bf16) == "triton"
+    assert best_mla_backend(torch.device("cpu"), 512, 64, bf16) == "torch"
+    monkeypatch.setattr(flash_mla_backend, "flash_mla_usable", lambda: False)  # not a Hopper, or no flash_mla
+    assert best_mla_backend(cuda, 512, 64, bf16) == "triton"
+
+
+def test_flash_mla_pages_64_tokens_and_an_auto_choice_gives_way_to_triton(model_dirs: dict[str, Path],
+                                                                          monkeypatch) -> None:  # fmt: skip
+    """settle_kv_layout, which the worker asks for the block size before allocating the cache: FlashMLA reads bf16
+    pages of 64 tokens. Picked by "auto" (stood in for here: no Hopper GPU) it yields to triton, in every layer,
+    for another block size or an FP8 cache; forced by name it refuses them."""
+    pytest.importorskip("triton")
+    from flotilla.kernels import mla
+
+    config = load_hf_config(model_dirs["deepseek_v3"])
+    assert DeepseekV3ForCausalLM(config).settle_kv_layout(None, "auto") == 16  # torch on CPU: the default size
+    assert DeepseekV3ForCausalLM(config).settle_kv_layout(4, "fp8") == 4
+    monkeypatch.setattr(mla, "available_mla_backends", lambda: ["auto", "torch", "triton", "flash_mla"])
+    monkeypatch.setattr(mla, "best_mla_backend", lambda *args: "flash_mla")
+
+    def attention_backends(model: DeepseekV3ForCausalLM) -> set[str]:
+        return {layer.self_attn.backend.name for layer in model.model.layers}
+
+    model = DeepseekV3ForCausalLM(config)
+    assert (model.attention_backend_name, model.settle_kv_layout(None, "auto")) == ("mla_flash_mla", 64)
+    assert model.settle_kv_layout(64, "auto") == 64 and attention_backends(model) == {"flash_mla"}
+    for block_size, kv_dtype, want in ((16, "auto", 16), (None, "fp8", 16), (64, "fp8_e4m3", 64)):
+        model = DeepseekV3ForCausalLM(config)
+        assert model.settle_kv_layout(block_size, kv_dtype) == want
+        assert model.attention_backend_name == "mla_triton" and attention_backends(model) == {"triton"}
+    forced = DeepseekV3ForCausalLM(config, attention_backend="flash_mla")
+    assert forced.settle_kv_layout(None, "auto") == 64
+    with pytest.raises(ValueError, match="reads bfloat16 pages of 64 tokens, not block_size 16"):
+        forced.settle_kv_layout(16, "auto")
+    with pytest.raises(ValueError, match="not kv_cache_dtype fp8"):
+        forced.settle_kv_layout(None, "fp8")
