@@ -4,6 +4,9 @@
 # install, scripts/device_compare.sh) `vllm serve` on the same shape and the same requests. One PNG per model:
 #   device run, carry [".gpu-bundle"] (and the vLLM peer's paths for VLLM=1), timeout 600:
 #     bash scripts/device_serving.sh
+# `vllm serve` needs prometheus_fastapi_instrumentator, which the peer's bundle (make.sh) lacks: before the peer's
+# third call, `pip download --no-deps -d .vllm-peer/wheels/cli prometheus-fastapi-instrumentator==8.1.0
+# prometheus-client==0.26.0` (its install.sh installs wheels/cli/*). Without it vLLM's API server dies at start.
 # MODEL (default qwen3-8b), RATES (default 1,2,4,8,16,inf), PROMPTS per rate (default 200), INPUT_LEN / OUTPUT_LEN
 # (default 1024 / 128), MODEL_DIR (a model folder instead of the shape; a CPU smoke run: NO_BUNDLE=1 MODEL_DIR=tiny
 # DTYPE=float32 PROMPTS=4 RATES=inf INPUT_LEN=16 OUTPUT_LEN=8 VOCAB=300). Results in $OUT/serving.tgz: serve-flotilla.json, serve-vllm.json, serving-MODEL.png.
@@ -49,9 +52,14 @@ run_engine() {  # label, port, command...
 run_engine flotilla 8000 python3 -m flotilla serve "$DIR" --port 8000 --load-format dummy --skip-tokenizer-init \
   --dtype "${DTYPE:-bfloat16}" --max-model-len "${MAX_LEN:-4096}" --no-enable-prefix-caching
 plots=("flotilla=$R/serve-flotilla.json")
+vllm_serve() {  # vLLM's server in its own environment: only the peer's site, not flotilla's bundle, on its path
+  # (with the bundle's flashinfer importable vLLM's warm-up calls flashinfer's autotune() with an argument flashinfer
+  # 0.6.6 lacks and the engine core dies; the bench client still runs in flotilla's environment)
+  exec env -u PYTHONPATH bash -c 'source /tmp/vp/env.sh && exec python3 -m vllm.entrypoints.cli.main serve "$@"' vllm "$@"
+}
 if [ "${VLLM:-0}" = 1 ] && [ -f /tmp/vp/env.sh ]; then
-  (source /tmp/vp/env.sh && run_engine vllm 8001 python3 -m vllm.entrypoints.cli.main serve "$DIR" --port 8001 \
-    --load-format dummy --skip-tokenizer-init --dtype bfloat16 --max-model-len 4096 --no-enable-prefix-caching)
+  run_engine vllm 8001 vllm_serve "$DIR" --port 8001 --load-format dummy --skip-tokenizer-init --dtype bfloat16 \
+    --max-model-len "${MAX_LEN:-4096}" --no-enable-prefix-caching
   [ -f "$R/serve-vllm.json" ] && plots+=("vLLM 0.26.0=$R/serve-vllm.json")
 fi
 [ -f "$R/serve-flotilla.json" ] && python3 -m flotilla.scripts.plot_serving "${plots[@]}" "$R/serving-$M.png"
