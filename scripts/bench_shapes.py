@@ -43,6 +43,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+SHAPES["deepseek-v3-4l-mtp"] = {**SHAPES["deepseek-v3-4l"], "num_nextn_predict_layers": 1}
+"""deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/bench_mtp.py); the peer's shape has none."""
+
+
 def shape_dir(name: str) -> Path:
     """A folder holding only the config.json of a built-in shape."""
     d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"

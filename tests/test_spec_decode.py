@@ -358,3 +358,21 @@ def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(m
         assert generate_within(llm, prompts[:4], greedy, 120) == want[:4]  # both data-parallel ranks busy
         assert llm.client.coordinator.assigned == [2, 2]
         assert generate_within(llm, prompts[4:], greedy, 60) == want[4:]  # one rank idle, running empty steps
+
+
+def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(model_dir: Path,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """scripts/bench_mtp.py at toy size: every forced draft is accepted, so a verify step yields about N + 1
+    tokens (fewer only where max_tokens cuts the last drafts), and the output stayed plain decoding's."""
+    from flotilla.scripts import bench_mtp
+
+    out = tmp_path / "mtp.json"
+    assert bench_mtp.main(["--model", str(model_dir), "--num-speculative-tokens", "1,2", "--decode-in", "12",
+                           "--decode-out", "24", "--vocab", str(VOCAB), "--device", "cpu", "--dtype", "float32",
+                           "--kv-cache-blocks", "200", "--json", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["plain_tok_per_s"] > 0
+    for run, n in zip(result["mtp"], (1, 2), strict=True):
+        assert run["num_speculative_tokens"] == n and run["acceptance_rate"] == 1.0
+        assert n + 1 - 0.25 <= run["tokens_per_verify_step"] <= n + 1
+        assert run["speedup"] > 0

@@ -1,0 +1,120 @@
+"""MTP speculative decoding's mechanics at batch 1: tokens per verify step, and the time per output token against
+plain decoding, at forced acceptance.
+
+With random weights the MTP layer's drafts are nearly always wrong, so acceptance says nothing about a trained
+checkpoint. What can be measured is the machinery: here the speculator's drafts are replaced (its draft hook, in
+the worker's process: the engine runs inline) by the tokens plain decoding gave next, so every draft is accepted
+and every verify step should yield num_speculative_tokens + 1 tokens. The speedup is then the most speculation
+can give on this engine and GPU; a trained MTP layer's acceptance rate scales it down. The outputs must be plain
+decoding's tokens: the run fails otherwise.
+
+One request, `--decode-in` random prompt tokens, `--decode-out` greedy output tokens (bench_offline's decode1),
+timed on the second of two identical runs. Models: a folder with an MTP layer, or the built-in
+`deepseek-v3-4l-mtp` (DeepSeek-V3's shapes, 4 layers and its MTP layer, FP8 random weights, on the device).
+
+    python -m flotilla.scripts.bench_mtp --model deepseek-v3-4l-mtp --num-speculative-tokens 1,2,3 --json $OUT/mtp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flotilla import LLM, SamplingParams
+from flotilla.scripts.bench_shapes import SHAPES, shape_dir
+
+
+def engine_options(args: argparse.Namespace, num_spec: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {"device": args.device, "skip_tokenizer_init": True, "enable_prefix_caching": False}
+    if args.model in SHAPES:  # bench_offline's peer settings
+        options.update(model=str(shape_dir(args.model)), load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    else:
+        options.update(model=args.model, dtype=args.dtype)
+    if args.kv_cache_blocks:
+        options["kv_cache_blocks"] = args.kv_cache_blocks
+    if num_spec is not None:
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+    return options
+
+
+def decode_twice(llm: LLM, prompt: list[int], out_len: int) -> tuple[list[int], float]:
+    """The second run's tokens and seconds (the first warms up)."""
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        elapsed = time.perf_counter() - t0
+    return list(out), elapsed
+
+
+def oracle(prompt: list[int], continuation: list[int]):
+    """A draft hook giving, for the benchmark's one request, the tokens plain decoding produced next."""
+    full = prompt + continuation
+
+    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
+        seq = tokens.tolist()
+        assert seq == full[: len(seq)], "a sequence the oracle does not know"
+        want = full[len(seq): len(seq) + len(drafts)]
+        return want + drafts[len(want):]
+
+    return hook
+
+
+def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
+    with LLM(placement="inline", **engine_options(args, num_spec)) as llm:
+        actors = llm.client.runtime.actors
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        actors["worker/0"].runner.spec.draft_hook = oracle(prompt, plain)
+        core = actors["scheduler/0"].core
+        drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
+        tokens, elapsed = decode_twice(llm, prompt, args.decode_out)
+        # decode_twice ran the request twice: the counters moved by two runs' worth
+        drafts, accepted = (core.spec_draft_tokens - drafts0) / 2, (core.spec_accepted_tokens - accepted0) / 2
+    if tokens != plain:
+        raise SystemExit(f"MTP with {num_spec} speculative tokens changed the greedy output: the benchmark is void")
+    verify_steps = len(tokens) - 1 - accepted  # the prefill gave the first token; each verify step accepted + 1
+    return {"num_speculative_tokens": num_spec, "tok_per_s": round(len(tokens) / elapsed, 1),
+            "ms_per_token": round(1000 * elapsed / len(tokens), 3),
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+            "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_mtp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a folder with an MTP layer, or a built-in shape ({', '.join(SHAPES)})")
+    p.add_argument("--num-speculative-tokens", default="1,2,3", help="comma-separated draft counts to measure")
+    p.add_argument("--decode-in", type=int, default=128, help="prompt tokens")
+    p.add_argument("--decode-out", type=int, default=256, help="output tokens")
+    p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [0, vocab)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompt")
+    p.add_argument("--device", default="auto", help="engine device (auto: CUDA when there is one)")
+    p.add_argument("--dtype", default="auto", help="model dtype for a folder (a built-in shape runs bfloat16)")
+    p.add_argument("--kv-cache-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--json", default=None, help="also write the result to this file")
+    args = p.parse_args(argv)
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(args.vocab) for _ in range(args.decode_in)]
+    with LLM(**engine_options(args, None)) as llm:  # plain decoding as users get it (its default placement)
+        plain, elapsed = decode_twice(llm, prompt, args.decode_out)
+    result: dict[str, Any] = {"model": args.model, "decode_in": args.decode_in, "decode_out": args.decode_out,
+                              "plain_tok_per_s": round(len(plain) / elapsed, 1),
+                              "plain_ms_per_token": round(1000 * elapsed / len(plain), 3), "mtp": []}
+    for n in (int(x) for x in args.num_speculative_tokens.split(",")):
+        run = run_mtp(args, n, prompt, plain)
+        run["speedup"] = round(run["tok_per_s"] / result["plain_tok_per_s"], 3)
+        result["mtp"].append(run)
+        print(json.dumps(run), flush=True)
+    print(json.dumps(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
