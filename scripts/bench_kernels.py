@@ -98,10 +98,12 @@ class Bench:
     """Runs the points, times them, prints and keeps the records."""
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
-                 moe_tiles: list[str] | None = None) -> None:  # fmt: skip
+                 moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
+        self.fp8_tiles = fp8_tiles or []
+        """Extra triton FP8 GEMM variants, each a FLOTILLA_FP8_TILES string ("m=16,n=64,sk=4,w=4,s=3")."""
         self.records: list[dict] = []
 
     def emit(self, record: dict) -> None:
@@ -300,6 +302,9 @@ def bench_fp8_gemm(bench: Bench, sizes: Sizes) -> None:
         from flotilla.kernels.quant import fp8_triton  # imports triton
 
         candidates.append(("triton", fp8_triton.fp8_block_linear))
+        for text in bench.fp8_tiles:  # a tuning sweep: the same kernel with other tiles / K splits
+            tiles = fp8_triton.parse_tiles(text)
+            candidates.append((f"triton[{text}]", lambda *a, tiles=tiles: fp8_triton.fp8_block_linear(*a, tiles=tiles)))
     else:
         candidates.append(("triton", reason))
     if bench.smoke:
@@ -470,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra triton expert-kernel variants for moe / fp8_moe, ';'-separated, each like "
                         "FLOTILLA_MOE_TILES: m=BLOCK_M,n=BLOCK_N,k=BLOCK_K,w=num_warps,s=num_stages (any subset), "
                         "e.g. 'n=128,k=128,s=4;m=32,n=128,w=8'")  # fmt: skip
+    p.add_argument("--fp8-tiles", default="",
+                   help="extra triton FP8 GEMM variants for fp8_gemm, ';'-separated, each like FLOTILLA_FP8_TILES: "
+                        "m=BLOCK_M,n=BLOCK_N,sk=SPLIT_K,w=num_warps,s=num_stages (any subset), e.g. "
+                        "'n=128,sk=1;n=64,sk=4' (the first: the tiles before K was split for small batches)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and routing logits")
     p.add_argument("--json", default=None, help="also write every record (a JSON list) to this file")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -493,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = dataclasses.replace(sizes, mla_ctx=args.mla_ctx)
     torch.manual_seed(args.seed)
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
-                  [t.strip() for t in args.moe_tiles.split(";") if t.strip()])  # fmt: skip
+                  [t.strip() for t in args.moe_tiles.split(";") if t.strip()],
+                  [t.strip() for t in args.fp8_tiles.split(";") if t.strip()])  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

@@ -186,6 +186,53 @@ def test_triton_fp8_linear_matches_the_w8a8_reference(tokens: int, shape: tuple[
     assert fp8_block_linear(x[:0], q, s, None, block, backend="triton").shape == (0, n)
 
 
+@needs_triton
+@pytest.mark.parametrize(("tokens", "shape", "block", "tiles"), [
+    (1, (300, 1100), (128, 128), "sk=3"),          # K blocks (9) split 3 ways, N not a multiple of the tile
+    (7, (200, 1000), (64, 128), "n=32,sk=4"),      # 8 K blocks in runs of 2; narrow tiles
+    (3, (130, 1200), (128, 128), "sk=4,m=32"),     # 10 K blocks in runs of 3: the last run has idle steps
+    (70, (96, 512), (32, 128), "sk=2"),            # two row tiles
+])  # fmt: skip
+def test_triton_fp8_linear_with_k_split_matches_the_w8a8_reference(tokens, shape, block, tiles, monkeypatch) -> None:
+    """The K split (float32 partials, then one launch adding them and the bias) forced by FLOTILLA_FP8_TILES."""
+    from flotilla.kernels.quant import fp8_triton
+
+    n, k = shape
+    monkeypatch.setenv("FLOTILLA_FP8_TILES", tiles)
+    assert fp8_triton.pick_tiles(tokens, n, k, block, 132, fp8_triton.parse_tiles(tiles))["split_k"] > 1
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    q, s = block_quantize(_weights(shape, seed=tokens, device=DEVICE), block)
+    x = torch.randn(tokens, k, generator=gen, device=DEVICE)
+    bias = torch.randn(n, generator=gen, device=DEVICE)
+    for b in (bias, None):
+        got = fp8_block_linear(x, q, s, b, block, backend="triton")
+        want = fp8_ref.fp8_block_linear_w8a8(x, q, s, b, block)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+@needs_triton
+def test_small_batches_split_k_until_the_sms_are_busy() -> None:
+    """pick_tiles at DeepSeek-V3's shapes on an H200's 132 SMs: at batch-1 decode q_a+kv_a (N 2112, K 7168) was 17
+    tiles of 128 columns; now 33 of 64 with K split 8 ways. Wide outputs and prefill batches do not split."""
+    from flotilla.kernels.quant.fp8_triton import parse_tiles, pick_tiles
+
+    def tiles(m: int, n: int, k: int, forced: str = "") -> tuple[int, int, int]:
+        t = pick_tiles(m, n, k, (128, 128), 132, parse_tiles(forced))
+        return t["block_m"], t["block_n"], t["split_k"]
+
+    assert tiles(1, 2112, 7168) == (16, 64, 8)
+    assert tiles(1, 7168, 16384) == (16, 64, 3)  # o_proj: 112 tiles
+    assert tiles(1, 24576, 1536) == (16, 64, 1)  # q_b: 384 tiles already
+    assert tiles(1, 2112, 512) == (16, 64, 1)  # 4 K blocks: too few to split
+    assert tiles(64, 2112, 7168) == (64, 64, 8)
+    assert tiles(65, 2112, 7168) == (64, 128, 1) and tiles(4096, 7168, 16384) == (64, 128, 1)
+    assert tiles(1, 2112, 7168, "n=128,sk=1") == (16, 128, 1)  # the tiles before the split, for a sweep
+    with pytest.raises(ValueError, match="must divide the weight's block rows"):
+        pick_tiles(1, 256, 256, (64, 128), 132, parse_tiles("n=128"))
+    with pytest.raises(ValueError, match="'x=3' is not one of m=N, n=N, sk=N, w=N, s=N"):
+        parse_tiles("x=3")
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.slow
 def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None:
@@ -194,9 +241,14 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
     pointers = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
                 "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     specs = [(pointers, dict(K=16384, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
-             (pointers, dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128))]  # fmt: skip
-    compile_for_sm90([("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], c, 4) for p, c in specs],
-                     tmp_path)
+             (pointers, dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)),
+             ({**pointers, "out_ptr": "*fp32"},  # batch-1 decode's q_a+kv_a: 64-column tiles, K split 8 ways
+              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8))]  # fmt: skip
+    kernels = [("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], c, 4) for p, c in specs]
+    kernels.append(("flotilla.kernels.quant.fp8_triton", "_split_k_sum_kernel",
+                    {"part_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}, [],
+                    dict(SPLIT_K=8, HAS_BIAS=True, BLOCK=1024), 4))  # fmt: skip
+    compile_for_sm90(kernels, tmp_path)
 
 
 @gpu_test

@@ -6,9 +6,19 @@ K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on t
 float32 accumulator and scales each partial product by its tokens' group scales times the weight
 block's scale before adding it (BLOCK_N divides block_n, so a tile meets one weight block per K step).
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (set before this module is imported) at tiny sizes.
+
+Few tokens make few output tiles: at batch-1 decode DeepSeek-V3's q_a+kv_a projection (N 2112) is 17 tiles of
+128 columns for an H200's 132 SMs, each streaming all of K (7168) alone; on an H200 it ran at 248 GB/s
+(docs/performance.md, sixth session). So for small M the tiles are 64 columns and K is split (SPLIT_K programs per
+tile, each over a contiguous run of K blocks) until there are about two programs per SM; the splits write float32
+partial sums that a second launch adds up, with the bias, into the output (pick_tiles). FLOTILLA_FP8_TILES forces
+tiles for a sweep (`m=16,n=64,sk=4,w=4,s=3`, any subset; scripts/bench_kernels.py --fp8-tiles).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -24,8 +34,10 @@ def _fp8_block_gemm_kernel(
     M, N, K: tl.constexpr,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
     BLOCK_SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
 ):  # fmt: skip
+    """With SPLIT_K > 1, program (m, n, s) sums K blocks [s * per, (s + 1) * per) and stores float32 partials at
+    out_ptr + s * M * stride_om (the bias is the reduction's)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,34 +47,93 @@ def _fp8_block_gemm_kernel(
     n_ok = rn < N
     scale_row = (pid_n * BLOCK_N) // BLOCK_SCALE_N  # the weight block row this tile lies in
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kb = k0 // BLOCK_K
-        k = k0 + rk
-        k_ok = k < K
+    K_BLOCKS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    PER_SPLIT: tl.constexpr = (K_BLOCKS + SPLIT_K - 1) // SPLIT_K
+    first = tl.program_id(2) * PER_SPLIT
+    for i in range(PER_SPLIT):
+        kb = first + i
+        k = kb * BLOCK_K + rk
+        k_ok = (k < K) & (kb < K_BLOCKS)
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a_scale = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok, other=0.0)
-        b_scale = tl.load(b_scale_ptr + scale_row * stride_bsn + kb)
+        in_k = kb < K_BLOCKS
+        a_scale = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
+        b_scale = tl.load(b_scale_ptr + scale_row * stride_bsn + kb, mask=in_k, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale
+    if SPLIT_K > 1:
+        part = out_ptr + tl.program_id(2) * M * stride_om
+        tl.store(part + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):  # fmt: skip
+    """out = sum over the SPLIT_K float32 partials [SPLIT_K, M, N] (+ bias), in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def tile_sizes(m: int, block_size: tuple[int, int]) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for m tokens: BLOCK_K is the weight's block_k, BLOCK_N divides block_n."""
+TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages"}
+"""FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset)."""
+
+SMALL_M = 64
+"""Up to this many tokens the tiles are 64 columns wide and K may be split (pick_tiles)."""
+
+
+@functools.cache
+def parse_tiles(text: str) -> dict[str, int]:
+    """FLOTILLA_FP8_TILES's text -> pick_tiles' overrides (ValueError naming a bad item)."""
+    tiles = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in TILE_KEYS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"FLOTILLA_FP8_TILES: {item!r} is not one of {', '.join(k + '=N' for k in TILE_KEYS)}")
+        tiles[TILE_KEYS[key]] = int(value)
+    return tiles
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int,
+               forced: dict[str, int] | None = None) -> dict[str, int]:  # fmt: skip
+    """block_m / block_n / block_k / split_k (and num_warps / num_stages when forced) for an m x n x k GEMM:
+    BLOCK_K is the weight's block_k and BLOCK_N divides block_n. Up to SMALL_M tokens, 64-column tiles and K
+    split in up to K-blocks / 4 runs until the programs number about twice the SMs; else 128 columns, no split."""
     bn, bk = block_size
     if bk < 16 or bk & (bk - 1) or bn < 16 or bn & (bn - 1):
         raise ValueError(f"the triton FP8 GEMM needs power-of-two blocks of at least 16, got {bn}x{bk}")
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    return block_m, min(bn, 128), bk
+    forced = forced or {}
+    block_m = forced.get("block_m") or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_n = forced.get("block_n") or min(bn, 64 if m <= SMALL_M else 128)
+    if block_n > bn or bn % block_n:
+        raise ValueError(f"FLOTILLA_FP8_TILES: n={block_n} must divide the weight's block rows ({bn})")
+    k_blocks = -(-k // bk)
+    split_k = forced.get("split_k")
+    if split_k is None:
+        tiles = -(-m // block_m) * -(-n // block_n)
+        split_k = 1 if m > SMALL_M else max(1, min(-(-2 * num_sms // tiles), k_blocks // 4))
+    tiles = {"block_m": block_m, "block_n": block_n, "block_k": bk, "split_k": min(split_k, k_blocks)}
+    return {**tiles, **{key: forced[key] for key in ("num_warps", "num_stages") if key in forced}}
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-                     block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:  # fmt: skip
+                     block_size: tuple[int, int] = (128, 128), tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
     """y = x W^T (+ b) with x quantized per token group and W's e4m3 blocks, accumulated in float32;
-    x [..., K] -> [..., N] in x's dtype."""
+    x [..., K] -> [..., N] in x's dtype. `tiles` (parse_tiles' form) overrides FLOTILLA_FP8_TILES, for sweeps."""
     n, k = weight.shape
     if scale_inv.shape != (num_blocks(n, block_size[0]), num_blocks(k, block_size[1])):
         raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not fit a [{n}, {k}] weight in "
@@ -75,13 +146,23 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         return out.view(*lead, n)
     a, a_scale = per_token_group_quantize(x2, block_size[1])
     weight, scale_inv = weight.contiguous(), scale_inv.float().contiguous()
-    block_m, block_n, block_k = tile_sizes(m, block_size)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    forced = tiles if tiles is not None else parse_tiles(os.environ.get("FLOTILLA_FP8_TILES", ""))
+    t = pick_tiles(m, n, k, block_size, _num_sms(x.device), forced)
+    split_k = t["split_k"]
+    launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), split_k)
     _fp8_block_gemm_kernel[grid](
-        a, a_scale, weight, scale_inv, bias if bias is not None else out, out,
+        a, a_scale, weight, scale_inv, bias if bias is not None else out, target,
         m, n, k,
-        a.stride(0), a_scale.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+        a.stride(0), a_scale.stride(0), weight.stride(0), scale_inv.stride(0), n,
         BLOCK_SCALE_N=block_size[0], HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split_k, **launch,
     )  # fmt: skip
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else out, out, m * n, n,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block,
+        )  # fmt: skip
     return out.view(*lead, n)
