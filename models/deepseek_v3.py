@@ -68,29 +68,19 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from flotilla.kernels.attention import AttentionMetadata
 from flotilla.config import DEFAULT_BLOCK_SIZE
+from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
 from flotilla.kernels.mla.flash_mla_backend import BLOCK_SIZE as FLASH_MLA_BLOCK
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
-from flotilla.kernels.quant import FP8_DTYPE, Fp8LinearBackend, block_dequantize, get_fp8_backend
-from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
+from flotilla.kernels.quant import FP8_DTYPE, block_dequantize, get_fp8_backend
 from flotilla.kernels.rope import rope_type, yarn_mscale
-from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
-from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, _copy_checked
-from flotilla.models.parallel import (
-    ColumnParallelLinear,
-    Fp8ColumnParallelLinear,
-    Fp8RowParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    all_reduce,
-    divide,
-    tp_group,
-    vocab_parallel_logits,
-)
 from flotilla.models.deepseek_v3_moe import SCALE_SUFFIX, DeepseekV3Router, Fp8ExpertScales, Fp8StackedExperts
+from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
+from flotilla.models.linears import Linears
+from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, _copy_checked
+from flotilla.models.parallel import VocabParallelEmbedding, all_reduce, divide, tp_group, vocab_parallel_logits
 from flotilla.models.qwen3_moe import PER_EXPERT, ExpertTensors, StackedExperts
 
 logger = logging.getLogger(__name__)
@@ -105,44 +95,6 @@ _GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".gate_proj.weight_scale_inv
 
 _WHOLE = "whole"
 """The shard id of a column-parallel layer that is one checkpoint tensor (not fused from parts)."""
-
-
-class Linears:
-    """Builds this tensor-parallel rank's linear layers: replicated, column-parallel (its rows: heads, or an
-    MLP's intermediate slice) or row-parallel (the matching input columns); FP8 block-scaled ones
-    (kernels/quant) when `block_size` is set, else float (models/parallel.py). With one rank, the plain layers."""
-
-    def __init__(self, block_size: tuple[int, int] | None = None, backend: Fp8LinearBackend | None = None) -> None:
-        self.block_size = block_size
-        self.backend = backend
-
-    def replicated(self, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
-        """Every rank keeps the whole layer (the latent projections: per token, not per head)."""
-        if self.block_size is None:
-            return Linear(in_features, out_features, bias)
-        return Fp8BlockLinear(in_features, out_features, bias, self.block_size, self.backend)
-
-    def column(self, in_features: int, part_sizes: dict[str, int], what: str, bias: bool = False,
-               quantized: bool = True) -> nn.Module:  # fmt: skip
-        """Output rows fused from parts (shard id -> rows), each split evenly over the ranks; `quantized=False`
-        makes a float layer even in an FP8 model (kv_b_proj, dequantized at load)."""
-        tp = tp_group()
-        parts = {}
-        for shard, full in part_sizes.items():
-            rows = divide(full, tp.size, f"the output size of {what}")
-            parts[shard] = (full, rows, tp.rank * rows)
-        if self.block_size is None or not quantized:
-            return ColumnParallelLinear(in_features, parts, bias)
-        return Fp8ColumnParallelLinear(in_features, parts, bias, self.block_size, self.backend, what)
-
-    def row(self, in_features: int, out_features: int, what: str, bias: bool = False,
-            reduce_results: bool = True) -> nn.Module:  # fmt: skip
-        """Input columns split over the ranks; the partial products summed by one all-reduce, or left to the
-        caller's (reduce_results=False)."""
-        if self.block_size is None:
-            return RowParallelLinear(in_features, out_features, bias, reduce_results)
-        return Fp8RowParallelLinear(in_features, out_features, bias, self.block_size, self.backend, reduce_results,
-                                    what)  # fmt: skip
 
 
 def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
