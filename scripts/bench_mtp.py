@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 from flotilla import LLM, SamplingParams
-from flotilla.scripts.bench_shapes import SHAPES, shape_dir
+from flotilla.scripts.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 
 
 def engine_options(args: argparse.Namespace, num_spec: int | None) -> dict[str, Any]:
     options: dict[str, Any] = {"device": args.device, "skip_tokenizer_init": True, "enable_prefix_caching": False}
-    if args.model in SHAPES:  # bench_offline's peer settings
+    if shape_config(args.model) is not None:  # bench_offline's peer settings
         options.update(model=str(shape_dir(args.model)), load_format="dummy", dtype="bfloat16", max_model_len=4096)
     else:
         options.update(model=args.model, dtype=args.dtype)
@@ -87,7 +87,7 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_mtp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"a folder with an MTP layer, or a built-in shape ({', '.join(SHAPES)})")
+    p.add_argument("--model", required=True, help=f"a folder with an MTP layer, or a built-in shape ({SHAPE_NAMES})")
     p.add_argument("--num-speculative-tokens", default="1,2,3", help="comma-separated draft counts to measure")
     p.add_argument("--decode-in", type=int, default=128, help="prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="output tokens")

@@ -28,7 +28,7 @@ from typing import Any
 from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
-from flotilla.scripts.bench_shapes import SHAPES, shape_dir
+from flotilla.scripts.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
 
 def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
@@ -68,6 +68,45 @@ def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     return {"b1_decode_tok_per_s": round(generated / elapsed, 1), "b1_decode_ms_per_token": round(1000 * elapsed / generated, 3)}
 
 
+def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    """--num-requests prompts of --fixed-in random tokens, each --fixed-out greedy tokens (ignore_eos), all at
+    once; then the same prompts for one token each, whose time stands for the prefill's share, so the rest is
+    the decode's: decode tok/s = requests x (fixed_out - 1) / (full time - prefill time). Per GPU: over every
+    rank of the engine (tensor x data parallel)."""
+    rng = random.Random(args.workload_seed + 2)
+    prompts = [[rng.randint(0, args.vocab) for _ in range(args.fixed_in)] for _ in range(args.num_requests)]
+    prefill_s, _ = timed_generate(llm, prompts, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
+                                  * len(prompts))  # fmt: skip
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.fixed_out)] * len(prompts)
+    elapsed, generated = timed_generate(llm, prompts, params)
+    gpus = llm.config.parallel.tensor_parallel_size * llm.config.parallel.data_parallel_size
+    decode_tok_per_s = len(prompts) * (args.fixed_out - 1) / max(elapsed - prefill_s, 1e-9)
+    result = {"fixed_seqs": len(prompts), "fixed_in": args.fixed_in, "fixed_out": args.fixed_out, "gpus": gpus,
+              "fixed_s": round(elapsed, 2), "fixed_prefill_s": round(prefill_s, 2),
+              "fixed_out_tok_per_s": round(generated / elapsed, 1),
+              "fixed_decode_tok_per_s": round(decode_tok_per_s, 1),
+              "fixed_decode_tok_per_s_per_gpu": round(decode_tok_per_s / gpus, 1)}
+    return {**result, **expert_imbalance(llm)}
+
+
+def expert_imbalance(llm: LLM) -> dict[str, Any]:
+    """Under expert parallelism, from the ranks' per-expert token counts since start (they report every half
+    second): per MoE layer the busiest expert's tokens over the mean, and the busiest rank's (contiguous
+    placement: rank r holds experts [r E / ep, (r + 1) E / ep)) over the mean; each averaged over the layers,
+    and the worst layer's. Empty without expert parallelism or before the first report."""
+    time.sleep(0.6)  # one more report, so the counts include the workload's end
+    loads = llm.client.expert_loads.total()
+    ep = llm.config.parallel.expert_parallel_size
+    if loads is None or ep < 2 or not loads.sum():
+        return {}
+    loads = loads[loads.sum(axis=1) > 0].astype(float)  # [moe layers, experts], the layers that ran
+    experts = loads.max(axis=1) / loads.mean(axis=1)
+    per_rank = loads.reshape(len(loads), ep, -1).sum(axis=2)
+    ranks = per_rank.max(axis=1) / per_rank.mean(axis=1)
+    return {"expert_imbalance_mean": round(float(experts.mean()), 3), "expert_imbalance_max": round(float(experts.max()), 3),
+            "rank_imbalance_mean": round(float(ranks.mean()), 3), "rank_imbalance_max": round(float(ranks.max()), 3)}
+
+
 def repeated(run: Any, llm: LLM, args: argparse.Namespace, key: str) -> dict[str, Any]:
     """`run` --repeat times on the same engine: the run with the median `key`, and every run's `key` (so the
     spread between runs of the same code is measured, not guessed)."""
@@ -79,7 +118,7 @@ def repeated(run: Any, llm: LLM, args: argparse.Namespace, key: str) -> dict[str
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.model in SHAPES:
+    if shape_config(args.model) is not None:
         # the peer's settings: bf16, random weights, no tokenizer, max_model_len 4096, no prefix caching
         args.load_format, args.skip_tokenizer_init, args.dtype = "dummy", True, "bfloat16"
         args.max_model_len = args.max_model_len or 4096
@@ -92,14 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
-                   help=f"HF model folder, or a built-in shape with random weights ({', '.join(SHAPES)}); "
+                   help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1", "both"], default="both", help="which workload(s)")
+    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed"], default="both",
+                   help="which workload(s): both = nano and decode1; fixed = --num-requests x --fixed-in / --fixed-out "
+                        "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures)")
     p.add_argument("--num-requests", type=int, default=256, help="nano: number of requests")
     p.add_argument("--min-len", type=int, default=100, help="nano: shortest prompt / output, tokens")
     p.add_argument("--max-len", type=int, default=1024, help="nano: longest prompt / output, tokens")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator (peer: 0)")
     p.add_argument("--vocab", type=int, default=10000, help="token ids are drawn from [0, vocab] (peer: 10000)")
+    p.add_argument("--fixed-in", type=int, default=2000, help="fixed: prompt tokens of every request")
+    p.add_argument("--fixed-out", type=int, default=256, help="fixed: output tokens of every request")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--repeat", type=int, default=1,
@@ -126,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             result.update(repeated(run_nano, llm, args, "nano_workload_out_tok_per_s"))
         if args.workload in ("decode1", "both"):
             result.update(repeated(run_decode1, llm, args, "b1_decode_tok_per_s"))
+        if args.workload == "fixed":
+            result.update(repeated(run_fixed, llm, args, "fixed_decode_tok_per_s"))
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -4,6 +4,7 @@ vLLM, built as a folder holding only config.json (weights come from load_format=
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,31 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["deepseek-v3-4l-mtp"] = {**SHAPES["deepseek-v3-4l"], "num_nextn_predict_layers": 1}
 """deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/bench_mtp.py); the peer's shape has none."""
 
+_DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
+
+
+def shape_config(name: str | None) -> dict[str, Any] | None:
+    """The config.json of a built-in shape (None: not one): SHAPES' names, and deepseek-v3-<N>l[-mtp] for any N of
+    at least 2: DeepSeek-V3's layers, 1 dense + N - 1 MoE (wide expert parallelism fills 4 or 8 GPUs with more)."""
+    if name in SHAPES or not name:
+        return SHAPES.get(name or "")
+    match = _DEEPSEEK_LAYERS.match(name)
+    if match is None or int(match.group(1)) < 2:
+        return None
+    return {**SHAPES["deepseek-v3-4l"], "num_hidden_layers": int(match.group(1)),
+            "num_nextn_predict_layers": 1 if match.group(2) else 0}
+
+
+SHAPE_NAMES = ", ".join([*SHAPES, "deepseek-v3-<N>l[-mtp]"])
+"""The shapes, for --help texts."""
+
 
 def shape_dir(name: str) -> Path:
-    """A folder holding only the config.json of a built-in shape."""
+    """A folder holding only the config.json of a built-in shape (KeyError naming the shapes: not one)."""
+    config = shape_config(name)
+    if config is None:
+        raise KeyError(f"{name!r} is not a built-in shape ({SHAPE_NAMES})")
     d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(SHAPES[name]))
+    (d / "config.json").write_text(json.dumps(config))
     return d

@@ -57,3 +57,27 @@ def test_bench_offline_repeats_report_the_median_run_and_every_run(tmp_path):
     result = json.loads(out.read_text())
     runs = result["b1_decode_tok_per_s_runs"]
     assert len(runs) == 3 and result["b1_decode_tok_per_s"] == sorted(runs)[1]
+
+
+def test_the_fixed_workload_under_expert_parallelism_reports_per_gpu_rates_and_imbalance(tmp_path):
+    """--workload fixed (the wide-EP run's: equal prompts and outputs, the decode's own rate, per GPU) on a tiny
+    MoE at DP2 x EP2 (gloo): two GPUs' worth of ranks, and the experts' and ranks' load imbalance (at least 1)."""
+    from flotilla.scripts.bench_shapes import shape_config
+    from helpers_tiny_models import write_tiny_moe_model
+
+    model = write_tiny_moe_model(tmp_path / "moe")
+    out = tmp_path / "fixed.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "fixed", "--num-requests", "6", "--fixed-in", "20",
+                               "--fixed-out", "6", "--vocab", "200", "--skip-tokenizer-init", "--dtype", "float32",
+                               "--data-parallel-size", "2", "--enable-expert-parallel", "--kv-cache-blocks", "200",
+                               "--placement", "process", "--json", str(out)]) == 0  # fmt: skip
+    r = json.loads(out.read_text())
+    assert (r["fixed_seqs"], r["fixed_in"], r["fixed_out"], r["gpus"]) == (6, 20, 6, 2)
+    assert r["fixed_decode_tok_per_s_per_gpu"] == pytest.approx(r["fixed_decode_tok_per_s"] / 2, rel=0.01)
+    assert 0 < r["fixed_prefill_s"] < r["fixed_s"]
+    assert r["expert_imbalance_max"] >= r["expert_imbalance_mean"] >= 1
+    assert r["rank_imbalance_max"] >= r["rank_imbalance_mean"] >= 1
+    # the wide-EP shapes: DeepSeek-V3's layers, any number of them
+    assert shape_config("deepseek-v3-16l")["num_hidden_layers"] == 16
+    assert shape_config("deepseek-v3-16l-mtp")["num_nextn_predict_layers"] == 1
+    assert shape_config("deepseek-v3-1l") is None and shape_config("deepseek-v3-x") is None
