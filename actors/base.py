@@ -102,6 +102,7 @@ class Actor:
         self._inbox: Inbox | None = None
         self._hb_seq = 0
         self._self_address = f"inproc://flotilla-self-{id(self):x}"
+        self._closed = False
         self._trace_out = sys.stderr
 
     # ---- for subclasses -----------------------------------------------------------------------
@@ -179,8 +180,11 @@ class Actor:
             await self._dispatch(msg)
 
     def request_stop(self, reason: str = "") -> None:
-        """Stop after the messages already queued (safe from a signal handler): StopCmd to our own inbox."""
-        self._outbox(self._self_address).send_nowait(StopCmd(reason=reason))
+        """Stop after the messages already queued (safe from a signal handler): StopCmd to our own inbox. Once
+        the actor has closed its sockets it does nothing: a new socket then would keep the zmq context's
+        term() waiting forever."""
+        if not self._closed:
+            self._outbox(self._self_address).send_nowait(StopCmd(reason=reason))
 
     async def _dispatch(self, msg: Message) -> None:
         handler: Callable[[Message], Awaitable[None]] = getattr(self, self._handlers[type(msg)])
@@ -216,6 +220,7 @@ class Actor:
         return self._inbox.dropped if self._inbox else 0
 
     def _close(self) -> None:
+        self._closed = True
         for out in self._outboxes.values():
             out.close()
         self._outboxes.clear()

@@ -8,16 +8,21 @@ to an echo, which answers the client directly. Tests and scripts/bench_transport
 from __future__ import annotations
 
 import itertools
+import time
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.transport.messages import PingRequest, PongResult
 
 
 class EchoActor(Actor):
-    """Answers every PingRequest with a PongResult carrying the same payload."""
+    """Answers every PingRequest with a PongResult carrying the same payload. Config ``hang_on_stop_s``: when
+    stopping, block the whole process that long (a stop that hangs, for the tests of what ends such a process)."""
 
     kind = "echo"
     inbox = (PingRequest,)
+
+    async def teardown(self) -> None:
+        time.sleep(float(self.ctx.config.get("hang_on_stop_s", 0)))
 
     async def on_ping_request(self, msg: PingRequest) -> None:
         if not msg.reply_to:

@@ -27,7 +27,7 @@ import zmq.asyncio
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
-from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.endpoints import Endpoints, key, new_run_dir
 from flotilla.transport.messages import ActorFailedEvent, HeartbeatEvent, ReadyEvent, StopCmd
 
@@ -226,7 +226,7 @@ class Runtime:
         if self.supervisor is not None:
             await self.supervisor.close()
         if self.zmq is not None:
-            self.zmq.term()
+            end_context(self.zmq)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

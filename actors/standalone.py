@@ -16,6 +16,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ import uvloop
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
-from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.codec import format_message, message_from_dict
 from flotilla.transport.endpoints import Endpoints, key
 from flotilla.transport.messages import ALL_MESSAGES, Message
@@ -37,7 +38,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Have the kernel SIGTERM us when the runtime that spawned us dies (Linux), so no orphan survives."""
+    """Have the kernel SIGTERM us when the runtime that spawned us dies (Linux), so no orphan survives: in a
+    spawned actor a signal asks the actors to stop and arms an alarm (SIGALRM, whose default action ends the
+    process) for stop_grace_s later, in case stopping hangs where no Python code runs (seen once in a while under
+    a loaded CI: blocked in a zmq call). getppid() cannot tell the death signal from another: it may still name
+    the dying runtime when the signal is handled (the kernel hands the children to its last threads first)."""
     parent = os.environ.get("FLOTILLA_PARENT_PID")
     if not parent or not sys.platform.startswith("linux"):
         return
@@ -82,8 +87,17 @@ async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
     zctx = new_context()
     actors = [cls(ctx, zctx) for cls, ctx in ctxs]
     loop = asyncio.get_running_loop()
+    grace = max(c.options.stop_grace_s for _, c in ctxs)
+    spawned = "FLOTILLA_PARENT_PID" in os.environ
+
+    def on_signal(sig: signal.Signals) -> None:
+        if spawned:  # the runtime may be dead (its death signal): if stopping hangs the kernel ends us
+            signal.alarm(max(1, math.ceil(grace)))
+        for a in actors:
+            a.request_stop(f"signal {sig.name}")
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda s=sig: [a.request_stop(f"signal {s.name}") for a in actors])
+        loop.add_signal_handler(sig, on_signal, sig)
     tasks = [asyncio.create_task(a.serve(), name=a.label) for a in actors]
     try:
         # one failing actor fails the whole process (the supervisor then tears the topology down)
@@ -96,7 +110,7 @@ async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        zctx.term()
+        end_context(zctx)
     return 0
 
 
@@ -136,7 +150,7 @@ async def _run_scripted(topo: Topology, name: str, instance: int, cls: type[Acto
         for s in sinks:
             s.close()
         feeder.close()
-        zctx.term()
+        end_context(zctx)
     log.info("script: sent %d messages, peers received %d", len(messages), received)
     return 0
 

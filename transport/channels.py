@@ -189,6 +189,12 @@ def new_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context()
 
 
+def end_context(ctx: zmq.asyncio.Context) -> None:
+    """Close whatever sockets of `ctx` are still open (each may flush for LINGER_MS) and terminate it. A plain
+    term() waits forever for a socket nobody closes, e.g. one a late callback opened after its owner closed."""
+    ctx.destroy(linger=LINGER_MS)
+
+
 def raw_push(ctx: zmq.asyncio.Context, address: str) -> Any:
     """A bare PUSH socket for tests and tools that must send frames the codec would never produce."""
     sock = ctx.socket(zmq.PUSH)
