@@ -151,12 +151,27 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     tensor_parallel_size ranks: each TP rank sends a 1/tensor_parallel_size share of its data-parallel rank's tokens
     by all-to-all and the TP all-reduce restores the rest; the data-parallel ranks step in lockstep. Needs a MoE
     model."""
+    all2all_backend: Literal["auto", "all_to_all", "allgather_reducescatter"] = "auto"
+    """How wide EP (data_parallel_size > 1, tensor_parallel_size 1) moves tokens to their experts and back (vLLM's
+    name): all_to_all sends each (token, expert) slot to its expert's rank and back (uneven all-to-alls whose sizes
+    are read back to the host every layer); allgather_reducescatter gathers every rank's tokens on every rank,
+    computes this rank's experts' share of each and reduce-scatters the sums back (static shapes, no host sync per
+    layer; the ranks agree on each step's rows first). auto: all_to_all. Other layouts take all_to_all."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
+        if self.gathers_tokens and self.tensor_parallel_size > 1:
+            raise ValueError("all2all_backend allgather_reducescatter is built for data_parallel_size > 1 with "
+                             "tensor_parallel_size 1; use all_to_all with tensor parallelism")
+
+    @property
+    def gathers_tokens(self) -> bool:
+        """Whether wide EP runs by all-gather / reduce-scatter (kernels/moe/ep_allgather.py)."""
+        return (self.all2all_backend == "allgather_reducescatter" and self.enable_expert_parallel
+                and self.data_parallel_size > 1)
 
     @property
     def expert_parallel_size(self) -> int:
@@ -208,6 +223,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     worker: WorkerConfig = WorkerConfig()
     parallel: ParallelConfig = ParallelConfig()
     disagg: DisaggConfig = DisaggConfig()
+
+    def __post_init__(self) -> None:
+        if self.parallel.gathers_tokens and self.scheduler.speculative_config is not None:
+            raise ValueError("speculative decoding under all2all_backend allgather_reducescatter is not built yet "
+                             "(its passes would need the step's agreed rows per pass); use all_to_all")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -5,6 +5,7 @@ step and token counts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import msgspec
@@ -13,12 +14,17 @@ import torch
 from torch import nn
 
 from flotilla.config import EngineConfig
+from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.models.parallel import (
     expert_parallel_over_tensor_parallel,
+    agree_on_rows,
+    ep_gathers_tokens,
+    gather_tokens_over_expert_parallel,
     init_data_parallel_world,
     init_expert_parallel,
 )
 from flotilla.models.qwen3_moe import StackedExperts
+from flotilla.transport.messages import StepPlan
 
 
 def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
@@ -64,6 +70,8 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
         torch.cuda.set_device(device)
     if tp_size == 1:
         init_expert_parallel(dp_rank, ep, init_method, device)
+        if config.parallel.gathers_tokens:
+            gather_tokens_over_expert_parallel()
     else:
         init_data_parallel_world(dp_rank, dp_size, tp_rank, tp_size, init_method, device)
 
@@ -79,6 +87,15 @@ def mtp_expert_layers(model: nn.Module) -> list[StackedExperts]:
     none without them."""
     mtp = getattr(getattr(model, "model", None), "mtp_layers", None)
     return expert_parallel_layers(mtp) if mtp is not None else []
+
+
+def step_rows(plan: StepPlan) -> contextlib.AbstractContextManager:
+    """Where the experts gather every rank's tokens (all2all_backend allgather_reducescatter): agree with the other
+    ranks on the most tokens any of them runs this step and run the step inside ep_tokens(that); elsewhere
+    nothing. Every rank calls it once per step, real or empty, in step order, as the lockstep pairs them."""
+    if not ep_gathers_tokens():
+        return contextlib.nullcontext()
+    return ep_tokens(agree_on_rows(int(plan.num_new_tokens.sum()) if plan.rids else 0))
 
 
 @torch.inference_mode()

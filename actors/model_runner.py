@@ -13,6 +13,7 @@ sampler state could otherwise tell the ranks apart; only rank 0's StepResult is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -26,10 +27,11 @@ from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, sta
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
+from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
-from flotilla.models.parallel import broadcast_from_first, init_tensor_parallel, tp_group
+from flotilla.models.parallel import broadcast_from_first, ep_gathers_tokens, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult
 
@@ -238,7 +240,8 @@ class ModelRunner:
         meta = AttentionMetadata.from_lists([0] * len(lens), lens, tables, self.block_size, device=self.device)
         positions = positions_from_lists([0] * len(lens), lens, device=self.device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, scratch, meta)
+        with ep_tokens(tokens) if ep_gathers_tokens() else contextlib.nullcontext():  # every EP rank runs it alike
+            hidden = self.model(ids, positions, scratch, meta)
         rows = min(sched.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
         st = SamplingTensors.build([SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows, [0] * rows,

@@ -151,15 +151,16 @@ class GPUWorkerActor(Actor):
     def _launch(self, plan: StepPlan) -> None:
         """On the runner thread: launch a step; under expert parallelism a step without sequences still runs the
         MoE layers' all-to-alls (the other ranks' forwards wait for this rank's share)."""
-        self.runner.launch(plan)
-        if self.ep_layers:
-            if not plan.rids:
-                spec = self.runner.spec
-                if spec is None:
-                    dp.empty_forward(self.ep_layers)
-                else:  # the MTP layer's all-to-alls as often as a speculating step runs it
-                    dp.empty_forward(self.ep_layers, spec.mtp_ep_layers, spec.num_speculative_tokens)
-            self._steps_run += 1
+        with dp.step_rows(plan):
+            self.runner.launch(plan)
+            if self.ep_layers:
+                if not plan.rids:
+                    spec = self.runner.spec
+                    if spec is None:
+                        dp.empty_forward(self.ep_layers)
+                    else:  # the MTP layer's all-to-alls as often as a speculating step runs it
+                        dp.empty_forward(self.ep_layers, spec.mtp_ep_layers, spec.num_speculative_tokens)
+                self._steps_run += 1
 
     async def _report_expert_loads(self) -> None:
         """Per-expert token counts to the front end, every EXPERT_LOAD_INTERVAL_S while steps run."""

@@ -213,10 +213,10 @@ class DeepseekV3MoE(nn.Module):
         self.gate = DeepseekV3Router(hidden_size, moe)  # replicated: every TP rank routes the same tokens alike
         if not fp8_experts or linears.block_size is None:
             self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
-                                          expert_parallel=True)  # fmt: skip
+                                          expert_parallel=True, top_k=moe.num_experts_per_tok)  # fmt: skip
         else:  # an FP8 checkpoint's experts stay e4m3 (models/deepseek_v3_moe.py)
             self.experts = Fp8StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
-                                             linears.block_size)  # fmt: skip
+                                             linears.block_size, top_k=moe.num_experts_per_tok)  # fmt: skip
         self.shared_experts = (DeepseekV3MLP(hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, linears,
                                              reduce_results=False, what="the shared experts")
                                if moe.num_shared_experts else None)  # fmt: skip

@@ -61,13 +61,13 @@ class Fp8StackedExperts(StackedExperts):
     run by `backend.fused_experts_fp8`. Activations keep the model dtype (torch's default when built)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend,
-                 block_size: tuple[int, int]) -> None:  # fmt: skip
+                 block_size: tuple[int, int], top_k: int = 1) -> None:  # fmt: skip
         if backend.fused_experts_fp8 is None:
             raise ValueError(f"MoE backend {backend.name!r} has no FP8 experts")
         # The layer's own backend (and the dispatch layer's, under expert parallelism) reads the scales from here.
         super().__init__(num_experts, hidden_size, intermediate_size,
                          MoEBackend(name=backend.name, fused_experts=self._fused_experts), expert_parallel=True,
-                         weight_dtype=FP8_DTYPE)
+                         weight_dtype=FP8_DTYPE, top_k=top_k)
         self.fp8_backend = backend
         self.block_size = (int(block_size[0]), int(block_size[1]))
         self.dtype = torch.get_default_dtype()
@@ -88,19 +88,19 @@ class Fp8StackedExperts(StackedExperts):
         self.down_proj_scale_inv = nn.Parameter(torch.empty(w2_scale, dtype=torch.float32), requires_grad=False)
 
     def _fused_experts(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                       topk_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                       topk_ids: torch.Tensor, masked: bool = False) -> torch.Tensor:  # fmt: skip
         """fused_experts' contract on this layer's stacked e4m3 weights (w13, w2: gate_up_proj, down_proj)."""
         assert self.fp8_backend.fused_experts_fp8 is not None
         return self.fp8_backend.fused_experts_fp8(hidden, w13, self.gate_up_proj_scale_inv, w2, self.down_proj_scale_inv,
-                                                  topk_weights, topk_ids, self.block_size)  # fmt: skip
+                                                  topk_weights, topk_ids, self.block_size, masked)  # fmt: skip
 
     def empty_step(self) -> None:
         """StackedExperts.empty_step with activations of the model dtype (not the weights' e4m3)."""
         assert self.ep_experts is not None
         device = self.gate_up_proj.device
         self.ep_experts(torch.empty((0, self.hidden_size), dtype=self.dtype, device=device), self.gate_up_proj,
-                        self.down_proj, torch.empty((0, 1), dtype=torch.float32, device=device),
-                        torch.empty((0, 1), dtype=torch.int32, device=device))  # fmt: skip
+                        self.down_proj, torch.empty((0, self.top_k), dtype=torch.float32, device=device),
+                        torch.empty((0, self.top_k), dtype=torch.int32, device=device))  # fmt: skip
 
     def load_expert_scale(self, param: nn.Parameter, expert: int, proj: str, src: torch.Tensor,
                           names: tuple[str, str]) -> bool:  # fmt: skip

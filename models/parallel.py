@@ -101,6 +101,8 @@ def destroy_tensor_parallel() -> None:
 _EP = EPGroup()
 _EP_OVER_TP = False
 """Whether the experts are spread over the tensor-parallel group (expert_parallel_over_tensor_parallel)."""
+_EP_HOST: dist.ProcessGroup | None = None
+"""With gather_tokens_over_expert_parallel: a gloo group of the expert-parallel ranks for host-side agreements."""
 
 
 def ep_group() -> EPGroup:
@@ -125,6 +127,30 @@ def expert_parallel_over_tensor_parallel() -> None:
     if _EP.size > 1:
         raise RuntimeError("this process already belongs to an expert-parallel group of data-parallel ranks")
     _EP_OVER_TP = True
+
+
+def gather_tokens_over_expert_parallel() -> None:
+    """After init_expert_parallel (collective: every rank calls it): MoE layers built from now on move tokens by
+    all-gather / reduce-scatter (kernels/moe/ep_allgather.py, all2all_backend allgather_reducescatter), and the
+    ranks get a gloo group to agree on each step's rows over (agree_on_rows)."""
+    global _EP_HOST
+    if _EP.size < 2:
+        raise RuntimeError("gathering tokens needs an expert-parallel group of data-parallel ranks")
+    _EP_HOST = _EP.group if dist.get_backend(_EP.group) == "gloo" else dist.new_group(backend="gloo")
+
+
+def ep_gathers_tokens() -> bool:
+    """Whether the expert-parallel MoE layers gather every rank's tokens (gather_tokens_over_expert_parallel)."""
+    return _EP_HOST is not None
+
+
+def agree_on_rows(rows: int) -> int:
+    """The most `rows` of any expert-parallel rank (collective over the host group: every rank calls it once per
+    step, real or empty, in step order; a few tens of microseconds over gloo)."""
+    assert _EP_HOST is not None
+    most = torch.tensor([rows], dtype=torch.int64)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=_EP_HOST)
+    return int(most)
 
 
 def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.device,
@@ -160,7 +186,8 @@ def init_data_parallel_world(dp_rank: int, dp_size: int, tp_rank: int, tp_size: 
 
 
 def destroy_expert_parallel() -> None:
-    global _EP, _EP_OVER_TP
+    global _EP, _EP_OVER_TP, _EP_HOST
+    _EP_HOST = None
     if _EP.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     _EP, _EP_OVER_TP = EPGroup(), False

@@ -19,7 +19,8 @@ block's output is summed over the ranks by one all-reduce after the experts' com
 Expert parallelism (an expert-parallel group set, models/parallel.py `ep_group`, with `expert_parallel=True`)
 keeps whole experts instead, E / ep of them per rank (kernels/moe/expert_parallel.py's contiguous placement).
 Over data-parallel ranks each rank routes its own tokens and `ExpertParallelExperts` sends them to the experts'
-ranks and back. Over the tensor-parallel ranks (`ep_ranks_share_tokens`: TP x EP with one data-parallel rank,
+ranks and back (or, with all2all_backend allgather_reducescatter, `GatheredTokenExperts` gathers every rank's
+tokens, computes its experts' share of each and reduce-scatters the sums back). Over the tensor-parallel ranks (`ep_ranks_share_tokens`: TP x EP with one data-parallel rank,
 as vLLM does it) every rank routes the same tokens alike and `SharedTokenExperts` computes only its experts'
 (token, expert) slots; the block's all-reduce, which plain TP runs too, adds the ranks' partial outputs. Over
 all ranks of data parallelism x tensor parallelism each TP rank dispatches its 1/T share of its data-parallel
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
+from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement, SharedTokenExperts
 from flotilla.models.hf_config import HFModelConfig, MoEConfig
 from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
@@ -48,6 +50,7 @@ from flotilla.models.parallel import (
     all_reduce,
     check_shape,
     divide,
+    ep_gathers_tokens,
     ep_group,
     ep_ranks_share_tokens,
     tp_group,
@@ -65,19 +68,22 @@ class StackedExperts(nn.Module):
     whole."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: MoEBackend,
-                 expert_parallel: bool = False, weight_dtype: torch.dtype | None = None) -> None:
+                 expert_parallel: bool = False, weight_dtype: torch.dtype | None = None, top_k: int = 1) -> None:
         """weight_dtype: the stacked weights' dtype (default: torch's default dtype, the model's); an FP8 subclass
-        passes e4m3 so no float copy of every expert is ever allocated."""
+        passes e4m3 so no float copy of every expert is ever allocated. top_k: the routing's experts per token (the
+        shape of an empty step's routing, which the all-gather of expert parallelism exchanges)."""
         super().__init__()
+        self.top_k = top_k
         tp = tp_group()
         ep = ep_group() if expert_parallel else None
         self.placement: ExpertPlacement | None = None
         """Which rank holds each expert (None: this rank holds them all)."""
-        self.ep_experts: ExpertParallelExperts | SharedTokenExperts | None = None
+        self.ep_experts: ExpertParallelExperts | SharedTokenExperts | GatheredTokenExperts | None = None
         if ep is not None and ep.size > 1:
             self.placement = ExpertPlacement(num_experts, ep.size, ep.rank, device=torch.get_default_device())
             share = {"token_share": (tp.rank, tp.size)} if tp.size > 1 else {}  # DP x TP x EP: 1/T of the tokens
             self.ep_experts = (SharedTokenExperts(self.placement, backend) if ep_ranks_share_tokens() else
+                               GatheredTokenExperts(self.placement, ep.group, backend) if ep_gathers_tokens() else
                                ExpertParallelExperts(self.placement, ep.group, backend, **share))
             # int64 [E]: (token, expert) slots this rank routed to each expert since start
             self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
@@ -120,8 +126,8 @@ class StackedExperts(nn.Module):
         assert self.ep_experts is not None
         w = self.gate_up_proj
         self.ep_experts(w.new_empty((0, self.hidden_size)), w, self.down_proj,
-                        torch.empty((0, 1), dtype=torch.float32, device=w.device),
-                        torch.empty((0, 1), dtype=torch.int32, device=w.device))
+                        torch.empty((0, self.top_k), dtype=torch.float32, device=w.device),
+                        torch.empty((0, self.top_k), dtype=torch.int32, device=w.device))
 
     def local_index(self, expert: int, param: nn.Parameter, names: tuple[str, str]) -> int | None:
         """The row of global `expert` in this rank's stacked `param`; None when another rank holds it."""
@@ -234,7 +240,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.renormalize = moe.norm_topk_prob
         self.gate = Linear(hidden_size, moe.num_experts)
         self.experts = StackedExperts(moe.num_experts, hidden_size, moe.moe_intermediate_size, backend,
-                                      expert_parallel=True)
+                                      expert_parallel=True, top_k=moe.num_experts_per_tok)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)

@@ -1,4 +1,5 @@
-"""Expert-parallel all-to-all of one MoE layer: kernels/moe/expert_parallel.py's dispatch and combine, timed.
+"""Expert-parallel all-to-all of one MoE layer: kernels/moe/expert_parallel.py's dispatch and combine, timed (or,
+with --all2all-backend allgather_reducescatter, kernels/moe/ep_allgather.py's gather and reduce).
 
 --world-size processes, one expert-parallel rank each (cuda:RANK over NCCL, or host memory over gloo with
 --device cpu), rendezvous on a free TCP port of 127.0.0.1. Every rank routes its own --tokens tokens (random
@@ -18,6 +19,12 @@ layer_ms. rank_imbalance is the max over ranks / mean of the rows each rank rece
 expert_imbalance the max over experts / mean of every rank's routed slots per expert (1.0 when nothing was
 routed). dedup_rows_ratio is the rows sent over the rows a dispatch that sends each token once per destination
 rank would send (DeepEP's way). per_rank has each rank's own numbers. The first line is an "env" record.
+
+With --all2all-backend allgather_reducescatter the layer is GatheredTokenExperts (every rank runs --tokens rows,
+an idle rank zero rows padded to them): dispatch_ms is its gather (the rows' and routing's all-gathers), combine_ms
+its reduce (the reduce-scatter), the identity experts in between scale each gathered row by the weights of this
+rank's slots of it; bytes_per_rank counts the rows gathered and the partial sums reduced (ep x rows each, own ones
+included), rows_received the slots its experts computed (as for the all-to-all), rows_sent ep x rows.
 
 Correctness, every run: with identity experts and weights summing to 1, combine must give back each rank's
 input hidden states (to the dtype's rounding) and each rank's received rows must be the slots routed to its
@@ -51,6 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from flotilla.kernels.moe import MoEBackend
+from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts, ep_tokens
 from flotilla.kernels.moe.expert_parallel import (
     Dispatched,
     ExpertPlacement,
@@ -116,10 +125,75 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _identity_share(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    local_ids: torch.Tensor, masked: bool = True) -> torch.Tensor:
+    """Identity experts' part of each gathered row: the row times the weights of this rank's slots of it."""
+    return (rows.float() * (weights * (local_ids >= 0)).sum(1, keepdim=True)).to(rows.dtype)
+
+
+def measure_gathered(args: argparse.Namespace, rank: int, tokens: int, group: dist.ProcessGroup,
+                     device: torch.device, barrier_ids: list[int] | None) -> dict[str, Any]:  # fmt: skip
+    """measure() for GatheredTokenExperts: gather + identity share + reduce."""
+    placement = ExpertPlacement(args.experts, args.world_size, rank, device)
+    layer = GatheredTokenExperts(placement, group, MoEBackend(name="identity", fused_experts=_identity_share))
+    hidden, weights, ids = routing(args, rank, tokens, device)
+    padded = tokens if args.idle_ranks < args.world_size else 0
+    corrupt = _fault(rank) == "corrupt"
+    cuda = device.type == "cuda"
+    disp, comb = [], []
+    out = hidden[:0]
+    for i in range(args.warmup + args.iters):
+        dist.barrier(group=group, device_ids=barrier_ids)
+        _sync(device)
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+        t0 = time.perf_counter()
+        with ep_tokens(padded):
+            gathered = layer.gather(hidden, weights, ids)
+            if cuda:
+                events[1].record()
+            else:
+                t1 = time.perf_counter()
+            if gathered is not None:
+                part = _identity_share(gathered[0], hidden, hidden, gathered[1], gathered[2])
+                if corrupt and part.shape[0]:
+                    part[0] += 1
+                out = layer.reduce(part, hidden.shape[0])
+        if cuda:
+            events[2].record()
+            events[2].synchronize()
+            d_ms, c_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
+        else:
+            t2 = time.perf_counter()
+            d_ms, c_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        if i >= args.warmup:
+            disp.append(d_ms)
+            comb.append(c_ms)
+    try:
+        check_identity(out, hidden, rank, tokens)
+        error = None
+    except BenchError as e:
+        error = str(e)
+    row_bytes = args.hidden * hidden.element_size()
+    ep = args.world_size
+    dest = placement.expert_to_rank[ids.long()]
+    dedup = int(sum((dest == r).any(1).sum().item() for r in range(ep)))
+    layer_ms = [d + c for d, c in zip(disp, comb, strict=True)]
+    return {"rank": rank, "tokens": hidden.shape[0], "dispatch_ms": statistics.fmean(disp),
+            "combine_ms": statistics.fmean(comb), "layer_ms": statistics.fmean(layer_ms),
+            "layer_ms_min": min(layer_ms), "rows_sent": ep * padded,
+            "rows_received": int(placement.local_expert_load.sum()), "dedup_rows_sent": dedup,
+            "bytes": 2 * ep * padded * row_bytes, "remote_bytes": 2 * (ep - 1) * padded * row_bytes,
+            "local_expert_load": placement.local_expert_load.tolist(), "error": error}
+
+
 def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.ProcessGroup, device: torch.device,
             barrier_ids: list[int] | None) -> dict[str, Any]:
     """Warm up, time --iters layers of dispatch + identity experts + combine, check the last one: this rank's
     numbers for one token count."""
+    if args.all2all_backend == "allgather_reducescatter":
+        return measure_gathered(args, rank, tokens, group, device, barrier_ids)
     placement = ExpertPlacement(args.experts, args.world_size, rank, device)
     hidden, weights, ids = routing(args, rank, tokens, device)
     corrupt = _fault(rank) == "corrupt"
@@ -201,7 +275,7 @@ def aggregate(args: argparse.Namespace, tokens: int, ranks: list[dict[str, Any]]
             "remote_gbps": round(remote / layer_ms / 1e6, 4) if layer_ms > 0 else 0.0,
             "rank_imbalance": round(imbalance(recv), 4), "expert_imbalance": round(imbalance(load), 4),
             "dedup_rows_ratio": round(sent / dedup, 4) if dedup else 1.0,
-            "backend": backend, "per_rank": per_rank}
+            "backend": backend, "all2all_backend": args.all2all_backend, "per_rank": per_rank}
 
 
 def rank_main(rank: int, args: argparse.Namespace, init_method: str, result: str) -> None:
@@ -318,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     shape.add_argument("--top-k", type=int, default=8, help="experts per token")
     shape.add_argument("--hidden", type=int, default=7168, help="hidden size: the width of a dispatched row")
     shape.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activation element type")
+    shape.add_argument("--all2all-backend", choices=["all_to_all", "allgather_reducescatter"], default="all_to_all",
+                       help="how tokens reach their experts: the engine's all2all_backend (see above)")
     work = p.add_argument_group("workload")
     work.add_argument("--tokens", type=_csv_counts, default="1,16,64,256",
                       help="tokens per rank, comma-separated (0 allowed: an idle rank's empty batch): one record each")

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # MoE on two GPUs (issue 8), in one device call: the same workloads (bench_offline: the nano-vllm workload and batch-1
 # decode) on one GPU, at TP=2 (eager, and with FLOTILLA_TP_GRAPHS=1 if tests/test_tp_graphs.py passes first), and at
-# DP2 x EP2 (attention data-parallel, experts split over the two ranks' all-to-alls).
+# DP2 x EP2 (attention data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with
+# --all2all-backend allgather_reducescatter, no host sync per MoE layer).
 #   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/device_moe_x2.sh
 #   afterwards, here: tar -xzf FILES_AT/moe-x2.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 # Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the call ends in time and
 # still packs its results. Adjust with: MODEL (default qwen3-30b-a3b), MODEL_DIR (a folder instead of the shape),
-# SETUPS (default "tests 1gpu dp2ep2 tp2 tp2g"), ARGS (extra bench_offline flags for every setup).
+# SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g tp2g"), ARGS (extra bench_offline flags for every setup).
 # CPU smoke run (gloo, no GPU), on a tiny MoE written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from helpers_tiny_models import write_tiny_moe_model as w; \
 #     w('/tmp/tinymoe')"
@@ -22,7 +23,7 @@ BUDGET=${BUDGET:-560}
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/moe-x2
 mkdir -p "$R"
-SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 tp2g}
+SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 dp2ep2g tp2g}
 M=${MODEL:-qwen3-30b-a3b}
 MODEL_ARG=${MODEL_DIR:-$M}   # bench_offline takes a built-in shape's name or a folder
 
@@ -53,6 +54,7 @@ run() {  # label, extra bench_offline flags...
 want 1gpu && run 1gpu
 want dp2ep2 && run dp2ep2 --data-parallel-size 2 --enable-expert-parallel
 want tp2 && run tp2 --tensor-parallel-size 2
+want dp2ep2g && run dp2ep2g --data-parallel-size 2 --enable-expert-parallel --all2all-backend allgather_reducescatter
 if want tp2g; then
   if [ "$TP_GRAPHS_OK" = 1 ]; then FLOTILLA_TP_GRAPHS=1 run tp2g --tensor-parallel-size 2
   else echo "tp2g skipped: tests/test_tp_graphs.py did not pass here"; fi

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Wide expert parallelism on 4 or 8 GPUs (issue 10), in one device call:
 #   1. the expert all-to-all of one DeepSeek-V3 MoE layer at world size GPUS (scripts/bench_ep.py: dispatch and
-#      combine over NCCL, per layer, at several tokens per rank; deep_ep is not built, so NCCL it is);
+#      combine over NCCL, per layer, at several tokens per rank; deep_ep is not built, so NCCL it is), and the same
+#      layer's all-gather / reduce-scatter (--all2all-backend allgather_reducescatter);
 #   2. a DeepSeek-V3-shaped model (FP8 random weights, all 256 routed experts, LAYERS layers) through bench_offline's
 #      fixed workload (REQUESTS prompts of 2,000 tokens, 256 output tokens each, all at once): decode tok/s per GPU
 #      and the experts' and ranks' load imbalance, at DP=GPUS x EP (attention data-parallel, experts split) and at
-#      TP=GPUS on the same GPUs.
+#      TP=GPUS on the same GPUs; then DP x EP again with allgather_reducescatter (stage dpep-gather), if time is left.
 #   device run, kind nvidia-h200-x8 (or -x4 with GPUS=4), carry [".gpu-bundle"], timeout 600:
 #     bash scripts/device_wide_ep.sh
 #   afterwards, here: tar -xzf FILES_AT/wide-ep.tgz
 # Every stage runs under its own timeout, capped by what is left of BUDGET (default 560 s). Adjust with: GPUS
 # (default: as many as nvidia-smi lists), LAYERS (default 5 per GPU: with EP each GPU holds 1/GPUS of each layer's
 # 11 GB of FP8 experts), REQUESTS (default 128 per GPU), FIXED_IN / FIXED_OUT (2000 / 256), EP_TOKENS (bench_ep's
-# tokens per rank, "16,64,256"), STAGES (default "a2a dpep tp"), MODEL_DIR (a folder instead of the shape), ARGS
+# tokens per rank, "16,64,256"), STAGES (default "a2a dpep tp dpep-gather"), MODEL_DIR (a folder instead of the shape), ARGS
 # (extra bench_offline flags for both setups), EP_ARGS (extra bench_ep flags).
 # CPU smoke run (gloo, no GPU), on a tiny MoE written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from helpers_tiny_models import write_tiny_moe_model as w; \
@@ -20,7 +21,7 @@
 #   NO_BUNDLE=1 GPUS=2 MODEL_DIR=/tmp/tinymoe REQUESTS=6 FIXED_IN=20 FIXED_OUT=6 EP_TOKENS=0,4 \
 #     EP_ARGS="--device cpu --experts 8 --top-k 2 --hidden 32 --dtype float32 --iters 3" \
 #     ARGS="--device cpu --dtype float32 --vocab 200 --kv-cache-blocks 200 --skip-tokenizer-init" bash scripts/device_wide_ep.sh
-# Results in $OUT/wide-ep.tgz: ep.json / ep.log, flotilla-dpep.json, flotilla-tp.json and their logs, summary.txt.
+# Results in $OUT/wide-ep.tgz: ep-<backend>.json / .log, flotilla-dpep.json, flotilla-dpep-gather.json, flotilla-tp.json and their logs, summary.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$(date +%s)
@@ -29,7 +30,7 @@ BUDGET=${BUDGET:-560}
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/wide-ep
 mkdir -p "$R"
-STAGES=${STAGES:-a2a dpep tp}
+STAGES=${STAGES:-a2a dpep tp dpep-gather}
 GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)}
 [ "$GPUS" -ge 2 ] 2>/dev/null || { echo "GPUS=$GPUS: wide EP needs at least two"; exit 1; }
 LAYERS=${LAYERS:-$(( 5 * GPUS ))}
@@ -47,9 +48,12 @@ command -v nvidia-smi > /dev/null && nvidia-smi topo -m > "$R/topo.txt" 2>&1
 if want a2a; then
   stage "expert all-to-all, world size $GPUS"
   # shellcheck disable=SC2086
-  timeout "$(cap 120)" python3 -m flotilla.scripts.bench_ep --world-size "$GPUS" --tokens "${EP_TOKENS:-16,64,256}" \
-    ${EP_ARGS:-} --json "$R/ep.json" > "$R/ep.log" 2>&1
-  echo "exit $?"; grep '"ep_all_to_all"' "$R/ep.log" | cut -c1-300
+  for how in all_to_all allgather_reducescatter; do
+    # shellcheck disable=SC2086
+    timeout "$(cap 90)" python3 -m flotilla.scripts.bench_ep --world-size "$GPUS" --tokens "${EP_TOKENS:-16,64,256}" \
+      --all2all-backend $how ${EP_ARGS:-} --json "$R/ep-$how.json" > "$R/ep-$how.log" 2>&1
+    echo "$how: exit $?"; grep '"ep_all_to_all"' "$R/ep-$how.log" | cut -c1-300
+  done
 fi
 
 run() {  # label, extra bench_offline flags...
@@ -64,6 +68,8 @@ run() {  # label, extra bench_offline flags...
 
 want dpep && run dpep --data-parallel-size "$GPUS" --enable-expert-parallel
 want tp && run tp --tensor-parallel-size "$GPUS"
+want dpep-gather && run dpep-gather --data-parallel-size "$GPUS" --enable-expert-parallel \
+  --all2all-backend allgather_reducescatter
 
 stage "summary"
 python3 - "$R" <<'PY' | tee "$R/summary.txt"
@@ -76,10 +82,10 @@ for path in sorted(r.glob("flotilla-*.json")):
           f"prefill {d.get('fixed_prefill_s')} s of {d.get('fixed_s')} s; expert imbalance "
           f"{d.get('expert_imbalance_mean')} (worst layer {d.get('expert_imbalance_max')}), rank imbalance "
           f"{d.get('rank_imbalance_mean')}")
-if (r / "ep.json").exists():
-    for rec in json.loads((r / "ep.json").read_text()):
+for path in sorted(r.glob("ep-*.json")):
+    for rec in json.loads(path.read_text()):
         if rec.get("bench") == "ep_all_to_all":
-            print(f"all-to-all, {rec['tokens_per_rank']} tokens per rank: {rec['layer_ms']} ms per layer "
+            print(f"{rec['all2all_backend']}, {rec['tokens_per_rank']} tokens per rank: {rec['layer_ms']} ms per layer "
                   f"(dispatch {rec['dispatch_ms']}, combine {rec['combine_ms']}), {rec['gbps']} GB/s")
 PY
 tar -czf "$OUT/wide-ep.tgz" -C "$OUT" wide-ep

@@ -100,3 +100,24 @@ def test_help_and_argument_checks():
         assert flag in out.stdout
     with pytest.raises(SystemExit):
         be.parse_args(["--device", "cpu", "--world-size", "3", "--experts", "8"])  # experts not divisible
+
+
+def test_the_gathering_backend_with_an_idle_rank_moves_every_rank_s_rows(tmp_path):
+    gather = ("--all2all-backend", "allgather_reducescatter")
+    rows = _run(tmp_path, "--world-size", "3", "--experts", "6", "--tokens", "0,7", "--idle-ranks", "1", *gather)[1:]
+    empty, r = rows
+    assert empty["bytes_per_rank"] == 0 and empty["all2all_backend"] == "allgather_reducescatter"
+    assert [p["tokens"] for p in r["per_rank"]] == [7, 7, 0]
+    # every rank gathers 3 x 7 rows (the idle one's zeros too) and reduces as many partial sums
+    assert all(p["rows_sent"] == 3 * 7 for p in r["per_rank"])
+    assert r["bytes_per_rank"] == 2 * 3 * 7 * 32 * 4 and r["remote_bytes_per_rank"] == 2 * 2 * 7 * 32 * 4
+    # the experts of all ranks computed every busy rank's slots, once each
+    assert sum(p["rows_received"] for p in r["per_rank"]) == 2 * 7 * 2
+    assert r["layer_ms"] >= max(r["dispatch_ms"], r["combine_ms"]) > 0
+
+
+def test_a_wrong_partial_sum_fails_the_gathering_run(monkeypatch, capsys):
+    monkeypatch.setenv(be.FAULT_ENV, "1:corrupt")
+    assert be.main([*TOY, "--world-size", "2", "--tokens", "3", "--timeout-s", "60",
+                    "--all2all-backend", "allgather_reducescatter"]) == 1
+    assert "with identity experts is not x" in capsys.readouterr().err

@@ -83,11 +83,17 @@ def test_dp2_dense_qwen3_gives_the_one_rank_tokens(tmp_path: Path) -> None:
     assert all(len(t) == GREEDY.max_tokens for t in got)
 
 
-def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(moe_dir: Path) -> None:
+ALL2ALL = pytest.mark.parametrize("all2all", ["all_to_all", "allgather_reducescatter"])
+"""Both ways wide EP moves tokens (kernels/moe/expert_parallel.py, kernels/moe/ep_allgather.py)."""
+
+
+@ALL2ALL
+def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(moe_dir: Path, all2all: str) -> None:
     prompts = _prompts()
     with LLM(str(moe_dir), **OPTIONS) as llm:
         want = _tokens(llm, prompts)
-    with LLM(str(moe_dir), data_parallel_size=2, enable_expert_parallel=True, **OPTIONS) as llm:
+    with LLM(str(moe_dir), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=all2all,
+             **OPTIONS) as llm:
         client = llm.client
         detail = client.ready_detail
         assert [(detail[f"worker/{r}"]["ep"], detail[f"worker/{r}"]["experts"]) for r in range(2)] == [
@@ -122,14 +128,16 @@ def _deepseek_prompts() -> list[dict]:
     return random_prompts(5, (7, 19, 11, 4))
 
 
+@ALL2ALL
 def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(
-        deepseek_fp8_dirs: tuple[Path, Path]) -> None:  # fmt: skip
+        deepseek_fp8_dirs: tuple[Path, Path], all2all: str) -> None:  # fmt: skip
     deepseek_fp8_dir = deepseek_fp8_dirs[0]
     config = TINY_DEEPSEEK_CONFIGS["deepseek_v3"]
     prompts = _deepseek_prompts()
     with LLM(str(deepseek_fp8_dir), **OPTIONS) as llm:
         want = _tokens(llm, prompts)
-    with LLM(str(deepseek_fp8_dir), data_parallel_size=2, enable_expert_parallel=True, **OPTIONS) as llm:
+    with LLM(str(deepseek_fp8_dir), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=all2all,
+             **OPTIONS) as llm:
         client = llm.client
         detail = client.ready_detail
         assert [(detail[f"worker/{r}"]["ep"], detail[f"worker/{r}"]["experts"]) for r in range(2)] == [
@@ -228,6 +236,13 @@ def test_expert_parallel_and_data_parallel_options_are_checked_before_anything_s
         LLM(str(moe_dir), data_parallel_size=2, placement="inline")
     with pytest.raises(ValueError, match="prefill or decode role is not built yet"):
         engine_topology(EngineConfig.from_options(model=str(moe_dir), data_parallel_size=2, role="prefill"), "process")
+    gather = dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="allgather_reducescatter")
+    with pytest.raises(ValueError, match="allgather_reducescatter is built for data_parallel_size > 1 with "
+                                         "tensor_parallel_size 1"):
+        EngineConfig.from_options(tensor_parallel_size=2, **gather)
+    with pytest.raises(ValueError, match="speculative decoding under all2all_backend allgather_reducescatter"):
+        EngineConfig.from_options(speculative_config={"method": "mtp"}, **gather)
+    assert not EngineConfig.from_options(all2all_backend="allgather_reducescatter").parallel.gathers_tokens
 
 
 def test_data_parallel_topology_wires_one_scheduler_per_rank_and_an_ep_rendezvous(moe_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""The expert-parallel MoE layer (kernels/moe/expert_parallel.py) on 2 real gloo processes against one process
-running every expert (kernels/moe's torch reference).
+"""The expert-parallel MoE layers on 2 real gloo processes against one process running every expert (kernels/moe's
+torch reference): dispatch / combine by all-to-all (kernels/moe/expert_parallel.py) and all-gather / reduce-scatter
+(kernels/moe/ep_allgather.py, each step padded to an agreed number of rows).
 
 Each rank (tests/helpers_ep_rank.py) keeps half of the experts and runs several steps with its own tokens —
 different counts on the two ranks, and steps where one rank (or both) has none — and must get, in float32,
@@ -49,14 +50,14 @@ def _inputs() -> dict[str, torch.Tensor]:
     return w
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+@pytest.fixture(scope="module", params=["all_to_all", "allgather_reducescatter"])
+def ranks(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     folder = tmp_path_factory.mktemp("ep")
     w = _inputs()
     save_file(w, str(folder / "inputs.safetensors"))
     init = f"tcp://127.0.0.1:{free_tcp_port()}"
     script = Path(__file__).with_name("helpers_ep_rank.py")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(WORLD), init, str(folder)],
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(WORLD), init, str(folder), request.param],
                               stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
     for p in procs:
         _, err = p.communicate(timeout=120)

@@ -68,12 +68,16 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    masked: bool = False,
     *,
     gemm: GroupedGemm | None = None,
     alignment: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as torch_ref.fused_experts. gemm/alignment default to DeepGEMM's (tests pass the
-    torch reference of the GEMM to check the layout on CPU)."""
+    """Same contract as torch_ref.fused_experts, without masked slots. gemm/alignment default to DeepGEMM's (tests
+    pass the torch reference of the GEMM to check the layout on CPU)."""
+    if masked:
+        raise NotImplementedError("the deep_gemm experts take no masked routing (negative expert ids); use the "
+                                  "triton or torch MoE backend")
     if gemm is None or alignment is None:
         deep_gemm = _require_deep_gemm()
         gemm = gemm or deep_gemm.m_grouped_bf16_gemm_nt_contiguous
@@ -116,6 +120,7 @@ def fused_experts_fp8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size: tuple[int, int] = (128, 128),
+    masked: bool = False,
     *,
     gemm: Fp8GroupedGemm | None = None,
     alignment: int | None = None,
@@ -124,6 +129,9 @@ def fused_experts_fp8(
     quantized per token and 128 columns, one launch, kernels/quant): DeepGEMM's m_grouped_fp8_gemm_nt_contiguous
     over the same layout as the bf16 path. Needs 128x128 weight blocks and an intermediate size that is a whole
     number of blocks (w13's scales then hold gate's block rows and up's as one [2I/128, H/128] grid)."""
+    if masked:
+        raise NotImplementedError("the deep_gemm experts take no masked routing (negative expert ids); use the "
+                                  "triton or torch MoE backend")
     check_fp8_expert_scales(w13, w13_scale, w2, w2_scale, block_size)
     if tuple(block_size) != (FP8_GROUP, FP8_GROUP) or (w13.shape[1] // 2) % FP8_GROUP:
         raise ValueError(f"DeepGEMM's FP8 experts take 128x128 weight blocks and an intermediate size that is a "

@@ -76,7 +76,8 @@ def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Group the slots of topk_ids [T, top_k] by expert and pad each expert's run to block_m rows. On CUDA (up
-    to FUSED_ALIGN_MAX_SLOTS slots) one triton launch does it, with slots in any order within an expert's run."""
+    to FUSED_ALIGN_MAX_SLOTS slots) one triton launch does it, with slots in any order within an expert's run.
+    Slots with a negative id (masked: another rank's expert) are left out of every run."""
     if (topk_ids.is_cuda and topk_ids.numel() <= FUSED_ALIGN_MAX_SLOTS
             and os.environ.get("FLOTILLA_MOE_FUSED_ALIGN", "1") != "0"):
         from flotilla.kernels.moe.triton_align import align_by_expert  # imports triton: CUDA only
@@ -85,21 +86,27 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
+    # masked slots count as one more expert, E, whose run is not stored: its rows land on a spare last row
+    flat = torch.where(flat < 0, num_experts, flat)
     # scatter_add, not bincount: bincount reads the maximum back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     ends = padded.cumsum(0)
     starts = ends - padded
     first_slot_rank = counts.cumsum(0) - counts  # rank of each expert's first slot in sorted order
     order = torch.argsort(flat, stable=True)
     experts_sorted = flat[order]
     rank = torch.arange(num_slots, device=device)
-    dest = starts[experts_sorted] + rank - first_slot_rank[experts_sorted]
-
     max_rows = padded_rows(num_slots, num_experts, block_m)
-    sorted_slots = torch.full((max_rows,), num_slots, dtype=torch.int32, device=device)
+    dest = torch.where(experts_sorted == num_experts, max_rows,
+                       starts[experts_sorted] + rank - first_slot_rank[experts_sorted])
+
+    sorted_slots = torch.full((max_rows + 1,), num_slots, dtype=torch.int32, device=device)
     sorted_slots[dest] = order.to(torch.int32)
+    sorted_slots = sorted_slots[:max_rows]
+    ends = ends[:num_experts]
     block_starts = torch.arange(0, max_rows, block_m, device=device)
     block_experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
     return ExpertBlocks(

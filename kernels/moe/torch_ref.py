@@ -3,7 +3,9 @@
 Semantics every backend shares (so they can be compared to the last bit in float32 and to rounding in
 half precision): each expert computes down(silu(gate(x)) * up(x)) in the activation dtype, rounding
 where this code rounds; the expert's output is scaled by the routing weight in float32 and rounded to
-the activation dtype; a token's k scaled outputs are summed in float32 and rounded once.
+the activation dtype; a token's k scaled outputs are summed in float32 and rounded once. A negative expert id
+marks a slot to skip (it adds nothing): expert parallelism's masked routing, where a rank computes only its own
+experts' slots of tokens it shares with other ranks; the fused backends take it with `masked=True`.
 
 FP8 experts (DeepSeek-V3's checkpoints: e4m3 weights with float32 block scales, kernels/quant/fp8_ref.py):
 fused_experts_fp8 dequantizes each expert that got tokens into the activation dtype on every call (the
@@ -39,9 +41,11 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    masked: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights float32 and
-    topk_ids int [T, k] -> [T, H] in hidden's dtype. One loop over the experts that got tokens."""
+    topk_ids int [T, k] -> [T, H] in hidden's dtype. One loop over the experts that got tokens. Negative ids are
+    skipped whether or not `masked` says they may be there."""
     return _combine(hidden, topk_weights, topk_ids,
                     lambda e, x: F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e]))  # fmt: skip
 
@@ -50,6 +54,8 @@ def _combine(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     """Each expert that got tokens run on them, its outputs weighted and summed per token as the module says."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in torch.unique(topk_ids).tolist():
+        if expert < 0:  # a masked slot: another rank's expert
+            continue
         token_idx, choice = torch.where(topk_ids == expert)
         y = mlp(expert, hidden[token_idx])
         weighted = (y.float() * topk_weights[token_idx, choice, None]).to(hidden.dtype)
@@ -104,6 +110,7 @@ def fused_experts_fp8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size: tuple[int, int] = (128, 128),
+    masked: bool = False,
 ) -> torch.Tensor:
     """fused_experts on e4m3 experts (w13 [E, 2I, H], w2 [E, H, I]) with float32 block scales (shapes:
     fp8_expert_scale_shapes): each expert with tokens dequantized into hidden's dtype, then computed as
@@ -126,6 +133,7 @@ def fused_experts_fp8_w8a8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size: tuple[int, int] = (128, 128),
+    masked: bool = False,
 ) -> torch.Tensor:
     """What the FP8 kernels compute (the reference they are tested against): fused_experts_fp8 with each GEMM's
     input quantized per token and group of block_k columns, the products taken in float32 and rounded to

@@ -11,8 +11,8 @@ microseconds each, for a few hundred bytes of work. Here one program does all of
      atomic add returns the row);
   5. name each block of block_m rows after its expert (how many experts end at or before the block's start).
 
-The result has the contract of routing.sort_by_expert (same sizes, padding, block_experts and num_padded) with
-one difference: within one expert's run the slots are in the order the atomics served them, not ascending.
+The result has the contract of routing.sort_by_expert (same sizes, padding, block_experts and num_padded; slots
+with a negative id left out) with one difference: within one expert's run the slots are in the order the atomics served them, not ascending.
 The expert GEMMs compute each row on its own and write it back to its slot, so the output does not depend on
 that order. `tl.debug_barrier` orders the phases: one program (one CTA) does all of it.
 """
@@ -49,6 +49,7 @@ def _align_kernel(
         slots = c + tl.arange(0, CHUNK)
         valid = slots < num_slots
         ids = tl.load(ids_ptr + slots, mask=valid, other=0)
+        valid = valid & (ids >= 0)  # a negative id: a masked slot, in no run
         tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
     tl.debug_barrier()
     # read back through the atomics' own path (L2), not a plain load that may hit a stale L1 line; zero past
@@ -64,6 +65,7 @@ def _align_kernel(
         slots = c + tl.arange(0, CHUNK)
         valid = slots < num_slots
         ids = tl.load(ids_ptr + slots, mask=valid, other=0)
+        valid = valid & (ids >= 0)
         rows = tl.atomic_add(cursor_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=valid)
         tl.store(sorted_ptr + rows, slots, mask=valid)
     for b in range(0, BLOCKS_BOUND, BLOCK_CHUNK):

@@ -174,6 +174,7 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    masked: bool = False,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -182,12 +183,13 @@ def fused_experts(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Block sizes of at least 16
-    (tl.dot's minimum on NVIDIA GPUs); tiles and launch options not given come from FLOTILLA_MOE_TILES, else
-    the defaults (block_m by pick_block_m, 64 x 64, triton's warps and stages)."""
+    topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
+    ids, slots that add nothing. Block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs); tiles and launch
+    options not given come from FLOTILLA_MOE_TILES, else the defaults (block_m by pick_block_m, 64 x 64, triton's
+    warps and stages)."""
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t.get("block_m"), t.get("block_n", 64),
-                       t.get("block_k", 64), launch=_launch(t))  # fmt: skip
+                       t.get("block_k", 64), launch=_launch(t), masked=masked)  # fmt: skip
 
 
 def _tiles(**given: int | None) -> dict[str, int]:
@@ -202,8 +204,10 @@ def _launch(tiles: dict[str, int]) -> dict[str, int]:
 def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                block_size: tuple[int, int] = (1, 1), launch: dict | None = None) -> torch.Tensor:  # fmt: skip
-    """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights."""
+                block_size: tuple[int, int] = (1, 1), launch: dict | None = None,
+                masked: bool = False) -> torch.Tensor:  # fmt: skip
+    """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights. `masked`: the slots of
+    negative ids are in no expert's run, so the down pass never writes their rows: those start at zero."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -215,7 +219,8 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
-    per_slot = torch.empty(blocks.num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    per_slot = (torch.zeros if masked else torch.empty)(blocks.num_slots, hidden_size, dtype=hidden.dtype,
+                                                        device=hidden.device)
     _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size, launch)
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
 
@@ -229,6 +234,7 @@ def fused_experts_fp8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_size: tuple[int, int] = (128, 128),
+    masked: bool = False,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -249,4 +255,4 @@ def fused_experts_fp8(
         raise ValueError(f"the FP8 expert kernel steps K by {block_k}, which must divide the weights' block_k {bk} "
                          "(a power of two)")  # fmt: skip
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, block_m, block_n, block_k, (w13_scale, w2_scale),
-                       block_size, _launch(t))  # fmt: skip
+                       block_size, _launch(t), masked)  # fmt: skip
