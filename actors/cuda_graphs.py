@@ -19,6 +19,7 @@ batch depends on the backend:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,7 +30,9 @@ import torch
 
 from flotilla.kernels.attention import flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.staging import pinned, upload
+from flotilla.models.parallel import ep_gathers_tokens
 
 log = logging.getLogger(__name__)
 
@@ -167,26 +170,38 @@ class DecodeGraphs:
             self.metas[size] = self._meta(size)
             self._plan(size, np.zeros(0, dtype=np.int64), [])
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
-            self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
-            torch.cuda.synchronize(self.device)
-            self.metas[size].backend_state.clear()  # per-step state (FlashMLA's scheduling) is computed in the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.model(*args)
+            # under gathering expert parallelism every rank captures the same sizes in this order, so the MoE
+            # layers' all-gathers and reduce-scatters of `size` rows pair up across the ranks inside the captures
+            rows = ep_tokens(size) if ep_gathers_tokens() else contextlib.nullcontext()
+            with rows:
+                self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
+                torch.cuda.synchronize(self.device)
+                self.metas[size].backend_state.clear()  # per-step state (FlashMLA's scheduling) is in the graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self.model(*args)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
 
+    def padded_size(self, batch: int) -> int:
+        """The captured size a batch of `batch` sequences replays (fits(batch) must hold)."""
+        return next(s for s in self.sizes if s >= batch)
+
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Hidden states [B, hidden] of one decode step of B sequences, by graph replay.
+            tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None,
+            size: int | None = None) -> torch.Tensor:
+        """Hidden states [B, hidden] of one decode step of B sequences, by replay of the graph of `size` (default:
+        the smallest that holds them; expert-parallel ranks that gather tokens replay the size they agreed on).
 
         patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).
         """
         batch = len(input_ids)
-        size = next(s for s in self.sizes if s >= batch)
+        size = size or self.padded_size(batch)
+        if size not in self.graphs or size < batch:
+            raise ValueError(f"no captured graph of {size} rows for a batch of {batch}")
         host = np.empty((3, size), dtype=np.int64)
         host[0, :batch], host[1, :batch], host[2, :batch] = input_ids, positions, slots
         host[0, batch:], host[1, batch:], host[2, batch:] = 0, 0, self.scratch_slot

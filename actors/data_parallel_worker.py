@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
 import torch
 from torch import nn
 
+from flotilla.actors.cuda_graphs import DecodeGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.models.parallel import (
@@ -32,11 +34,18 @@ def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
     return divmod(instance, tp_size)
 
 
+def ep_graphs_enabled(config: EngineConfig) -> bool:
+    """Whether an expert-parallel engine's ranks capture decode graphs: only when the experts gather tokens (static
+    shapes; the all-to-all reads its split sizes on the host), and opt-in (FLOTILLA_EP_GRAPHS=1) until the graphs'
+    GPU test (tests/test_ep_graphs.py) has passed on two GPUs."""
+    return config.parallel.gathers_tokens and os.environ.get("FLOTILLA_EP_GRAPHS") == "1"
+
+
 def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     """The config a data-parallel rank's runner gets: on CUDA its own GPUs, from (first GPU) + dp_rank * tp on;
-    eager under expert parallelism (the dispatch reads the split sizes on the host: not capturable)."""
+    eager under expert parallelism unless ep_graphs_enabled."""
     worker = config.worker
-    if config.parallel.expert_parallel_size > 1 and not worker.enforce_eager:
+    if config.parallel.expert_parallel_size > 1 and not worker.enforce_eager and not ep_graphs_enabled(config):
         worker = msgspec.structs.replace(worker, enforce_eager=True)
     device = "cuda" if worker.device == "auto" and torch.cuda.is_available() else worker.device
     if config.parallel.data_parallel_size > 1 and device.startswith("cuda"):
@@ -89,13 +98,26 @@ def mtp_expert_layers(model: nn.Module) -> list[StackedExperts]:
     return expert_parallel_layers(mtp) if mtp is not None else []
 
 
-def step_rows(plan: StepPlan) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def step_rows(plan: StepPlan, graphs: DecodeGraphs | None) -> Iterator[int | None]:
     """Where the experts gather every rank's tokens (all2all_backend allgather_reducescatter): agree with the other
-    ranks on the most tokens any of them runs this step and run the step inside ep_tokens(that); elsewhere
-    nothing. Every rank calls it once per step, real or empty, in step order, as the lockstep pairs them."""
+    ranks on the step's rows and run the step inside ep_tokens(them), yielding the runner's graph_size; elsewhere
+    yield None (the runner chooses). Every rank calls it once per step, real or empty, in step order, as the
+    lockstep pairs them.
+
+    With decode graphs (`graphs`: every rank captured the same sizes): when every rank's step is a decode batch a
+    graph holds, or empty, each busy rank replays the graph of the size that holds the largest batch and the MoE
+    layers exchange that many rows; otherwise every rank runs eager and they exchange the most tokens any rank has
+    (an eager step's collectives pair with a replayed graph's: the same calls in the same order)."""
     if not ep_gathers_tokens():
-        return contextlib.nullcontext()
-    return ep_tokens(agree_on_rows(int(plan.num_new_tokens.sum()) if plan.rids else 0))
+        yield None
+        return
+    rows = int(plan.num_new_tokens.sum()) if plan.rids else 0
+    graphable = graphs is not None and (not plan.rids or (len(plan.rids) == rows and graphs.fits(rows)))
+    most, someone_eager = agree_on_rows(rows, eager=not graphable)
+    size = graphs.padded_size(most) if graphs is not None and not someone_eager and most else 0
+    with ep_tokens(size or most):
+        yield size
 
 
 @torch.inference_mode()

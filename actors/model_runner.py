@@ -180,7 +180,8 @@ class ModelRunner:
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
         # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1) until its GPU
-        # test (tests/test_tp_graphs.py) has passed; never with expert parallelism, whose dispatch reads counts back
+        # test (tests/test_tp_graphs.py) has passed; never with the expert all-to-all, whose dispatch reads counts
+        # back; with gathering expert parallelism (the worker is eager otherwise: data_parallel_worker.rank_config)
         tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
                                       and not config.parallel.enable_expert_parallel)
         if (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
@@ -304,10 +305,13 @@ class ModelRunner:
         self._pending.append(_Pending.done(StepResult(step=step, error=error)))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> None:
+    def launch(self, plan: StepPlan, graph_size: int | None = None) -> None:
         """Stage and queue one step; its result comes from a later finish_oldest() (steps finish in order).
 
-        The caller turns an exception into a StepResult with an error; the runner stays usable.
+        graph_size: None lets the runner choose (a decode batch that fits replays a graph); 0 runs the step eager; a
+        captured size replays that graph (the decode batch padded to it: what expert-parallel ranks that gather
+        tokens agreed on, actors/data_parallel_worker.py step_rows). The caller turns an exception into a StepResult
+        with an error; the runner stays usable.
         """
         for rid in plan.finished_rids:
             self.seqs.pop(rid, None)
@@ -331,9 +335,12 @@ class ModelRunner:
             return
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
-        if self.graphs is not None and len(seqs) == len(num_new) == sum(num_new) and self.graphs.fits(len(seqs)):
+        if graph_size is None:
+            graph_size = (self.graphs.padded_size(len(seqs)) if self.graphs is not None and self.decodes_only(plan)
+                          and self.graphs.fits(len(seqs)) else 0)  # fmt: skip
+        if graph_size:
             # one new token per sequence: a captured decode step
-            hidden = self._decode_by_graph(seqs, cached, ids, patch)
+            hidden = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
@@ -423,14 +430,19 @@ class ModelRunner:
             at += n
         return ids, patch
 
+    def decodes_only(self, plan: StepPlan) -> bool:
+        """Whether the step gives each of its sequences one new token (a decode batch a graph can run)."""
+        return bool(plan.rids) and len(plan.rids) == int(plan.num_new_tokens.sum())
+
     def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
-                         patch: Patch) -> torch.Tensor:
+                         patch: Patch, size: int) -> torch.Tensor:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
         tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
+        assert self.graphs is not None
         return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables,
-                               patch=lambda input_ids: _apply_patch(input_ids, patch, self.device))
+                               patch=lambda input_ids: _apply_patch(input_ids, patch, self.device), size=size)
 
 
 class _Pending:

@@ -144,13 +144,14 @@ def ep_gathers_tokens() -> bool:
     return _EP_HOST is not None
 
 
-def agree_on_rows(rows: int) -> int:
-    """The most `rows` of any expert-parallel rank (collective over the host group: every rank calls it once per
-    step, real or empty, in step order; a few tens of microseconds over gloo)."""
+def agree_on_rows(rows: int, eager: bool = False) -> tuple[int, bool]:
+    """(the most `rows` of any expert-parallel rank, whether any rank runs its step `eager`): one all-reduce over
+    the host group (collective: every rank calls it once per step, real or empty, in step order; a few tens of
+    microseconds over gloo)."""
     assert _EP_HOST is not None
-    most = torch.tensor([rows], dtype=torch.int64)
+    most = torch.tensor([rows, int(eager)], dtype=torch.int64)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=_EP_HOST)
-    return int(most)
+    return int(most[0]), bool(most[1])
 
 
 def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.device,
