@@ -2,12 +2,14 @@
 # MoE on two GPUs (issue 8), in one device call: the same workloads (bench_offline: the nano-vllm workload and batch-1
 # decode) on one GPU, at TP=2 (eager, and with FLOTILLA_TP_GRAPHS=1 if tests/test_tp_graphs.py passes first), and at
 # DP2 x EP2 (attention data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with
-# --all2all-backend allgather_reducescatter, no host sync per MoE layer).
+# --all2all-backend allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs,
+# FLOTILLA_EP_GRAPHS=1, if tests/test_ep_graphs.py passes first).
 #   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/device_moe_x2.sh
 #   afterwards, here: tar -xzf FILES_AT/moe-x2.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 # Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the call ends in time and
 # still packs its results. Adjust with: MODEL (default qwen3-30b-a3b), MODEL_DIR (a folder instead of the shape),
-# SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g tp2g"), ARGS (extra bench_offline flags for every setup).
+# SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g"; more than one call's budget holds at the 30B shape:
+# a second call with SETUPS="tests dp2ep2g dp2ep2gg tp2g" finishes them), ARGS (extra bench_offline flags for every setup).
 # CPU smoke run (gloo, no GPU), on a tiny MoE written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from helpers_tiny_models import write_tiny_moe_model as w; \
 #     w('/tmp/tinymoe')"
@@ -23,7 +25,7 @@ BUDGET=${BUDGET:-560}
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/moe-x2
 mkdir -p "$R"
-SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 dp2ep2g tp2g}
+SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g}
 M=${MODEL:-qwen3-30b-a3b}
 MODEL_ARG=${MODEL_DIR:-$M}   # bench_offline takes a built-in shape's name or a folder
 
@@ -34,12 +36,15 @@ cap() {  # the smaller of $1 and what is left of the budget (minus 20 s to pack 
 }
 want() { [[ " $SETUPS " == *" $1 "* ]]; }
 TP_GRAPHS_OK=0
+EP_GRAPHS_OK=0
 
 if want tests; then
-  stage "the TP=2 graph test"
-  timeout "$(cap 120)" python3 -m pytest -m gpu tests/test_tp_graphs.py -v -p no:cacheprovider > "$R/gpu-tests.log" 2>&1
+  stage "the TP=2 and DP2 x EP2 graph tests"
+  timeout "$(cap 150)" python3 -m pytest -m gpu tests/test_tp_graphs.py tests/test_ep_graphs.py -v -p no:cacheprovider \
+    > "$R/gpu-tests.log" 2>&1
   rc=$?; echo "exit $rc"; grep -E "PASSED|SKIPPED|FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -4
-  grep -q "PASSED" "$R/gpu-tests.log" && [ "$rc" = 0 ] && TP_GRAPHS_OK=1
+  grep -q "test_tp2_decode_graphs_give_the_eager_tokens PASSED" "$R/gpu-tests.log" && TP_GRAPHS_OK=1
+  grep -q "test_dp2_ep2_decode_graphs_give_the_eager_tokens PASSED" "$R/gpu-tests.log" && EP_GRAPHS_OK=1
 fi
 
 run() {  # label, extra bench_offline flags...
@@ -55,6 +60,11 @@ want 1gpu && run 1gpu
 want dp2ep2 && run dp2ep2 --data-parallel-size 2 --enable-expert-parallel
 want tp2 && run tp2 --tensor-parallel-size 2
 want dp2ep2g && run dp2ep2g --data-parallel-size 2 --enable-expert-parallel --all2all-backend allgather_reducescatter
+if want dp2ep2gg; then  # the same with decode graphs
+  if [ "$EP_GRAPHS_OK" = 1 ]; then FLOTILLA_EP_GRAPHS=1 run dp2ep2gg --data-parallel-size 2 --enable-expert-parallel \
+    --all2all-backend allgather_reducescatter
+  else echo "dp2ep2gg skipped: tests/test_ep_graphs.py did not pass here"; fi
+fi
 if want tp2g; then
   if [ "$TP_GRAPHS_OK" = 1 ]; then FLOTILLA_TP_GRAPHS=1 run tp2g --tensor-parallel-size 2
   else echo "tp2g skipped: tests/test_tp_graphs.py did not pass here"; fi
