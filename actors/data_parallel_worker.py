@@ -35,10 +35,15 @@ def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
 
 
 def ep_graphs_enabled(config: EngineConfig) -> bool:
-    """Whether an expert-parallel engine's ranks capture decode graphs: only when the experts gather tokens (static
-    shapes; the all-to-all reads its split sizes on the host), and opt-in (FLOTILLA_EP_GRAPHS=1) until the graphs'
-    GPU test (tests/test_ep_graphs.py) has passed on two GPUs."""
-    return config.parallel.gathers_tokens and os.environ.get("FLOTILLA_EP_GRAPHS") == "1"
+    """Whether an expert-parallel engine's ranks capture decode graphs: not with the all-to-all, which reads its
+    split sizes on the host; when the experts gather tokens (static shapes) with FLOTILLA_EP_GRAPHS=1, and under
+    TP x EP (masked routing over shared tokens, no collective of its own) with FLOTILLA_TP_GRAPHS=1: opt-in until
+    tests/test_ep_graphs.py and tests/test_tp_graphs.py have passed on two GPUs."""
+    par = config.parallel
+    if par.gathers_tokens:
+        return os.environ.get("FLOTILLA_EP_GRAPHS") == "1"
+    return (par.enable_expert_parallel and par.data_parallel_size == 1
+            and os.environ.get("FLOTILLA_TP_GRAPHS") == "1")
 
 
 def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:

@@ -181,9 +181,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1) until its GPU
         # test (tests/test_tp_graphs.py) has passed; never with the expert all-to-all, whose dispatch reads counts
-        # back; with gathering expert parallelism (the worker is eager otherwise: data_parallel_worker.rank_config)
+        # back (an expert-parallel worker is eager unless data_parallel_worker.ep_graphs_enabled)
         tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
-                                      and not config.parallel.enable_expert_parallel)
+                                      and (not config.parallel.enable_expert_parallel
+                                           or config.parallel.data_parallel_size == 1))
         if (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
                 and (self.model.attention_backend_name == "flashinfer"
                      or (self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()))):

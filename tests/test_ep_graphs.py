@@ -88,7 +88,7 @@ def test_the_ranks_agree_on_rows_and_on_graphs(monkeypatch, mine, theirs, graphs
         assert (current_ep_tokens(), graph_size) == want
 
 
-def test_graphs_under_expert_parallelism_only_when_the_experts_gather_and_asked_for(monkeypatch) -> None:
+def test_graphs_under_expert_parallelism_only_without_the_all_to_all_and_when_asked_for(monkeypatch) -> None:
     monkeypatch.setenv("FLOTILLA_EP_GRAPHS", "1")
     gather = EngineConfig.from_options(**GATHER)
     assert dp.ep_graphs_enabled(gather) and not dp.rank_config(gather, 0).worker.enforce_eager
@@ -96,3 +96,10 @@ def test_graphs_under_expert_parallelism_only_when_the_experts_gather_and_asked_
     assert not dp.ep_graphs_enabled(a2a) and dp.rank_config(a2a, 0).worker.enforce_eager
     monkeypatch.delenv("FLOTILLA_EP_GRAPHS")
     assert not dp.ep_graphs_enabled(gather) and dp.rank_config(gather, 0).worker.enforce_eager
+    # TP x EP: masked routing over the shared tokens, graphs with the TP ones; DP x TP x EP dispatches: eager
+    tp_ep = EngineConfig.from_options(tensor_parallel_size=2, enable_expert_parallel=True)
+    dp_tp_ep = EngineConfig.from_options(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert not dp.ep_graphs_enabled(tp_ep)
+    monkeypatch.setenv("FLOTILLA_TP_GRAPHS", "1")
+    assert dp.ep_graphs_enabled(tp_ep) and not dp.rank_config(tp_ep, 0).worker.enforce_eager
+    assert not dp.ep_graphs_enabled(dp_tp_ep) and dp.rank_config(dp_tp_ep, 0).worker.enforce_eager

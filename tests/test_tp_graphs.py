@@ -1,7 +1,8 @@
 """CUDA-graph decode under tensor parallelism (opt-in: FLOTILLA_TP_GRAPHS=1): each rank captures its decode
 forwards with the NCCL all-reduces inside, and replays them in lockstep. On two GPUs a TP=2 engine must give the
 same greedy tokens with graphs as without, with batches that shrink step by step so several captured sizes
-replay; graphs stay off under expert parallelism (its dispatch reads counts back to the host)."""
+replay; likewise TP x EP (the experts spread over the two ranks, masked routing over the shared tokens: no
+collective of its own, no host sync)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from flotilla import LLM, SamplingParams
 from helpers_engine import write_tiny_engine_model
+from helpers_tiny_models import write_tiny_moe_model
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -35,5 +37,17 @@ def test_tp2_decode_graphs_give_the_eager_tokens(tmp_path: Path, monkeypatch) ->
     assert detail["worker/0"]["cuda_graphs"] == "off"
     monkeypatch.setenv("FLOTILLA_TP_GRAPHS", "1")  # the worker processes inherit it
     graphs, detail = _run(model)
+    assert [detail[f"worker/{r}"]["cuda_graphs"] for r in (0, 1)] == ["on", "on"]
+    assert graphs == eager
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_tp2_ep2_decode_graphs_give_the_eager_tokens(tmp_path: Path, monkeypatch) -> None:
+    model = str(write_tiny_moe_model(tmp_path / "moe", "qwen3_moe_hd64"))
+    eager, detail = _run(model, enforce_eager=True, enable_expert_parallel=True)
+    assert detail["worker/1"]["ep"] == "1/2"
+    monkeypatch.setenv("FLOTILLA_TP_GRAPHS", "1")
+    graphs, detail = _run(model, enable_expert_parallel=True)
     assert [detail[f"worker/{r}"]["cuda_graphs"] for r in (0, 1)] == ["on", "on"]
     assert graphs == eager

@@ -76,13 +76,8 @@ class GatheredTokenExperts:
         if self.backend.name == "deep_gemm":
             raise ValueError("the allgather_reducescatter expert-parallel backend computes masked routing, which "
                              "the deep_gemm experts do not take; use the triton or torch MoE backend")
-        # expert id -> this rank's row of its weights, or -1 for another rank's expert (and for padding's -1)
-        first, local = placement.first_local_expert, placement.num_local_experts
-        to_local = torch.full((placement.num_experts + 1,), -1, dtype=torch.int32,
-                              device=placement.expert_to_local.device)
-        to_local[first:first + local] = torch.arange(local, dtype=torch.int32, device=to_local.device)
-        self.to_local = to_local
-        """int32 [E + 1]: indexed by expert id (-1 reads the last entry, -1 too)."""
+        self.to_local = placement.local_id_map()
+        """int32 [E + 1]: expert id -> this rank's row of its weights, or -1 (another rank's expert, padding)."""
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
@@ -105,7 +100,7 @@ class GatheredTokenExperts:
         if num_tokens > padded:
             raise ValueError(f"{num_tokens} tokens in a step agreed at {padded} rows per rank")
         if padded == 0:
-            self._record(topk_ids.reshape(-1).long(), topk_ids.new_empty((0,)))
+            self.placement.record_masked(topk_ids.reshape(-1).long(), topk_ids.new_empty((0,)))
             return None
         top_k = topk_ids.shape[1]
         ep = self.placement.ep_size
@@ -124,7 +119,7 @@ class GatheredTokenExperts:
             _all_gather(all_routing, routing, group=self.group)
         weights = all_routing[:, top_k:].contiguous().view(torch.float32)
         local_ids = self.to_local[all_routing[:, :top_k].long()]  # -1 (the last entry) for padding rows
-        self._record(topk_ids.reshape(-1).long(), local_ids)
+        self.placement.record_masked(topk_ids.reshape(-1).long(), local_ids)
         return all_rows, weights, local_ids
 
     def reduce(self, part: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -135,12 +130,3 @@ class GatheredTokenExperts:
         out = part.new_empty((part.shape[0] // self.placement.ep_size, part.shape[1]))
         _reduce_scatter(out, part, group=self.group)
         return out[:num_tokens]
-
-    def _record(self, routed: torch.Tensor, local_ids: torch.Tensor) -> None:
-        """The step's loads without a host sync: this rank's routed slots per expert, and the slots of every rank
-        that this rank's experts computed."""
-        p = self.placement
-        p.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
-        flat = local_ids.reshape(-1).long()
-        mine = flat >= 0
-        p.local_expert_load.zero_().scatter_add_(0, flat.clamp(min=0), mine.long())

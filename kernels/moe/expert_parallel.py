@@ -35,11 +35,9 @@ DP rank's tokens on every rank instead and reduce the results back; this moves e
 
 Ranks that hold the same tokens (the tensor-parallel ranks of one data-parallel rank: vLLM's TP x EP without
 data parallelism) need no dispatch: `SharedTokenExperts` computes, on each rank, only the slots of its own
-experts (the others count as zeros) and combines them as above into a partial output; the MoE block's
-tensor-parallel all-reduce then adds the ranks' partials. It runs no collective of its own, and like dispatch it
-reads the number of its slots back to the host (a step is not capturable in a CUDA graph); vLLM's kernels skip
-the other ranks' slots inside the grouped GEMM instead (an expert map with -1), which is the way to a static
-shape here too.
+experts, the others masked (expert id -1 adds nothing, as vLLM's expert map with -1: kernels/moe/torch_ref.py),
+into a partial output; the MoE block's tensor-parallel all-reduce then adds the ranks' partials. It runs no
+collective of its own and reads nothing back to the host, so a step is capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -110,6 +108,22 @@ class ExpertPlacement:
         local expert of each row this rank's experts computed."""
         self.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
         self.local_expert_load.zero_().scatter_add_(0, local_ids, torch.ones_like(local_ids))
+
+    def record_masked(self, routed: torch.Tensor, local_ids: torch.Tensor) -> None:
+        """record() for masked routing: local_ids int [any shape] holds -1 for the slots this rank does not
+        compute (no host sync: the -1 slots are counted as zeros, not filtered out)."""
+        self.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
+        flat = local_ids.reshape(-1).long()
+        self.local_expert_load.zero_().scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())
+
+    def local_id_map(self) -> torch.Tensor:
+        """int32 [E + 1]: each expert id's row in this rank's stacked weights, -1 for another rank's expert; the
+        last entry (what id -1 reads) is -1 too. Indexing it with a routing's ids gives masked routing
+        (kernels/moe/torch_ref.py): this rank's share of the slots."""
+        first, local = self.first_local_expert, self.num_local_experts
+        table = torch.full((self.num_experts + 1,), -1, dtype=torch.int32, device=self.expert_to_local.device)
+        table[first:first + local] = torch.arange(local, dtype=torch.int32, device=table.device)
+        return table
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,24 +293,20 @@ class SharedTokenExperts:
     tokens and routing (the tensor-parallel ranks): `fused_experts`' contract (hidden [T, H], routing [T, k] ->
     [T, H]) with the weights of this rank's experts only, giving the part of each token's weighted sum that its
     experts here contribute (zero for a token routed only elsewhere). The sum over the ranks (the caller's
-    all-reduce) is the whole layer's output."""
+    all-reduce) is the whole layer's output. Masked routing (the other ranks' slots are id -1): no host sync, no
+    gather or scatter of rows, static shapes."""
 
     def __init__(self, placement: ExpertPlacement, backend: MoEBackend | None = None) -> None:
         self.placement = placement
         self.backend = backend or get_moe_backend("auto")
+        self.to_local = placement.local_id_map()
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         p = self.placement
         _check_local_weights(p, w13, w2)
-        num_tokens, top_k = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        mine = torch.nonzero(p.expert_to_rank[flat] == p.ep_rank).squeeze(1)  # the one host sync of a step
-        local_ids = p.expert_to_local[flat[mine]]
-        p.record(flat, local_ids)  # every rank routed every token: each counts all of them (report one rank's)
-        per_slot = hidden.new_zeros((num_tokens * top_k, hidden.shape[1]))
-        if mine.numel():
-            ones = torch.ones((mine.numel(), 1), dtype=torch.float32, device=hidden.device)
-            per_slot[mine] = self.backend.fused_experts(hidden.index_select(0, mine // top_k), w13, w2, ones,
-                                                        local_ids.to(torch.int32).unsqueeze(1))
-        return _weighted_sum(per_slot.view(num_tokens, top_k, hidden.shape[1]), topk_weights, topk_ids)
+        local_ids = self.to_local[topk_ids.long()]
+        p.record_masked(topk_ids.reshape(-1).long(), local_ids)  # every rank counts every token (report one rank's)
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(hidden.shape)
+        return self.backend.fused_experts(hidden, w13, w2, topk_weights, local_ids, masked=True)
