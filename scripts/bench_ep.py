@@ -5,26 +5,28 @@ with --all2all-backend allgather_reducescatter, kernels/moe/ep_allgather.py's ga
 --device cpu), rendezvous on a free TCP port of 127.0.0.1. Every rank routes its own --tokens tokens (random
 logits, softmax top-k, the k weights renormalised to sum to 1; a fixed seed per rank and token count;
 --skew S adds S to the logits of the first --skew-experts experts, the hot experts of an unbalanced batch),
-then times dispatch -> identity "experts" (each received row is its own output) -> combine, as the engine's
-ExpertParallelExperts runs them, without the expert GEMMs: what is left is the all-to-all's cost (the split
-sizes' all-to-all, its host sync, the rows' and expert ids' all-to-alls, the gather / scatter and the weighted
-sum). Each iteration starts after a barrier; CUDA events time it on a GPU, time.perf_counter on CPU.
+then times dispatch -> identity "experts" (each received row times the weights of its slots on that rank) ->
+combine, as the engine's ExpertParallelExperts runs them, without the expert GEMMs: what is left is the
+all-to-all's cost (the split sizes' all-to-all, its host sync, the rows' and routing's all-to-alls, the gather
+and the partial sums' add). Each iteration starts after a barrier; CUDA events time it on a GPU,
+time.perf_counter on CPU.
 
 Per token count, rank 0 prints one JSON line: dispatch_ms, combine_ms and layer_ms are each the mean over
 --iters, maxed over the ranks (they wait for each other in every all-to-all, so the slowest rank is the layer's
-time); bytes_per_rank is the hidden rows a rank sends, dispatch's (tokens x top-k) plus combine's (the rows it
-received), x hidden x element size, for the rank sending most (remote_bytes_per_rank: less the rows a rank
-sends to itself; the int32 expert ids and split sizes are not counted), and gbps is bytes_per_rank /
-layer_ms. rank_imbalance is the max over ranks / mean of the rows each rank received (its experts' load);
-expert_imbalance the max over experts / mean of every rank's routed slots per expert (1.0 when nothing was
-routed). dedup_rows_ratio is the rows sent over the rows a dispatch that sends each token once per destination
-rank would send (DeepEP's way). per_rank has each rank's own numbers. The first line is an "env" record.
+time); bytes_per_rank is the hidden rows a rank sends, dispatch's (one per token and rank owning one of its
+experts) plus combine's (one per row it received), x hidden x element size, for the rank sending most
+(remote_bytes_per_rank: less the rows a rank sends to itself; the routing and split sizes are not counted), and
+gbps is bytes_per_rank / layer_ms. rank_imbalance is the max over ranks / mean of the (token, expert) slots each
+rank's experts computed (its load); expert_imbalance the max over experts / mean of every rank's routed slots
+per expert (1.0 when nothing was routed). slot_rows_ratio is the rows a dispatch sending one row per slot (top-k
+rows per token) would send over the rows sent. per_rank has each rank's own numbers. The first line is an "env"
+record.
 
 With --all2all-backend allgather_reducescatter the layer is GatheredTokenExperts (every rank runs --tokens rows,
 an idle rank zero rows padded to them): dispatch_ms is its gather (the rows' and routing's all-gathers), combine_ms
 its reduce (the reduce-scatter), the identity experts in between scale each gathered row by the weights of this
 rank's slots of it; bytes_per_rank counts the rows gathered and the partial sums reduced (ep x rows each, own ones
-included), rows_received the slots its experts computed (as for the all-to-all), rows_sent ep x rows.
+included), rows_sent and rows_received ep x rows each.
 
 Correctness, every run: with identity experts and weights summing to 1, combine must give back each rank's
 input hidden states (to the dtype's rounding) and each rank's received rows must be the slots routed to its
@@ -177,13 +179,11 @@ def measure_gathered(args: argparse.Namespace, rank: int, tokens: int, group: di
         error = str(e)
     row_bytes = args.hidden * hidden.element_size()
     ep = args.world_size
-    dest = placement.expert_to_rank[ids.long()]
-    dedup = int(sum((dest == r).any(1).sum().item() for r in range(ep)))
     layer_ms = [d + c for d, c in zip(disp, comb, strict=True)]
     return {"rank": rank, "tokens": hidden.shape[0], "dispatch_ms": statistics.fmean(disp),
             "combine_ms": statistics.fmean(comb), "layer_ms": statistics.fmean(layer_ms),
-            "layer_ms_min": min(layer_ms), "rows_sent": ep * padded,
-            "rows_received": int(placement.local_expert_load.sum()), "dedup_rows_sent": dedup,
+            "layer_ms_min": min(layer_ms), "rows_sent": ep * padded, "rows_received": ep * padded,
+            "slots_computed": int(placement.local_expert_load.sum()), "slot_rows": ids.numel(),
             "bytes": 2 * ep * padded * row_bytes, "remote_bytes": 2 * (ep - 1) * padded * row_bytes,
             "local_expert_load": placement.local_expert_load.tolist(), "error": error}
 
@@ -207,16 +207,15 @@ def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.Proces
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             events[0].record()
         t0 = time.perf_counter()
-        sent = dispatch(hidden, ids, placement, group)
+        sent = dispatch(hidden, weights, ids, placement, group)
         if cuda:
             events[1].record()
         else:
             t1 = time.perf_counter()
-        expert_out = sent.hidden  # identity experts
+        expert_out = _identity_share(sent.hidden, hidden, hidden, sent.weights, sent.local_ids)
         if corrupt and expert_out.shape[0]:
-            expert_out = expert_out.clone()
             expert_out[0] += 1
-        out = combine(expert_out, sent, weights, ids, group)
+        out = combine(expert_out, sent, group)
         if cuda:
             events[2].record()
             events[2].synchronize()
@@ -229,10 +228,11 @@ def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.Proces
             comb.append(c_ms)
     assert out is not None and isinstance(sent, Dispatched)
     received = sum(sent.recv_splits)
+    slots = int((sent.local_ids >= 0).sum())
     try:  # reported after every rank's numbers are gathered, so that every rank fails with every rank's reason
         check_identity(out, hidden, rank, tokens)
-        if received != int(placement.local_expert_load.sum()):
-            raise BenchError(f"rank {rank}: received {received} rows, its experts' load counts "
+        if slots != int(placement.local_expert_load.sum()):
+            raise BenchError(f"rank {rank}: received {slots} slots, its experts' load counts "
                              f"{int(placement.local_expert_load.sum())}")
         error = None
     except BenchError as e:
@@ -240,20 +240,23 @@ def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.Proces
     row_bytes = args.hidden * hidden.element_size()
     sent_rows = sum(sent.send_splits)
     remote = sent_rows - sent.send_splits[rank] + received - sent.recv_splits[rank]
-    dest = placement.expert_to_rank[ids.long()]  # [T, k]: the rank of each slot's expert
-    dedup = int(sum((dest == r).any(1).sum().item() for r in range(args.world_size)))
     layer = [d + c for d, c in zip(disp, comb, strict=True)]
     return {"rank": rank, "tokens": hidden.shape[0], "dispatch_ms": statistics.fmean(disp),
             "combine_ms": statistics.fmean(comb), "layer_ms": statistics.fmean(layer),
-            "layer_ms_min": min(layer), "rows_sent": sent_rows, "rows_received": received, "dedup_rows_sent": dedup,
-            "bytes": (sent_rows + received) * row_bytes, "remote_bytes": remote * row_bytes,
+            "layer_ms_min": min(layer), "rows_sent": sent_rows, "rows_received": received, "slots_computed": slots,
+            "slot_rows": ids.numel(), "bytes": (sent_rows + received) * row_bytes, "remote_bytes": remote * row_bytes,
             "local_expert_load": placement.local_expert_load.tolist(), "error": error}
+
+
+def _sig(x: float) -> float:
+    """x to 4 significant digits (a toy run's few bytes stay above zero)."""
+    return float(f"{x:.4g}")
 
 
 def aggregate(args: argparse.Namespace, tokens: int, ranks: list[dict[str, Any]], backend: str) -> dict[str, Any]:
     """Rank 0's record for one token count from every rank's numbers."""
     layer_ms = max(r["layer_ms"] for r in ranks)
-    recv = [r["rows_received"] for r in ranks]
+    work = [r["slots_computed"] for r in ranks]
     load = [n for r in ranks for n in r["local_expert_load"]]  # rank order = expert order (contiguous placement)
 
     def imbalance(xs: list[int]) -> float:
@@ -262,7 +265,7 @@ def aggregate(args: argparse.Namespace, tokens: int, ranks: list[dict[str, Any]]
 
     busiest = max(r["bytes"] for r in ranks)
     remote = max(r["remote_bytes"] for r in ranks)
-    sent, dedup = sum(r["rows_sent"] for r in ranks), sum(r["dedup_rows_sent"] for r in ranks)
+    sent, slot_rows = sum(r["rows_sent"] for r in ranks), sum(r["slot_rows"] for r in ranks)
     per_rank = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k not in ("local_expert_load", "error")}
                 for r in ranks]
     return {"bench": "ep_all_to_all", "world_size": args.world_size, "tokens_per_rank": tokens,
@@ -271,10 +274,10 @@ def aggregate(args: argparse.Namespace, tokens: int, ranks: list[dict[str, Any]]
             "dispatch_ms": round(max(r["dispatch_ms"] for r in ranks), 4),
             "combine_ms": round(max(r["combine_ms"] for r in ranks), 4), "layer_ms": round(layer_ms, 4),
             "bytes_per_rank": busiest, "remote_bytes_per_rank": remote,
-            "gbps": round(busiest / layer_ms / 1e6, 4) if layer_ms > 0 else 0.0,
-            "remote_gbps": round(remote / layer_ms / 1e6, 4) if layer_ms > 0 else 0.0,
-            "rank_imbalance": round(imbalance(recv), 4), "expert_imbalance": round(imbalance(load), 4),
-            "dedup_rows_ratio": round(sent / dedup, 4) if dedup else 1.0,
+            "gbps": _sig(busiest / layer_ms / 1e6) if layer_ms > 0 else 0.0,
+            "remote_gbps": _sig(remote / layer_ms / 1e6) if layer_ms > 0 else 0.0,
+            "rank_imbalance": round(imbalance(work), 4), "expert_imbalance": round(imbalance(load), 4),
+            "slot_rows_ratio": round(slot_rows / sent, 4) if sent else 1.0,
             "backend": backend, "all2all_backend": args.all2all_backend, "per_rank": per_rank}
 
 

@@ -4,18 +4,18 @@ sent to the ranks owning its experts and the results sent back (wide EP's dispat
 Each rank routes its own tokens (kernels/moe/routing.py) and holds only its experts' stacked weights; the
 layer (`ExpertParallelExperts`) keeps `fused_experts`' contract for the tokens of this rank:
 
-1. dispatch: every (token, expert) slot of topk_ids [T, k] is grouped by the rank owning its expert; the
-   per-destination row counts go first (an all-to-all of split sizes), then the slots' hidden rows and
-   their experts' local ids (`torch.distributed.all_to_all_single` with uneven splits; gloo and nccl
-   both take it).
-2. the receiving rank runs what it got through kernels/moe's `fused_experts` with its local weights, each
-   received row going to one local expert with weight 1 (the routing weights never travel).
-3. combine: the results go back along the reverse all-to-all, are put back into slot order, scaled by the
-   routing weights and summed per token, rounding where torch_ref.fused_experts rounds and adding each
-   token's k outputs in ascending expert order as it does. With one rank that is the reference to the bit;
-   across ranks an expert's GEMM gets other rows beside a token's (every rank's tokens for it), and CPU
-   BLAS results for a row can change in the last bits with the number of rows, so float32 agrees to
-   rounding, not to the bit.
+1. dispatch: each token goes once to every rank that owns one of its experts (DeepEP's way: a token with three
+   experts on one rank sends one row there, not three), with its routing masked to that rank's experts (local
+   ids, -1 for the other ranks' experts, and the weights; both packed in one int32 tensor); the
+   per-destination row counts go first (an all-to-all of split sizes), then the rows and their routing
+   (`torch.distributed.all_to_all_single` with uneven splits; gloo and nccl both take it).
+2. the receiving rank runs what it got through kernels/moe's `fused_experts` with its local weights and the
+   masked routing: each received row's weighted sum over this rank's experts of its token.
+3. combine: the partial sums go back along the reverse all-to-all and each token adds its ranks' partials in
+   float32 (rank order), rounding once. With one rank that is the reference to the bit; across ranks each
+   rank's partial is rounded to the activation dtype before the sum, and an expert's GEMM gets other rows
+   beside a token's (CPU BLAS results for a row can change in the last bits with the number of rows), so
+   outputs agree to rounding, not to the bit.
 
 Every rank takes part in every collective, including one with no tokens (an idle data-parallel rank runs
 an empty batch). The split sizes are read back to the host before the rows move, so a step is not
@@ -131,11 +131,15 @@ class Dispatched:
     """What a rank received in a dispatch, and what combine needs to send the results back."""
 
     hidden: torch.Tensor
-    """[R, H]: the rows sent to this rank, grouped by source rank (rank 0's first)."""
+    """[R, H]: the rows sent to this rank, grouped by source rank (rank 0's first): one per (token, this rank)."""
     local_ids: torch.Tensor
-    """int32 [R]: each row's expert, as a row of this rank's stacked weights."""
-    order: torch.Tensor
-    """int64 [T * k]: the slots (token * k + j) of this rank's routing in the order they were sent."""
+    """int32 [R, k]: each row's routing as rows of this rank's stacked weights, -1 for another rank's expert."""
+    weights: torch.Tensor
+    """float32 [R, k]: the routing weights of those slots (0.0 where masked)."""
+    tokens: torch.Tensor
+    """int64 [P]: the token of each row this rank sent, in the order sent (destination rank, then token)."""
+    num_tokens: int
+    """Tokens of this rank's batch (combine's rows)."""
     send_splits: list[int]
     """Rows this rank sent to each rank."""
     recv_splits: list[int]
@@ -151,60 +155,47 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | No
     return out
 
 
-def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, placement: ExpertPlacement,
+def dispatch(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: ExpertPlacement,
              group: dist.ProcessGroup | None) -> Dispatched:
-    """Send each (token, expert) slot's hidden row ([T, H], routing topk_ids [T, k]) to the rank owning the
-    expert; records the step's loads in `placement`. Collective: every rank of `group` calls it, with any
-    T (0 included). `group` None means one rank."""
+    """Send each token's hidden row ([T, H]; routing topk_weights / topk_ids [T, k]) once to every rank owning one
+    of its experts, with its routing masked to that rank's experts; records the step's loads in `placement`.
+    Collective: every rank of `group` calls it, with any T (0 included). `group` None means one rank."""
     ep = placement.ep_size
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    dest = placement.expert_to_rank[flat]
-    order = torch.argsort(dest, stable=True)
-    send_counts = torch.zeros(ep, dtype=torch.int64, device=hidden.device)
-    send_counts.scatter_add_(0, dest, torch.ones_like(dest))
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids.to(torch.int64)
+    dest = placement.expert_to_rank[ids]  # [T, k]
+    ranks = torch.arange(ep, device=hidden.device)
+    to_rank = (dest.unsqueeze(0) == ranks.view(ep, 1, 1))  # [ep, T, k]: slot j of token t lives on rank r
+    pairs = to_rank.any(dim=2)  # [ep, T]
+    send_counts = pairs.sum(dim=1)
     recv_counts = _all_to_all(torch.empty_like(send_counts), send_counts, None, None, group)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # the one host sync of a step
     received = sum(recv_splits)
 
-    send_hidden = hidden.index_select(0, order // topk_ids.shape[1])
-    send_ids = placement.expert_to_local[flat[order]].to(torch.int32)
+    rank_of, tokens = torch.nonzero(pairs, as_tuple=True)  # row-major: grouped by destination rank, then token
+    mine = to_rank[rank_of, tokens]  # [P, k]
+    local = torch.where(mine, placement.expert_to_local[ids[tokens]], -1).to(torch.int32)
+    weights = torch.where(mine, topk_weights[tokens].to(torch.float32), 0.0)
+    routing = torch.cat([local, weights.view(torch.int32)], dim=1)  # one all-to-all for both
     recv_hidden = hidden.new_empty((received, hidden.shape[1]))
-    recv_ids = send_ids.new_empty((received,))
-    _all_to_all(recv_hidden, send_hidden, recv_splits, send_splits, group)
-    _all_to_all(recv_ids, send_ids, recv_splits, send_splits, group)
+    recv_routing = routing.new_empty((received, 2 * top_k))
+    _all_to_all(recv_hidden, hidden.index_select(0, tokens), recv_splits, send_splits, group)
+    _all_to_all(recv_routing, routing, recv_splits, send_splits, group)
+    recv_ids = recv_routing[:, :top_k].contiguous()
+    placement.record_masked(ids.reshape(-1), recv_ids)
+    return Dispatched(hidden=recv_hidden, local_ids=recv_ids, weights=recv_routing[:, top_k:].contiguous().view(
+        torch.float32), tokens=tokens, num_tokens=num_tokens, send_splits=send_splits, recv_splits=recv_splits)
 
-    placement.record(flat, recv_ids.to(torch.int64))
-    return Dispatched(hidden=recv_hidden, local_ids=recv_ids, order=order, send_splits=send_splits,
-                      recv_splits=recv_splits)
 
-
-def combine(expert_out: torch.Tensor, dispatched: Dispatched, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Send the experts' outputs for the received rows ([R, H], in dispatched.hidden's order) back to their
-    ranks and sum each token's k results weighted by its routing -> [T, H] in expert_out's dtype.
-    Collective, like dispatch."""
-    num_tokens, top_k = topk_ids.shape
+def combine(expert_out: torch.Tensor, dispatched: Dispatched, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send the experts' weighted partial sums for the received rows ([R, H], in dispatched.hidden's order) back
+    to their ranks and add each token's partials -> [T, H] in expert_out's dtype. Collective, like dispatch."""
     width = expert_out.shape[1]
-    back = expert_out.new_empty((num_tokens * top_k, width))
+    back = expert_out.new_empty((dispatched.tokens.shape[0], width))
     _all_to_all(back, expert_out, dispatched.send_splits, dispatched.recv_splits, group)
-    per_slot = torch.empty_like(back)
-    per_slot[dispatched.order] = back  # back into slot order: row token * k + j
-    return _weighted_sum(per_slot.view(num_tokens, top_k, width), topk_weights, topk_ids)
-
-
-def _weighted_sum(per_slot: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's expert outputs per_slot [T, k, W] (slot order) weighted by its routing and summed -> [T, W] in
-    per_slot's dtype, as torch_ref.fused_experts does it: scaled in float32, rounded to the activation dtype,
-    summed in float32 in ascending expert order."""
-    num_tokens, top_k, width = per_slot.shape
-    dtype = per_slot.dtype
-    weighted = (per_slot.float() * topk_weights.unsqueeze(-1)).to(dtype)
-    by_expert = torch.argsort(topk_ids, dim=1, stable=True)
-    weighted = weighted.gather(1, by_expert.unsqueeze(-1).expand_as(weighted))
-    out = torch.zeros((num_tokens, width), dtype=torch.float32, device=per_slot.device)
-    for j in range(top_k):  # k adds over whole tensors, in a fixed order
-        out += weighted[:, j].float()
-    return out.to(dtype)
+    out = torch.zeros((dispatched.num_tokens, width), dtype=torch.float32, device=expert_out.device)
+    out.index_add_(0, dispatched.tokens, back.float())  # a token's partials in destination-rank order
+    return out.to(expert_out.dtype)
 
 
 def available_ep_backends() -> list[str]:
@@ -272,13 +263,12 @@ class ExpertParallelExperts:
 
     def _dispatched(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-        sent = dispatch(hidden, topk_ids, self.placement, self.group)
+        sent = dispatch(hidden, topk_weights, topk_ids, self.placement, self.group)
         if sent.hidden.shape[0]:
-            ones = torch.ones((sent.hidden.shape[0], 1), dtype=torch.float32, device=hidden.device)
-            expert_out = self.backend.fused_experts(sent.hidden, w13, w2, ones, sent.local_ids.unsqueeze(1))
+            expert_out = self.backend.fused_experts(sent.hidden, w13, w2, sent.weights, sent.local_ids, masked=True)
         else:  # nothing came: the empty result still goes through combine's all-to-all
             expert_out = sent.hidden
-        return combine(expert_out, sent, topk_weights, topk_ids, self.group)
+        return combine(expert_out, sent, self.group)
 
 
 def _check_local_weights(placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
