@@ -135,6 +135,9 @@ class DecodeBatchScheduler(BatchScheduler):
         front end's death notice crossing the MigrationDone) is dropped instead of waiting forever as early."""
         self.outbox: list[Message] = []
         """MigrateKVCmds for the migration actor and BlocksReleasedEvents for the prefill side."""
+        self.ended: list[SeqTokens] = []
+        """Deltas of requests that ended as they arrived (their KVReady, an error, came first): the actor streams
+        them after add()."""
 
     def add(self, req: TokenizedRequest) -> bool:
         if req.transfer_id is None:
@@ -143,8 +146,11 @@ class DecodeBatchScheduler(BatchScheduler):
         if seq is None:
             return False
         seq.transfer_id = req.transfer_id
-        self.transfers[req.transfer_id] = _Transfer(seq=seq, ready=self._early.pop(req.transfer_id, None))
-        self._advance(self.transfers[req.transfer_id])
+        t = self.transfers[req.transfer_id] = _Transfer(seq=seq, ready=self._early.pop(req.transfer_id, None))
+        if t.ready is not None and t.ready.error is not None:  # the prefill side failed (or died) already
+            self.ended.append(self._end(t, "error"))
+            return True
+        self._advance(t)
         return True
 
     def refuse(self, transfer_id: str) -> None:

@@ -130,12 +130,18 @@ class KVMemory:
             torch.cuda.synchronize(self.device)
 
 
+class _PeerSilent(KVTransferError):
+    """The prefill rank did not answer a request in time: gone or stuck, for every migration from it."""
+
+
 @dataclass
 class _Peer:
     """A prefill rank we read from."""
 
     info: KVEndpointEvent | None = None
     error: str | None = None
+    """Why no migration from it can run: its endpoint failed, or it fell silent (the migrations queued behind the
+    one that found out fail at once instead of each waiting out kv_transfer_timeout_s)."""
     waiting: list[MigrateKVCmd] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -371,6 +377,8 @@ class KVMigrationActor(Actor):
             if pairs:
                 staging = bool(peer.info.staging_blocks) or self.staged
                 async with peer.lock:
+                    if peer.error is not None:  # an earlier migration found the peer silent while this one queued
+                        raise KVTransferError(peer.error)
                     if isinstance(self.engine, TorchDistEngine):
                         await self._receive(cmd, peer.info, pairs)
                     elif staging:
@@ -380,6 +388,8 @@ class KVMigrationActor(Actor):
                         await self._read_rounds(peer.info, pairs)
         except KVTransferError as e:
             error = f"KV migration from {cmd.src_engine} failed: {e}"
+            if isinstance(e, _PeerSilent):
+                peer.error = str(e)
             if self._peers.get(cmd.src_kv[self.rank]) is peer:
                 del self._peers[cmd.src_kv[self.rank]]  # ask and connect again on the next command
         # what this command moved (not the engine's running count, which migrations from other peers share)
@@ -438,7 +448,7 @@ class KVMigrationActor(Actor):
             await self.send_to(src, request)
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise KVTransferError(f"the prefill rank at {src} did not {what} within {timeout:g} s") from None
+            raise _PeerSilent(f"the prefill rank at {src} did not {what} within {timeout:g} s") from None
         finally:
             self._replies.pop((src, request.transfer_id), None)
 

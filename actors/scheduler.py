@@ -133,6 +133,9 @@ class SchedulerActor(Actor):
                 await self._route()
             return
         await self._route()
+        if isinstance(self.core, DecodeBatchScheduler) and self.core.ended:
+            ended, self.core.ended = self.core.ended, []
+            await self._emit(ended)
         await self._step()
 
     def _refused(self, req: TokenizedRequest) -> None:

@@ -214,3 +214,15 @@ def test_a_prefill_death_notice_after_the_migration_finished_leaves_nothing_behi
     assert dec.sched.on_kv_ready(_ready(error="prefill engine p died")) == []
     assert not dec.sched._early and not dec.sched._ended
     assert "r" in dec.sched.seqs  # the request decodes on
+
+
+def test_a_prefill_failure_that_overtakes_its_request_ends_the_request_when_it_arrives():
+    # the front end's death notice (or the prefill side's refusal) reaches the decode side before the request:
+    # the request must end with an error at once, not migrate zero blocks and decode from a made-up token
+    dec = Engine(DecodeBatchScheduler, 50, 1)
+    assert dec.sched.on_kv_ready(_ready(error="prefill engine p died")) == []
+    assert dec.sched.add(_req())
+    assert [(d.rid, d.finish_reason) for d in dec.sched.ended] == [("r", "error")]
+    assert [type(m) for m in dec.sched.outbox] == [BlocksReleasedEvent]  # the prefill side may release
+    assert not (dec.sched.transfers or dec.sched._early or dec.sched._released) and "r" not in dec.sched.seqs
+    assert dec.blocks.num_free_blocks == 50

@@ -19,7 +19,7 @@ import uvloop
 
 from flotilla.actors import worker as worker_module
 from flotilla.actors.base import RuntimeOptions
-from flotilla.actors.kv_migration import KVMemory
+from flotilla.actors.kv_migration import KVMemory, KVMigrationActor
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import DisaggConfig, EngineConfig
@@ -200,6 +200,27 @@ def test_torch_dist_refuses_blocks_outside_either_cache_and_recovers_from_a_lost
     for p, d in zip(pre, dec):
         assert torch.equal(d[[6, 7, 11]], p[[4, 5, 10]])
         assert not d[[0, 1, 9]].any()
+
+
+def test_migrations_queued_behind_one_that_finds_the_prefill_rank_silent_fail_without_asking_again(monkeypatch):
+    # the prefill rank built the pair, then stops answering (its process is stuck, or dying): the first migration
+    # waits out kv_transfer_timeout_s; the ones queued behind it on the same peer fail at once with its reason
+    # instead of each asking and waiting as long (a decode engine otherwise holds their blocks for n timeouts)
+    asked: list[str] = []
+
+    async def silent(self, req) -> None:
+        asked.append(req.transfer_id)
+
+    monkeypatch.setattr(KVMigrationActor, "on_kv_send_request", silent)
+
+    def cmds(src_kv):
+        return [_cmd(f"t{i}", src_kv, [i + 1], [i + 1]) for i in range(3)]
+
+    _, dec, done = uvloop.run(_migrate("torch_dist", cmds, timeout_s=1.0))
+    assert sorted(d.transfer_id for d in done) == ["t0", "t1", "t2"]
+    assert all("did not agree to send blocks within 1 s" in d.error for d in done)
+    assert asked == ["t0"]
+    assert not any(d.any() for d in dec)
 
 
 @pytest.mark.gpu
