@@ -224,11 +224,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     parallel: ParallelConfig = ParallelConfig()
     disagg: DisaggConfig = DisaggConfig()
 
-    def __post_init__(self) -> None:
-        if self.parallel.gathers_tokens and self.scheduler.speculative_config is not None:
-            raise ValueError("speculative decoding under all2all_backend allgather_reducescatter is not built yet "
-                             "(its passes would need the step's agreed rows per pass); use all_to_all")
-
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from flat vLLM-style keyword options (`LLM(block_size=8, max_num_seqs=4)`)."""

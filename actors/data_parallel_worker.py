@@ -108,7 +108,8 @@ def step_rows(plan: StepPlan, graphs: DecodeGraphs | None) -> Iterator[int | Non
     """Where the experts gather every rank's tokens (all2all_backend allgather_reducescatter): agree with the other
     ranks on the step's rows and run the step inside ep_tokens(them), yielding the runner's graph_size; elsewhere
     yield None (the runner chooses). Every rank calls it once per step, real or empty, in step order, as the
-    lockstep pairs them.
+    lockstep pairs them. A speculating step's passes (the main model's, the MTP layer's) each take at most the
+    step's tokens, so the agreed rows hold every pass.
 
     With decode graphs (`graphs`: every rank captured the same sizes): when every rank's step is a decode batch a
     graph holds, or empty, each busy rank replays the graph of the size that holds the largest batch and the MoE

@@ -151,7 +151,9 @@ class GPUWorkerActor(Actor):
     def _launch(self, plan: StepPlan) -> None:
         """On the runner thread: launch a step; under expert parallelism a step without sequences still runs the
         MoE layers' all-to-alls (the other ranks' forwards wait for this rank's share)."""
-        with dp.step_rows(plan, self.runner.graphs) as graph_size:
+        # a speculating step runs the MTP layer's passes too, which no decode graph holds: eager on every rank
+        graphs = self.runner.graphs if self.runner.spec is None else None
+        with dp.step_rows(plan, graphs) as graph_size:
             self.runner.launch(plan, graph_size)
             if self.ep_layers:
                 if not plan.rids:

@@ -340,11 +340,13 @@ def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_
         server.stop()
 
 
-def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path) -> None:
+@pytest.mark.parametrize("all2all", ["all_to_all", "allgather_reducescatter"])
+def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path, all2all: str) -> None:
     """DP2 x EP2: each data-parallel rank speculates on its own requests, and every step runs the MTP layer's
     all-to-alls num_speculative_tokens times on both ranks (empty passes where a rank has fewer drafts to make, and
     an idle rank's empty step runs them too), so the ranks' collectives pair up: greedy tokens are plain decoding's,
-    with both ranks busy and then with one idle."""
+    with both ranks busy and then with one idle; under either all2all backend (the all-gather's rows, agreed once
+    per step, hold every pass of it)."""
     from helpers_parallel import generate_within
 
     prompts = [{"prompt_token_ids": r.prompt_ids.tolist()} for r in requests()[:5]]
@@ -354,7 +356,7 @@ def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(m
         want = generate_within(llm, prompts, greedy, 120)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     with LLM(str(model_dir), **options, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
-             placement="process") as llm:  # fmt: skip
+             all2all_backend=all2all, placement="process") as llm:  # fmt: skip
         assert generate_within(llm, prompts[:4], greedy, 120) == want[:4]  # both data-parallel ranks busy
         assert llm.client.coordinator.assigned == [2, 2]
         assert generate_within(llm, prompts[4:], greedy, 60) == want[4:]  # one rank idle, running empty steps
