@@ -136,3 +136,20 @@ def test_triton_fp8_experts_with_masked_slots_match_the_reference() -> None:
 def test_gpu_triton_experts_with_masked_slots_at_qwen3_30b_sizes(tokens) -> None:
     # EP2's share of Qwen3-30B-A3B: about half of each token's 8 slots on this rank's 64 of 128 experts
     _check_triton(*_masked_case(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens))
+
+
+def test_the_gathering_layer_takes_its_rows_in_chunks_with_the_same_result(monkeypatch) -> None:
+    # one rank (no group): the layer is its experts on its own rows; chunked, every row still gets its sum
+    from flotilla.kernels.moe import ep_allgather, get_moe_backend
+    from flotilla.kernels.moe.expert_parallel import ExpertPlacement
+
+    x, w13, w2, weights, _, _ = _masked_case(11, 16, 8, 6, 3, torch.float32, seed=7, device=torch.device("cpu"))
+    ids = select_experts(torch.randn(11, 6, generator=torch.Generator().manual_seed(7)), 3, True)[1]
+    layer = ep_allgather.GatheredTokenExperts(ExpertPlacement(6, 1, 0), None, get_moe_backend("torch"))
+    want = torch_ref.fused_experts(x, w13, w2, weights, ids)
+    with ep_allgather.ep_tokens(13):  # two padding rows
+        whole = layer(x, w13, w2, weights, ids)
+        monkeypatch.setattr(ep_allgather, "CHUNK_ROWS", 4)
+        chunked = layer(x, w13, w2, weights, ids)
+    torch.testing.assert_close(whole, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(chunked, want, rtol=1e-6, atol=1e-6)

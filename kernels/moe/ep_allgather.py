@@ -15,7 +15,9 @@ when every rank replays one): its own tokens, then zero rows with no experts.
 What moves: each rank receives (ep - 1) * P rows in the all-gather and sends as many in the reduce-scatter; the
 all-to-all sends about k * T * (ep - 1) / ep rows each way for T tokens of top-k routing, so this moves ep / k
 times as much at equal batches: less at EP2 with top-8 (Qwen3-30B-A3B, DeepSeek-V3), the same at EP8, more when
-one rank's batch pads the others'. Rounding: each rank rounds its part of a token's sum to the activation dtype
+one rank's batch pads the others'. Compute: each rank's expert kernels walk every gathered row's slots (ep x the
+rows, the masked ones skipped by the grouping but still given a zeroed output row), in chunks of CHUNK_ROWS rows,
+so this suits decode batches better than long prefills. Rounding: each rank rounds its part of a token's sum to the activation dtype
 and the reduce-scatter adds the parts in it, so outputs agree with one rank's to the dtype's rounding.
 """
 
@@ -30,7 +32,12 @@ import torch.distributed as dist
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.moe.expert_parallel import ExpertPlacement
 
-__all__ = ["GatheredTokenExperts", "current_ep_tokens", "ep_tokens"]
+__all__ = ["CHUNK_ROWS", "GatheredTokenExperts", "current_ep_tokens", "ep_tokens"]
+
+CHUNK_ROWS = 8192
+"""Gathered rows the experts take at a time. The expert kernels keep a [rows x top-k, hidden] buffer, and a rank
+gathers every rank's rows (most of their slots masked): without chunks a prefill step at EP8 would hold eight
+ranks' buffers at once (vLLM chunks its fused MoE the same way)."""
 
 _EP_TOKENS: list[int] = []
 """The stack of ep_tokens's counts; the innermost is the current step's."""
@@ -86,7 +93,15 @@ class GatheredTokenExperts:
         if gathered is None:  # every rank agreed on an empty step: nothing to exchange
             return hidden.new_empty((0, hidden_size))
         rows, weights, local_ids = gathered
-        return self.reduce(self.backend.fused_experts(rows, w13, w2, weights, local_ids, masked=True), num_tokens)
+        if rows.shape[0] <= CHUNK_ROWS:
+            part = self.backend.fused_experts(rows, w13, w2, weights, local_ids, masked=True)
+        else:
+            part = torch.empty_like(rows)
+            for start in range(0, rows.shape[0], CHUNK_ROWS):
+                end = start + CHUNK_ROWS
+                part[start:end] = self.backend.fused_experts(rows[start:end], w13, w2, weights[start:end],
+                                                             local_ids[start:end], masked=True)
+        return self.reduce(part, num_tokens)
 
     def gather(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
