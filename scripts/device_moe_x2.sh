@@ -9,7 +9,8 @@
 # Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the call ends in time and
 # still packs its results. Adjust with: MODEL (default qwen3-30b-a3b), MODEL_DIR (a folder instead of the shape),
 # SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g"; more than one call's budget holds at the 30B shape:
-# a second call with SETUPS="tests dp2ep2g dp2ep2gg tp2g" finishes them), ARGS (extra bench_offline flags for every setup).
+# a second call with SETUPS="tests a2a dp2ep2g dp2ep2gg tp2g" finishes them; a2a: bench_ep's layer cost at world size
+# 2, both --all2all-backend values), ARGS (extra bench_offline flags for every setup), EP_ARGS (extra bench_ep flags).
 # CPU smoke run (gloo, no GPU), on a tiny MoE written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from helpers_tiny_models import write_tiny_moe_model as w; \
 #     w('/tmp/tinymoe')"
@@ -55,6 +56,15 @@ run() {  # label, extra bench_offline flags...
     --json "$R/flotilla-$label.json" > "$R/flotilla-$label.log" 2>&1
   echo "exit $?"; tail -1 "$R/flotilla-$label.log" | cut -c1-400
 }
+
+if want a2a; then  # the MoE layer's token exchange alone, Qwen3-30B-A3B's shape, both ways
+  for how in all_to_all allgather_reducescatter; do
+    stage "bench_ep, world size 2, $how"
+    timeout "$(cap 60)" python3 -m flotilla.scripts.bench_ep --world-size 2 --experts 128 --top-k 8 --hidden 2048 \
+      --tokens 1,16,64,256,1024 --all2all-backend $how ${EP_ARGS:-} --json "$R/ep-$how.json" > "$R/ep-$how.log" 2>&1
+    echo "exit $?"; grep '"ep_all_to_all"' "$R/ep-$how.log" | cut -c1-260
+  done
+fi
 
 want 1gpu && run 1gpu
 want dp2ep2 && run dp2ep2 --data-parallel-size 2 --enable-expert-parallel
