@@ -127,6 +127,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config_from_args(args, args.model)
 
 
+def _parallel(config: EngineConfig) -> dict[str, Any]:
+    """The run's parallel layout, for the record: sizes, and how expert parallelism moves tokens."""
+    par = config.parallel
+    out: dict[str, Any] = {"tp": par.tensor_parallel_size, "dp": par.data_parallel_size,
+                           "ep": par.expert_parallel_size}
+    if par.expert_parallel_size > 1:
+        out["all2all"] = "allgather_reducescatter" if par.gathers_tokens else "all_to_all"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_offline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "device": worker.get("device"),
                                   "dtype": worker.get("dtype"), "attention": worker.get("attention"),
                                   "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
-                                  "model_load_s": float(worker.get("load_s", 0))}
+                                  "model_load_s": float(worker.get("load_s", 0)),
+                                  "cuda_graphs": worker.get("cuda_graphs"), "parallel": _parallel(config)}
         if args.workload in ("nano", "both"):
             result.update(repeated(run_nano, llm, args, "nano_workload_out_tok_per_s"))
         if args.workload in ("decode1", "both"):

@@ -46,6 +46,7 @@ def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["nano_workload_seqs"] == 6 and result["nano_workload_out_tok_per_s"] > 0
     assert result["b1_decode_tok_per_s"] > 0 and result["device"] == "cpu"
+    assert result["parallel"] == {"tp": 1, "dp": 1, "ep": 1} and result["cuda_graphs"] == "off"
 
 
 def test_bench_offline_repeats_report_the_median_run_and_every_run(tmp_path):
@@ -77,6 +78,7 @@ def test_the_fixed_workload_under_expert_parallelism_reports_per_gpu_rates_and_i
     assert 0 < r["fixed_prefill_s"] < r["fixed_s"]
     assert r["expert_imbalance_max"] >= r["expert_imbalance_mean"] >= 1
     assert r["rank_imbalance_max"] >= r["rank_imbalance_mean"] >= 1
+    assert r["parallel"] == {"tp": 1, "dp": 2, "ep": 2, "all2all": "all_to_all"}
     # the wide-EP shapes: DeepSeek-V3's layers, any number of them
     assert shape_config("deepseek-v3-16l")["num_hidden_layers"] == 16
     assert shape_config("deepseek-v3-16l-mtp")["num_nextn_predict_layers"] == 1
