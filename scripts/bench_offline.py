@@ -70,19 +70,22 @@ def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     """--num-requests prompts of --fixed-in random tokens, each --fixed-out greedy tokens (ignore_eos), all at
-    once; then the same prompts for one token each, whose time stands for the prefill's share, so the rest is
-    the decode's: decode tok/s = requests x (fixed_out - 1) / (full time - prefill time). Per GPU: over every
-    rank of the engine (tensor x data parallel)."""
+    once; before them as many other prompts of the same length for one token each, whose time stands for the
+    prefill's share, so the rest is the decode's: decode tok/s = requests x (fixed_out - 1) / (full time - prefill
+    time). Other prompts, not the same ones: the prefix cache would otherwise serve the full run's prompts from the
+    one-token run, and its prefill would cost nothing. Per GPU: over every rank of the engine (tensor x data
+    parallel)."""
     rng = random.Random(args.workload_seed + 2)
-    prompts = [[rng.randint(0, args.vocab) for _ in range(args.fixed_in)] for _ in range(args.num_requests)]
-    prefill_s, _ = timed_generate(llm, prompts, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
-                                  * len(prompts))  # fmt: skip
+    prompts, others = ([[rng.randint(0, args.vocab) for _ in range(args.fixed_in)] for _ in range(args.num_requests)]
+                       for _ in range(2))  # fmt: skip
+    prefill_s, _ = timed_generate(llm, others, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
+                                  * len(others))  # fmt: skip
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.fixed_out)] * len(prompts)
     elapsed, generated = timed_generate(llm, prompts, params)
     gpus = llm.config.parallel.tensor_parallel_size * llm.config.parallel.data_parallel_size
     decode_tok_per_s = len(prompts) * (args.fixed_out - 1) / max(elapsed - prefill_s, 1e-9)
     result = {"fixed_seqs": len(prompts), "fixed_in": args.fixed_in, "fixed_out": args.fixed_out, "gpus": gpus,
-              "fixed_s": round(elapsed, 2), "fixed_prefill_s": round(prefill_s, 2),
+              "fixed_s": round(elapsed, 4), "fixed_prefill_s": round(prefill_s, 4),
               "fixed_out_tok_per_s": round(generated / elapsed, 1),
               "fixed_decode_tok_per_s": round(decode_tok_per_s, 1),
               "fixed_decode_tok_per_s_per_gpu": round(decode_tok_per_s / gpus, 1)}
