@@ -156,16 +156,15 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     name): all_to_all sends each (token, expert) slot to its expert's rank and back (uneven all-to-alls whose sizes
     are read back to the host every layer); allgather_reducescatter gathers every rank's tokens on every rank,
     computes this rank's experts' share of each and reduce-scatters the sums back (static shapes, no host sync per
-    layer; the ranks agree on each step's rows first). auto: all_to_all. Other layouts take all_to_all."""
+    layer; the ranks agree on each step's rows first; with tensor_parallel_size > 1 each TP rank exchanges its share
+    of its data-parallel rank's tokens). auto: all_to_all. Without data parallelism (TP x EP) there is no exchange:
+    the setting does nothing."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size must be at least 1")
-        if self.gathers_tokens and self.tensor_parallel_size > 1:
-            raise ValueError("all2all_backend allgather_reducescatter is built for data_parallel_size > 1 with "
-                             "tensor_parallel_size 1; use all_to_all with tensor parallelism")
 
     @property
     def gathers_tokens(self) -> bool:

@@ -84,10 +84,10 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
         torch.cuda.set_device(device)
     if tp_size == 1:
         init_expert_parallel(dp_rank, ep, init_method, device)
-        if config.parallel.gathers_tokens:
-            gather_tokens_over_expert_parallel()
     else:
         init_data_parallel_world(dp_rank, dp_size, tp_rank, tp_size, init_method, device)
+    if config.parallel.gathers_tokens:
+        gather_tokens_over_expert_parallel()
 
 
 def expert_parallel_layers(model: nn.Module) -> list[StackedExperts]:

@@ -82,9 +82,12 @@ class StackedExperts(nn.Module):
         if ep is not None and ep.size > 1:
             self.placement = ExpertPlacement(num_experts, ep.size, ep.rank, device=torch.get_default_device())
             share = {"token_share": (tp.rank, tp.size)} if tp.size > 1 else {}  # DP x TP x EP: 1/T of the tokens
-            self.ep_experts = (SharedTokenExperts(self.placement, backend) if ep_ranks_share_tokens() else
-                               GatheredTokenExperts(self.placement, ep.group, backend) if ep_gathers_tokens() else
-                               ExpertParallelExperts(self.placement, ep.group, backend, **share))
+            if ep_ranks_share_tokens():
+                self.ep_experts = SharedTokenExperts(self.placement, backend)
+            elif ep_gathers_tokens():
+                self.ep_experts = GatheredTokenExperts(self.placement, ep.group, backend, **share)
+            else:
+                self.ep_experts = ExpertParallelExperts(self.placement, ep.group, backend, **share)
             # int64 [E]: (token, expert) slots this rank routed to each expert since start
             self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         local = num_experts if self.placement is None else self.placement.num_local_experts

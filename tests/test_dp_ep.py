@@ -237,9 +237,7 @@ def test_expert_parallel_and_data_parallel_options_are_checked_before_anything_s
     with pytest.raises(ValueError, match="prefill or decode role is not built yet"):
         engine_topology(EngineConfig.from_options(model=str(moe_dir), data_parallel_size=2, role="prefill"), "process")
     gather = dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="allgather_reducescatter")
-    with pytest.raises(ValueError, match="allgather_reducescatter is built for data_parallel_size > 1 with "
-                                         "tensor_parallel_size 1"):
-        EngineConfig.from_options(tensor_parallel_size=2, **gather)
+    assert EngineConfig.from_options(tensor_parallel_size=2, **gather).parallel.gathers_tokens  # DP x TP x EP
     assert not EngineConfig.from_options(all2all_backend="allgather_reducescatter").parallel.gathers_tokens
 
 

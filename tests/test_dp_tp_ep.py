@@ -6,6 +6,8 @@ worker processes joined by gloo.
   E / 4, whole), each data-parallel rank's two ranks are a tensor-parallel sub-group, and each TP rank sends
   half of its data-parallel rank's tokens to the experts' ranks by all-to-all (kernels/moe/expert_parallel.py
   `token_share`); the TP all-reduce restores the other half;
+- or, with all2all_backend allgather_reducescatter, each TP rank all-gathers its half (kernels/moe/ep_allgather.py
+  `token_share`) and the reduce-scatter and the TP all-reduce bring the sums back;
 - either way the engine gives the one-process engine's greedy tokens, with both data-parallel ranks busy and
   with one idle (under EP its two ranks run empty steps through the all-to-alls), and under EP the per-expert
   loads count each routed token once (Qwen3 dense, Qwen3-MoE; DeepSeek-V3 with its shared expert under EP);
@@ -22,6 +24,7 @@ import torch
 from flotilla import LLM, SamplingParams
 from flotilla.config import EngineConfig
 from flotilla.kernels.moe import get_moe_backend, select_experts, torch_ref
+from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts, ep_tokens
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
 from flotilla.server.engine_client import engine_topology
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
@@ -78,6 +81,15 @@ def test_the_token_shares_cover_every_token_once(shares: int) -> None:
     torch.testing.assert_close(sum(outs[1:], outs[0]), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="token share 2 is not one of 2"):
         ExpertParallelExperts(ExpertPlacement(experts, 1, 0), None, token_share=(2, 2))
+    # the all-gather layer's shares (one EP rank, rows agreed at 9): the same sums
+    gathered = []
+    for share in range(shares):
+        layer = GatheredTokenExperts(ExpertPlacement(experts, 1, 0), None, get_moe_backend("torch"),
+                                     token_share=(share, shares))
+        with ep_tokens(9):
+            gathered.append(layer(x, w13, w2, weights, ids))
+        assert layer.placement.expert_load.sum() == tokens * top_k
+    torch.testing.assert_close(sum(gathered[1:], gathered[0]), want, rtol=1e-6, atol=1e-6)
 
 
 def test_dp2_tp2_dense_qwen3_gives_the_one_process_tokens(tmp_path: Path) -> None:
@@ -96,12 +108,14 @@ def test_dp2_tp2_dense_qwen3_gives_the_one_process_tokens(tmp_path: Path) -> Non
     assert all(len(t) == GREEDY.max_tokens for t in want)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize(("expert_parallel", "all2all"), [(False, "auto"), (True, "all_to_all"),
+                                                         (True, "allgather_reducescatter")])
 def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_idle(
-        moe_dir: Path, expert_parallel: bool) -> None:  # fmt: skip
+        moe_dir: Path, expert_parallel: bool, all2all: str) -> None:  # fmt: skip
     prompts = _prompts()
     want = _one_process_tokens(moe_dir, prompts)
-    with LLM(str(moe_dir), **DP2_TP2, enable_expert_parallel=expert_parallel, **OPTIONS) as llm:
+    with LLM(str(moe_dir), **DP2_TP2, enable_expert_parallel=expert_parallel, all2all_backend=all2all,
+             **OPTIONS) as llm:
         client = llm.client
         detail = client.ready_detail
         if expert_parallel:  # experts over all four ranks, global rank = dp * 2 + tp

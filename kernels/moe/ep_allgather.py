@@ -17,8 +17,9 @@ all-to-all sends about k * T * (ep - 1) / ep rows each way for T tokens of top-k
 times as much at equal batches: less at EP2 with top-8 (Qwen3-30B-A3B, DeepSeek-V3), the same at EP8, more when
 one rank's batch pads the others'. Compute: each rank's expert kernels walk every gathered row's slots (ep x the
 rows, the masked ones skipped by the grouping but still given a zeroed output row), in chunks of CHUNK_ROWS rows,
-so this suits decode batches better than long prefills. Rounding: each rank rounds its part of a token's sum to the activation dtype
-and the reduce-scatter adds the parts in it, so outputs agree with one rank's to the dtype's rounding.
+so this suits decode batches better than long prefills. Rounding: each rank rounds its part of a token's sum to
+the activation dtype and the reduce-scatter adds the parts in it, so outputs agree with one rank's to the dtype's
+rounding.
 """
 
 from __future__ import annotations
@@ -69,10 +70,17 @@ class GatheredTokenExperts:
     """This rank's share of a MoE layer's experts: `fused_experts`' contract (hidden [T, H], routing [T, k] ->
     [T, H]) for this rank's tokens, with the weights of its experts only (w13 [E/ep, 2I, H], w2 [E/ep, H, I]), by
     all-gather and reduce-scatter of ep_tokens' rows per rank. Collective: every rank of `group` calls it, with
-    any T up to the agreed rows (0 included)."""
+    any T up to the agreed rows (0 included).
+
+    token_share (t, T): the T tensor-parallel ranks of a data-parallel rank hold the same tokens (DP x TP x EP); TP
+    rank t exchanges only its contiguous 1/T of them (ceil(rows / T) rows per rank) and returns zeros elsewhere,
+    which the MoE block's tensor-parallel all-reduce fills in (as ExpertParallelExperts' token_share)."""
 
     def __init__(self, placement: ExpertPlacement, group: dist.ProcessGroup | None,
-                 backend: MoEBackend | None = None) -> None:  # fmt: skip
+                 backend: MoEBackend | None = None, token_share: tuple[int, int] = (0, 1)) -> None:  # fmt: skip
+        if not 0 <= token_share[0] < token_share[1]:
+            raise ValueError(f"token share {token_share[0]} is not one of {token_share[1]}")
+        self.token_share = token_share
         size = 1 if group is None else dist.get_world_size(group)
         if size != placement.ep_size:
             raise ValueError(f"the placement is for {placement.ep_size} expert-parallel ranks but the process "
@@ -88,8 +96,25 @@ class GatheredTokenExperts:
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
+        share, shares = self.token_share
+        if shares == 1:
+            return self._share(hidden, w13, w2, topk_weights, topk_ids, current_ep_tokens())
+        padded = current_ep_tokens()
+        num_tokens = hidden.shape[0]
+        per_share = -(-num_tokens // shares)
+        first, end = min(share * per_share, num_tokens), min((share + 1) * per_share, num_tokens)
+        part = self._share(hidden[first:end], w13, w2, topk_weights[first:end], topk_ids[first:end],
+                           None if padded is None else -(-padded // shares))
+        flat = topk_ids.reshape(-1).long()  # every shared token's routing: one rank's counts count them all
+        self.placement.expert_load.zero_().scatter_add_(0, flat, torch.ones_like(flat))
+        out = hidden.new_zeros(hidden.shape)
+        out[first:end] = part
+        return out
+
+    def _share(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, padded: int | None) -> torch.Tensor:
         num_tokens, hidden_size = hidden.shape
-        gathered = self.gather(hidden, topk_weights, topk_ids)
+        gathered = self.gather(hidden, topk_weights, topk_ids, padded)
         if gathered is None:  # every rank agreed on an empty step: nothing to exchange
             return hidden.new_empty((0, hidden_size))
         rows, weights, local_ids = gathered
@@ -103,12 +128,13 @@ class GatheredTokenExperts:
                                                              local_ids[start:end], masked=True)
         return self.reduce(part, num_tokens)
 
-    def gather(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    def gather(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
         """Every rank's rows [ep * P, H], routing weights float32 [ep * P, k] and this rank's local expert ids int32
-        [ep * P, k] (-1: another rank's expert, or a padding row); None when the agreed rows are 0. Collective."""
+        [ep * P, k] (-1: another rank's expert, or a padding row); None when the agreed rows are 0. P: `padded`, by
+        default the current ep_tokens. Collective."""
         num_tokens, hidden_size = hidden.shape
-        padded = current_ep_tokens()
+        padded = current_ep_tokens() if padded is None else padded
         if padded is None:
             raise RuntimeError("GatheredTokenExperts runs inside ep_tokens(rows): the ranks must agree on the "
                                "step's rows before it starts")
