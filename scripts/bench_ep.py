@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from flotilla.kernels.moe import MoEBackend
-from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts, ep_tokens
+from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts
 from flotilla.kernels.moe.expert_parallel import (
     Dispatched,
     ExpertPlacement,
@@ -133,6 +133,46 @@ def _identity_share(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, wei
     return (rows.float() * (weights * (local_ids >= 0)).sum(1, keepdim=True)).to(rows.dtype)
 
 
+def _time_phases(args: argparse.Namespace, group: dist.ProcessGroup, device: torch.device,
+                 barrier_ids: list[int] | None, first, second) -> tuple[list[float], list[float], Any, Any]:
+    """Warm up, then time --iters runs of first() (dispatch, or gather) and second(its result) (the identity
+    experts and combine, or reduce), each run after a barrier; CUDA events on a GPU, perf_counter on CPU.
+    (ms of first per timed run, ms of second per timed run, the last run's first result, its second result)."""
+    cuda = device.type == "cuda"
+    disp: list[float] = []
+    comb: list[float] = []
+    a = b = None
+    for i in range(args.warmup + args.iters):
+        dist.barrier(group=group, device_ids=barrier_ids)
+        _sync(device)
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+        t0 = time.perf_counter()
+        a = first()
+        if cuda:
+            events[1].record()
+        t1 = time.perf_counter()
+        b = second(a)
+        if cuda:
+            events[2].record()
+            events[2].synchronize()
+            d_ms, c_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
+        else:
+            d_ms, c_ms = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        if i >= args.warmup:
+            disp.append(d_ms)
+            comb.append(c_ms)
+    return disp, comb, a, b
+
+
+def _numbers(rank: int, tokens: int, disp: list[float], comb: list[float], **counts: Any) -> dict[str, Any]:
+    """One rank's record for one token count: the times' means (and the fastest layer) and its counts."""
+    layer = [d + c for d, c in zip(disp, comb, strict=True)]
+    return {"rank": rank, "tokens": tokens, "dispatch_ms": statistics.fmean(disp), "combine_ms": statistics.fmean(comb),
+            "layer_ms": statistics.fmean(layer), "layer_ms_min": min(layer), **counts}
+
+
 def measure_gathered(args: argparse.Namespace, rank: int, tokens: int, group: dist.ProcessGroup,
                      device: torch.device, barrier_ids: list[int] | None) -> dict[str, Any]:  # fmt: skip
     """measure() for GatheredTokenExperts: gather + identity share + reduce."""
@@ -141,37 +181,17 @@ def measure_gathered(args: argparse.Namespace, rank: int, tokens: int, group: di
     hidden, weights, ids = routing(args, rank, tokens, device)
     padded = tokens if args.idle_ranks < args.world_size else 0
     corrupt = _fault(rank) == "corrupt"
-    cuda = device.type == "cuda"
-    disp, comb = [], []
-    out = hidden[:0]
-    for i in range(args.warmup + args.iters):
-        dist.barrier(group=group, device_ids=barrier_ids)
-        _sync(device)
-        if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
-        t0 = time.perf_counter()
-        with ep_tokens(padded):
-            gathered = layer.gather(hidden, weights, ids)
-            if cuda:
-                events[1].record()
-            else:
-                t1 = time.perf_counter()
-            if gathered is not None:
-                part = _identity_share(gathered[0], hidden, hidden, gathered[1], gathered[2])
-                if corrupt and part.shape[0]:
-                    part[0] += 1
-                out = layer.reduce(part, hidden.shape[0])
-        if cuda:
-            events[2].record()
-            events[2].synchronize()
-            d_ms, c_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
-        else:
-            t2 = time.perf_counter()
-            d_ms, c_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        if i >= args.warmup:
-            disp.append(d_ms)
-            comb.append(c_ms)
+
+    def reduce(gathered) -> torch.Tensor:
+        if gathered is None:  # every rank agreed on no rows
+            return hidden[:0]
+        part = _identity_share(gathered[0], hidden, hidden, gathered[1], gathered[2])
+        if corrupt and part.shape[0]:
+            part[0] += 1
+        return layer.reduce(part, hidden.shape[0])
+
+    disp, comb, _, out = _time_phases(args, group, device, barrier_ids,
+                                      lambda: layer.gather(hidden, weights, ids, padded), reduce)
     try:
         check_identity(out, hidden, rank, tokens)
         error = None
@@ -179,13 +199,10 @@ def measure_gathered(args: argparse.Namespace, rank: int, tokens: int, group: di
         error = str(e)
     row_bytes = args.hidden * hidden.element_size()
     ep = args.world_size
-    layer_ms = [d + c for d, c in zip(disp, comb, strict=True)]
-    return {"rank": rank, "tokens": hidden.shape[0], "dispatch_ms": statistics.fmean(disp),
-            "combine_ms": statistics.fmean(comb), "layer_ms": statistics.fmean(layer_ms),
-            "layer_ms_min": min(layer_ms), "rows_sent": ep * padded, "rows_received": ep * padded,
-            "slots_computed": int(placement.local_expert_load.sum()), "slot_rows": ids.numel(),
-            "bytes": 2 * ep * padded * row_bytes, "remote_bytes": 2 * (ep - 1) * padded * row_bytes,
-            "local_expert_load": placement.local_expert_load.tolist(), "error": error}
+    return _numbers(rank, hidden.shape[0], disp, comb, rows_sent=ep * padded, rows_received=ep * padded,
+                    slots_computed=int(placement.local_expert_load.sum()), slot_rows=ids.numel(),
+                    bytes=2 * ep * padded * row_bytes, remote_bytes=2 * (ep - 1) * padded * row_bytes,
+                    local_expert_load=placement.local_expert_load.tolist(), error=error)
 
 
 def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.ProcessGroup, device: torch.device,
@@ -197,36 +214,15 @@ def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.Proces
     placement = ExpertPlacement(args.experts, args.world_size, rank, device)
     hidden, weights, ids = routing(args, rank, tokens, device)
     corrupt = _fault(rank) == "corrupt"
-    cuda = device.type == "cuda"
-    disp, comb = [], []
-    out = sent = None
-    for i in range(args.warmup + args.iters):
-        dist.barrier(group=group, device_ids=barrier_ids)
-        _sync(device)
-        if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
-        t0 = time.perf_counter()
-        sent = dispatch(hidden, weights, ids, placement, group)
-        if cuda:
-            events[1].record()
-        else:
-            t1 = time.perf_counter()
+
+    def combined(sent: Dispatched) -> torch.Tensor:
         expert_out = _identity_share(sent.hidden, hidden, hidden, sent.weights, sent.local_ids)
         if corrupt and expert_out.shape[0]:
             expert_out[0] += 1
-        out = combine(expert_out, sent, group)
-        if cuda:
-            events[2].record()
-            events[2].synchronize()
-            d_ms, c_ms = events[0].elapsed_time(events[1]), events[1].elapsed_time(events[2])
-        else:
-            t2 = time.perf_counter()
-            d_ms, c_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-        if i >= args.warmup:
-            disp.append(d_ms)
-            comb.append(c_ms)
-    assert out is not None and isinstance(sent, Dispatched)
+        return combine(expert_out, sent, group)
+
+    disp, comb, sent, out = _time_phases(args, group, device, barrier_ids,
+                                         lambda: dispatch(hidden, weights, ids, placement, group), combined)
     received = sum(sent.recv_splits)
     slots = int((sent.local_ids >= 0).sum())
     try:  # reported after every rank's numbers are gathered, so that every rank fails with every rank's reason
@@ -240,12 +236,10 @@ def measure(args: argparse.Namespace, rank: int, tokens: int, group: dist.Proces
     row_bytes = args.hidden * hidden.element_size()
     sent_rows = sum(sent.send_splits)
     remote = sent_rows - sent.send_splits[rank] + received - sent.recv_splits[rank]
-    layer = [d + c for d, c in zip(disp, comb, strict=True)]
-    return {"rank": rank, "tokens": hidden.shape[0], "dispatch_ms": statistics.fmean(disp),
-            "combine_ms": statistics.fmean(comb), "layer_ms": statistics.fmean(layer),
-            "layer_ms_min": min(layer), "rows_sent": sent_rows, "rows_received": received, "slots_computed": slots,
-            "slot_rows": ids.numel(), "bytes": (sent_rows + received) * row_bytes, "remote_bytes": remote * row_bytes,
-            "local_expert_load": placement.local_expert_load.tolist(), "error": error}
+    return _numbers(rank, hidden.shape[0], disp, comb, rows_sent=sent_rows, rows_received=received,
+                    slots_computed=slots, slot_rows=ids.numel(), bytes=(sent_rows + received) * row_bytes,
+                    remote_bytes=remote * row_bytes, local_expert_load=placement.local_expert_load.tolist(),
+                    error=error)
 
 
 def _sig(x: float) -> float:

@@ -19,22 +19,12 @@
 #     bash scripts/device_moe_x2.sh
 # Results in $OUT/moe-x2.tgz: flotilla-SETUP.json and .log per setup, gpu-tests.log, summary.txt.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-T0=$(date +%s)
-BUDGET=${BUDGET:-560}
-[ -n "${NO_BUNDLE:-}" ] || source .gpu-bundle/setup.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
-OUT=${OUT:-/tmp/flotilla-out}
-R=$OUT/moe-x2
-mkdir -p "$R"
+RESULTS=moe-x2
+source scripts/device_common.sh
 SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g}
 M=${MODEL:-qwen3-30b-a3b}
 MODEL_ARG=${MODEL_DIR:-$M}   # bench_offline takes a built-in shape's name or a folder
 
-stage() { echo "== +$(( $(date +%s) - T0 ))s $*"; }
-cap() {  # the smaller of $1 and what is left of the budget (minus 20 s to pack the results), at least 1
-  local left=$(( BUDGET - ($(date +%s) - T0) - 20 ))
-  [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"
-}
 want() { [[ " $SETUPS " == *" $1 "* ]]; }
 TP_GRAPHS_OK=0
 EP_GRAPHS_OK=0

@@ -24,20 +24,11 @@
 # Results in $OUT/pd.tgz: gpu-tests.log, migration.{json,log}, serve-{pd,dp}.json, bench-*.log, server-*.log,
 # metrics-*.txt (the servers' /metrics after the run: KV bytes migrated, requests routed per engine).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-T0=$(date +%s)
-BUDGET=${BUDGET:-560}
-[ -n "${NO_BUNDLE:-}" ] || source .gpu-bundle/setup.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
-OUT=${OUT:-/tmp/flotilla-out}
-R=$OUT/pd
-mkdir -p "$R"
+RESULTS=pd
+PACK_S=25
+source scripts/device_common.sh
 STAGES=${STAGES:-tests migration pd dp}
 
-stage() { echo "== +$(( $(date +%s) - T0 ))s $*"; }
-cap() {  # the smaller of $1 and what is left of the budget (minus 25 s to pack the results), at least 1
-  local left=$(( BUDGET - ($(date +%s) - T0) - 25 ))
-  [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"
-}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \

@@ -23,13 +23,8 @@
 #     ARGS="--device cpu --dtype float32 --vocab 200 --kv-cache-blocks 200 --skip-tokenizer-init" bash scripts/device_wide_ep.sh
 # Results in $OUT/wide-ep.tgz: ep-<backend>.json / .log, flotilla-dpep.json, flotilla-dpep-gather.json, flotilla-tp.json and their logs, summary.txt.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-T0=$(date +%s)
-BUDGET=${BUDGET:-560}
-[ -n "${NO_BUNDLE:-}" ] || source .gpu-bundle/setup.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
-OUT=${OUT:-/tmp/flotilla-out}
-R=$OUT/wide-ep
-mkdir -p "$R"
+RESULTS=wide-ep
+source scripts/device_common.sh
 STAGES=${STAGES:-a2a dpep tp dpep-gather}
 GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)}
 [ "$GPUS" -ge 2 ] 2>/dev/null || { echo "GPUS=$GPUS: wide EP needs at least two"; exit 1; }
@@ -37,11 +32,6 @@ LAYERS=${LAYERS:-$(( 5 * GPUS ))}
 MODEL_ARG=${MODEL_DIR:-deepseek-v3-${LAYERS}l}   # bench_offline takes a built-in shape's name or a folder
 REQUESTS=${REQUESTS:-$(( 128 * GPUS ))}
 
-stage() { echo "== +$(( $(date +%s) - T0 ))s $*"; }
-cap() {  # the smaller of $1 and what is left of the budget (minus 20 s to pack the results), at least 1
-  local left=$(( BUDGET - ($(date +%s) - T0) - 20 ))
-  [ "$left" -lt "$1" ] && echo $(( left > 1 ? left : 1 )) || echo "$1"
-}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 command -v nvidia-smi > /dev/null && nvidia-smi topo -m > "$R/topo.txt" 2>&1
 

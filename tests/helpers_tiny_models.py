@@ -165,18 +165,6 @@ TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
         mlp_only_layers=[1],
         eos_token_id=[2, 3],
     ),
-    # qwen3_moe with head_dim 64, which every GPU attention backend takes (CUDA-graph tests)
-    "qwen3_moe_hd64": dict(
-        tie_word_embeddings=False,
-        head_dim=64,
-        num_hidden_layers=3,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-        eos_token_id=[2, 3],
-    ),
     # every second layer sparse, raw softmax weights (norm_topk_prob off), top-3 of 6, tied embeddings
     "qwen3_moe_step2": dict(
         tie_word_embeddings=True,
@@ -189,6 +177,9 @@ TINY_MOE_CONFIGS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=2,
     ),
 }
+
+TINY_MOE_CONFIGS["qwen3_moe_hd64"] = {**TINY_MOE_CONFIGS["qwen3_moe"], "head_dim": 64}
+"""qwen3_moe with head_dim 64, which every GPU attention backend takes (CUDA-graph tests)."""
 
 
 def write_tiny_moe_model(model_dir: str | Path, name: str = "qwen3_moe", seed: int = 0) -> Path:

@@ -103,15 +103,10 @@ class ExpertPlacement:
             raise ValueError(f"a stacked expert tensor of {stacked.shape[0]} experts, expected {self.num_experts}")
         return stacked.narrow(0, self.first_local_expert, self.num_local_experts)
 
-    def record(self, routed: torch.Tensor, local_ids: torch.Tensor) -> None:
-        """The step's loads: routed int64 [slots] the experts of this rank's routing, local_ids int64 [rows] the
-        local expert of each row this rank's experts computed."""
-        self.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
-        self.local_expert_load.zero_().scatter_add_(0, local_ids, torch.ones_like(local_ids))
-
     def record_masked(self, routed: torch.Tensor, local_ids: torch.Tensor) -> None:
-        """record() for masked routing: local_ids int [any shape] holds -1 for the slots this rank does not
-        compute (no host sync: the -1 slots are counted as zeros, not filtered out)."""
+        """The step's loads: routed int64 [slots] the experts of this rank's routing; local_ids int [any shape] the
+        masked routing this rank's experts computed, -1 for the slots it does not compute (no host sync: those are
+        counted as zeros, not filtered out)."""
         self.expert_load.zero_().scatter_add_(0, routed, torch.ones_like(routed))
         flat = local_ids.reshape(-1).long()
         self.local_expert_load.zero_().scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())
