@@ -55,7 +55,7 @@ from flotilla.actors import worker as worker_module
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
-from flotilla.config import CacheConfig, DisaggConfig, EngineConfig
+from flotilla.config import DEFAULT_BLOCK_SIZE, DisaggConfig, EngineConfig
 from flotilla.kernels.attention import kv_cache_shape
 from flotilla.scripts.bench_shapes import SHAPES
 from flotilla.transport import kv_transfer, kv_transfer_torch
@@ -406,8 +406,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     shape.add_argument("--layers", type=int, default=qwen["num_hidden_layers"], help="KV cache layers")
     shape.add_argument("--kv-heads", type=int, default=qwen["num_key_value_heads"], help="KV heads per layer")
     shape.add_argument("--head-dim", type=int, default=qwen["head_dim"], help="head dimension")
-    shape.add_argument("--block-size", type=int, default=CacheConfig().block_size,
-                       help="tokens per KV block (the engine's default)")
+    shape.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                       help="tokens per KV block (the engine's default for these layers)")
     shape.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="KV cache element type")
     work = p.add_argument_group("workload")
     work.add_argument("--prompts", type=int, default=16, help="prompts migrated per repetition (one MigrateKVCmd each)")

@@ -70,3 +70,10 @@ def test_help_explains_every_flag():
     bad = subprocess.run([sys.executable, "-m", "flotilla.scripts.bench_migration", "--paths", "nope"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "paths are actor, engine, raw, copy" in bad.stderr
+
+
+def test_the_default_block_size_is_the_engines():
+    # the engine's block_size setting defaults to None (the model settles it): the bench must not take that
+    from flotilla.config import DEFAULT_BLOCK_SIZE
+
+    assert bm.parse_args(["--device", "cpu"]).block_size == DEFAULT_BLOCK_SIZE
