@@ -19,6 +19,7 @@ import logging
 import math
 import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,17 +144,20 @@ def _load_dummy(config: HFModelConfig, model_dir: Path, dtype: torch.dtype | str
                 kwargs: dict[str, Any], started: float) -> LoadedModel:
     target = (config.torch_dtype or torch.float32) if isinstance(dtype, str) else dtype
     module = _build_module(config, model_dir, target, device, kwargs)
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = torch.Generator(device=device)
     # modules with a dummy_init_ (FP8 block-scaled linears: e4m3 weights + their scales) fill their own
-    custom = [m for m in module.modules() if hasattr(m, "dummy_init_")]
-    own = {id(p) for m in custom for p in m.parameters(recurse=False)}
+    custom = [(name, m) for name, m in module.named_modules() if hasattr(m, "dummy_init_")]
+    own = {id(p) for _, m in custom for p in m.parameters(recurse=False)}
+    # Each tensor's values follow from its own name, not from its place in the module's order: a model built with an
+    # extra part (DeepSeek's MTP layer for speculative decoding) gets the same weights everywhere else, so a
+    # benchmark can compare it with the plain model's tokens.
     with torch.no_grad():
-        for _, param in module.named_parameters():
+        for name, param in module.named_parameters():
             # small values keep activations finite through any depth; nothing is meant to be meaningful
             if id(param) not in own:
-                param.uniform_(-1e-3, 1e-3, generator=generator)
-        for m in custom:
-            m.dummy_init_(generator)
+                param.uniform_(-1e-3, 1e-3, generator=generator.manual_seed(zlib.crc32(name.encode())))
+        for name, m in custom:
+            m.dummy_init_(generator.manual_seed(zlib.crc32(name.encode())))
     module.eval()
     size = sum(p.numel() * p.element_size() for p in module.parameters())
     logger.info("built %s with dummy weights (%s, %s, %.0f MiB) in %.2f s", model_dir, type(module).__name__,

@@ -5,8 +5,11 @@ With random weights the MTP layer's drafts are nearly always wrong, so acceptanc
 checkpoint. What can be measured is the machinery: here the speculator's drafts are replaced (its draft hook, in
 the worker's process: the engine runs inline) by the tokens plain decoding gave next, so every draft is accepted
 and every verify step should yield num_speculative_tokens + 1 tokens. The speedup is then the most speculation
-can give on this engine and GPU; a trained MTP layer's acceptance rate scales it down. The outputs must be plain
-decoding's tokens: the run fails otherwise.
+can give on this engine and GPU; a trained MTP layer's acceptance rate scales it down. The outputs should be plain
+decoding's tokens. In bfloat16 on a GPU a verify step's kernels (several query tokens per sequence, other GEMM
+tiles) may round differently from a decode step's and flip a near-tied argmax; from there on the oracle knows no
+next tokens, the model's own drafts are used, and the record says where the tokens first differed
+(`first_difference`, null when they never did) so that its acceptance numbers are read for what they are.
 
 One request, `--decode-in` random prompt tokens, `--decode-out` greedy output tokens (bench_offline's decode1),
 timed on the second of two identical runs. Models: a folder with an MTP layer, or the built-in
@@ -54,16 +57,24 @@ def decode_twice(llm: LLM, prompt: list[int], out_len: int) -> tuple[list[int], 
 
 
 def oracle(prompt: list[int], continuation: list[int]):
-    """A draft hook giving, for the benchmark's one request, the tokens plain decoding produced next."""
+    """A draft hook giving, for the benchmark's one request, the tokens plain decoding produced next (the model's
+    own drafts for a sequence that left plain decoding's path, or for any other request)."""
     full = prompt + continuation
 
     def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
         seq = tokens.tolist()
-        assert seq == full[: len(seq)], "a sequence the oracle does not know"
+        if seq != full[: len(seq)]:
+            return drafts
         want = full[len(seq): len(seq) + len(drafts)]
         return want + drafts[len(want):]
 
     return hook
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first output position where the tokens differ, None when they are the same."""
+    diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return diff if diff is not None or len(got) == len(want) else min(len(got), len(want))
 
 
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
@@ -76,10 +87,12 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         tokens, elapsed = decode_twice(llm, prompt, args.decode_out)
         # decode_twice ran the request twice: the counters moved by two runs' worth
         drafts, accepted = (core.spec_draft_tokens - drafts0) / 2, (core.spec_accepted_tokens - accepted0) / 2
-    if tokens != plain:
-        raise SystemExit(f"MTP with {num_spec} speculative tokens changed the greedy output: the benchmark is void")
+    diff = first_difference(tokens, plain)
+    if diff is not None:
+        print(f"warning: with {num_spec} speculative tokens the greedy output left plain decoding's at output token "
+              f"{diff} of {len(plain)}; past it no draft was forced", file=sys.stderr, flush=True)
     verify_steps = len(tokens) - 1 - accepted  # the prefill gave the first token; each verify step accepted + 1
-    return {"num_speculative_tokens": num_spec, "tok_per_s": round(len(tokens) / elapsed, 1),
+    return {"num_speculative_tokens": num_spec, "first_difference": diff, "tok_per_s": round(len(tokens) / elapsed, 1),
             "ms_per_token": round(1000 * elapsed / len(tokens), 3),
             "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
             "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None}
