@@ -18,33 +18,21 @@ ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1
 
 
 def _check_identical(x: torch.Tensor, group: int) -> None:
-    """Identical scales and e4m3 bytes; triton's CPU interpreter writes -0 as +0 (its float8 cast drops the sign
-    of zero), so on CPU zeros compare by value, everything else by byte. On CUDA a few values may round the other
-    way: at 4,096 tokens of DeepSeek-V3 sizes (44M values) some bytes differed on an H200 (2026-11-30), none at 64
-    tokens, as expected if torch's CUDA division and the kernel's IEEE division (div_rn) can differ in the last
-    bit of float32, which moves e4m3's rounding only for a quotient that close to the midpoint between two e4m3
-    values (about one in 2^20). Those, and only those, are let through: adjacent e4m3 values around a midpoint
-    the exact quotient lies within a few float32 ulps of, in at most one value in 100,000."""
+    """Identical scales and e4m3 bytes, except that zeros compare by value: the kernel's float8 cast writes a
+    negative value that rounds to zero as +0 where torch writes -0, under triton's CPU interpreter and on CUDA alike.
+    (On an H200, 2026-12-01, every one of the 79 bytes that differed among DeepSeek-V3 sizes' 44M values at 4,096
+    tokens was such a zero; the sixth session had read the same failure as float32 division rounding at e4m3
+    midpoints. -0 and +0 weigh the same in every GEMM.)"""
     from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
     want_q, want_s = fp8_ref.per_token_group_quantize(x, group)
     got_q, got_s = per_token_group_quantize(x, group)
     assert got_q.dtype == fp8_ref.FP8_DTYPE and got_q.shape == want_q.shape and got_s.shape == want_s.shape
     assert torch.equal(got_s, want_s)
+    zero = want_q.float() == 0
+    assert torch.equal(got_q.float()[zero], want_q.float()[zero])
     got_bytes, want_bytes = got_q.view(torch.uint8), want_q.view(torch.uint8)
-    if not got_q.is_cuda:
-        zero = want_q.float() == 0
-        assert torch.equal(got_q.float()[zero], want_q.float()[zero])
-        assert torch.equal(got_bytes[~zero], want_bytes[~zero])
-        return
-    differ = got_bytes != want_bytes
-    assert int(differ.sum()) <= x.numel() // 100_000, f"{int(differ.sum())} of {x.numel()} e4m3 bytes differ"
-    if differ.any():
-        exact = (x.double() / want_s.double().repeat_interleave(group, dim=-1)[..., : x.shape[-1]])[differ]
-        got, want = got_q.double()[differ], want_q.double()[differ]
-        step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()))) - 3).clamp(min=2.0**-9)
-        assert ((got - want).abs() <= step).all(), "a value rounded more than one e4m3 step away"
-        assert ((exact - (got + want) / 2).abs() <= exact.abs() * 2.0**-21).all(), "a value far from a midpoint"
+    assert torch.equal(got_bytes[~zero], want_bytes[~zero])
 
 
 @pytest.mark.parametrize(("shape", "group", "dtype"), [

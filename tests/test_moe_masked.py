@@ -106,7 +106,8 @@ def _check_triton(x, w13, w2, weights, masked, zeroed, **tiles) -> None:
     tol = 1e-5 if x.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
-    assert torch.equal(got[0], torch.zeros_like(got[0]))  # every slot masked: the rows the kernel never wrote
+    if bool((masked[0] < 0).all()):  # every slot masked (a case of two tokens or more): rows the kernel never wrote
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @needs_triton
