@@ -13,7 +13,7 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
 - fp8_gemm: dense block-scaled FP8 GEMM at DeepSeek-V3's N x K (q_b 24576x1536, o_proj 7168x16384, kv_a+q_a
             2112x7168, 4096x7168): fp8_triton.fp8_block_linear vs kernels/quant's _deep_gemm_linear (both quantize
             the bf16 activations first, inside the time), and cuBLAS bf16 (torch.matmul on the dequantized weight)
-            as the yardstick; tflops = 2*M*N*K / time.
+            as the yardstick; tflops = 2*M*N*K / time; gbps = the weight's bytes (N*K in e4m3, 2*N*K in bf16) / time.
 - mla:      MLA decode at DeepSeek-V3 sizes (128 heads, kv_lora_rank 512, rope 64, block 64 shuffled, bf16 cache):
             triton_mla.paged_mla_decode vs flash_mla_backend.paged_mla_decode, the latter as every layer but the
             first runs it ("flash_mla": the step's scheduler metadata reused) and as the first layer
@@ -24,7 +24,10 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
 
 Timing: the first call is timed alone (first_ms: triton / DeepGEMM JIT compiles land there), then a short run
 sizes `iters` so the timed run lasts about --target-s, with CUDA events (bench_attention._time: 3 warm-up calls,
-then the mean). A fixed seed makes every run route the same tokens.
+then the mean). A fixed seed makes every run route the same tokens. moe, fp8_moe and fp8_gemm time each point as
+plain launches ("mode": "eager") and, up to --graph-tokens tokens, also replayed from a CUDA graph of 10 calls
+("mode": "graph", ms per call): a decode step runs them in a graph, and eager timing of a point of a few tens of
+microseconds measures the host's launch cost (a triton launch is ~20-40 us of Python) more than the kernel.
 
     python -m flotilla.scripts.bench_kernels --json /tmp/kernels.json
     python -m flotilla.scripts.bench_kernels --only moe,fp8_moe --quick
@@ -98,12 +101,18 @@ class Bench:
     """Runs the points, times them, prints and keeps the records."""
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
-                 moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None) -> None:  # fmt: skip
+                 moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None,
+                 graph_tokens: int = 0) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.fp8_tiles = fp8_tiles or []
         """Extra triton FP8 GEMM variants, each a FLOTILLA_FP8_TILES string ("m=16,n=64,sk=4,w=4,s=3")."""
+        self.graph_tokens = graph_tokens
+        """Points of at most this many tokens are also timed replayed from a CUDA graph (point_modes)."""
+        self.capture: Callable[[Callable[[], object]], Callable[[], object]] | None = \
+            _capture if device.type == "cuda" else None  # fmt: skip
+        """Makes a replayable graph of a function (None: no graphs here, on CPU)."""
         self.records: list[dict] = []
 
     def emit(self, record: dict) -> None:
@@ -133,11 +142,13 @@ class Bench:
         iters = int(min(max(self.target_s * 1e6 / max(estimate_us, 1.0), 5), 20000))
         return _time(fn, iters) / 1e3, first_ms, iters
 
-    def point(self, base: dict, fn: Callable[..., object], *args: object, flops: float = 0, nbytes: float = 0) -> None:
+    def point(self, base: dict, fn: Callable[..., object], *args: object, flops: float = 0, nbytes: float = 0,
+              reps: int = 1) -> None:  # fmt: skip
         """Time fn(*args) and emit base + ms (+ tflops from `flops`, gbps from `nbytes`, when given); on an exception
-        emit base + error and go on."""
+        emit base + error and go on. `reps`: one call of fn does the work that many times (ms is per time)."""
         try:
             ms, first_ms, iters = self.measure(lambda: fn(*args))
+            ms /= reps
             record = {**base, "ms": round(ms, 4)}
             if flops:
                 record["tflops"] = round(flops / ms / 1e9, 3)
@@ -148,6 +159,28 @@ class Bench:
             self.emit({**base, "error": f"{type(exc).__name__}: {exc}"[:2000],
                        "where": traceback.format_exc(limit=-3)[-1500:]})  # fmt: skip
             _recover(self.device)
+
+
+    def point_modes(self, base: dict, tokens: int, fn: Callable[..., object], *args: object, flops: float = 0,
+                    nbytes: float = 0) -> None:  # fmt: skip
+        """point() as plain launches ("mode": "eager"), and for at most graph_tokens tokens also replayed from a CUDA
+        graph ("mode": "graph") holding GRAPH_REPS calls: a decode step runs these kernels inside a graph, where a
+        triton launch's ~20-40 us of Python on the host, which eager timing of a small point measures, is gone."""
+        self.point({**base, "mode": "eager"}, fn, *args, flops=flops, nbytes=nbytes)
+        if self.capture is None or tokens > self.graph_tokens:
+            return
+        graph = {**base, "mode": "graph", "graph_reps": GRAPH_REPS}
+        try:
+            replay = self.capture(lambda: [fn(*args) for _ in range(GRAPH_REPS)])
+        except Exception as exc:  # noqa: BLE001 - a capture failure is this point's result
+            self.emit({**graph, "error": f"capture: {type(exc).__name__}: {exc}"[:2000]})
+            _recover(self.device)
+            return
+        self.point(graph, replay, flops=flops, nbytes=nbytes, reps=GRAPH_REPS)
+
+
+GRAPH_REPS = 10
+"""Calls per captured graph in point_modes: the graph's own launch is shared by them."""
 
 
 def _recover(device: torch.device) -> None:
@@ -256,9 +289,9 @@ def bench_moe(bench: Bench, sizes: Sizes) -> None:
         hit = int(torch.unique(ids).numel())
         flops, nbytes = 2 * t * top_k * 3 * h * inter, hit * 3 * h * inter * 2
         for backend, fn in backends:
-            bench.point({"bench": "moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter, "tokens": t,
-                         "experts_hit": hit},
-                        fn, hidden, w13, w2, weights, ids, flops=flops, nbytes=nbytes)  # fmt: skip
+            bench.point_modes({"bench": "moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter,
+                               "tokens": t, "experts_hit": hit},
+                              t, fn, hidden, w13, w2, weights, ids, flops=flops, nbytes=nbytes)  # fmt: skip
     del w13, w2
     _recover(dev)
 
@@ -281,10 +314,10 @@ def bench_fp8_moe(bench: Bench, sizes: Sizes) -> None:
         hit = int(torch.unique(ids).numel())
         flops, nbytes = 2 * t * top_k * 3 * h * inter, hit * 3 * h * inter
         for backend, fn in backends:
-            bench.point({"bench": "fp8_moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter,
-                         "tokens": t, "experts_hit": hit},
-                        fn, hidden, w13, w13_scale, w2, w2_scale, weights, ids, block, flops=flops,
-                        nbytes=nbytes)  # fmt: skip
+            bench.point_modes({"bench": "fp8_moe", "backend": backend, "E": e, "top_k": top_k, "H": h, "I": inter,
+                               "tokens": t, "experts_hit": hit},
+                              t, fn, hidden, w13, w13_scale, w2, w2_scale, weights, ids, block, flops=flops,
+                              nbytes=nbytes)  # fmt: skip
     del w13, w2
     _recover(dev)
 
@@ -325,8 +358,10 @@ def bench_fp8_gemm(bench: Bench, sizes: Sizes) -> None:
             flops = 2 * m * n * k
             base = {"bench": "fp8_gemm", "shape": shape, "N": n, "K": k, "M": m}
             for backend, fn in backends:
-                bench.point({**base, "backend": backend}, fn, x, weight, scale, None, (128, 128), flops=flops)
-            bench.point({**base, "backend": "torch_bf16"}, torch.matmul, x, dense.t(), flops=flops)
+                bench.point_modes({**base, "backend": backend}, m, fn, x, weight, scale, None, (128, 128),
+                                  flops=flops, nbytes=n * k)  # fmt: skip
+            bench.point_modes({**base, "backend": "torch_bf16"}, m, torch.matmul, x, dense.t(), flops=flops,
+                              nbytes=2 * n * k)  # fmt: skip
         del weight, dense
     _recover(dev)
 
@@ -479,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra triton FP8 GEMM variants for fp8_gemm, ';'-separated, each like FLOTILLA_FP8_TILES: "
                         "m=BLOCK_M,n=BLOCK_N,sk=SPLIT_K,w=num_warps,s=num_stages (any subset), e.g. "
                         "'n=128,sk=1;n=64,sk=4' (the first: the tiles before K was split for small batches)")  # fmt: skip
+    p.add_argument("--graph-tokens", type=int, default=256,
+                   help="moe, fp8_moe and fp8_gemm points of at most this many tokens are also timed replayed from a "
+                        "CUDA graph (records with \"mode\": \"graph\"), as decode steps run them; 0: eager only")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and routing logits")
     p.add_argument("--json", default=None, help="also write every record (a JSON list) to this file")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -503,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
                   [t.strip() for t in args.moe_tiles.split(";") if t.strip()],
-                  [t.strip() for t in args.fp8_tiles.split(";") if t.strip()])  # fmt: skip
+                  [t.strip() for t in args.fp8_tiles.split(";") if t.strip()], args.graph_tokens)  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

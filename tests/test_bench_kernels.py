@@ -76,3 +76,32 @@ def test_unknown_benches_are_refused(capsys):
     with pytest.raises(SystemExit):
         bk.main(["--cpu-smoke", "--only", "moe,nope"])
     assert "nope" in capsys.readouterr().err
+
+
+def test_small_points_are_also_timed_replayed_from_a_graph_of_several_calls(capsys):
+    """point_modes: an eager record, then (up to graph_tokens tokens, where graphs exist) a "graph" record timed
+    over a capture holding GRAPH_REPS calls, its ms per call; a capture that fails is that record's error. On CPU
+    a stand-in capture (the calls themselves) takes the graph's place."""
+    import torch
+
+    bench = bk.Bench(torch.device("cpu"), 0.01, 0, smoke=True, graph_tokens=4)
+    calls = []
+    bench.capture = lambda fn: fn  # what a replay runs: the captured calls
+    bench.point_modes({"bench": "moe", "backend": "x"}, 4, lambda: calls.append(1))
+    eager, graph = _lines(capsys)
+    assert (eager["mode"], graph["mode"], graph["graph_reps"]) == ("eager", "graph", bk.GRAPH_REPS)
+    # smoke timing: the first call, then two timed calls, each replay running GRAPH_REPS calls
+    assert len(calls) == 3 + 3 * bk.GRAPH_REPS
+    bench.point_modes({"bench": "moe", "backend": "x"}, 5, lambda: None)  # over graph_tokens: eager only
+    assert [r["mode"] for r in _lines(capsys)] == ["eager"]
+
+    def refuse(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    bench.capture = refuse
+    bench.point_modes({"bench": "moe", "backend": "x"}, 1, lambda: None)
+    eager, failed = _lines(capsys)
+    assert "ms" in eager and failed["mode"] == "graph" and "not permitted" in failed["error"]
+    bench.capture = None  # CPU as it is: no graphs
+    bench.point_modes({"bench": "moe", "backend": "x"}, 1, lambda: None)
+    assert [r["mode"] for r in _lines(capsys)] == ["eager"]
