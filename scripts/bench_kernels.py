@@ -18,8 +18,9 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
             triton_mla.paged_mla_decode vs flash_mla_backend.paged_mla_decode, the latter as every layer but the
             first runs it ("flash_mla": the step's scheduler metadata reused) and as the first layer
             ("flash_mla_first": metadata made in the call); gbps = batch*ctx*576*2 bytes / time.
-- routing:  routing.select_experts + routing.sort_by_expert at T=1 and 256 (Qwen3: E=128, top_k=8) with
-            FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused"), as plain
+- routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
+            with FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused": the
+            one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain
             launches ("eager") and replayed from a CUDA graph ("graph").
 
 Timing: the first call is timed alone (first_ms: triton / DeepGEMM JIT compiles land there), then a short run
@@ -83,7 +84,7 @@ GPU_SIZES = Sizes(
     gemm_shapes=(("q_b", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168), ("4096x7168", 4096, 7168)),
     gemm_m=(1, 64, 4096),
     mla=(128, 512, 64, 64), mla_batch=(1, 16, 64, 128), mla_ctx=4096,
-    routing_tokens=(1, 256),
+    routing_tokens=(1, 256, 1024, 4096),
 )  # fmt: skip
 QUICK = {"moe_tokens": (1, 64, 1024), "fp8_moe_tokens": (1, 512), "gemm_m": (1, 4096), "mla_batch": (1, 64)}
 SMOKE_SIZES = Sizes(
@@ -442,7 +443,10 @@ def bench_routing(bench: Bench, sizes: Sizes) -> None:
             if backend == "fused" and fused_reason is not None:
                 continue
             base = {"bench": "routing", "backend": backend, "E": e, "top_k": top_k, "tokens": t, "block_m": block_m}
-            with _env(FLOTILLA_MOE_FUSED_ROUTING=flag, FLOTILLA_MOE_FUSED_ALIGN=flag):
+            # "fused" groups every size in one launch, past routing.FUSED_ALIGN_MAX_SLOTS too: the points above it
+            # say where that limit belongs
+            with _env(FLOTILLA_MOE_FUSED_ROUTING=flag, FLOTILLA_MOE_FUSED_ALIGN=flag), \
+                    _align_limit(t * top_k if backend == "fused" else None):
                 bench.point({**base, "mode": "eager"}, _route, logits, top_k, e, block_m)
                 if cuda:
                     try:
@@ -452,6 +456,20 @@ def bench_routing(bench: Bench, sizes: Sizes) -> None:
                         _recover(dev)
                         continue
                     bench.point({**base, "mode": "graph"}, replay)
+
+
+@contextlib.contextmanager
+def _align_limit(slots: int | None) -> Iterator[None]:
+    """routing.FUSED_ALIGN_MAX_SLOTS raised to at least `slots` inside (None: left as it is)."""
+    from flotilla.kernels.moe import routing
+
+    saved = routing.FUSED_ALIGN_MAX_SLOTS
+    if slots is not None:
+        routing.FUSED_ALIGN_MAX_SLOTS = max(saved, slots)
+    try:
+        yield
+    finally:
+        routing.FUSED_ALIGN_MAX_SLOTS = saved
 
 
 def _route(logits: torch.Tensor, top_k: int, num_experts: int, block_m: int) -> object:

@@ -105,3 +105,16 @@ def test_small_points_are_also_timed_replayed_from_a_graph_of_several_calls(caps
     bench.capture = None  # CPU as it is: no graphs
     bench.point_modes({"bench": "moe", "backend": "x"}, 1, lambda: None)
     assert [r["mode"] for r in _lines(capsys)] == ["eager"]
+
+
+def test_the_fused_routing_points_lift_the_one_launch_limit_only_while_they_run():
+    from flotilla.kernels.moe import routing
+
+    limit = routing.FUSED_ALIGN_MAX_SLOTS
+    with bk._align_limit(4 * limit):
+        assert routing.FUSED_ALIGN_MAX_SLOTS == 4 * limit
+    with bk._align_limit(1):  # never lowered
+        assert routing.FUSED_ALIGN_MAX_SLOTS == limit
+    with pytest.raises(RuntimeError), bk._align_limit(8 * limit):
+        raise RuntimeError("a point failed")
+    assert routing.FUSED_ALIGN_MAX_SLOTS == limit
