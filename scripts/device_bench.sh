@@ -11,7 +11,7 @@
 # TESTS="tests/a.py tests/b.py" runs only those GPU test files; with TEST_GPU=N (a machine of several GPUs) they run
 # on GPU N alongside the benchmarks (which then keep to CUDA_VISIBLE_DEVICES as given, e.g. 0), TESTS_TIMEOUT seconds.
 set -uo pipefail
-source .gpu-bundle/setup.sh
+source scripts/device_env.sh
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/results
 mkdir -p "$R"

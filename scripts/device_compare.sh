@@ -21,7 +21,7 @@ if [ ! -f /tmp/vp/env.sh ] || [ ! -d /tmp/vp/site/vllm ]; then
   bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
 fi
 if [ -n "${TESTS:-}" ]; then
-  (source .gpu-bundle/setup.sh && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu $TESTS -p no:cacheprovider -q) \
+  (source scripts/device_env.sh && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu $TESTS -p no:cacheprovider -q) \
     > "$R/gpu-tests.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -15
 fi
@@ -31,7 +31,7 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout "${PEER_TIMEOUT:-300}" python3 .vllm-peer/peer_bench.py "$m") \
     > "$R/peer-$m.log" 2>&1
   tail -2 "$R/peer-$m.log"
-  (source .gpu-bundle/setup.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.bench_offline --model "$m" \
+  (source scripts/device_env.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.bench_offline --model "$m" \
     --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
   tail -1 "$R/flotilla-$m.log"
 done

@@ -11,7 +11,7 @@
 # (default 1024 / 128), MODEL_DIR (a model folder instead of the shape; a CPU smoke run: NO_BUNDLE=1 MODEL_DIR=tiny
 # DTYPE=float32 PROMPTS=4 RATES=inf INPUT_LEN=16 OUTPUT_LEN=8 VOCAB=300). Results in $OUT/serving.tgz: serve-flotilla.json, serve-vllm.json, serving-MODEL.png.
 set -uo pipefail
-[ -n "${NO_BUNDLE:-}" ] || source .gpu-bundle/setup.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
+[ -n "${NO_BUNDLE:-}" ] || source scripts/device_env.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/serving
 mkdir -p "$R"

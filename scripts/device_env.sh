@@ -1,0 +1,15 @@
+# Sourced by the device scripts, from the checkout root, in place of `source .gpu-bundle/setup.sh`: the bundle's
+# setup (its wheels installed into /tmp/site, the flashinfer JIT cache restored into ~/.cache), then the installed
+# packages dated back to 2000-01-01 so that the carried cache is used.
+#
+# Why: flashinfer runs ninja before it loads any JIT module, and ninja rebuilds a module when one of its inputs is
+# newer than its outputs. pip gives the headers and sources it installs (flashinfer's csrc and include, tvm_ffi's)
+# the time of the install, which is newer than every object in the carried cache, so each fresh machine, and each
+# later `source` of setup.sh on the same machine, compiled every flashinfer module again: about 70 s of an engine's
+# start (docs/performance.md, 2026-12-01). Touching the cache's objects instead would not do: ninja then finds its
+# dependency log older than the objects and rebuilds as well.
+source .gpu-bundle/setup.sh
+_site=${FLOTILLA_BUNDLE_SITE:-/tmp/site}   # where setup.sh installs the wheels (a test points it elsewhere)
+[ -d "$_site" ] && find "$_site" -exec touch -h -d 2000-01-01 {} + 2>/dev/null
+unset _site
+true

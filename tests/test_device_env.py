@@ -1,0 +1,65 @@
+"""scripts/device_env.sh, which the device scripts source in place of the GPU bundle's setup.sh: after the bundle's
+setup it dates the installed packages back, so that ninja (which flashinfer runs before loading any JIT module) finds
+the carried JIT cache's objects newer than the freshly installed headers and rebuilds nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_env.sh"
+
+
+def _source(checkout: Path, site: Path) -> None:
+    subprocess.run(["bash", "-c", f"source {SCRIPT} && echo sourced"], cwd=checkout, check=True, timeout=60,
+                   env={**os.environ, "FLOTILLA_BUNDLE_SITE": str(site)}, capture_output=True)  # fmt: skip
+
+
+def _bundle(tmp_path: Path, site: Path) -> Path:
+    """A checkout whose .gpu-bundle/setup.sh "installs" a header and a source into `site`, as pip does: fresh."""
+    checkout = tmp_path / "checkout"
+    (checkout / ".gpu-bundle").mkdir(parents=True)
+    (checkout / ".gpu-bundle" / "setup.sh").write_text(
+        f"mkdir -p {site}/pkg/include\n"
+        f"printf '#define X 1\\n' > {site}/pkg/include/h.h\n"
+        f"printf '#include \"h.h\"\\nint f(void) {{ return X; }}\\n' > {site}/pkg/a.c\n"
+    )
+    return checkout
+
+
+def test_the_bundles_installed_files_are_dated_back(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    _source(_bundle(tmp_path, site), site)
+    for path in (site / "pkg" / "include" / "h.h", site / "pkg" / "a.c", site / "pkg"):
+        assert time.gmtime(path.stat().st_mtime).tm_year == 2000, path
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("gcc") is None, reason="needs ninja and gcc")
+def test_ninja_rebuilds_nothing_after_a_fresh_setup(tmp_path: Path) -> None:
+    """The cache's build (made on an earlier machine), a fresh setup on this one: without the dating back ninja
+    would compile again ("output older than most recent input")."""
+    site = tmp_path / "site"
+    checkout = _bundle(tmp_path, site)
+    _source(checkout, site)
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "build.ninja").write_text(
+        "rule cc\n"
+        f"  command = gcc -MMD -MF $out.d -I{site}/pkg/include -c $in -o $out\n"
+        "  depfile = $out.d\n  deps = gcc\n"
+        f"build a.o: cc {site}/pkg/a.c\n"
+    )
+    subprocess.run(["ninja"], cwd=build, check=True, capture_output=True, timeout=60)
+    _source(checkout, site)  # setup.sh runs again: the files are rewritten, then dated back
+    dry = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=build, check=True, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert "no work to do" in dry.stdout, dry.stdout + dry.stderr
+    (site / "pkg" / "include" / "h.h").touch()  # and without it, ninja would rebuild
+    dry = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=build, check=True, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert "no work to do" not in dry.stdout
