@@ -47,3 +47,40 @@ def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(to
     want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128))
     got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128))
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_DEEP_GEMM, reason="needs deep_gemm and a CUDA device")
+@pytest.mark.parametrize("padding", ["none", "minus_one", "expert_id"])
+def test_gpu_deep_gemms_grouped_fp8_gemm_alone_keeps_its_contract(padding):
+    """Which part of the FP8 experts' mismatch above is DeepGEMM's own GEMM: m_grouped_fp8_gemm_nt_contiguous alone
+    against grouped_fp8_gemm_reference on the same quantized operands, 2 experts of 256 x 512 (block columns of
+    weights apart in magnitude, so a misplaced scale shows), one group of `alignment` rows each. Every row real
+    ("none"), or each group's last 28 rows padding, marked -1 as flotilla's layout marks them ("minus_one") or with
+    the group's expert ("expert_id"); the real rows are compared."""
+    import deep_gemm
+
+    from flotilla.kernels.quant import block_quantize, quantize_activations
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(7)
+    experts, n, k = 2, 256, 512
+    align = deep_gemm_experts._alignment(deep_gemm)
+    spread = torch.logspace(-1.5, 1.5, k, device=dev)[torch.randperm(k, generator=gen, device=dev)]
+    w, s = zip(*(block_quantize(torch.randn(n, k, generator=gen, device=dev) * k**-0.5 * spread, (128, 128))
+                 for _ in range(experts)))  # fmt: skip
+    w, s = torch.stack(w), torch.stack(s).float()
+    rows = experts * align
+    x = torch.randn(rows, k, generator=gen, device=dev).bfloat16()
+    m_indices = torch.arange(experts, device=dev, dtype=torch.int32).repeat_interleave(align)
+    real = torch.ones(rows, dtype=torch.bool, device=dev)
+    if padding != "none":
+        real = torch.arange(rows, device=dev) % align < align - 28
+        if padding == "minus_one":
+            m_indices = torch.where(real, m_indices, -1)
+    a = quantize_activations(x, 128)
+    got = torch.zeros(rows, n, dtype=torch.bfloat16, device=dev)
+    deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, (w, s), got, m_indices)
+    want = torch.zeros_like(got)
+    deep_gemm_experts.grouped_fp8_gemm_reference(a, (w, s), want, m_indices)
+    torch.testing.assert_close(got[real].float(), want[real].float(), atol=2e-2, rtol=2e-2)
