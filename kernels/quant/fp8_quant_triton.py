@@ -6,8 +6,9 @@ one token's row and BLOCK_G groups of group_size columns as a [BLOCK_G, GROUP] t
 scale (amax times float32(1 / 448), amax at least 1e-12), and the e4m3 values (x / scale, clamped to +-448, rounded
 to nearest even), with the same float32 operations in the same order as the reference, so the results are
 identical on CPU (the division is IEEE round-to-nearest, `div_rn`). On an H200 the scales matched bit for bit and
-all but a handful of 44M e4m3 values did: those sat at a midpoint between two e4m3 values, where a last-bit
-difference in the quotient (torch's CUDA division against div_rn, presumably) picks the other neighbour.
+so did the e4m3 values, but for the sign of zero: of 44M values, the 79 small negative ones that round to zero came
+out +0 where torch writes -0 (2026-12-01; the same in the CPU interpreter), which no GEMM can tell apart. The
+sixth session had taken those for midpoint roundings.
 
 On an H200 the first version, which divided amax by 448, differed from the reference's scales there: torch's CUDA
 kernels turn a division by a scalar into a multiplication by its reciprocal (its CPU ones do not). The reference
@@ -38,7 +39,7 @@ def _round_to_e4m3(v):
     step = tl.maximum(exponent, -6) - 3
     magic = (((step + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
     rounded = (tl.abs(v) + magic) - magic
-    return tl.where(bits < 0, -rounded, rounded)  # the sign bit kept, so -2^-10 becomes -0 as in torch
+    return tl.where(bits < 0, -rounded, rounded)  # signed; the e4m3 cast still writes a -0 as +0 (docstring)
 
 
 @triton.jit
