@@ -229,8 +229,41 @@ def test_small_batches_split_k_until_the_sms_are_busy() -> None:
     assert tiles(1, 2112, 7168, "n=128,sk=1") == (16, 128, 1)  # the tiles before the split, for a sweep
     with pytest.raises(ValueError, match="must divide the weight's block rows"):
         pick_tiles(1, 256, 256, (64, 128), 132, parse_tiles("n=128"))
-    with pytest.raises(ValueError, match="'x=3' is not one of m=N, n=N, sk=N, w=N, s=N"):
+    with pytest.raises(ValueError, match=r"'x=3' is not one of m=N, n=N, sk=N, w=N, s=N, q=0\|1"):
         parse_tiles("x=3")
+    with pytest.raises(ValueError, match="'q=2'"):
+        parse_tiles("q=2")
+    assert parse_tiles("q=0") == {"quant_a": 0} and pick_tiles(1, 256, 256, (128, 128), 132)["quant_a"] == 0
+
+
+@needs_triton
+@pytest.mark.parametrize(("tokens", "shape", "block", "tiles", "dtype"), [
+    (1, (300, 1100), (128, 128), "q=1", torch.float32),              # a partial last K group, N not a tile multiple
+    (3, (130, 1200), (128, 128), "q=1,sk=4,m=32", torch.float32),    # K split, idle steps in the last run
+    (70, (96, 512), (32, 128), "q=1,sk=2", torch.float16),           # two row tiles
+    (5, (200, 1000), (64, 128), "q=1,n=32", torch.float32),
+])  # fmt: skip
+def test_quantizing_the_activations_inside_the_gemm_gives_the_separate_launchs_result(tokens, shape, block, tiles,
+                                                                                      dtype) -> None:  # fmt: skip
+    """FLOTILLA_FP8_TILES's q=1 (QUANT_A): each K step quantizes its own activation tile, one group per row, with the
+    quantization kernel's operations, so the output is the two-launch path's to the bit."""
+    from flotilla.kernels.quant import fp8_triton
+
+    n, k = shape
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    q, s = block_quantize(_weights(shape, seed=tokens, device=DEVICE), block)
+    x = (torch.randn(tokens, k, generator=gen, device=DEVICE) * 3).to(dtype)
+    x[0, : block[1]] = 0  # an all-zero group: the smallest scale, as in the separate kernel
+    bias = torch.randn(n, generator=gen, device=DEVICE)
+    fused = fp8_triton.parse_tiles(tiles)
+    assert fused["quant_a"] == 1
+    for b in (bias, None):
+        got = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles=fused)
+        want = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**fused, "quant_a": 0})
+        assert torch.equal(got, want)
+    wide = torch.randn(tokens, 2 * k, generator=gen, device=DEVICE).to(dtype)[:, ::2]  # a strided view of x's rows
+    assert torch.equal(fp8_triton.fp8_block_linear(wide, q, s, None, block, tiles=fused),
+                       fp8_triton.fp8_block_linear(wide.contiguous(), q, s, None, block, tiles={**fused, "quant_a": 0}))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -243,7 +276,9 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
     specs = [(pointers, dict(K=16384, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
              (pointers, dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)),
              ({**pointers, "out_ptr": "*fp32"},  # batch-1 decode's q_a+kv_a: 64-column tiles, K split 8 ways
-              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8))]  # fmt: skip
+              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8)),
+             ({**pointers, "a_ptr": "*bf16"},  # the same with the bf16 activations quantized inside (q=1)
+              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, QUANT_A=True))]  # fmt: skip
     kernels = [("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], c, 4) for p, c in specs]
     kernels.append(("flotilla.kernels.quant.fp8_triton", "_split_k_sum_kernel",
                     {"part_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}, [],

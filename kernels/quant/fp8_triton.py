@@ -1,7 +1,11 @@
 """A block-scaled FP8 GEMM in triton: y = dequant(x_fp8, x_scales) @ dequant(w_fp8, w_scale_inv)^T.
 
 The activation is quantized per token and group of block_k columns, in one launch of its own
-(kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values; not fused into the GEMM yet). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
+(kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values), or, with FLOTILLA_FP8_TILES's q=1,
+inside the GEMM: each K step quantizes the tile of activations it reads (one group per row, the same operations, so
+the same bits), which saves a launch and a round trip through memory per linear at decode sizes and costs each of
+the N tiles a quantization of the same rows (opt-in until measured inside a decode graph on the GPU; scripts/
+bench_kernels.py --fp8-tiles 'q=1'). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
 K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on the tensor cores with a
 float32 accumulator and scales each partial product by its tokens' group scales times the weight
 block's scale before adding it (BLOCK_N divides block_n, so a tile meets one weight block per K step).
@@ -24,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
-from flotilla.kernels.quant.fp8_ref import num_blocks
+from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3, per_token_group_quantize
+from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_MAX, FP8_MAX_INV, num_blocks
 
 
 @triton.jit
@@ -35,9 +39,13 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
     BLOCK_SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    QUANT_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, FP8_MAX_INV: tl.constexpr = 1.0 / 448.0,
+    MIN_AMAX: tl.constexpr = 1e-12,
 ):  # fmt: skip
     """With SPLIT_K > 1, program (m, n, s) sums K blocks [s * per, (s + 1) * per) and stores float32 partials at
-    out_ptr + s * M * stride_om (the bias is the reduction's)."""
+    out_ptr + s * M * stride_om (the bias is the reduction's). QUANT_A: a_ptr holds the unquantized activations
+    (a_scale_ptr is not read) and each K step quantizes its [BLOCK_M, BLOCK_K] tile, one group per row, with
+    fp8_quant_triton's operations: the same e4m3 values and scales as the separate launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,7 +65,13 @@ def _fp8_block_gemm_kernel(
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         in_k = kb < K_BLOCKS
-        a_scale = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
+        if QUANT_A:
+            x = a.to(tl.float32)
+            a_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) * FP8_MAX_INV
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, a_scale[:, None]), -FP8_MAX), FP8_MAX)
+            a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
+        else:
+            a_scale = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
         b_scale = tl.load(b_scale_ptr + scale_row * stride_bsn + kb, mask=in_k, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale
     if SPLIT_K > 1:
@@ -84,8 +98,9 @@ def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages"}
-"""FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset)."""
+TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages", "q": "quant_a"}
+"""FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset); "q=1" quantizes the activations inside
+the GEMM (QUANT_A: one launch fewer, each program quantizing the rows it reads), "q=0" in their own launch."""
 
 SMALL_M = 64
 """Up to this many tokens the tiles are 64 columns wide and K may be split (pick_tiles)."""
@@ -97,8 +112,10 @@ def parse_tiles(text: str) -> dict[str, int]:
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in TILE_KEYS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"FLOTILLA_FP8_TILES: {item!r} is not one of {', '.join(k + '=N' for k in TILE_KEYS)}")
+        if key not in TILE_KEYS or not value.isdigit() or int(value) < (0 if key == "q" else 1) \
+                or (key == "q" and int(value) > 1):  # fmt: skip
+            raise ValueError(f"FLOTILLA_FP8_TILES: {item!r} is not one of "
+                             f"{', '.join(k + ('=0|1' if k == 'q' else '=N') for k in TILE_KEYS)}")  # fmt: skip
         tiles[TILE_KEYS[key]] = int(value)
     return tiles
 
@@ -126,7 +143,8 @@ def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int
     if split_k is None:
         tiles = -(-m // block_m) * -(-n // block_n)
         split_k = 1 if m > SMALL_M else max(1, min(-(-2 * num_sms // tiles), k_blocks // 4))
-    tiles = {"block_m": block_m, "block_n": block_n, "block_k": bk, "split_k": min(split_k, k_blocks)}
+    tiles = {"block_m": block_m, "block_n": block_n, "block_k": bk, "split_k": min(split_k, k_blocks),
+             "quant_a": forced.get("quant_a", 0)}
     return {**tiles, **{key: forced[key] for key in ("num_warps", "num_stages") if key in forced}}
 
 
@@ -144,10 +162,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    a, a_scale = per_token_group_quantize(x2, block_size[1])
     weight, scale_inv = weight.contiguous(), scale_inv.float().contiguous()
     forced = tiles if tiles is not None else parse_tiles(os.environ.get("FLOTILLA_FP8_TILES", ""))
     t = pick_tiles(m, n, k, block_size, _num_sms(x.device), forced)
+    if t["quant_a"]:  # the kernel quantizes x's rows itself: a_scale is not read
+        a = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        a_scale = scale_inv
+    else:
+        a, a_scale = per_token_group_quantize(x2, block_size[1])
     split_k = t["split_k"]
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -157,7 +179,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         m, n, k,
         a.stride(0), a_scale.stride(0), weight.stride(0), scale_inv.stride(0), n,
         BLOCK_SCALE_N=block_size[0], HAS_BIAS=bias is not None,
-        BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split_k, **launch,
+        BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split_k,
+        QUANT_A=bool(t["quant_a"]), FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX, **launch,
     )  # fmt: skip
     if split_k > 1:
         block = 1024
