@@ -86,7 +86,7 @@ GPU_SIZES = Sizes(
     mla=(128, 512, 64, 64), mla_batch=(1, 16, 64, 128), mla_ctx=4096,
     routing_tokens=(1, 256, 1024, 4096),
 )  # fmt: skip
-QUICK = {"moe_tokens": (1, 64, 1024), "fp8_moe_tokens": (1, 512), "gemm_m": (1, 4096), "mla_batch": (1, 64)}
+QUICK = {"moe_tokens": (1, 64, 1024, 4096), "fp8_moe_tokens": (1, 512), "gemm_m": (1, 64, 4096), "mla_batch": (1, 64)}
 SMOKE_SIZES = Sizes(
     moe=(8, 2, 64, 32), moe_tokens=(1, 5),
     fp8_moe=(8, 2, 256, 128, 4, 2), fp8_moe_tokens=(1, 5),
