@@ -8,7 +8,11 @@
 # later `source` of setup.sh on the same machine, compiled every flashinfer module again: about 70 s of an engine's
 # start (docs/performance.md, 2026-12-01). Touching the cache's objects instead would not do: ninja then finds its
 # dependency log older than the objects and rebuilds as well.
-source .gpu-bundle/setup.sh
+# The bundle: FLOTILLA_BUNDLE, else .gpu-bundle, else the slim .gpu-lite (no flashinfer) that a call carrying one of
+# the vLLM peer's parts takes instead
+_bundle=${FLOTILLA_BUNDLE:-$([ -f .gpu-bundle/setup.sh ] || [ ! -f .gpu-lite/setup.sh ] && echo .gpu-bundle || echo .gpu-lite)}
+source "$_bundle/setup.sh"
+unset _bundle
 _site=${FLOTILLA_BUNDLE_SITE:-/tmp/site}   # where setup.sh installs the wheels (a test points it elsewhere)
 [ -d "$_site" ] && find "$_site" -exec touch -h -d 2000-01-01 {} + 2>/dev/null
 unset _site

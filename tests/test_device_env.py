@@ -63,3 +63,22 @@ def test_ninja_rebuilds_nothing_after_a_fresh_setup(tmp_path: Path) -> None:
     dry = subprocess.run(["ninja", "-n", "-d", "explain"], cwd=build, check=True, capture_output=True, text=True,
                          timeout=60)  # fmt: skip
     assert "no work to do" not in dry.stdout
+
+
+def test_device_h200_copies_the_carried_peer_parts_and_packs_its_results(tmp_path: Path) -> None:
+    """scripts/device_h200.sh's `peer` stage (the only one that needs no GPU): the vLLM bundle's parts carried in this
+    call go where device_compare.sh's install looks for them, and the call's results are packed."""
+    root = Path(__file__).resolve().parents[1]
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("device_h200.sh", "device_common.sh", "device_env.sh"):
+        shutil.copy(root / "scripts" / name, checkout / "scripts" / name)
+    (checkout / ".vllm-peer").mkdir()
+    (checkout / ".vllm-peer" / "vllm.tar.xz.part-zz").write_bytes(b"part")
+    out, vp = tmp_path / "out", tmp_path / "vp"
+    run = subprocess.run(["bash", "scripts/device_h200.sh"], cwd=checkout, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "NO_BUNDLE": "1", "SETUPS": "peer", "OUT": str(out), "VP_DIR": str(vp),
+                              "HOME": str(tmp_path)})  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (vp / "vllm.tar.xz.part-zz").read_bytes() == b"part"
+    assert "copied 1 part(s)" in run.stdout and (out / "h200.tgz").is_file()
