@@ -5,7 +5,8 @@
 # flotilla's bench_offline on the same workloads (the nano-vllm recipe with random.seed(0), and batch-1 decode):
 #   device run, carry [".vllm-peer/wheels", ".vllm-peer/install.sh", ".vllm-peer/peer_bench.py", ".gpu-bundle"],
 #   timeout 600:  bash scripts/device_compare.sh
-# The carried paths must stay under the 64 MiB limit: leave py-spy out of .gpu-bundle for this call.
+# The carried paths must stay under the 64 MiB limit: move py-spy and triton-cache.tar out of .gpu-bundle for this
+# call (the wheels are 19 MiB, the rest of the bundle 37 MiB; a warm machine keeps ~/.triton from earlier calls).
 # MODELS (default "qwen3-0.6b qwen3-8b") and REPEAT (flotilla's --repeat, default 2) adjust it; the JSON lands in
 # $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.plot_performance reads them).
 # A later call on the same warm machine skips the install (/tmp/vp/site stays); TESTS="tests/a.py ..." first runs
