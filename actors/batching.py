@@ -115,6 +115,8 @@ class BatchScheduler:
         self._step = itertools.count()
         self._forget: list[str] = []  # rids the worker must drop before the next step
         self.inflight: dict[int, list[tuple[Sequence, int]]] = {}
+        self._lingering: set[str] = set()
+        """Ended sequences whose blocks wait for the steps in flight that still compute them (_release)."""
         self.num_preemptions = 0
         spec = config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
@@ -328,6 +330,9 @@ class BatchScheduler:
                 seq.pending -= 1
             if seq.num_drafts:
                 self._rollback(seq, sampled.get(seq.rid), starts)
+            if not seq.inflight and seq.rid in self._lingering:  # its last step in flight is back
+                self._lingering.discard(seq.rid)
+                self.blocks.free(seq.rid)
         if result.error is not None:
             return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
         for seq, _ in batch:
@@ -416,7 +421,14 @@ class BatchScheduler:
         self.seqs.pop(seq.rid, None)
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.free(seq.rid)
+        if seq.inflight:
+            # A stop token in step N's result ends a sequence that step N+1, already launched, still computes: the
+            # worker writes that step's KV into these blocks. They return to the pool when it is back. (A block
+            # reused at once is written out of the worker's step order by a KV migration on a decode engine; the
+            # late write would land in the migrated prompt.)
+            self._lingering.add(seq.rid)
+        else:
+            self.blocks.free(seq.rid)
         if seq.in_worker:
             self._forget.append(seq.rid)
             seq.in_worker = False

@@ -100,3 +100,27 @@ def test_a_sequences_token_ids_are_its_prompt_then_outputs_however_they_grow():
         assert view.tolist() == list(range(5)) + list(range(100, 100 + n - 5))
     assert seq.token_ids().tolist() == list(range(5)) + list(range(100, 300))
     assert not seq.token_ids().flags.writeable
+
+
+def test_a_sequence_that_stops_with_a_step_in_flight_keeps_its_blocks_until_that_step_is_back():
+    """A stop token in step N's result ends a sequence that step N+1, launched already, still computes: the worker
+    writes that step's KV into the sequence's blocks, so they must not return to the pool before it is back. On a
+    decode engine a KV migration writes a block it was given at once, out of the worker's step order, and the late
+    write then lands in the migrated prompt (one PD test under CI load got a wrong third token that way)."""
+    from flotilla.transport.messages import StepResult
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_steps_in_flight=2)
+    blocks = BlockManager(8, 4, enable_prefix_caching=False)
+    sched = BatchScheduler(cfg, blocks, max_model_len=64)
+    sched.add(TokenizedRequest(rid="a", prompt_ids=np.arange(10, 16, dtype=np.int32), eos_token_ids=[EOS],
+                               sampling=SamplingParams(max_tokens=20, temperature=0)))
+    first, second = sched.schedule(), sched.schedule()  # the prompt, then a decode step planned ahead
+    assert second is not None and second.rids == ["a"]
+    table = blocks.block_ids("a")
+    (delta,) = sched.update(StepResult(step=first.step, rids=["a"], token_ids=np.asarray([EOS], np.int32)))
+    assert delta.finish_reason == "stop" and "a" not in sched.seqs and not sched.has_work()
+    assert all(blocks.refcount(b) == 1 for b in table)  # still held: the second step writes them
+    assert blocks.num_free_blocks == 8 - len(table)
+    assert sched.update(StepResult(step=second.step, rids=["a"], token_ids=np.asarray([3], np.int32))) == []
+    assert blocks.num_free_blocks == 8  # back with it
+    blocks.check_invariants()
