@@ -7,12 +7,17 @@ the prompt leaves the engine: the prompt's blocks are pinned under the transfer 
 released, and a KVReadyEvent says which blocks hold the KV. The pin holds until BlocksReleasedEvent, so
 an abort on either side never lets those blocks be reused while the decode side may still read them.
 
-Decode side (DecodeBatchScheduler): reserves blocks for the whole prompt when the request arrives (a
-queue retries when the cache is full), sends MigrateKVCmd once both the reservation and KVReady are
-there (only for the blocks its own prefix cache does not already hold), and on MigrationDoneEvent
-starts the sequence with the prompt computed and the prefill's first token as its first output. Every
-path ends with exactly one BlocksReleasedEvent to the prefill side, aborts included, and blocks being
-written by a migration are not freed before it reports.
+Decode side (DecodeBatchScheduler): once KVReady is there, reserves blocks for the whole prompt (retried at
+every schedule() while the cache is full) and sends MigrateKVCmd for the blocks its own prefix cache does not
+already hold; on MigrationDoneEvent it starts the sequence with the prompt computed and the prefill's first
+token as its first output. Every path ends with exactly one BlocksReleasedEvent to the prefill side, aborts
+included, and blocks being written by a migration are not freed before it reports.
+
+Why the reservation waits for KVReady: reserved when the request arrived (as the design first had it), decode
+blocks held for prompts not yet computed and prefill blocks pinned for prompts with nowhere to go could wait on
+each other for good once both caches were full (tests/test_disagg.py: a third of tight-cache runs hung). Now a
+decode block is only ever held by a prompt that is already computed, so the decode side always progresses,
+and the prefill side's pins with it.
 """
 
 from __future__ import annotations
@@ -232,6 +237,8 @@ class DecodeBatchScheduler(BatchScheduler):
         return len(self.seqs) - len(self.running) - len(self.transfers)
 
     def _advance(self, t: _Transfer) -> None:
+        if t.ready is None or t.migrating:
+            return  # nothing is reserved before the prompt is computed (the module docstring says why)
         seq = t.seq
         if not t.reserved:
             alloc = self.blocks.allocate(seq.rid, seq.prompt_ids, num_new_tokens=None)
@@ -239,8 +246,6 @@ class DecodeBatchScheduler(BatchScheduler):
                 return  # retried at the next schedule()
             t.reserved = True
             seq.num_cached = alloc.num_cached_tokens
-        if t.ready is None or t.migrating:
-            return
         skip = seq.num_cached // self.blocks.block_size  # blocks our own prefix cache already holds
         table = self.blocks.block_ids(seq.rid)
         pages = len(t.ready.block_ids)

@@ -139,6 +139,20 @@ def test_migrations_into_blocks_that_ended_sequences_still_had_in_flight_read_no
     assert outputs == {rid: reference(prompt, max_tokens) for rid, prompt, max_tokens in reqs}
 
 
+@pytest.mark.parametrize(("seed", "n", "p_blocks", "d_blocks", "depth"), [
+    (0, 40, 30, 24, 1), (0, 40, 30, 24, 2), (1, 40, 24, 20, 3), (2, 24, 20, 20, 2), (3, 40, 30, 24, 2),
+    (3, 40, 24, 20, 3), (4, 40, 30, 24, 1), (5, 40, 24, 20, 2),
+])  # fmt: skip
+def test_both_caches_full_still_drains_every_request(seed, n, p_blocks, d_blocks, depth):
+    """Many requests, tight caches on both sides. When the decode side reserved a prompt's blocks as its request
+    arrived, decode blocks held for prompts not yet computed and prefill blocks pinned for computed prompts with no
+    reservation waited on each other for good (each of these runs hung so, as did a third of 800 such runs). The
+    reservation now waits for KVReady, so every decode block belongs to a computed prompt and both sides drain."""
+    reqs = workload(n=n, seed=seed)
+    outputs, _, _ = run(reqs, p_blocks, d_blocks, depth, seed=seed)
+    assert outputs == {rid: reference(prompt, max_tokens) for rid, prompt, max_tokens in reqs}
+
+
 def test_aborts_anywhere_in_the_transfer_release_both_sides():
     reqs = workload(16, seed=9)
     aborted = {rid for rid, _, _ in reqs[::2]}
