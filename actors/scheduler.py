@@ -98,6 +98,13 @@ class SchedulerActor(Actor):
             return
         num_blocks = min(e.num_blocks for e in self._kv_info.values())
         max_len = min(e.max_model_len for e in self._kv_info.values())
+        if num_blocks * ev.block_size < max_len:
+            # A sequence longer than the cache could never be scheduled and would wait for good: sequences end
+            # ("length") when the cache is full, and a prompt that fills it is refused (on_tokenized_request).
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences end at %d tokens and "
+                        "longer prompts are refused (raise kv_cache_blocks / gpu_memory_utilization or lower "
+                        "max_model_len)", num_blocks * ev.block_size, max_len, num_blocks * ev.block_size)
+            max_len = num_blocks * ev.block_size
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching,
                               recompute_last_hit=self.config.scheduler.speculative_config is not None)
         if self.role == "prefill":
@@ -124,6 +131,16 @@ class SchedulerActor(Actor):
                                                      "disaggregated request" + ("" if req.peer else " without a peer")))
                 return
             self._peers[req.transfer_id] = req.peer
+        if len(req.prompt_ids) >= self.core.max_model_len:  # only when the KV cache is smaller than max_model_len
+            await self.send(self.frontend, RequestFailedEvent(
+                rid=req.rid, status=400, param="prompt", code="context_length_exceeded",
+                message=f"The KV cache holds {self.core.max_model_len} tokens (engine {self.engine_id}), fewer than "
+                        f"max_model_len. However, your prompt has {len(req.prompt_ids)} tokens, which leaves no room "
+                        "for output. Please shorten the prompt."))
+            if req.transfer_id is not None:
+                self._refused(req, "prompt longer than its KV cache")
+                await self._route()
+            return
         if not self.core.add(req):
             await self.send(self.frontend, RequestFailedEvent(
                 rid=req.rid, status=429, code="rate_limit_exceeded",
@@ -138,12 +155,12 @@ class SchedulerActor(Actor):
             await self._emit(ended)
         await self._step()
 
-    def _refused(self, req: TokenizedRequest) -> None:
+    def _refused(self, req: TokenizedRequest, why: str = "queue full") -> None:
         """A disaggregated request refused here: the other side must not wait for it."""
         if isinstance(self.core, PrefillBatchScheduler):
             self.core.outbox.append(KVReadyEvent(
                 transfer_id=req.transfer_id, block_ids=np.zeros(0, np.int32), num_tokens=0, first_token=-1,
-                src_engine=self.engine_id, error=f"prefill engine {self.engine_id} refused it: queue full"))
+                src_engine=self.engine_id, error=f"prefill engine {self.engine_id} refused it: {why}"))
         elif isinstance(self.core, DecodeBatchScheduler):
             self.core.refuse(req.transfer_id)
 

@@ -178,6 +178,20 @@ def test_requests_that_cannot_run_fail_clearly_and_the_engine_keeps_serving(llm)
     assert len(run(llm, prompts(2, seed=9))[0]) == 12
 
 
+def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refuses_longer_prompts(tiny):
+    """16 KV tokens (4 blocks of 4) under max_model_len 256: a sequence that reached the cache's size could never be
+    scheduled again and waited for good. Now it ends there ("length"), a prompt that fills the cache is refused with
+    a 400-style error, and the engine keeps serving."""
+    with LLM(tiny, kv_cache_blocks=4, block_size=4) as small:
+        (out,) = small.generate([{"prompt_token_ids": list(range(5, 11))}],
+                                SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)  # fmt: skip
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 16 - 6
+        with pytest.raises(RequestFailed, match="KV cache holds 16 tokens.*prompt has 30 tokens"):
+            small.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(run(small, [[5, 6, 7]], max_tokens=4)[0]) == 4
+        assert scheduler(small).blocks.num_free_blocks == 4
+
+
 def test_penalties_reach_the_sampler_through_the_worker(llm):
     p = [{"prompt_token_ids": prompts(1, seed=10, lo=20, hi=21)[0]}]
     plain = llm.generate(p, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
