@@ -78,6 +78,8 @@ class SchedulerActor(Actor):
         self.lockstep = StepLockstep() if self.config.parallel.expert_parallel_size > 1 else None
         """Under expert parallelism: this rank's step count against the other data-parallel ranks'."""
         self.core: BatchScheduler | None = None
+        self._length_limit: str | None = None
+        """What brought the engine's max_model_len below the model's (the KV cache's size, the step budget), if any."""
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
         self._early: list[Message] = []
         self._inflight: dict[int, StepPlan] = {}
@@ -98,13 +100,22 @@ class SchedulerActor(Actor):
             return
         num_blocks = min(e.num_blocks for e in self._kv_info.values())
         max_len = min(e.max_model_len for e in self._kv_info.values())
-        if num_blocks * ev.block_size < max_len:
-            # A sequence longer than the cache could never be scheduled and would wait for good: sequences end
-            # ("length") when the cache is full, and a prompt that fills it is refused (on_tokenized_request).
-            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: sequences end at %d tokens and "
-                        "longer prompts are refused (raise kv_cache_blocks / gpu_memory_utilization or lower "
-                        "max_model_len)", num_blocks * ev.block_size, max_len, num_blocks * ev.block_size)
-            max_len = num_blocks * ev.block_size
+        # A sequence longer than the KV cache, or (without chunked prefill) than one step's token budget, which a
+        # prompt and any recompute after preemption must fit, could never be scheduled and would wait for good: the
+        # engine's max_model_len comes down to them, sequences end there ("length"), and a prompt that reaches it is
+        # refused (on_tokenized_request). vLLM refuses to start instead.
+        sched = self.config.scheduler
+        limits = {f"the KV cache holds {num_blocks * ev.block_size} tokens": num_blocks * ev.block_size}
+        if not sched.enable_chunked_prefill:
+            limits[f"without chunked prefill a step takes {sched.max_num_batched_tokens} tokens"] = \
+                sched.max_num_batched_tokens  # fmt: skip
+        why, limit = min(limits.items(), key=lambda kv: kv[1])
+        self._length_limit = why if limit < max_len else None
+        if limit < max_len:
+            log.warning("%s, fewer than max_model_len %d: sequences end at %d tokens and longer prompts are refused "
+                        "(raise kv_cache_blocks / gpu_memory_utilization / max_num_batched_tokens, or lower "
+                        "max_model_len)", why, max_len, limit)
+            max_len = limit
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching,
                               recompute_last_hit=self.config.scheduler.speculative_config is not None)
         if self.role == "prefill":
@@ -131,14 +142,14 @@ class SchedulerActor(Actor):
                                                      "disaggregated request" + ("" if req.peer else " without a peer")))
                 return
             self._peers[req.transfer_id] = req.peer
-        if len(req.prompt_ids) >= self.core.max_model_len:  # only when the KV cache is smaller than max_model_len
+        if len(req.prompt_ids) >= self.core.max_model_len:  # only under a _length_limit (the tokenizer checks the rest)
             await self.send(self.frontend, RequestFailedEvent(
                 rid=req.rid, status=400, param="prompt", code="context_length_exceeded",
-                message=f"The KV cache holds {self.core.max_model_len} tokens (engine {self.engine_id}), fewer than "
-                        f"max_model_len. However, your prompt has {len(req.prompt_ids)} tokens, which leaves no room "
-                        "for output. Please shorten the prompt."))
+                message=f"Engine {self.engine_id} runs sequences of at most {self.core.max_model_len} tokens "
+                        f"({self._length_limit or 'max_model_len'}). However, your prompt has "
+                        f"{len(req.prompt_ids)} tokens, which leaves no room for output. Please shorten the prompt."))
             if req.transfer_id is not None:
-                self._refused(req, "prompt longer than its KV cache")
+                self._refused(req, f"prompt longer than it can run ({self._length_limit or 'max_model_len'})")
                 await self._route()
             return
         if not self.core.add(req):

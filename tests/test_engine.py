@@ -186,10 +186,22 @@ def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refu
         (out,) = small.generate([{"prompt_token_ids": list(range(5, 11))}],
                                 SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)  # fmt: skip
         assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 16 - 6
-        with pytest.raises(RequestFailed, match="KV cache holds 16 tokens.*prompt has 30 tokens"):
+        refused = "at most 16 tokens .the KV cache holds 16 tokens.*prompt has 30 tokens"
+        with pytest.raises(RequestFailed, match=refused):
             small.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
         assert len(run(small, [[5, 6, 7]], max_tokens=4)[0]) == 4
         assert scheduler(small).blocks.num_free_blocks == 4
+
+
+def test_without_chunked_prefill_a_prompt_beyond_the_step_budget_is_refused_not_left_waiting(tiny):
+    """Without chunked prefill a prompt runs whole in one step of at most max_num_batched_tokens, and so does any
+    recompute after preemption: a longer one waited for good. The engine's max_model_len comes down to the budget."""
+    with LLM(tiny, kv_cache_blocks=64, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16) as llm:
+        with pytest.raises(RequestFailed, match="at most 16 tokens .without chunked prefill a step takes 16 tokens"):
+            llm.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
+        (out,) = llm.generate([{"prompt_token_ids": list(range(5, 15))}],
+                              SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)  # fmt: skip
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 16 - 10
 
 
 def test_penalties_reach_the_sampler_through_the_worker(llm):
