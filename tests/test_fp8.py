@@ -287,6 +287,24 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
 
 
 @gpu_test
+@pytest.mark.parametrize("tiles", ["q=1", "q=1,n=128,sk=1"])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 257])
+def test_gpu_quantizing_inside_the_fp8_gemm_gives_the_two_launch_bits(tokens: int, tiles: str) -> None:
+    """FLOTILLA_FP8_TILES's q=1 on the GPU, at DeepSeek-V3's q_a+kv_a (K 7168, split K at small batches) and o_proj
+    shapes with bf16 activations: the same output bits as quantizing in a launch of its own."""
+    from flotilla.kernels.quant import fp8_triton
+
+    fused = fp8_triton.parse_tiles(tiles)
+    for n, k in ((2112, 7168), (7168, 16384)):
+        q, s = block_quantize(_weights((n, k), seed=n, device=DEVICE) * 0.01, (128, 128))
+        x = torch.randn(tokens, k, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(tokens))
+        x = x.bfloat16()
+        got = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles=fused)
+        want = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles={**fused, "quant_a": 0})
+        assert torch.equal(got, want), (n, k)
+
+
+@gpu_test
 @pytest.mark.parametrize("tokens", [1, 16, 257, 4096])
 @pytest.mark.parametrize("shape", [(7168, 16384), (36864, 7168), (2112, 7168)])  # o_proj, gate_up, q_a+kv_a
 def test_gpu_triton_fp8_linear_at_deepseek_v3_sizes(tokens: int, shape: tuple[int, int]) -> None:
