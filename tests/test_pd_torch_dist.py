@@ -60,6 +60,29 @@ def test_greedy_outputs_match_a_colocated_engine_and_kv_moves_over_torch_dist(se
     assert not [x for x in pd.log if "migration from" in x and "failed" in x]
 
 
+def test_tight_caches_on_both_sides_still_serve_every_request(servers, tmp_path):
+    """Its own deployment, 1 prefill + 1 decode engine of 28 KV blocks of 4 tokens each, and 32 requests at once.
+    When the decode side reserved a prompt's blocks as its request arrived, blocks reserved for prompts not yet
+    computed and prefill blocks pinned for prompts with no decode room waited on each other: 19 of these 32
+    requests hung until the client's timeout. Every one gets the colocated engine's output now."""
+    _, colocated = servers
+    model = write_tiny_engine_model(tmp_path / "m")  # the module's model: the same seed, the same weights
+    toml = tmp_path / "pd-tight.toml"
+    toml.write_text('name = "pd-tight"\nengines = ["prefill", "decode"]\n'
+                    '[engine]\nblock_size = 4\nkv_cache_blocks = 28\nmax_num_seqs = 16\n'
+                    'kv_transfer_backend = "torch_dist"\nkv_staging_blocks = 8\nkv_transfer_timeout_s = 10\n')
+    pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
+    try:
+        reqs = pdh.requests(32, offset=3)
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(32) as pool:
+            got = list(pool.map(lambda r: pdh.run(client, r), reqs))
+        assert got == pdh.run_all(colocated.url, reqs)
+        pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
+    finally:
+        assert pd.stop() == 0, "".join(pd.log[-30:])
+
+
 def test_aborted_streams_free_nothing_early_and_everything_in_the_end(servers):
     pd, colocated = servers
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
