@@ -361,6 +361,33 @@ def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_
         server.stop()
 
 
+def test_speculation_on_a_disaggregated_decode_engine_gives_the_colocated_plain_tokens(model_dir: Path) -> None:
+    """1P1D (torch_dist KV moves, the MTP layer's cache layer with the others) with MTP on both engines: the decode
+    engine verifies drafts and every request, chat and completion, streamed or not, gets what a colocated engine
+    without speculation gives."""
+    import helpers_pd as pdh
+
+    common = ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs", "16"]
+    colocated = start_server(str(model_dir), "--single-process", *common, timeout=180)
+    try:
+        pd = start_server(str(model_dir), "--engines", "prefill,decode", "--kv-transfer-backend", "torch_dist",
+                          "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', *common,
+                          timeout=180)  # fmt: skip
+        try:
+            reqs = pdh.requests(12, offset=5)
+            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+            deadline = time.monotonic() + 10
+            while (m := pdh.metrics(pd.url)) and time.monotonic() < deadline and not any(
+                    k.startswith("flotilla_spec_decode_draft_tokens_total") and v > 0 for k, v in m.items()):
+                time.sleep(0.1)  # the decode engine's stats follow its steps
+            assert any(k.startswith("flotilla_spec_decode_draft_tokens_total") and v > 0 for k, v in m.items())
+            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
+        finally:
+            assert pd.stop() == 0, "".join(pd.log[-30:])
+    finally:
+        colocated.stop()
+
+
 @pytest.mark.parametrize("all2all", ["all_to_all", "allgather_reducescatter"])
 def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path, all2all: str) -> None:
     """DP2 x EP2: each data-parallel rank speculates on its own requests, and every step runs the MTP layer's
