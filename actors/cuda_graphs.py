@@ -19,7 +19,6 @@ batch depends on the backend:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -30,9 +29,9 @@ import torch
 
 from flotilla.kernels.attention import flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.staging import pinned, upload
-from flotilla.models.parallel import ep_gathers_tokens
+from flotilla.models.parallel import ep_step
+from flotilla.transport.messages import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +52,11 @@ def capture_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
     out = [s for s in sizes if s < max_batch]
     return out + [max_batch]
+
+
+def decodes_only(plan: StepPlan) -> bool:
+    """Whether the step gives each of its sequences one new token (a decode batch a graph can run)."""
+    return bool(plan.rids) and len(plan.rids) == int(plan.num_new_tokens.sum())
 
 
 class DecodeGraphs:
@@ -172,8 +176,7 @@ class DecodeGraphs:
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
             # under gathering expert parallelism every rank captures the same sizes in this order, so the MoE
             # layers' all-gathers and reduce-scatters of `size` rows pair up across the ranks inside the captures
-            rows = ep_tokens(size) if ep_gathers_tokens() else contextlib.nullcontext()
-            with rows:
+            with ep_step(size):
                 self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
                 torch.cuda.synchronize(self.device)
                 self.metas[size].backend_state.clear()  # per-step state (FlashMLA's scheduling) is in the graph

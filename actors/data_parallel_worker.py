@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flotilla.actors.cuda_graphs import DecodeGraphs
+from flotilla.actors.cuda_graphs import DecodeGraphs, decodes_only
 from flotilla.config import EngineConfig
 from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.models.parallel import (
@@ -119,7 +119,7 @@ def step_rows(plan: StepPlan, graphs: DecodeGraphs | None) -> Iterator[int | Non
         yield None
         return
     rows = int(plan.num_new_tokens.sum()) if plan.rids else 0
-    graphable = graphs is not None and (not plan.rids or (len(plan.rids) == rows and graphs.fits(rows)))
+    graphable = graphs is not None and (not plan.rids or (decodes_only(plan) and graphs.fits(rows)))
     most, someone_eager = agree_on_rows(rows, eager=not graphable)
     size = graphs.padded_size(most) if graphs is not None and not someone_eager and most else 0
     with ep_tokens(size or most):

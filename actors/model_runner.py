@@ -13,7 +13,6 @@ sampler state could otherwise tell the ranks apart; only rank 0's StepResult is 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -23,15 +22,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, static_table_graphs_enabled
+from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, static_table_graphs_enabled
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
-from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
-from flotilla.models.parallel import broadcast_from_first, ep_gathers_tokens, init_tensor_parallel, tp_group
+from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult
 
@@ -242,7 +240,7 @@ class ModelRunner:
         meta = AttentionMetadata.from_lists([0] * len(lens), lens, tables, self.block_size, device=self.device)
         positions = positions_from_lists([0] * len(lens), lens, device=self.device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        with ep_tokens(tokens) if ep_gathers_tokens() else contextlib.nullcontext():  # every EP rank runs it alike
+        with ep_step(tokens):  # every expert-parallel rank runs it alike
             hidden = self.model(ids, positions, scratch, meta)
         rows = min(sched.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
@@ -337,7 +335,7 @@ class ModelRunner:
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
         if graph_size is None:
-            graph_size = (self.graphs.padded_size(len(seqs)) if self.graphs is not None and self.decodes_only(plan)
+            graph_size = (self.graphs.padded_size(len(seqs)) if self.graphs is not None and decodes_only(plan)
                           and self.graphs.fits(len(seqs)) else 0)  # fmt: skip
         if graph_size:
             # one new token per sequence: a captured decode step
@@ -430,10 +428,6 @@ class ModelRunner:
                 _add_patch(patch, at + pos - c, *s.device_tokens[pos])
             at += n
         return ids, patch
-
-    def decodes_only(self, plan: StepPlan) -> bool:
-        """Whether the step gives each of its sequences one new token (a decode batch a graph can run)."""
-        return bool(plan.rids) and len(plan.rids) == int(plan.num_new_tokens.sum())
 
     def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
                          patch: Patch, size: int) -> torch.Tensor:

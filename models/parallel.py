@@ -34,6 +34,7 @@ the expert-parallel group is all of it and each data-parallel rank's T ranks for
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.quant import Fp8LinearBackend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
 from flotilla.kernels.quant.fp8_ref import num_blocks
@@ -142,6 +144,12 @@ def gather_tokens_over_expert_parallel() -> None:
 def ep_gathers_tokens() -> bool:
     """Whether the expert-parallel MoE layers gather every rank's tokens (gather_tokens_over_expert_parallel)."""
     return _EP_HOST is not None
+
+
+def ep_step(rows: int) -> contextlib.AbstractContextManager:
+    """Where the expert-parallel layers gather tokens: ep_tokens(rows), the rows every rank exchanges in what runs
+    inside (every rank enters it alike); elsewhere a context that does nothing."""
+    return ep_tokens(rows) if ep_gathers_tokens() else contextlib.nullcontext()
 
 
 def agree_on_rows(rows: int, eager: bool = False) -> tuple[int, bool]:

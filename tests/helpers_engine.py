@@ -7,6 +7,7 @@ special tokens at ids 0-2 so the tiny models' bos 1 / eos 2 mean <|im_start|> / 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -43,3 +44,17 @@ def write_tiny_engine_model(model_dir: Path, name: str = "llama", seed: int = 0)
     write_tiny_model(model_dir, name, seed)
     write_tiny_tokenizer(model_dir, vocab_size=320)
     return model_dir
+
+
+def greedy_on_cuda(model: str, prompts: int = 10, **options) -> tuple[list[list[int]], dict]:
+    """(greedy tokens, the engine's ready detail) of `prompts` random prompts with lengths 3-59 and max_tokens 3, 5,
+    7, ... (batches shrink step by step, so several CUDA-graph sizes replay) on a bf16 CUDA engine with `options`."""
+    from flotilla import LLM, SamplingParams
+
+    rng = random.Random(9)
+    ids = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 60))] for _ in range(prompts)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(prompts)]
+    with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+             **options) as engine:  # fmt: skip
+        outs = engine.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], engine.client.ready_detail

@@ -8,17 +8,16 @@ picks graphs or not is checked on its own."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from flotilla import LLM, SamplingParams
 from flotilla.actors import data_parallel_worker as dp
 from flotilla.config import EngineConfig
 from flotilla.transport.messages import StepPlan
+from helpers_engine import greedy_on_cuda
 from helpers_tiny_models import write_tiny_moe_model
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -26,13 +25,7 @@ GATHER = dict(data_parallel_size=2, enable_expert_parallel=True, all2all_backend
 
 
 def _run(model: str, prompts: int, **options) -> tuple[list[list[int]], dict]:
-    rng = random.Random(9)
-    ids = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 60))] for _ in range(prompts)]
-    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(prompts)]
-    with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
-             **GATHER, **options) as engine:  # fmt: skip
-        outs = engine.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], engine.client.ready_detail
+    return greedy_on_cuda(model, prompts, **GATHER, **options)
 
 
 @pytest.mark.gpu

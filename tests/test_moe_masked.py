@@ -61,7 +61,7 @@ def test_the_reference_skips_masked_slots(dtype) -> None:
                                                                      (5, 4, 2, 1)])  # fmt: skip
 def test_sort_by_expert_leaves_masked_slots_out(tokens, experts, top_k, block_m) -> None:
     *_, masked, _ = _masked_case(tokens, 8, 4, experts, top_k, torch.float32, seed=tokens, device=torch.device("cpu"))
-    blocks = routing.sort_by_expert(masked, experts, block_m)
+    blocks = routing.sort_by_expert(masked, experts, block_m, masked=True)
     num_slots = tokens * top_k
     flat = masked.flatten()
     kept = torch.nonzero(flat >= 0).flatten().tolist()
@@ -84,7 +84,7 @@ def test_one_launch_grouping_leaves_masked_slots_out_as_the_torch_version_does(t
 
     *_, masked, _ = _masked_case(tokens, 8, 4, experts, top_k, torch.float32, seed=tokens)
     got = align_by_expert(masked, experts, block_m)
-    want = routing.sort_by_expert(masked.cpu(), experts, block_m)
+    want = routing.sort_by_expert(masked.cpu(), experts, block_m, masked=True)
     assert torch.equal(got.num_padded.cpu(), want.num_padded)
     assert torch.equal(got.block_experts.cpu(), want.block_experts)
     experts_of_rows = want.block_experts.repeat_interleave(block_m)

@@ -6,27 +6,19 @@ collective of its own, no host sync)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from flotilla import LLM, SamplingParams
-from helpers_engine import write_tiny_engine_model
+from helpers_engine import greedy_on_cuda, write_tiny_engine_model
 from helpers_tiny_models import write_tiny_moe_model
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
 
 def _run(model: str, **options) -> tuple[list[list[int]], dict]:
-    rng = random.Random(9)
-    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 60))] for _ in range(10)]
-    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
-    with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
-             tensor_parallel_size=2, **options) as engine:  # fmt: skip
-        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], engine.client.ready_detail
+    return greedy_on_cuda(model, tensor_parallel_size=2, **options)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
-from flotilla.kernels.moe.expert_parallel import ExpertPlacement
+from flotilla.kernels.moe.expert_parallel import ExpertPlacement, pack_routing, unpack_routing
 
 __all__ = ["CHUNK_ROWS", "GatheredTokenExperts", "current_ep_tokens", "ep_tokens"]
 
@@ -149,8 +149,7 @@ class GatheredTokenExperts:
         rows[:num_tokens] = hidden
         routing = torch.zeros((padded, 2 * top_k), dtype=torch.int32, device=hidden.device)  # weights 0.0
         routing[:, :top_k] = -1  # padding rows route nowhere
-        routing[:num_tokens, :top_k] = topk_ids
-        routing[:num_tokens, top_k:] = topk_weights.to(torch.float32).view(torch.int32)
+        routing[:num_tokens] = pack_routing(topk_ids, topk_weights)
         if self.group is None:
             all_rows, all_routing = rows, routing
         else:
@@ -158,8 +157,8 @@ class GatheredTokenExperts:
             all_routing = routing.new_empty((ep * padded, 2 * top_k))
             _all_gather(all_rows, rows, group=self.group)
             _all_gather(all_routing, routing, group=self.group)
-        weights = all_routing[:, top_k:].contiguous().view(torch.float32)
-        local_ids = self.to_local[all_routing[:, :top_k].long()]  # -1 (the last entry) for padding rows
+        ids, weights = unpack_routing(all_routing)
+        local_ids = self.to_local[ids.long()]  # -1 (the last entry) for padding rows
         self.placement.record_masked(topk_ids.reshape(-1).long(), local_ids)
         return all_rows, weights, local_ids
 

@@ -150,6 +150,18 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | No
     return out
 
 
+def pack_routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Routing ids int [N, k] and weights [N, k] as one int32 [N, 2k] tensor (the weights' float32 bits), so that one
+    collective moves both (unpack_routing undoes it)."""
+    return torch.cat([ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)], dim=1)
+
+
+def unpack_routing(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_routing's int32 [N, 2k] -> (ids int32 [N, k], weights float32 [N, k])."""
+    top_k = packed.shape[1] // 2
+    return packed[:, :top_k].contiguous(), packed[:, top_k:].contiguous().view(torch.float32)
+
+
 def dispatch(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, placement: ExpertPlacement,
              group: dist.ProcessGroup | None) -> Dispatched:
     """Send each token's hidden row ([T, H]; routing topk_weights / topk_ids [T, k]) once to every rank owning one
@@ -171,15 +183,15 @@ def dispatch(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     mine = to_rank[rank_of, tokens]  # [P, k]
     local = torch.where(mine, placement.expert_to_local[ids[tokens]], -1).to(torch.int32)
     weights = torch.where(mine, topk_weights[tokens].to(torch.float32), 0.0)
-    routing = torch.cat([local, weights.view(torch.int32)], dim=1)  # one all-to-all for both
+    routing = pack_routing(local, weights)  # one all-to-all for both
     recv_hidden = hidden.new_empty((received, hidden.shape[1]))
     recv_routing = routing.new_empty((received, 2 * top_k))
     _all_to_all(recv_hidden, hidden.index_select(0, tokens), recv_splits, send_splits, group)
     _all_to_all(recv_routing, routing, recv_splits, send_splits, group)
-    recv_ids = recv_routing[:, :top_k].contiguous()
+    recv_ids, recv_weights = unpack_routing(recv_routing)
     placement.record_masked(ids.reshape(-1), recv_ids)
-    return Dispatched(hidden=recv_hidden, local_ids=recv_ids, weights=recv_routing[:, top_k:].contiguous().view(
-        torch.float32), tokens=tokens, num_tokens=num_tokens, send_splits=send_splits, recv_splits=recv_splits)
+    return Dispatched(hidden=recv_hidden, local_ids=recv_ids, weights=recv_weights, tokens=tokens,
+                      num_tokens=num_tokens, send_splits=send_splits, recv_splits=recv_splits)
 
 
 def combine(expert_out: torch.Tensor, dispatched: Dispatched, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -74,10 +74,11 @@ def padded_rows(num_slots: int, num_experts: int, block_m: int) -> int:
     return -(-(num_slots + busy * (block_m - 1)) // block_m) * block_m
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, masked: bool = False) -> ExpertBlocks:
     """Group the slots of topk_ids [T, top_k] by expert and pad each expert's run to block_m rows. On CUDA (up
     to FUSED_ALIGN_MAX_SLOTS slots) one triton launch does it, with slots in any order within an expert's run.
-    Slots with a negative id (masked: another rank's expert) are left out of every run."""
+    `masked`: ids may be negative (masked: another rank's expert), slots left out of every run; the torch version
+    then takes a few more launches, which plain routing does not pay."""
     if (topk_ids.is_cuda and topk_ids.numel() <= FUSED_ALIGN_MAX_SLOTS
             and os.environ.get("FLOTILLA_MOE_FUSED_ALIGN", "1") != "0"):
         from flotilla.kernels.moe.triton_align import align_by_expert  # imports triton: CUDA only
@@ -86,13 +87,15 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
-    # masked slots count as one more expert, E, whose run is not stored: its rows land on a spare last row
-    flat = torch.where(flat < 0, num_experts, flat)
+    spare = int(masked)
+    if masked:  # masked slots count as one more expert, E, whose run is not stored: its rows land on a spare row
+        flat = torch.where(flat < 0, num_experts, flat)
     # scatter_add, not bincount: bincount reads the maximum back to the host.
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + spare, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    if masked:
+        padded[num_experts] = 0
     ends = padded.cumsum(0)
     starts = ends - padded
     first_slot_rank = counts.cumsum(0) - counts  # rank of each expert's first slot in sorted order
@@ -100,10 +103,11 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     experts_sorted = flat[order]
     rank = torch.arange(num_slots, device=device)
     max_rows = padded_rows(num_slots, num_experts, block_m)
-    dest = torch.where(experts_sorted == num_experts, max_rows,
-                       starts[experts_sorted] + rank - first_slot_rank[experts_sorted])
+    dest = starts[experts_sorted] + rank - first_slot_rank[experts_sorted]
+    if masked:
+        dest = torch.where(experts_sorted == num_experts, max_rows, dest)
 
-    sorted_slots = torch.full((max_rows + 1,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots = torch.full((max_rows + spare,), num_slots, dtype=torch.int32, device=device)
     sorted_slots[dest] = order.to(torch.int32)
     sorted_slots = sorted_slots[:max_rows]
     ends = ends[:num_experts]

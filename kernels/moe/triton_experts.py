@@ -215,7 +215,7 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return torch.empty_like(hidden)
     w13_scale, w2_scale = scales if scales is not None else (None, None)
     block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
-    blocks = sort_by_expert(topk_ids, num_experts, block_m)
+    blocks = sort_by_expert(topk_ids, num_experts, block_m, masked)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
