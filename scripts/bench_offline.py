@@ -76,19 +76,25 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     one-token run, and its prefill would cost nothing. Per GPU: over every rank of the engine (tensor x data
     parallel)."""
     rng = random.Random(args.workload_seed + 2)
-    prompts, others = ([[rng.randint(0, args.vocab) for _ in range(args.fixed_in)] for _ in range(args.num_requests)]
-                       for _ in range(2))  # fmt: skip
+    prompts, others, warm = ([[rng.randint(0, args.vocab) for _ in range(args.fixed_in)] for _ in range(args.num_requests)]
+                             for _ in range(3))  # fmt: skip
+    # a first batch of the same shape warms every rank (its first step's costs would otherwise land on the prefill's
+    # share, which can then come out longer than the whole run)
+    timed_generate(llm, warm, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2)] * len(warm))
     prefill_s, _ = timed_generate(llm, others, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
                                   * len(others))  # fmt: skip
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.fixed_out)] * len(prompts)
     elapsed, generated = timed_generate(llm, prompts, params)
     gpus = llm.config.parallel.tensor_parallel_size * llm.config.parallel.data_parallel_size
-    decode_tok_per_s = len(prompts) * (args.fixed_out - 1) / max(elapsed - prefill_s, 1e-9)
+    if elapsed <= prefill_s:  # noise larger than the decode's share: no rate rather than an absurd one
+        print(f"warning: the full run ({elapsed:.4f} s) took no longer than the prefill-only run ({prefill_s:.4f} s);"
+              " raise --fixed-out for a decode rate", file=sys.stderr)
+    decode_tok_per_s = len(prompts) * (args.fixed_out - 1) / (elapsed - prefill_s) if elapsed > prefill_s else None
     result = {"fixed_seqs": len(prompts), "fixed_in": args.fixed_in, "fixed_out": args.fixed_out, "gpus": gpus,
               "fixed_s": round(elapsed, 4), "fixed_prefill_s": round(prefill_s, 4),
               "fixed_out_tok_per_s": round(generated / elapsed, 1),
-              "fixed_decode_tok_per_s": round(decode_tok_per_s, 1),
-              "fixed_decode_tok_per_s_per_gpu": round(decode_tok_per_s / gpus, 1)}
+              "fixed_decode_tok_per_s": decode_tok_per_s and round(decode_tok_per_s, 1),
+              "fixed_decode_tok_per_s_per_gpu": decode_tok_per_s and round(decode_tok_per_s / gpus, 1)}
     return {**result, **expert_imbalance(llm)}
 
 
