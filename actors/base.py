@@ -103,6 +103,8 @@ class Actor:
         self._hb_seq = 0
         self._self_address = f"inproc://flotilla-self-{id(self):x}"
         self._closed = False
+        self.dropped_replies = 0
+        """Answers to another node's front end dropped because it read none of the last SEND_HWM."""
         self._trace_out = sys.stderr
 
     # ---- for subclasses -----------------------------------------------------------------------
@@ -139,6 +141,21 @@ class Actor:
         if self.ctx.trace:
             self._trace("->", msg, address)
         await self._outbox(address).send(msg)
+
+    async def reply(self, reply_to: str | None, msg: Message) -> None:
+        """Send a request's answer (its text, its failure) to the front end that asked: `reply_to`, the inbox of a
+        front end on another node (GenerateRequest.reply_to), or else the engine's own front end (the `frontend`
+        peer of the topology). Another node's front end may be gone without anyone telling this engine, so its
+        answers never wait: when its queue is full (SEND_HWM messages unread) they are dropped, with a warning."""
+        if reply_to is None:
+            await self.send(str(self.ctx.config.get("frontend", "frontend")), msg)
+            return
+        if self.ctx.trace:
+            self._trace("->", msg, reply_to)
+        if not self._outbox(reply_to).send_nowait(msg):
+            self.dropped_replies += 1
+            log.warning("%s: the front end at %s reads nothing (%d answers dropped so far)", self.label, reply_to,
+                        self.dropped_replies)
 
     @property
     def label(self) -> str:

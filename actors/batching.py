@@ -58,6 +58,8 @@ class Sequence:
     new_blocks: list[int] = field(default_factory=list)
     """Blocks appended since the last plan."""
     sent_first: bool = False
+    reply_to: str | None = None
+    """TokenizedRequest.reply_to: another node's front end that gets the sequence's text."""
     aborted: bool = False
     """Aborted while a step that computes it is in flight: finish when the result arrives."""
     pending: int = 0
@@ -149,7 +151,7 @@ class BatchScheduler:
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
         prio = req.priority if self.config.policy == "priority" else 0
         seq = Sequence(rid=req.rid, prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32), sampling=sp,
-                       stop_ids=frozenset(stop), priority=prio, order=next(self._order))
+                       stop_ids=frozenset(stop), priority=prio, order=next(self._order), reply_to=req.reply_to)
         self.seqs[seq.rid] = seq
         return seq
 
@@ -409,6 +411,7 @@ class BatchScheduler:
             seq.sent_first = True
             d.sampling = seq.sampling
             d.prompt_tail = seq.prompt_ids[-PROMPT_TAIL:].tolist()
+            d.reply_to = seq.reply_to
         return d
 
     def _finish(self, seq: Sequence, reason: str) -> SeqTokens:

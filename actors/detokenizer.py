@@ -4,6 +4,10 @@ Per sequence it keeps an IncrementalDetokenizer (actors/incremental_detokenizer.
 sequence's first delta (which carries its sampling options and the prompt's last tokens). When a stop
 string matches, the sequence ends here: the client gets its last text with finish_reason "stop", and
 the scheduler gets an AbortCmd so the sequence stops computing and frees its blocks.
+
+Text goes to the engine's front end, except a sequence's whose first delta names another one (`reply_to`: a
+front end on another node routed the request here through the shared registry): one TextDelta per front end
+and step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class DetokenizerActor(Actor):
         self.counts: dict[str, int] = {}
         self.stopped: set[str] = set()
         """Sequences this actor ended on a stop string, until the scheduler's final delta for them."""
+        self.routes: dict[str, str] = {}
+        """Sequences whose text goes to another node's front end: rid -> its inbox, until their final delta."""
 
     async def setup(self) -> dict[str, str]:
         if not self.config.model.skip_tokenizer_init:
@@ -42,14 +48,17 @@ class DetokenizerActor(Actor):
         return {}
 
     async def on_token_delta(self, msg: TokenDelta) -> None:
-        out: list[SeqText] = []
+        out: dict[str | None, list[SeqText]] = {}  # front end (None: the engine's own) -> its sequences' text
         stopped: list[str] = []
         for item in msg.items:
+            if item.reply_to is not None:
+                self.routes[item.rid] = item.reply_to
+            route = self.routes.pop(item.rid, None) if item.finish_reason is not None else self.routes.get(item.rid)
             text = self._text(item, stopped)
             if text is not None:
-                out.append(text)
-        if out:
-            await self.send(self.frontend, TextDelta(items=out))
+                out.setdefault(route, []).append(text)
+        for route, items in out.items():
+            await self.reply(route, TextDelta(items=items))
         for rid in stopped:  # the scheduler stops computing it and frees its blocks
             await self.send(self.scheduler, AbortCmd(rid=rid))
 

@@ -137,13 +137,13 @@ class SchedulerActor(Actor):
             return
         if req.transfer_id is not None:
             if self.role == "both" or req.peer is None:
-                await self.send(self.frontend, RequestFailedEvent(
+                await self.reply(req.reply_to, RequestFailedEvent(
                     rid=req.rid, status=400, message=f"engine {self.engine_id} (role {self.role}) cannot take a "
                                                      "disaggregated request" + ("" if req.peer else " without a peer")))
                 return
             self._peers[req.transfer_id] = req.peer
         if len(req.prompt_ids) >= self.core.max_model_len:  # only under a _length_limit (the tokenizer checks the rest)
-            await self.send(self.frontend, RequestFailedEvent(
+            await self.reply(req.reply_to, RequestFailedEvent(
                 rid=req.rid, status=400, param="prompt", code="context_length_exceeded",
                 message=f"Engine {self.engine_id} runs sequences of at most {self.core.max_model_len} tokens "
                         f"({self._length_limit or 'max_model_len'}). However, your prompt has "
@@ -153,7 +153,7 @@ class SchedulerActor(Actor):
                 await self._route()
             return
         if not self.core.add(req):
-            await self.send(self.frontend, RequestFailedEvent(
+            await self.reply(req.reply_to, RequestFailedEvent(
                 rid=req.rid, status=429, code="rate_limit_exceeded",
                 message=f"the engine has {self.core.num_waiting} requests waiting; retry later"))
             if req.transfer_id is not None:
@@ -311,5 +311,5 @@ class SchedulerActor(Actor):
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, TokenizedRequest):
-            await self.send(self.frontend, RequestFailedEvent(rid=msg.rid, status=500,
+            await self.reply(msg.reply_to, RequestFailedEvent(rid=msg.rid, status=500,
                                                               message=f"scheduler failed: {type(exc).__name__}: {exc}"))

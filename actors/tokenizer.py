@@ -124,7 +124,7 @@ class RequestTokenizer:
                                code="context_length_exceeded")
         return TokenizedRequest(rid=req.rid, prompt_ids=ids, sampling=sampling, eos_token_ids=self.eos_ids,
                                 arrival_time=req.arrival_time, priority=req.priority, transfer_id=req.transfer_id,
-                                peer=req.peer)
+                                peer=req.peer, reply_to=req.reply_to)
 
 
 class TokenizerActor(Actor):
@@ -152,7 +152,7 @@ class TokenizerActor(Actor):
         try:
             tokenized = self.core.tokenize(req)
         except RequestError as e:
-            await self.send(self.frontend, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
+            await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
                                                               param=e.param, code=e.code))
             return
         await self.send(self.scheduler, tokenized, instance=req.dp_rank)  # the data-parallel rank's scheduler
@@ -162,5 +162,5 @@ class TokenizerActor(Actor):
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, GenerateRequest):
-            await self.send(self.frontend, RequestFailedEvent(rid=msg.rid, status=500,
+            await self.reply(msg.reply_to, RequestFailedEvent(rid=msg.rid, status=500,
                                                               message=f"tokenizer failed: {type(exc).__name__}: {exc}"))

@@ -175,7 +175,14 @@ def resolve(topo: Topology, run_id: str, run_dir: Path | None = None) -> ep.Endp
 
 
 def _is_local(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname())
+    """Whether `host` is this machine: a loopback or wildcard name, its hostname, or an address it can bind."""
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()):
+        return True
+    try:
+        ep.free_tcp_port(host)
+    except OSError:
+        return False
+    return True
 
 
 def _free_port(host: str) -> int:

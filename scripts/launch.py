@@ -58,7 +58,11 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     port: int = 8000
     """HTTP port; `--port` overrides it."""
     registry: str = "memory"
-    """Service registry: memory, or redis://HOST:PORT/DB."""
+    """Service registry: memory, or redis://HOST:PORT/DB (shared: front ends route to each other's engines)."""
+    engine_host: str = "127.0.0.1"
+    """With a redis:// registry: the address other nodes reach this node's engines and front end at."""
+    node_name: str = ""
+    """With a redis:// registry: this node's prefix of engine ids, unique among the front ends sharing it."""
     engine: dict[str, Any] = {}
     """Engine options for every engine, named like the `flotilla serve` flags with underscores (block_size = 16)."""
 
@@ -84,7 +88,8 @@ def serve_argv(dep: Deployment, model: str | None, port: int | None, trace: bool
     """The `flotilla serve` command line that runs a deployment."""
     argv = [a for a in [model or dep.model] if a]
     argv += ["--host", dep.host, "--port", str(port or dep.port), "--engines", ",".join(dep.engines),
-             "--registry", dep.registry]
+             "--registry", dep.registry, "--engine-host", dep.engine_host]
+    argv += ["--node-name", dep.node_name] if dep.node_name else []
     for key, value in dep.engine.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):

@@ -114,30 +114,54 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "parallel); default: one engine of --role (which must then be both)")
     p.add_argument("--registry", default=None, metavar="URL",
                    help="service registry of the engines: `memory` (this process) or redis://HOST:PORT/DB (shared "
-                        "with other nodes); default: memory")
+                        "with other nodes: front ends that share one route to each other's engines too, e.g. this "
+                        "node's prefill engines with another node's decode engines); default: memory")
+    p.add_argument("--engine-host", default="127.0.0.1", metavar="ADDR",
+                   help="with a redis:// registry: the address of this node that other nodes' front ends reach its "
+                        "engines and this front end at (the engines' actors listen on TCP there); never a wildcard; "
+                        "127.0.0.1 serves the front ends of one machine")
+    p.add_argument("--node-name", default=None, metavar="NAME",
+                   help="with a redis:// registry: prefix of this node's engine ids (NAME-prefill-0, ...), which must "
+                        "be unique among the front ends sharing the registry; none: prefill-0, ...")
     add_engine_arguments(p)
 
 
-def fleet_engines(spec: str | None, config: EngineConfig,
-                  registry: str | None) -> list[tuple[str, EngineConfig]] | None:
+def shared_registry(registry: str | None) -> bool:
+    """Whether other nodes' front ends share the registry (a redis:// URL), so this node's engines can be paired
+    with theirs."""
+    return registry not in (None, "", "memory")
+
+
+def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
+                  node_name: str | None = None) -> list[tuple[str, EngineConfig]] | None:
     """The engines of `--engines` as (name, config) with each role set; None = one plain engine (no fleet).
 
-    Names are ROLE-INDEX (prefill-0, decode-0, decode-1, engine-0 for a colocated one)."""
+    Names are ROLE-INDEX (prefill-0, decode-0, decode-1, engine-0 for a colocated one), after NODE- with a node
+    name. With a shared registry a node may run prefill engines only (or decode engines only, or one engine of
+    --role): another node's engines are their partners."""
+    shared = shared_registry(registry)
+    if node_name is not None and (not node_name or "/" in node_name or not node_name.isprintable()):
+        raise ValueError(f"--node-name must be a non-empty printable name without '/', got {node_name!r}")
+    prefix = f"{node_name}-" if node_name else ""
     if spec is None:
-        if config.disagg.role != "both":
+        if config.disagg.role != "both" and not shared:
             raise ValueError(f"a {config.disagg.role} engine alone cannot serve requests: start the pair with "
-                             "--engines prefill,decode (or `flotilla launch scripts/topologies/pd-1p1d.toml`)")
-        return None if registry is None else [("engine-0", config)]
+                             "--engines prefill,decode (or `flotilla launch scripts/topologies/pd-1p1d.toml`), or "
+                             "share a redis:// --registry with another node's engines")
+        if registry is None:
+            return None
+        spec = config.disagg.role
     roles = [r.strip() for r in spec.split(",") if r.strip()]
     if not roles or any(r not in ("prefill", "decode", "both") for r in roles):
         raise ValueError(f"--engines takes roles prefill, decode or both, comma-separated; got {spec!r}")
-    if ("prefill" in roles) != ("decode" in roles):
-        raise ValueError(f"--engines {spec}: prefill engines need decode engines and the other way round")
+    if ("prefill" in roles) != ("decode" in roles) and not shared:
+        raise ValueError(f"--engines {spec}: prefill engines need decode engines and the other way round (or a "
+                         "redis:// --registry shared with another node's)")
     counts: dict[str, int] = {}
     engines = []
     for role in roles:
         i = counts[role] = counts.get(role, -1) + 1
-        name = f"{'engine' if role == 'both' else role}-{i}"
+        name = f"{prefix}{'engine' if role == 'both' else role}-{i}"
         engines.append((name, msgspec.structs.replace(config, disagg=msgspec.structs.replace(config.disagg,
                                                                                              role=role))))
     return _own_gpus(engines)

@@ -111,7 +111,7 @@ async def deltas(queue: asyncio.Queue, outcome: Outcome) -> AsyncIterator[SeqTex
 
 
 def engine_topology(config: EngineConfig, placement: str = "inline", name: str = "engine",
-                    options: RuntimeOptions | None = None) -> Topology:
+                    options: RuntimeOptions | None = None, host: str | None = None) -> Topology:
     """The actors of one engine, wired by name; each gets the whole EngineConfig.
 
     A prefill or decode engine also runs a KV-migration actor per worker rank, in the worker's process
@@ -121,7 +121,8 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     rank (instance = DP rank) and tensor_parallel_size workers for each (actors/data_parallel.py); under expert
     parallelism the data-parallel ranks' workers meet at one more address instead, all tp x dp of them, and their
     TP groups are sub-groups of that world (over the tensor-parallel ranks alone the experts need none: their
-    group is the TP group)."""
+    group is the TP group). `host`: every actor listens on TCP there (other nodes' front ends send it requests),
+    not on this machine's Unix sockets."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
     disagg = config.disagg.role != "both"
@@ -155,8 +156,14 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     if disagg:
         actors.append(ActorSpec(name="kv_migration", kind="kv_migration", count=tp, process="worker",
                                 config={**common, "workers": "worker"}))
+    tcp: dict = {}
+    if host is not None:
+        if placement != "process":
+            raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
+        actors = [msgspec.structs.replace(a, host=host) for a in actors]
+        tcp = {"transport": "tcp", "supervisor_host": host}
     return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
-                    actors=actors)
+                    actors=actors, **tcp)
 
 
 def check_expert_parallel(config: EngineConfig) -> None:
@@ -183,10 +190,11 @@ class EngineClient:
     """Start the engine, submit requests, stream their text deltas, abort them."""
 
     def __init__(self, config: EngineConfig, placement: str = "inline", trace: bool = False,
-                 options: RuntimeOptions | None = None, name: str = "engine") -> None:
+                 options: RuntimeOptions | None = None, name: str = "engine", host: str | None = None) -> None:
+        """host: the engine's actors listen on TCP there, for other nodes' front ends (engine_topology)."""
         self.config = config
         self.name = name
-        self.topology = engine_topology(config, placement, name=name, options=options)
+        self.topology = engine_topology(config, placement, name=name, options=options, host=host)
         self.runtime = Runtime(self.topology, trace=trace)
         self._pending: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()

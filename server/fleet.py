@@ -16,8 +16,12 @@ When an engine dies mid-transfer, the fleet speaks for it so its partner frees w
 decode engine's transfers are released on the prefill side (BlocksReleasedEvent), a dead prefill
 engine's transfers fail on the decode side (KVReadyEvent with an error).
 
-The front end only routes to engines it started itself; the registry (Redis) shares their liveness and
-load with other nodes, but a front end does not yet send requests to another front end's engines.
+Several nodes: front ends that share a Redis registry route to each other's engines too. Their engines'
+actors listen on TCP at `engine_host`, and each front end binds a reply inbox there; a request for another
+node's engine (server/remote_engine.py) names that inbox (`reply_to`), so its text comes back to the front end
+that routed it. A prefill engine on one node and a decode engine on another make a pair like any other. An
+engine of another node is dead here once it leaves the registry (within three heartbeats of its death): its
+requests end with an error naming it, and the fleet speaks for it to its partners as for its own engines.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import numpy as np
+import zmq.asyncio
 
 from flotilla.actors.base import RuntimeOptions
 from flotilla.config import EngineConfig
@@ -43,16 +48,19 @@ from flotilla.server.engine_client import (
     deltas,
 )
 from flotilla.server.dp_coordinator import sum_stats
+from flotilla.server.remote_engine import RemoteEngine
 from flotilla.server.router import NoEngineError, Router
-from flotilla.transport.channels import Outbox
+from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.messages import (
     AbortCmd,
     ActorFailedEvent,
     BlocksReleasedEvent,
     GenerateRequest,
     KVReadyEvent,
+    RequestFailedEvent,
     SchedulerStatsEvent,
     SeqText,
+    TextDelta,
     TransferPeer,
 )
 from flotilla.transport.registry import (
@@ -99,15 +107,31 @@ class Fleet:
 
     def __init__(self, engines: list[tuple[str, EngineConfig]], model_name: str, placement: str = "process",
                  trace: bool = False, options: RuntimeOptions | None = None, registry: str | None = None,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, engine_host: str | None = None) -> None:
+        """engine_host: with a shared (Redis) registry, the address this node's engines and reply inbox listen on
+        for other nodes' front ends (default 127.0.0.1: several front ends of one machine)."""
         if not engines:
             raise ValueError("a fleet needs at least one engine")
         self.model = model_name
-        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name) for name, cfg in engines}
-        self.roles = {name: cfg.disagg.role for name, cfg in engines}
         self.heartbeat_interval_s = heartbeat_interval_s
         self.registry_url = registry or "memory"
         self.registry = open_registry(registry, heartbeat_interval_s * 3)
+        self.shared = not isinstance(self.registry, InMemoryRegistry)
+        """Other nodes' front ends see this registry: route to their engines, and let them reach ours (TCP)."""
+        self.engine_host = engine_host or "127.0.0.1"
+        host = self.engine_host if self.shared else None
+        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host)
+                        for name, cfg in engines}  # fmt: skip
+        self.roles = {name: cfg.disagg.role for name, cfg in engines}
+        self.remote: dict[str, RemoteEngine] = {}
+        """Other nodes' engines this front end has routed to (or seen in the registry), by engine id."""
+        self._remote_roles: set[str] = set()  # roles of other nodes' live engines, at the last registry read
+        self._zmq: zmq.asyncio.Context | None = None
+        self._reply_inbox: Inbox | None = None
+        self.reply_address: str | None = None
+        """The inbox other nodes' engines answer this front end's requests at (shared registry only)."""
+        self._remote_schedulers: dict[str, Outbox] = {}
+        self._loops: list[asyncio.Task] = []
         self.view = RegistryView(self.registry, self._alive, max_age_s=heartbeat_interval_s / 4)
         self.router = Router(self.view, model_name)
         self._heartbeats: dict[str, Heartbeat] = {}
@@ -125,10 +149,31 @@ class Fleet:
 
     def _alive(self, engine_id: str) -> bool:
         client = self.clients.get(engine_id)
-        return client is not None and client._dead is None  # engines of other front ends are not ours to route to
+        if client is not None:
+            return client._dead is None
+        remote = self.remote.get(engine_id)  # another node's engine: alive while it is in the registry
+        return self.shared and (remote is None or remote.alive)
+
+    def _engine(self, info: EngineInfo) -> EngineClient | RemoteEngine:
+        """The local engine, or the object that talks to another node's, for a registry entry."""
+        client = self.clients.get(info.engine_id)
+        if client is not None:
+            return client
+        remote = self.remote.get(info.engine_id)
+        if remote is None:
+            assert self._zmq is not None and self.reply_address is not None, "other nodes' engines need a shared registry"
+            remote = self.remote[info.engine_id] = RemoteEngine(info, self._zmq, self.reply_address)
+            self.routed.setdefault(info.engine_id, 0)
+            log.info("routing to engine %s (%s) of another node: tokenizer at %s", remote.name, remote.role,
+                     remote.of("tokenizer"))
+        return remote
 
     async def start(self) -> None:
         await self._check_registry()  # before loading any model
+        if self.shared:
+            self._zmq = zmq.asyncio.Context()
+            self._reply_inbox = Inbox(self._zmq, f"tcp://{self.engine_host}:0", (TextDelta, RequestFailedEvent))
+            self.reply_address = self._reply_inbox.address
         results = await asyncio.gather(*(c.start() for c in self.clients.values()), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -145,6 +190,11 @@ class Fleet:
             log.info("engine %s (%s) registered: %s%s", name, self.roles[name], " ".join(
                 f"{k}=pid:{ev.pid}" for k, ev in sorted(client.runtime.ready.items())),
                 f" kv_backend={kv['kv_backend']} kv_endpoint={kv['kv_endpoint']}" if kv else "")
+        if self.shared:
+            await self._read_registry()
+            self._loops = [asyncio.create_task(self._receive_replies(), name="fleet-replies"),
+                           asyncio.create_task(self._watch_registry(), name="fleet-registry")]
+            log.info("front end reply inbox for other nodes' engines: %s", self.reply_address)
 
     async def _check_registry(self) -> None:
         errors: tuple[type[BaseException], ...] = (OSError,)
@@ -152,19 +202,37 @@ class Fleet:
             import redis.exceptions  # the Redis registry is in use, so redis is installed
 
             errors += (redis.exceptions.RedisError,)
-        try:
-            await self.registry.engines()
-        except errors as e:
-            await self.registry.close()
-            raise RuntimeError(f"cannot reach the registry {self.registry_url}: {e}") from None
+        deadline = time.monotonic() + self.heartbeat_interval_s * 3  # an earlier run's entries expire by then
+        while True:
+            try:
+                taken = {e.engine_id for e in await self.registry.engines()} & set(self.clients)
+            except errors as e:
+                await self.registry.close()
+                raise RuntimeError(f"cannot reach the registry {self.registry_url}: {e}") from None
+            if not taken:
+                return
+            if time.monotonic() > deadline:
+                await self.registry.close()
+                raise RuntimeError(f"engine ids {', '.join(sorted(taken))} are registered by another front end in "
+                                   f"{self.registry_url}: give each node's front end its own --node-name")
+            await asyncio.sleep(self.heartbeat_interval_s / 4)
 
     async def stop(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
         await asyncio.gather(*self._tasks, return_exceptions=True)  # engines being retired
         for hb in self._heartbeats.values():
             await hb.stop()
-        for out in self._schedulers.values():
+        for out in [*self._schedulers.values(), *self._remote_schedulers.values()]:
             out.close()
+        for remote in self.remote.values():
+            remote.close()
         await asyncio.gather(*(c.stop() for c in self.clients.values()), return_exceptions=True)
+        if self._reply_inbox is not None:
+            self._reply_inbox.close()
+        if self._zmq is not None:
+            self._zmq.term()
         await self.registry.close()
 
     def engine_info(self, name: str) -> EngineInfo:
@@ -183,13 +251,14 @@ class Fleet:
 
     @property
     def alive(self) -> bool:
-        """Some request can be served: a live colocated engine, or a live prefill and a live decode engine."""
-        roles = {self.roles[n] for n, c in self.clients.items() if c.alive}
+        """Some request can be served: a live colocated engine, or a live prefill and a live decode engine (of this
+        node or, with a shared registry, of another)."""
+        roles = {self.roles[n] for n, c in self.clients.items() if c.alive} | self._remote_roles
         return "both" in roles or {"prefill", "decode"} <= roles
 
     @property
     def num_pending(self) -> int:
-        return sum(c.num_pending for c in self.clients.values())
+        return sum(c.num_pending for c in self.clients.values()) + sum(r.num_pending for r in self.remote.values())
 
     @property
     def ready_detail(self) -> dict[str, dict[str, str]]:
@@ -202,7 +271,10 @@ class Fleet:
 
     def engine_stats(self) -> dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]:
         """Per engine: (role, latest stats, alive, requests routed to it)."""
-        return {name: (self.roles[name], c.stats, c.alive, self.routed[name]) for name, c in self.clients.items()}
+        out = {name: (self.roles[name], c.stats, c.alive, self.routed[name]) for name, c in self.clients.items()}
+        for name, r in self.remote.items():  # other nodes' engines: their stats are their own front end's
+            out[name] = (r.role, None, r.alive, self.routed.get(name, 0))
+        return out
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{self._prefix}-{next(self._ids)}"
@@ -217,16 +289,18 @@ class Fleet:
             if "prefill" in roles and "decode" in roles:
                 prefill, decode = await self.router.pick_pair()
                 engines = [prefill.engine_id, decode.engine_id]
-                source = self._stream_pd(req, self.clients[prefill.engine_id], self.clients[decode.engine_id])
+                source = self._stream_pd(req, self._engine(prefill), self._engine(decode))
             else:
-                engines = [(await self.router.pick()).engine_id]
-                source = self.clients[engines[0]].stream(req)
+                info = await self.router.pick()
+                engines = [info.engine_id]
+                source = self._engine(info).stream(req)
         except NoEngineError:
-            live = ", ".join(f"{n} ({self.roles[n]})" for n, c in self.clients.items() if c.alive) or "none"
+            live = ", ".join([f"{n} ({self.roles[n]})" for n, c in self.clients.items() if c.alive]
+                             + [f"{n} ({r.role})" for n, r in self.remote.items() if r.alive]) or "none"
             raise EngineDeadError(f"no engine can serve this request: it needs a colocated engine or a prefill and a "
                                   f"decode engine; live engines: {live}") from None
         for name in engines:
-            self.routed[name] += 1
+            self.routed[name] = self.routed.get(name, 0) + 1
         try:
             async for item in source:
                 yield item
@@ -235,8 +309,8 @@ class Fleet:
             for name in engines:
                 self.router.finished(name)
 
-    async def _stream_pd(self, req: GenerateRequest, prefill: EngineClient,
-                         decode: EngineClient) -> AsyncIterator[SeqText]:
+    async def _stream_pd(self, req: GenerateRequest, prefill: EngineClient | RemoteEngine,
+                         decode: EngineClient | RemoteEngine) -> AsyncIterator[SeqText]:
         if req.sampling.n != 1:
             raise ValueError("stream() takes one sequence; use fan_out() for n > 1")
         for c in (prefill, decode):
@@ -248,7 +322,9 @@ class Fleet:
         prefill._pending[req.rid] = decode._pending[req.rid] = queue
         self._transfers[tid] = (prefill.name, decode.name)
         outcome = Outcome()
-        p_eps, d_eps = prefill.runtime.endpoints, decode.runtime.endpoints
+        p_eps, d_eps = _addresses(prefill), _addresses(decode)
+        if isinstance(prefill, RemoteEngine) or isinstance(decode, RemoteEngine):
+            req = msgspec.structs.replace(req, reply_to=self.reply_address)  # both engines answer this front end here
         try:
             await decode.to_tokenizer.send(msgspec.structs.replace(req, transfer_id=tid, peer=TransferPeer(
                 engine=prefill.name, scheduler=p_eps.of("scheduler"), kv=p_eps.instances("kv_migration"))))
@@ -286,16 +362,7 @@ class Fleet:
         hb = self._heartbeats.pop(name, None)
         if hb is not None:
             await hb.stop()  # out of the registry: the router picks it no more
-        for tid, (p, d) in list(self._transfers.items()):
-            if name not in (p, d):
-                continue
-            del self._transfers[tid]
-            if d == name and self.clients[p].alive:
-                await self._schedulers[p].send(BlocksReleasedEvent(transfer_id=tid))
-            elif p == name and self.clients[d].alive:
-                await self._schedulers[d].send(KVReadyEvent(
-                    transfer_id=tid, block_ids=np.zeros(0, np.int32), num_tokens=0, first_token=-1,
-                    src_engine=p, error=f"prefill engine {p} died"))
+        await self._speak_for(name)
         out = self._schedulers.pop(name, None)
         if out is not None:
             out.close()
@@ -304,7 +371,84 @@ class Fleet:
             for cb in self.on_all_dead:
                 cb()
 
+    async def _speak_for(self, name: str) -> None:
+        """Engine `name` died: its partners in transfers this front end routed free what they hold for it."""
+        for tid, (p, d) in list(self._transfers.items()):
+            if name not in (p, d):
+                continue
+            del self._transfers[tid]
+            out = self._scheduler_of(p if d == name else d)
+            if out is None:  # both ends dead
+                continue
+            if d == name:
+                await out.send(BlocksReleasedEvent(transfer_id=tid))
+            else:
+                await out.send(KVReadyEvent(transfer_id=tid, block_ids=np.zeros(0, np.int32), num_tokens=0,
+                                            first_token=-1, src_engine=p, error=f"prefill engine {p} died"))  # fmt: skip
+
+    def _scheduler_of(self, name: str) -> Outbox | None:
+        """An outbox to a live engine's scheduler (this node's or another's); None when it is dead."""
+        if name in self.clients:
+            return self._schedulers.get(name) if self.clients[name].alive else None
+        remote = self.remote.get(name)
+        if remote is None or not remote.alive or self._zmq is None:
+            return None
+        out = self._remote_schedulers.get(name)
+        if out is None:
+            out = self._remote_schedulers[name] = Outbox(self._zmq, remote.of("scheduler"))
+        return out
+
+    # ---- other nodes' engines (shared registry) ----------------------------------------------------------
+
+    async def _receive_replies(self) -> None:
+        """Other nodes' engines' answers (and, for a pair with one of them, this node's engine's too), to the
+        queue of the request they name."""
+        assert self._reply_inbox is not None
+        while True:
+            msg = await self._reply_inbox.recv()
+            for item in msg.items if isinstance(msg, TextDelta) else [msg]:
+                queue = self._queue_of(item.rid)
+                if queue is not None:
+                    queue.put_nowait(item)
+
+    def _queue_of(self, rid: str):
+        for engine in itertools.chain(self.clients.values(), self.remote.values()):
+            queue = engine._pending.get(rid)
+            if queue is not None:
+                return queue
+        return None
+
+    async def _watch_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            try:
+                await self._read_registry()
+            except Exception as e:  # a registry outage: keep the engines known so far, try again
+                log.warning("cannot read the registry %s: %s", self.registry_url, e)
+
+    async def _read_registry(self) -> None:
+        """Other nodes' live engines: their roles count for `alive`; those that left the registry are dead."""
+        live = {e.engine_id: e for e in await self.registry.engines(model=self.model)}
+        self._remote_roles = {e.role for name, e in live.items() if name not in self.clients}
+        for name in [n for n in self.remote if n not in live]:
+            remote = self.remote.pop(name)
+            reason = (f"engine {name} (of another node) left the registry {self.registry_url}: it missed its "
+                      "heartbeats, or its front end retired it")  # fmt: skip
+            log.error("%s; the other engines keep serving", reason)
+            remote.died(reason)
+            await self._speak_for(name)
+            out = self._remote_schedulers.pop(name, None)
+            if out is not None:
+                out.close()
+            remote.close()
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _addresses(engine: EngineClient | RemoteEngine):
+    """Where an engine's actors listen (`of(actor)`, `instances(actor)`): a local engine's Endpoints, or the
+    addresses another node's engine registered."""
+    return engine.runtime.endpoints if isinstance(engine, EngineClient) else engine

@@ -25,7 +25,7 @@ import uvloop
 from flotilla.actors.tokenizer import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
-from flotilla.server.cli import engine_config_from_args, fleet_engines
+from flotilla.server.cli import engine_config_from_args, fleet_engines, shared_registry
 from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
 from flotilla.server.protocol_output import TokenTexts
@@ -60,12 +60,12 @@ def check_listen(host: str, port: int) -> str | None:
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     path = model_dir(config)
     placement = "inline" if args.single_process else "process"
-    engines = fleet_engines(args.engines, config, args.registry)
+    engines = fleet_engines(args.engines, config, args.registry, args.node_name)
     if engines is None:
         client: EngineClient | Fleet = EngineClient(config, placement=placement, trace=args.trace)
     else:
         client = Fleet(engines, served_name(config, path), placement=placement, trace=args.trace,
-                       registry=args.registry)
+                       registry=args.registry, engine_host=args.engine_host)
     server: _Server | None = None
     stop = asyncio.Event()
 
@@ -135,9 +135,14 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, args.model)
-        engines = fleet_engines(args.engines, config, args.registry)  # bad --engines / --role: fail before loading
+        engines = fleet_engines(args.engines, config, args.registry, args.node_name)  # bad flags: fail before loading
         if args.single_process and engines and any(c.disagg.role != "both" for _, c in engines):
             raise ValueError("prefill and decode engines talk across processes: drop --single-process")
+        if args.single_process and shared_registry(args.registry):
+            raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
+        if args.engine_host in ("0.0.0.0", "::", "*", ""):
+            raise ValueError(f"--engine-host must be an address other nodes reach this one at, not the wildcard "
+                             f"{args.engine_host!r}")
     except (TypeError, ValueError) as e:
         print(f"flotilla serve: {e}", file=sys.stderr)
         return 2

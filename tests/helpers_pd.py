@@ -4,11 +4,20 @@ the front end's /metrics per engine."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
+import pytest
+import redis
+from flotilla.transport.endpoints import free_tcp_port
 
 ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
 WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
@@ -73,4 +82,49 @@ def wait_idle(url: str, engines: list[str], timeout: float = 15.0, transfers: bo
         if all(u == 0 and t == 0 for _, u, t in busy):
             return m
         assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str | None]:
+    """A real redis-server on a free port for the block: its URL, or None when it is not installed (a failure under
+    CI, which installs it: .ci/run)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install redis-server (.ci/run does)")
+        yield None
+        return
+    port = free_tcp_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        r.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def wait_health(url: str, status: int, timeout: float = 20.0) -> None:
+    """Until GET /health answers `status` (200 ready, 503 nothing can be served)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = urllib.request.urlopen(url + "/health", timeout=10).status
+        except urllib.error.HTTPError as e:
+            got = e.code
+        if got == status:
+            return
+        assert time.monotonic() < deadline, f"/health still answers {got}, not {status}"
         time.sleep(0.05)

@@ -200,3 +200,33 @@ def test_a_process_group_stops_cleanly():
         assert len(procs) == 1 and all(p.returncode == 0 for p in procs)
 
     uvloop.run(main())
+
+
+def test_answers_to_another_nodes_front_end_that_reads_nothing_are_dropped_not_waited_for():
+    """Actor.reply to a request's reply_to (another node's front end, which may be gone without anyone telling the
+    engine): it never blocks; past the send queue (SEND_HWM unread) answers are dropped and counted. Answers to the
+    engine's own front end (reply_to None) go through the topology's `frontend` peer."""
+    from flotilla.actors.base import ActorContext
+    from flotilla.transport.channels import SEND_HWM
+    from flotilla.transport.messages import AbortCmd
+
+    class Replier(Actor):
+        kind = "replier"
+
+    async def main():
+        ctx = new_context()
+        frontend = Inbox(ctx, "inproc://frontend/0", (AbortCmd,))
+        eps = ep.Endpoints(supervisor="inproc://sup", actors={"replier/0": "inproc://replier/0",
+                                                             "frontend/0": "inproc://frontend/0"})
+        actor = Replier(ActorContext(name="replier", endpoints=eps), ctx)
+        gone = f"tcp://127.0.0.1:{ep.free_tcp_port()}"  # nobody listens there
+        for i in range(SEND_HWM + 50):  # each one returns at once (wait_for would fail a blocked one)
+            await asyncio.wait_for(actor.reply(gone, AbortCmd(rid=str(i))), 5)
+        assert 1 <= actor.dropped_replies <= 50 + 2, actor.dropped_replies
+        await actor.reply(None, AbortCmd(rid="own"))
+        assert (await asyncio.wait_for(frontend.recv(), 5)).rid == "own"
+        actor._close()
+        frontend.close()
+        ctx.term()
+
+    uvloop.run(main())

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +23,6 @@ import openai
 import pytest
 import redis
 from flotilla.scripts.launch import load_deployment, serve_argv
-from flotilla.transport.endpoints import free_tcp_port
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 
@@ -38,29 +35,8 @@ else:
 
 @pytest.fixture(scope="module")
 def redis_url():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install redis-server (.ci/run does)")
-        yield None  # the deployment falls back to the in-memory registry; the Redis test skips
-        return
-    port = free_tcp_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    r = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            r.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-    yield url
-    r.close()
-    proc.terminate()
-    proc.wait(timeout=10)
+    with pdh.redis_server() as url:  # None without redis-server: the deployment then uses the in-memory registry
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,9 @@ class GenerateRequest(Message):
     """Disaggregated request: the other engine of the pair."""
     dp_rank: int = 0
     """The engine's data-parallel rank whose scheduler runs it (the front end's coordinator picks it)."""
+    reply_to: str | None = None
+    """Where the request's text and failures go when that is not the engine's own front end: the inbox of a front
+    end on another node that routed it here through the shared registry. None: the engine's front end."""
 
 
 class AbortCmd(Message):
@@ -134,6 +137,8 @@ class TokenizedRequest(Message):
     """Set for a disaggregated request: the prefill and decode engines both get it with this id."""
     peer: TransferPeer | None = None
     """Set for a disaggregated request: the other engine of the pair."""
+    reply_to: str | None = None
+    """GenerateRequest.reply_to: the inbox of the front end that routed it here, when not the engine's own."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,6 +411,8 @@ class SeqTokens(Message):
     """Set on a sequence's first delta only: stop strings and detokenization options."""
     prompt_tail: list[int] | None = None
     """Set on the first delta only: the last prompt tokens, so the first output token decodes in context."""
+    reply_to: str | None = None
+    """Set on the first delta only, of a request another node's front end routed here: where its text goes."""
 
 
 class TokenDelta(Message):

@@ -1,0 +1,130 @@
+"""Prefill-decode disaggregation over two nodes: two front ends that share a real Redis registry and route to each
+other's engines. Node "a" runs a prefill engine only, node "b" a decode engine only (two `flotilla serve`
+processes, each with its own engine processes, as two machines would run them; their actors listen on TCP). A
+request to either front end is prefilled on a's engine and decoded on b's; the text comes back to the front end
+that took it. A colocated engine gives the reference outputs. The tests run in file order; the last one kills
+node b's decode engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import helpers_pd as pdh
+import openai
+import pytest
+from flotilla.scripts.launch import load_deployment, serve_argv
+from flotilla.transport.endpoints import free_tcp_port
+from helpers_engine import write_tiny_engine_model
+from helpers_server import start_server
+
+if os.environ.get("CI"):
+    import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
+else:
+    pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with pdh.redis_server() as url:
+        if url is None:
+            pytest.skip("needs redis-server (the registry two nodes share)")
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_engine_model(tmp_path_factory.mktemp("pd-nodes") / "m")
+
+
+def test_the_shipped_two_node_deployment_names_its_node_and_engine_host():
+    dep = load_deployment(Path(__file__).parent.parent / "scripts/topologies/pd-two-nodes.toml")
+    assert dep is not None and dep.engines == ["prefill"] and dep.registry.startswith("redis://")
+    argv = serve_argv(dep, "/models/x", None, trace=False)
+    assert argv[argv.index("--node-name") + 1] == "nodeA" and argv[argv.index("--engine-host") + 1] == "10.0.0.1"
+    assert argv[argv.index("--kv-host") + 1] == "10.0.0.1"
+
+
+def node_argv(model, redis_url: str, name: str, engines: str) -> list[str]:
+    return [str(model), *pdh.ENGINE_OPTIONS, "--registry", redis_url, "--node-name", name, "--engines", engines,
+            "--engine-host", "127.0.0.1", "--kv-transfer-backend", "dlslime_tcp", "--kv-host", "127.0.0.1"]
+
+
+@pytest.fixture(scope="module")
+def nodes(model, redis_url):
+    a = start_server(*node_argv(model, redis_url, "a", "prefill"), timeout=180)
+    started = [a]
+    try:
+        pdh.wait_health(a.url, 503)  # a prefill engine alone serves nothing: no decode engine anywhere yet
+        started.append(b := start_server(*node_argv(model, redis_url, "b", "decode"), timeout=180))
+        started.append(colocated := start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180))
+    except BaseException:
+        for s in started:
+            s.stop()
+        raise
+    yield a, b, colocated
+    colocated.stop()
+    b.stop()  # (the last test kills its engine: it has exited by then)
+    assert a.stop() == 0, "".join(a.log[-30:])
+
+
+def test_either_node_serves_with_the_other_nodes_engine_and_gives_the_colocated_outputs(nodes):
+    a, b, colocated = nodes
+    for node in (a, b):  # each front end found the other node's engine in the registry
+        pdh.wait_health(node.url, 200)
+    reqs_a, reqs_b = pdh.requests(16), pdh.requests(16, offset=16)
+    expected = pdh.run_all(colocated.url, reqs_a + reqs_b)
+    with ThreadPoolExecutor(2) as pool:
+        got_a, got_b = pool.map(lambda nr: pdh.run_all(*nr), [(a.url, reqs_a), (b.url, reqs_b)])
+    assert got_a + got_b == expected
+    # each front end routed its 16 to a's prefill engine and b's decode engine, one local and one remote
+    for node in (a, b):
+        m = pdh.metrics(node.url)
+        for engine in ("a-prefill-0", "b-decode-0"):
+            assert pdh.engine_metric(m, "flotilla_engine_requests_routed_total", engine) == 16
+    # the KV crossed dlslime TCP into b's decode engine (its own front end reports its stats), and every block of
+    # both engines is free again: a's pinned prompts were released, whichever front end routed them
+    m_b = pdh.wait_idle(b.url, ["b-decode-0"])
+    assert pdh.engine_metric(m_b, "flotilla_kv_migration_bytes_total", "b-decode-0") > 0
+    pdh.wait_idle(a.url, ["a-prefill-0"])
+    assert any("routing to engine b-decode-0 (decode) of another node" in x for x in a.log)
+
+
+def test_a_node_name_taken_in_the_registry_is_refused_before_any_model_loads(model, redis_url, nodes):
+    out = subprocess.run([sys.executable, "-m", "flotilla", "serve", *node_argv(model, redis_url, "a", "prefill"),
+                          "--port", str(free_tcp_port())], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1
+    assert "engine ids a-prefill-0 are registered by another front end" in out.stderr, out.stderr[-2000:]
+    assert "--node-name" in out.stderr
+
+
+def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefill_nodes_blocks(nodes):
+    a, b, colocated = nodes
+    line = next(x for x in b.log if "engine b-decode-0 (decode) registered" in x)
+    worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
+    client = openai.OpenAI(base_url=a.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    streams = [client.completions.create(model="m", prompt=pdh.prompt(40 + i), max_tokens=150, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
+    firsts = [next(iter(s)).choices[0].text for s in streams]  # every request is decoding on node b now
+    assert all(firsts)
+    os.kill(worker_pid, signal.SIGKILL)
+    for s in streams:
+        with pytest.raises(openai.APIError) as err:
+            for _ in s:
+                pass
+        assert "engine b-decode-0" in str(err.value), err.value
+    # no decode engine is left anywhere: node a says so at once rather than hang, and its prefill engine holds no
+    # block for the dead engine's transfers
+    pdh.wait_health(a.url, 503)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=2)
+    assert err.value.status_code == 503
+    pdh.wait_idle(a.url, ["a-prefill-0"])
+    # node b, all of its engines dead, exits so that whatever supervises it can start it again
+    assert b.proc.wait(timeout=30) == 1, "".join(b.log[-30:])
