@@ -128,3 +128,29 @@ def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefil
     pdh.wait_idle(a.url, ["a-prefill-0"])
     # node b, all of its engines dead, exits so that whatever supervises it can start it again
     assert b.proc.wait(timeout=30) == 1, "".join(b.log[-30:])
+
+
+def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes):
+    """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
+    and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
+    every KV block of both is free afterwards."""
+    _, _, colocated = nodes
+    url = redis_url.rsplit("/", 1)[0] + "/1"
+    c = start_server(*node_argv(model, url, "c", "both"), timeout=180)
+    try:
+        d = start_server(*node_argv(model, url, "d", "both"), timeout=180)
+    except BaseException:
+        c.stop()
+        raise
+    try:
+        pdh.wait_health(c.url, 200)
+        reqs = pdh.requests(24, offset=50)
+        assert pdh.run_all(c.url, reqs) == pdh.run_all(colocated.url, reqs)
+        m = pdh.metrics(c.url)
+        routed = {e: pdh.engine_metric(m, "flotilla_engine_requests_routed_total", e) for e in ("c-engine-0", "d-engine-0")}
+        assert routed["d-engine-0"] > 0 and sum(routed.values()) == 24, routed
+        pdh.wait_idle(d.url, ["d-engine-0"], transfers=False)
+        pdh.wait_idle(c.url, ["c-engine-0"], transfers=False)
+    finally:
+        assert d.stop() == 0, "".join(d.log[-30:])
+        assert c.stop() == 0, "".join(c.log[-30:])
