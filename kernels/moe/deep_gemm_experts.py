@@ -183,4 +183,4 @@ class _Layout:
         per_slot = torch.zeros(self.num_slots + 1, self.hidden_size, dtype=down.dtype, device=down.device)
         per_slot.index_copy_(0, torch.where(self.is_real, self.slots, self.num_slots), weighted)
         combined = per_slot[: self.num_slots].view(self.num_tokens, self.top_k, self.hidden_size)
-        return combined.sum(dim=1, dtype=torch.float32).to(down.dtype)
+        return combined.sum(dim=1)  # float32 accumulation, one rounding (one launch, not a sum and a cast)

@@ -10,7 +10,8 @@ experts is a single launch whose grid does not depend on the routing (CUDA-graph
   written in sorted order, so pass 2 reads it contiguously.
 - pass 2 (down): rows read in sorted order, the result scaled by the slot's routing weight in the
   epilogue and scattered to the slot's row of a [T * top_k, H] buffer.
-- combine: the k rows of each token summed in float32 (a plain reduction, deterministic, no atomics).
+- combine: the k rows of each token summed in float32 and rounded once (one plain reduction launch,
+  deterministic, no atomics).
 
 Rounding follows kernels/moe/torch_ref.py: every value that the reference holds in the activation dtype
 is rounded here too. Importing this module imports triton; the dispatch imports it only when chosen.
@@ -222,7 +223,8 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     per_slot = (torch.zeros if masked else torch.empty)(blocks.num_slots, hidden_size, dtype=hidden.dtype,
                                                         device=hidden.device)
     _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size, launch)
-    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    # one reduction launch: torch sums bf16/fp16 in float32 and rounds once, as sum(dtype=float32).to() does in two
+    return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
 def fused_experts_fp8(
