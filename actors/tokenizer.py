@@ -139,6 +139,8 @@ class TokenizerActor(Actor):
         self.scheduler = str(ctx.config.get("scheduler", "scheduler"))
         self.frontend = str(ctx.config.get("frontend", "frontend"))
         self.core: RequestTokenizer | None = None
+        self.dp_size = self.config.parallel.data_parallel_size
+        self._next_rank = 0  # the rank of the next request whose front end left the choice to the engine
 
     async def setup(self) -> dict[str, str]:
         path = model_dir(self.config)
@@ -155,10 +157,14 @@ class TokenizerActor(Actor):
             await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
                                                               param=e.param, code=e.code))
             return
-        await self.send(self.scheduler, tokenized, instance=req.dp_rank)  # the data-parallel rank's scheduler
+        rank = req.dp_rank
+        if rank < 0:  # another node's front end: the ranks in turn
+            rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.dp_size
+        await self.send(self.scheduler, tokenized, instance=rank)  # the data-parallel rank's scheduler
 
     async def on_abort_cmd(self, msg: AbortCmd) -> None:
-        await self.send(self.scheduler, msg, instance=msg.dp_rank)
+        for rank in range(self.dp_size) if msg.dp_rank < 0 else [msg.dp_rank]:  # (unknown there: a no-op)
+            await self.send(self.scheduler, msg, instance=rank)
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, GenerateRequest):

@@ -64,14 +64,15 @@ class RemoteEngine:
         outcome = Outcome()
         self._pending[req.rid] = queue
         try:
-            await self.to_tokenizer.send(msgspec.structs.replace(req, reply_to=self.reply_to))
+            # dp_rank -1: a data-parallel engine's own tokenizer spreads them (its ranks' loads are its front end's)
+            await self.to_tokenizer.send(msgspec.structs.replace(req, reply_to=self.reply_to, dp_rank=-1))
             async for item in deltas(queue, outcome):
                 yield item
         finally:
             self._pending.pop(req.rid, None)
             if not outcome.ended and self._dead is None:
                 with contextlib.suppress(Exception):  # closing down: the request ends with the engine anyway
-                    await self.to_tokenizer.send(AbortCmd(rid=req.rid))
+                    await self.to_tokenizer.send(AbortCmd(rid=req.rid, dp_rank=-1))
 
     def died(self, reason: str) -> None:
         """It left the registry: every request waiting on it ends with `reason`."""

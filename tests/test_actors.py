@@ -230,3 +230,40 @@ def test_answers_to_another_nodes_front_end_that_reads_nothing_are_dropped_not_w
         ctx.term()
 
     uvloop.run(main())
+
+
+def test_a_request_that_leaves_the_rank_to_the_engine_goes_to_the_data_parallel_ranks_in_turn(tmp_path):
+    """dp_rank -1 (another node's front end, which does not hear the ranks' loads): the tokenizer of a DP2 engine
+    gives such requests to its schedulers in turn; an AbortCmd with dp_rank -1 reaches every rank; a rank the
+    front end chose is kept."""
+    from flotilla.actors.base import ActorContext
+    from flotilla.actors.tokenizer import TokenizerActor
+    from flotilla.config import EngineConfig
+    from flotilla.sampling_params import SamplingParams
+    from flotilla.transport.messages import AbortCmd, GenerateRequest, TokenizedRequest
+    from helpers_engine import write_tiny_engine_model
+
+    model = write_tiny_engine_model(tmp_path / "m")
+    engine = EngineConfig.from_options(model=str(model), data_parallel_size=2).to_dict()
+
+    async def main():
+        ctx = new_context()
+        addrs = {f"scheduler/{r}": f"inproc://scheduler/{r}" for r in range(2)}
+        ranks = [Inbox(ctx, addrs[f"scheduler/{r}"], (TokenizedRequest, AbortCmd)) for r in range(2)]
+        eps = ep.Endpoints(supervisor="inproc://sup", actors={"tokenizer/0": "inproc://tokenizer/0", **addrs})
+        tok = TokenizerActor(ActorContext(name="tokenizer", endpoints=eps, config={"engine": engine}), ctx)
+        await tok.setup()
+        sp = SamplingParams(max_tokens=2)
+        for i, rank in enumerate([-1, -1, -1, 1]):
+            await tok.on_generate_request(GenerateRequest(rid=f"r{i}", prompt_token_ids=np.array([5, 6], np.int32),
+                                                          sampling=sp, dp_rank=rank))  # fmt: skip
+        got = [[(await asyncio.wait_for(ranks[r].recv(), 5)).rid for _ in range(n)] for r, n in ((0, 2), (1, 2))]
+        assert got == [["r0", "r2"], ["r1", "r3"]]
+        await tok.on_abort_cmd(AbortCmd(rid="r0", dp_rank=-1))
+        assert [(await asyncio.wait_for(ranks[r].recv(), 5)).rid for r in range(2)] == ["r0", "r0"]
+        tok._close()
+        for inbox in ranks:
+            inbox.close()
+        ctx.term()
+
+    uvloop.run(main())

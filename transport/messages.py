@@ -99,7 +99,8 @@ class GenerateRequest(Message):
     peer: TransferPeer | None = None
     """Disaggregated request: the other engine of the pair."""
     dp_rank: int = 0
-    """The engine's data-parallel rank whose scheduler runs it (the front end's coordinator picks it)."""
+    """The engine's data-parallel rank whose scheduler runs it (the front end's coordinator picks it); -1: the
+    engine's tokenizer picks, in turn (a front end of another node, which does not hear the ranks' loads)."""
     reply_to: str | None = None
     """Where the request's text and failures go when that is not the engine's own front end: the inbox of a front
     end on another node that routed it here through the shared registry. None: the engine's front end."""
@@ -111,7 +112,7 @@ class AbortCmd(Message):
     rid: str
     """The request to abort."""
     dp_rank: int = 0
-    """The data-parallel rank the request was given to."""
+    """The data-parallel rank the request was given to; -1: every rank (where the engine picked it)."""
 
 
 # ---------------------------------------------------------------------------------------------
