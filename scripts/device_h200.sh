@@ -37,7 +37,7 @@ fi
 
 if want tests; then
   TESTS=${TESTS:-tests/test_fp8_quant_triton.py tests/test_moe_masked.py tests/test_spec_decode.py \
-tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py}
+tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py tests/test_moe.py tests/test_fp8_moe.py tests/test_kernels_triton.py}
   stage "tests: $TESTS"
   # shellcheck disable=SC2086
   timeout "$(cap 200)" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider > "$R/gpu-tests.log" 2>&1
