@@ -59,8 +59,8 @@ class DetokenizerActor(Actor):
                 out.setdefault(route, []).append(text)
         for route, items in out.items():
             await self.reply(route, TextDelta(items=items))
-        for rid in stopped:  # the scheduler stops computing it and frees its blocks
-            await self.send(self.scheduler, AbortCmd(rid=rid))
+        for rid in stopped:  # the scheduler (of the sequence's data-parallel rank) stops computing it, frees its blocks
+            await self.send(self.scheduler, AbortCmd(rid=rid, dp_rank=msg.dp_rank), instance=msg.dp_rank)
 
     def _text(self, item: SeqTokens, stopped: list[str]) -> SeqText | None:
         rid = item.rid

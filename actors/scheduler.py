@@ -289,7 +289,7 @@ class SchedulerActor(Actor):
 
     async def _emit(self, deltas: list[SeqTokens]) -> None:
         if deltas:
-            await self.send(self.detokenizer, TokenDelta(items=deltas))
+            await self.send(self.detokenizer, TokenDelta(items=deltas, dp_rank=self.dp_rank))
         await self._stats()
 
     async def _stats(self) -> None:

@@ -267,3 +267,59 @@ def test_a_request_that_leaves_the_rank_to_the_engine_goes_to_the_data_parallel_
         ctx.term()
 
     uvloop.run(main())
+
+
+def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_the_request_asked(tmp_path):
+    """A stop string in a sequence of data-parallel rank 1: the AbortCmd goes to rank 1's scheduler (it went to
+    rank 0's, which does not know the sequence, so rank 1 computed on). A sequence whose first delta names a
+    reply_to (another node's front end) has its text sent there; the others' go to the engine's front end."""
+    from flotilla.actors.base import ActorContext
+    from flotilla.actors.detokenizer import DetokenizerActor
+    from flotilla.actors.tokenizer import load_tokenizer
+    from flotilla.config import EngineConfig
+    from flotilla.sampling_params import SamplingParams
+    from flotilla.transport.messages import AbortCmd, SeqTokens, TextDelta, TokenDelta
+    from helpers_engine import write_tiny_engine_model
+
+    model = write_tiny_engine_model(tmp_path / "m")
+    engine = EngineConfig.from_options(model=str(model), data_parallel_size=2).to_dict()
+    ids = [40, 41, 42, 43]
+    text = load_tokenizer(model).decode(ids)
+    assert len(text.strip()) >= 2, text
+
+    async def main():
+        ctx = new_context()
+        addrs = {f"scheduler/{r}": f"inproc://scheduler/{r}" for r in range(2)}
+        addrs |= {"frontend/0": "inproc://frontend/0", "detokenizer/0": "inproc://detokenizer/0"}
+        ranks = [Inbox(ctx, addrs[f"scheduler/{r}"], (AbortCmd,)) for r in range(2)]
+        frontend = Inbox(ctx, addrs["frontend/0"], (TextDelta,))
+        other_node = Inbox(ctx, "inproc://other-node", (TextDelta,))
+        eps = ep.Endpoints(supervisor="inproc://sup", actors=addrs)
+        detok = DetokenizerActor(ActorContext(name="detokenizer", endpoints=eps, config={"engine": engine}), ctx)
+        await detok.setup()
+        stop = SamplingParams(max_tokens=50, stop=[text.strip()[-2:]])
+        plain = SamplingParams(max_tokens=50)
+        await detok.on_token_delta(TokenDelta(dp_rank=1, items=[
+            SeqTokens(rid="stops", token_ids=ids, sampling=stop, prompt_tail=[]),
+            SeqTokens(rid="remote", token_ids=ids[:2], sampling=plain, prompt_tail=[], reply_to="inproc://other-node"),
+            SeqTokens(rid="local", token_ids=ids[:2], sampling=plain, prompt_tail=[])]))
+        abort = await asyncio.wait_for(ranks[1].recv(), 5)
+        assert (abort.rid, abort.dp_rank) == ("stops", 1)
+        here = await asyncio.wait_for(frontend.recv(), 5)
+        assert sorted(i.rid for i in here.items) == ["local", "stops"]
+        assert next(i for i in here.items if i.rid == "stops").finish_reason == "stop"
+        there = await asyncio.wait_for(other_node.recv(), 5)
+        assert [i.rid for i in there.items] == ["remote"]
+        # later deltas of the remote sequence follow its first one's route, and its final delta ends the route
+        await detok.on_token_delta(TokenDelta(dp_rank=1, items=[SeqTokens(rid="remote", token_ids=[44],
+                                                                          finish_reason="length")]))
+        assert [i.rid for i in (await asyncio.wait_for(other_node.recv(), 5)).items] == ["remote"]
+        assert detok.routes == {}
+        with pytest.raises(asyncio.TimeoutError):  # rank 0's scheduler heard nothing
+            await asyncio.wait_for(ranks[0].recv(), 0.2)
+        detok._close()
+        for inbox in (*ranks, frontend, other_node):
+            inbox.close()
+        ctx.term()
+
+    uvloop.run(main())

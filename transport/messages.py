@@ -421,6 +421,8 @@ class TokenDelta(Message):
 
     items: list[SeqTokens]
     """One entry per sequence that changed."""
+    dp_rank: int = 0
+    """The data-parallel rank whose scheduler runs them (where a stop string's AbortCmd goes)."""
 
 
 class SeqText(Message):
