@@ -7,7 +7,8 @@ the scheduler gets an AbortCmd so the sequence stops computing and frees its blo
 
 Text goes to the engine's front end, except a sequence's whose first delta names another one (`reply_to`: a
 front end on another node routed the request here through the shared registry): one TextDelta per front end
-and step.
+and step. Such front ends are watched (actors/front_end_watch.py): the sequences of one that is gone are
+aborted, as a client's disconnect aborts its own.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from __future__ import annotations
 import logging
 
 from flotilla.actors.base import Actor, ActorContext
+from flotilla.actors.front_end_watch import FrontEndWatch
 from flotilla.actors.incremental_detokenizer import IncrementalDetokenizer, TokenizerInfo
 from flotilla.actors.tokenizer import load_tokenizer, model_dir
 from flotilla.config import EngineConfig
+from flotilla.transport.channels import Outbox
 from flotilla.transport.messages import AbortCmd, SeqText, SeqTokens, TextDelta, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -39,26 +42,54 @@ class DetokenizerActor(Actor):
         self.counts: dict[str, int] = {}
         self.stopped: set[str] = set()
         """Sequences this actor ended on a stop string, until the scheduler's final delta for them."""
-        self.routes: dict[str, str] = {}
-        """Sequences whose text goes to another node's front end: rid -> its inbox, until their final delta."""
+        self.routes: dict[str, tuple[str, int]] = {}
+        """Sequences whose text goes to another node's front end: rid -> (its inbox, the sequence's data-parallel
+        rank), until their final delta."""
+        self.watch = FrontEndWatch(self._front_end_gone)
 
     async def setup(self) -> dict[str, str]:
         if not self.config.model.skip_tokenizer_init:
             self.info = TokenizerInfo(load_tokenizer(model_dir(self.config)))
         return {}
 
+    async def teardown(self) -> None:
+        await self.watch.close()
+
+    def _watched_outbox(self, address: str) -> None:
+        """The outbox to another node's front end, its monitor attached before it connects (so that it sees the
+        connection)."""
+        if address not in self._outboxes:
+            out = Outbox(self.zmq, address, connect=False)
+            self.watch.watch(address, out.sock)
+            out.sock.connect(address)
+            self._outboxes[address] = out
+
+    async def _front_end_gone(self, address: str) -> None:
+        """Another node's front end stopped listening: nobody reads its sequences, so they stop computing."""
+        rids = [(rid, rank) for rid, (a, rank) in self.routes.items() if a == address]
+        if rids:
+            log.warning("aborting %d sequences of the front end at %s", len(rids), address)
+        for rid, rank in rids:
+            await self.send(self.scheduler, AbortCmd(rid=rid, dp_rank=rank), instance=rank)
+
     async def on_token_delta(self, msg: TokenDelta) -> None:
         out: dict[str | None, list[SeqText]] = {}  # front end (None: the engine's own) -> its sequences' text
         stopped: list[str] = []
+        orphans: list[str] = []
         for item in msg.items:
             if item.reply_to is not None:
-                self.routes[item.rid] = item.reply_to
+                self.routes[item.rid] = (item.reply_to, msg.dp_rank)
+                self._watched_outbox(item.reply_to)
+                if item.reply_to in self.watch.gone and item.finish_reason is None:
+                    orphans.append(item.rid)
             route = self.routes.pop(item.rid, None) if item.finish_reason is not None else self.routes.get(item.rid)
             text = self._text(item, stopped)
             if text is not None:
-                out.setdefault(route, []).append(text)
-        for route, items in out.items():
-            await self.reply(route, TextDelta(items=items))
+                out.setdefault(route[0] if route else None, []).append(text)
+        for address, items in out.items():
+            await self.reply(address, TextDelta(items=items))
+        for rid in orphans:  # its front end went away before its first token
+            await self.send(self.scheduler, AbortCmd(rid=rid, dp_rank=msg.dp_rank), instance=msg.dp_rank)
         for rid in stopped:  # the scheduler (of the sequence's data-parallel rank) stops computing it, frees its blocks
             await self.send(self.scheduler, AbortCmd(rid=rid, dp_rank=msg.dp_rank), instance=msg.dp_rank)
 

@@ -74,6 +74,13 @@ from flotilla.transport.registry import (
 
 log = logging.getLogger(__name__)
 
+ROUTE_ATTEMPTS = 3
+"""Routings of one request whose engine dies, or whose KV hand-off fails, before its first delta (Fleet.stream)."""
+
+
+class HandOffError(EngineDeadError):
+    """A disaggregated request's prompt KV did not reach its decode engine (nothing was streamed yet)."""
+
 
 class RegistryView:
     """The registry as the router reads it: answers cached for `max_age_s` (no Redis round trip per request),
@@ -124,7 +131,7 @@ class Fleet:
                         for name, cfg in engines}  # fmt: skip
         self.roles = {name: cfg.disagg.role for name, cfg in engines}
         self.remote: dict[str, RemoteEngine] = {}
-        """Other nodes' engines this front end has routed to (or seen in the registry), by engine id."""
+        """Other nodes' engines this front end has routed to, by engine id (dead ones until they register again)."""
         self._remote_roles: set[str] = set()  # roles of other nodes' live engines, at the last registry read
         self._zmq: zmq.asyncio.Context | None = None
         self._reply_inbox: Inbox | None = None
@@ -283,16 +290,36 @@ class Fleet:
         return next(iter(self.clients.values())).fan_out(req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[SeqText]:
-        """Route one engine request (n == 1) and yield its deltas."""
+        """Route one engine request (n == 1) and yield its deltas. When an engine it went to dies before its first
+        delta (e.g. another node's engine that died moments ago and is still in the registry), or its KV hand-off
+        fails, it is routed again, up to ROUTE_ATTEMPTS times in all; a failure after the first delta ends it."""
+        for attempt in range(1, ROUTE_ATTEMPTS + 1):
+            started = False
+            engines: list[str] = []
+            # a new id per routing: what the engines say late about an earlier one (its abort) must not reach this one
+            routed = req if attempt == 1 else msgspec.structs.replace(req, rid=f"{req.rid}~{attempt}")
+            try:
+                async for item in self._route_once(routed, engines):
+                    started = True
+                    yield item
+                return
+            except EngineDeadError as e:
+                lost = isinstance(e, HandOffError) or not all(self._alive(n) for n in engines)
+                if started or attempt == ROUTE_ATTEMPTS or not engines or not lost:
+                    raise
+                log.warning("request %s: %s before its first token; routing it again", req.rid, e)
+
+    async def _route_once(self, req: GenerateRequest, engines: list[str]) -> AsyncIterator[SeqText]:
+        """One routing of the request: `engines` gets the engines it went to."""
         try:
             roles = {e.role for e in await self.view.engines(model=self.model)}
             if "prefill" in roles and "decode" in roles:
                 prefill, decode = await self.router.pick_pair()
-                engines = [prefill.engine_id, decode.engine_id]
+                engines += [prefill.engine_id, decode.engine_id]
                 source = self._stream_pd(req, self._engine(prefill), self._engine(decode))
             else:
                 info = await self.router.pick()
-                engines = [info.engine_id]
+                engines.append(info.engine_id)
                 source = self._engine(info).stream(req)
         except NoEngineError:
             live = ", ".join([f"{n} ({self.roles[n]})" for n, c in self.clients.items() if c.alive]
@@ -332,6 +359,11 @@ class Fleet:
                 engine=decode.name, scheduler=d_eps.of("scheduler"))))
             detached = False
             async for item in deltas(queue, outcome):
+                if not detached and item.finish_reason == "error":  # the hand-off failed (a failed migration, the
+                    outcome.failed = True  # prefill side's failure): say which pair, and let stream() route it again
+                    why = prefill._dead or decode._dead
+                    raise HandOffError(f"the prompt's KV did not reach decode engine {decode.name} from prefill "
+                                          f"engine {prefill.name}" + (f" ({why})" if why else ""))
                 if not detached:  # the decode side has the KV now: the prefill engine's fate is not this request's
                     detached = True
                     prefill._pending.pop(req.rid, None)
@@ -430,8 +462,12 @@ class Fleet:
         """Other nodes' live engines: their roles count for `alive`; those that left the registry are dead."""
         live = {e.engine_id: e for e in await self.registry.engines(model=self.model)}
         self._remote_roles = {e.role for name, e in live.items() if name not in self.clients}
-        for name in [n for n in self.remote if n not in live]:
-            remote = self.remote.pop(name)
+        for name, remote in list(self.remote.items()):
+            if name in live and not remote.alive:  # registered again (restarted): a fresh one when next routed to
+                del self.remote[name]
+                remote.close()
+        for name in [n for n, r in self.remote.items() if n not in live and r.alive]:
+            remote = self.remote[name]  # kept, dead, for /metrics (flotilla_engine_alive 0)
             reason = (f"engine {name} (of another node) left the registry {self.registry_url}: it missed its "
                       "heartbeats, or its front end retired it")  # fmt: skip
             log.error("%s; the other engines keep serving", reason)

@@ -317,9 +317,62 @@ def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_t
         assert detok.routes == {}
         with pytest.raises(asyncio.TimeoutError):  # rank 0's scheduler heard nothing
             await asyncio.wait_for(ranks[0].recv(), 0.2)
+        await detok.teardown()
         detok._close()
         for inbox in (*ranks, frontend, other_node):
             inbox.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
+def test_a_front_end_that_stops_listening_is_reported_gone_after_the_grace_and_back_when_it_returns():
+    """FrontEndWatch on real TCP sockets: a front end (an inbox) that closes is reported gone once the grace has
+    passed; bound again at the same address it is back, and what was sent meanwhile arrives; an address nobody
+    ever listened at is reported gone too."""
+    from flotilla.actors.front_end_watch import FrontEndWatch
+    from flotilla.transport.messages import AbortCmd
+
+    async def main():
+        ctx = new_context()
+        gone: list[str] = []
+        reported = asyncio.Event()
+
+        async def on_gone(address: str) -> None:
+            gone.append(address)
+            reported.set()
+
+        watch = FrontEndWatch(on_gone, grace_s=0.2, connect_s=0.2)
+        address = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
+        front_end = Inbox(ctx, address, (AbortCmd,))
+        out = Outbox(ctx, address, connect=False)
+        watch.watch(address, out.sock)
+        out.sock.connect(address)
+        await out.send(AbortCmd(rid="a"))
+        assert (await asyncio.wait_for(front_end.recv(), 5)).rid == "a"
+        await asyncio.sleep(0.4)  # connected: the grace passes without a report
+        assert gone == []
+        front_end.close()
+        await asyncio.wait_for(reported.wait(), 10)
+        assert gone == [address] and address in watch.gone
+        await out.send(AbortCmd(rid="b"))  # queued for it
+        front_end = Inbox(ctx, address, (AbortCmd,))
+        assert (await asyncio.wait_for(front_end.recv(), 10)).rid == "b"
+        for _ in range(100):
+            if address not in watch.gone:
+                break
+            await asyncio.sleep(0.05)
+        assert address not in watch.gone
+        reported.clear()
+        nobody = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
+        out2 = Outbox(ctx, nobody, connect=False)
+        watch.watch(nobody, out2.sock)
+        out2.sock.connect(nobody)
+        await asyncio.wait_for(reported.wait(), 10)
+        assert gone == [address, nobody]
+        await watch.close()
+        for s in (front_end, out, out2):
+            s.close()
         ctx.term()
 
     uvloop.run(main())

@@ -130,13 +130,15 @@ def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefil
     assert b.proc.wait(timeout=30) == 1, "".join(b.log[-30:])
 
 
-def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes):
+def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, monkeypatch):
     """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
-    every KV block of both is free afterwards."""
+    every KV block of both is free afterwards. Then that front end dies mid-stream: the other node's engine aborts
+    the sequences nobody reads any more (FLOTILLA_FRONTEND_GRACE_S=0 there) and keeps serving."""
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
     c = start_server(*node_argv(model, url, "c", "both"), timeout=180)
+    monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "0")
     try:
         d = start_server(*node_argv(model, url, "d", "both"), timeout=180)
     except BaseException:
@@ -151,6 +153,18 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
         assert routed["d-engine-0"] > 0 and sum(routed.values()) == 24, routed
         pdh.wait_idle(d.url, ["d-engine-0"], transfers=False)
         pdh.wait_idle(c.url, ["c-engine-0"], transfers=False)
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=180, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
+        assert all(next(iter(s)).choices for s in streams)  # decoding, some on each engine (least loaded first)
+        c.proc.kill()
+        c.proc.wait(timeout=30)
+        pdh.wait_idle(d.url, ["d-engine-0"], transfers=False)
+        assert any(re.search(r"aborting [1-4] sequences of the front end at tcp://", x) for x in d.log), "".join(d.log[-25:])
+        # c's engine died with it, unknown to d's front end until its registry entry expires: requests d routes there
+        # meanwhile are routed again, to d's engine, and all give the colocated outputs
+        reqs = pdh.requests(4, offset=80)
+        assert pdh.run_all(d.url, reqs) == pdh.run_all(colocated.url, reqs)
     finally:
         assert d.stop() == 0, "".join(d.log[-30:])
-        assert c.stop() == 0, "".join(c.log[-30:])
+        c.stop()

@@ -93,11 +93,14 @@ class Inbox(_Receiving):
 class Outbox:
     """A PUSH socket connected to one peer's inbox."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, opts: ChannelOptions = ChannelOptions()) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, opts: ChannelOptions = ChannelOptions(),
+                 connect: bool = True) -> None:
+        """connect=False: the caller connects `sock` to `address` itself (e.g. after attaching a monitor)."""
         self.address = address
         self.sock = ctx.socket(zmq.PUSH)
         _configure(self.sock, opts)
-        self.sock.connect(address)
+        if connect:
+            self.sock.connect(address)
         self.encoder = Encoder()
 
     async def send(self, msg: Message) -> None:
