@@ -145,7 +145,9 @@ class Fleet:
         self._schedulers: dict[str, Outbox] = {}
         self._transfers: dict[str, tuple[str, str]] = {}  # transfer id -> (prefill, decode) while streaming
         self._ids = itertools.count()
-        self._prefix = f"{os.getpid():x}-{int(time.time()):x}"
+        # random too: front ends of several nodes send to the same engines, and containers started together share
+        # pids and start times (an engine refuses a request id it already runs)
+        self._prefix = f"{os.getpid():x}-{int(time.time()):x}-{uuid.uuid4().hex[:6]}"
         self._tasks: set[asyncio.Task] = set()
         self.routed = {name: 0 for name in self.clients}
         """Requests the router gave each engine (a disaggregated one counts for both of its engines)."""

@@ -72,3 +72,19 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_when_there_are_enough(monkeypa
     assert devices("prefill,decode", device="cpu") == ["cpu", "cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert devices("prefill,decode") == ["auto", "auto"]
+
+
+def test_request_ids_of_two_front_ends_started_alike_differ(monkeypatch):
+    """Front ends of several nodes send requests to the same engines, and an engine refuses an id it already runs:
+    two fleets with the same pid and start second (containers started together) still mint different ids."""
+    import os as os_mod
+    import time as time_mod
+
+    from flotilla.config import EngineConfig
+    from flotilla.server.fleet import Fleet
+
+    monkeypatch.setattr(os_mod, "getpid", lambda: 7)
+    monkeypatch.setattr(time_mod, "time", lambda: 1_800_000_000.0)
+    config = EngineConfig.from_options()
+    a, b = (Fleet([("engine-0", config)], "m") for _ in range(2))
+    assert a.new_rid() != b.new_rid()
