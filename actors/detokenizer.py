@@ -55,9 +55,9 @@ class DetokenizerActor(Actor):
     async def teardown(self) -> None:
         await self.watch.close()
 
-    def _watched_outbox(self, address: str) -> None:
-        """The outbox to another node's front end, its monitor attached before it connects (so that it sees the
-        connection)."""
+    def _watch_front_end(self, address: str) -> None:
+        """Open the outbox to another node's front end once, its monitor attached before it connects (so that the
+        watch sees the connection)."""
         if address not in self._outboxes:
             out = Outbox(self.zmq, address, connect=False)
             self.watch.watch(address, out.sock)
@@ -79,7 +79,7 @@ class DetokenizerActor(Actor):
         for item in msg.items:
             if item.reply_to is not None:
                 self.routes[item.rid] = (item.reply_to, msg.dp_rank)
-                self._watched_outbox(item.reply_to)
+                self._watch_front_end(item.reply_to)
                 if item.reply_to in self.watch.gone and item.finish_reason is None:
                     orphans.append(item.rid)
             route = self.routes.pop(item.rid, None) if item.finish_reason is not None else self.routes.get(item.rid)

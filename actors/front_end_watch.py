@@ -5,8 +5,8 @@ front end dies, nobody reads the text any more and nobody tells the engine: its 
 max_tokens, holding their KV blocks. The watch reads the connection events of the engine's socket to each such
 front end (ZeroMQ's socket monitor). A front end that has been disconnected for `grace_s`, or has not connected
 within `connect_s` of its first request, is reported gone (`on_gone(address)`), and the detokenizer aborts its
-sequences. One that connects again is
-watched as before; what was sent to it meanwhile (an aborted sequence's last delta) is delivered then.
+sequences. One that connects again is watched as before; what was sent to it meanwhile (an aborted sequence's
+last delta) is delivered then.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from flotilla.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from flotilla.transport.registry import shared_registry
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "worker": WorkerConfig,
@@ -124,12 +125,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with a redis:// registry: prefix of this node's engine ids (NAME-prefill-0, ...), which must "
                         "be unique among the front ends sharing the registry; none: prefill-0, ...")
     add_engine_arguments(p)
-
-
-def shared_registry(registry: str | None) -> bool:
-    """Whether other nodes' front ends share the registry (a redis:// URL), so this node's engines can be paired
-    with theirs."""
-    return registry not in (None, "", "memory")
 
 
 def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,

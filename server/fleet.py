@@ -70,6 +70,7 @@ from flotilla.transport.registry import (
     InMemoryRegistry,
     Registry,
     Role,
+    shared_registry,
 )
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class RegistryView:
 
 def open_registry(url: str | None, ttl_s: float) -> Registry:
     """`memory` (or None): this process's memory; `redis://...`: a Redis server shared by several nodes."""
-    if url in (None, "", "memory"):
+    if not shared_registry(url):
         return InMemoryRegistry(ttl_s=ttl_s)
     if url.startswith(("redis://", "rediss://", "unix://")):
         from flotilla.transport.registry import RedisRegistry
@@ -365,7 +366,7 @@ class Fleet:
                     outcome.failed = True  # prefill side's failure): say which pair, and let stream() route it again
                     why = prefill._dead or decode._dead
                     raise HandOffError(f"the prompt's KV did not reach decode engine {decode.name} from prefill "
-                                          f"engine {prefill.name}" + (f" ({why})" if why else ""))
+                                       f"engine {prefill.name}" + (f" ({why})" if why else ""))
                 if not detached:  # the decode side has the KV now: the prefill engine's fate is not this request's
                     detached = True
                     prefill._pending.pop(req.rid, None)

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from flotilla.server.engine_client import EngineDeadError, Outcome, deltas
 from flotilla.transport.channels import Outbox
+from flotilla.transport.endpoints import Endpoints
 from flotilla.transport.messages import AbortCmd, GenerateRequest, SeqText
 from flotilla.transport.registry import EngineInfo
 
@@ -31,22 +32,21 @@ class RemoteEngine:
 
     def __init__(self, info: EngineInfo, zmq_ctx: zmq.asyncio.Context, reply_to: str) -> None:
         self.name, self.role, self.reply_to = info.engine_id, info.role, reply_to
-        self.addresses = dict(info.addresses)
+        self.endpoints = Endpoints(supervisor="", actors=dict(info.addresses))
         self.to_tokenizer = Outbox(zmq_ctx, self.of("tokenizer"))
         self._pending: dict[str, asyncio.Queue] = {}
         self._dead: str | None = None
 
     def of(self, actor: str, instance: int = 0) -> str:
-        key = f"{actor}/{instance}"
-        if key not in self.addresses:
-            raise EngineDeadError(f"engine {self.name} registered no {key} address (known: "
-                                  f"{', '.join(sorted(self.addresses))})")  # fmt: skip
-        return self.addresses[key]
+        """Where one of its actors listens (EngineDeadError, a 503, when it registered none)."""
+        try:
+            return self.endpoints.of(actor, instance)
+        except KeyError as e:
+            raise EngineDeadError(f"engine {self.name}: {e.args[0]}") from None
 
     def instances(self, actor: str) -> list[str]:
         """Addresses of every instance of one of its actors, in instance order."""
-        found = sorted((int(k.rsplit("/", 1)[1]), a) for k, a in self.addresses.items() if k.rsplit("/", 1)[0] == actor)
-        return [a for _, a in found]
+        return self.endpoints.instances(actor)
 
     @property
     def alive(self) -> bool:

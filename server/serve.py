@@ -25,7 +25,8 @@ import uvloop
 from flotilla.actors.tokenizer import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
-from flotilla.server.cli import engine_config_from_args, fleet_engines, shared_registry
+from flotilla.server.cli import engine_config_from_args, fleet_engines
+from flotilla.transport.registry import shared_registry
 from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
 from flotilla.server.protocol_output import TokenTexts

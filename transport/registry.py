@@ -30,6 +30,11 @@ TTL_HEARTBEATS = 3
 """An entry survives this many missed heartbeats."""
 
 
+def shared_registry(url: str | None) -> bool:
+    """Whether a registry URL names one other nodes' front ends share (redis://...), not this process's memory."""
+    return url not in (None, "", "memory")
+
+
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One engine as the registry knows it."""
 
