@@ -117,8 +117,10 @@ def requests() -> list[TokenizedRequest]:
     return reqs
 
 
-def run(runner: ModelRunner, budget: int = 16) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
-    """Every request to the end, one step at a time; also (drafts planned, tokens got) of each verify row."""
+def run(runner: ModelRunner, budget: int = 16, rows: list | None = None
+        ) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
+    """Every request to the end, one step at a time; also (drafts planned, tokens got) of each verify row, and the
+    same with the row's request id first in `rows` when given."""
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
                           speculative_config=runner.config.scheduler.speculative_config)
     blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None)
@@ -137,6 +139,8 @@ def run(runner: ModelRunner, budget: int = 16) -> tuple[dict, dict, BatchSchedul
         assert result.error is None
         if result.num_tokens is not None:
             verified += [(drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
+            if rows is not None:
+                rows += [(rid, drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
         for d in sched.update(result):
             tokens.setdefault(d.rid, []).extend(d.token_ids)
             if d.logprobs is not None:
@@ -171,6 +175,17 @@ def oracle(plain_tokens: dict, corrupt: bool):
     return hook
 
 
+def check_all_accepted(rows: list[tuple[str, int, int]], want_tokens: dict) -> None:
+    """Every verify row at forced acceptance yields its drafts plus one token, except the stop-token request's last:
+    past its stop token the oracle has no tokens left to hand, so its last drafts are the model's own, rejected (with
+    three drafts the stop token fell inside such a row)."""
+    assert rows
+    short = [(i, rid) for i, (rid, k, n) in enumerate(rows) if n != k + 1]
+    last = {rid: i for i, (rid, _, _) in enumerate(rows)}
+    for i, rid in short:
+        assert want_tokens[rid][-1] == STOP_TOKEN and last[rid] == i, rows[i]
+
+
 def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
     assert got[0] == want[0]
     assert got[1].keys() == want[1].keys()
@@ -200,16 +215,17 @@ def test_accepted_and_rejected_drafts_give_the_tokens_of_plain_decoding(model_di
     assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
 
 
-@pytest.mark.parametrize("num_spec", [1, 2])
+@pytest.mark.parametrize("num_spec", [1, 2, 3])
 def test_forced_acceptance_gives_num_speculative_tokens_plus_one_per_verify_step(model_dir: Path, plain: tuple,
                                                                                  num_spec: int) -> None:
     runner = make_runner(model_dir, num_spec)
     runner.spec.draft_hook = oracle(plain[0], corrupt=False)
-    tokens, logprobs, sched, verified = run(runner)
+    rows: list[tuple[str, int, int]] = []
+    tokens, logprobs, sched, verified = run(runner, rows=rows)
     check_same((tokens, logprobs), plain)
-    assert verified and all(n == k + 1 for k, n in verified)
+    check_all_accepted(rows, plain[0])
     assert sum(k == num_spec for k, _ in verified) > len(verified) // 2
-    assert sched.spec_accepted_tokens == sched.spec_draft_tokens
+    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
 
 
 @pytest.mark.gpu
@@ -221,9 +237,10 @@ def test_forced_acceptance_on_cuda_gives_num_speculative_tokens_plus_one_per_ver
     want = run(make_runner(model_dir, None, device="cuda"))[:2]
     runner = make_runner(model_dir, num_spec, device="cuda")
     runner.spec.draft_hook = oracle(want[0], corrupt=False)
-    tokens, logprobs, _, verified = run(runner)
+    rows: list[tuple[str, int, int]] = []
+    tokens, logprobs, _, verified = run(runner, rows=rows)
     check_same((tokens, logprobs), want)
-    assert verified and all(n == k + 1 for k, n in verified)
+    check_all_accepted(rows, want[0])
     full = [n for k, n in verified if k == num_spec]
     print(f"tokens per verify step at forced acceptance, N={num_spec}: {sum(full) / len(full):.2f}")
 
