@@ -128,6 +128,9 @@ class GPUWorkerActor(Actor):
         if self.config.parallel.expert_parallel_size > 1:
             self._thread.submit(destroy_expert_parallel)
         self._thread.shutdown(wait=True, cancel_futures=True)
+        if self.runner is not None:
+            self.runner.close()  # its device memory back now, not when the stopped actors are collected
+            self.runner = None
         if self._trace is not None:
             self._trace.close()
         await super().teardown()

@@ -311,3 +311,21 @@ def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path, monkeyp
     assert s["prefill_or_mixed"]["steps"] >= 4 and s["decode"]["steps"] >= 4
     assert s["prefill_or_mixed"]["tokens"] + s["decode"]["tokens"] == sum(r["tokens"] for r in rows)
     assert s["decode"]["tokens"] == s["decode"]["seqs"]
+
+
+def test_a_stopped_inline_engine_drops_its_model_and_kv_cache(tiny):
+    """An inline engine's worker lets go of its model and KV cache when it stops, so a second engine in the same
+    process finds the device memory free (on an H200 bench_mtp's second inline engine ran out of memory before)."""
+    import gc
+    import weakref
+
+    with LLM(tiny, kv_cache_blocks=64, block_size=16, placement="inline") as engine:
+        runner = engine.client.runtime.actors["worker/0"].runner
+        model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+        del runner
+        assert run(engine, prompts(2, seed=4), max_tokens=3)
+    gc.collect()
+    assert engine.client.runtime.actors["worker/0"].runner is None
+    assert model() is None and cache() is None
+    with LLM(tiny, kv_cache_blocks=64, block_size=16, placement="inline") as again:  # and the next one serves
+        assert run(again, prompts(2, seed=4), max_tokens=3)
