@@ -246,6 +246,8 @@ def _moe_backends(bench: Bench, fp8: bool) -> Backends:
         backends.append(("triton", fused))
         for text in bench.moe_tiles:  # a tuning sweep: the same kernel with other tiles / warps / stages
             tiles = triton_experts.parse_tiles(text)
+            if fp8 and any(key.startswith("small_") for key in tiles):
+                continue  # the small-batch path (t, sn, sk) has no FP8 mode
             backends.append((f"triton[{text}]", lambda *a, fused=fused, tiles=tiles: fused(*a, **tiles)))
     else:
         backends.append(("triton", reason))
@@ -527,7 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-tiles", default="",
                    help="extra triton expert-kernel variants for moe / fp8_moe, ';'-separated, each like "
                         "FLOTILLA_MOE_TILES: m=BLOCK_M,n=BLOCK_N,k=BLOCK_K,w=num_warps,s=num_stages (any subset), "
-                        "e.g. 'n=128,k=128,s=4;m=32,n=128,w=8'")  # fmt: skip
+                        "and the small-batch path's t=most tokens (0: off),sn=BLOCK_N,sk=BLOCK_K (moe only), "
+                        "e.g. 'n=128,k=128,s=4;t=0;sn=8,sk=256'")  # fmt: skip
+    p.add_argument("--moe-tokens", default=None,
+                   help="moe's batch sizes, comma-separated (default: %s; with --quick %s)" % (
+                       ",".join(map(str, GPU_SIZES.moe_tokens)), ",".join(map(str, QUICK["moe_tokens"]))))  # fmt: skip
     p.add_argument("--fp8-tiles", default="",
                    help="extra triton FP8 GEMM variants for fp8_gemm, ';'-separated, each like FLOTILLA_FP8_TILES: "
                         "m=BLOCK_M,n=BLOCK_N,sk=SPLIT_K,w=num_warps,s=num_stages (any subset), e.g. "
@@ -556,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no CUDA device here: run on a GPU, or pass --cpu-smoke to test the plumbing at tiny sizes")
     if args.mla_ctx is not None:
         sizes = dataclasses.replace(sizes, mla_ctx=args.mla_ctx)
+    if args.moe_tokens:
+        sizes = dataclasses.replace(sizes, moe_tokens=tuple(int(t) for t in args.moe_tokens.split(",")))
     torch.manual_seed(args.seed)
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
                   [t.strip() for t in args.moe_tiles.split(";") if t.strip()],

@@ -159,11 +159,60 @@ def test_triton_fused_experts_match_reference(tokens, hidden, inter, experts, to
                                               dtype):  # fmt: skip
     from flotilla.kernels.moe import triton_experts
 
-    def run(x, w13, w2, weights, ids):
+    def run(x, w13, w2, weights, ids):  # small_tokens=0: the sorted GEMMs even for the one decode token
         return triton_experts.fused_experts(x, w13, w2, weights, ids, block_m=block_m, block_n=block_n,
-                                            block_k=block_k)  # fmt: skip
+                                            block_k=block_k, small_tokens=0)  # fmt: skip
 
     _check_fused(run, tokens, hidden, inter, experts, top_k, dtype, seed=tokens + hidden)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "experts", "top_k", "block_n", "block_k", "dtype"),
+    [
+        (1, 32, 16, 4, 2, 16, 16, torch.float32),  # one decode token
+        (3, 48, 24, 8, 3, 16, 32, torch.float32),  # K and N not multiples of the tiles; two tokens on one expert
+        (4, 40, 16, 6, 1, 8, 64, torch.float16),  # top-1, a K tile wider than K
+        (2, 32, 48, 4, 4, 32, 16, torch.float16),  # every expert, several K steps in the down pass
+    ],
+)
+def test_small_batch_experts_match_reference(tokens, hidden, inter, experts, top_k, block_n, block_k, dtype):
+    """The token-major path for decode-sized batches (kernels/moe/triton_experts_small.py): no sorting, the combine
+    in the down pass; the same numbers as the reference, rounded where it rounds."""
+    from flotilla.kernels.moe import triton_experts_small
+
+    def run(x, w13, w2, weights, ids):
+        return triton_experts_small.fused_experts_small(x, w13, w2, weights, ids, block_n, block_k)
+
+    _check_fused(run, tokens, hidden, inter, experts, top_k, dtype, seed=tokens + inter)
+
+
+@needs_triton
+def test_small_batches_take_the_token_major_path_and_larger_ones_the_sorted_gemms(monkeypatch):
+    """fused_experts sends batches of up to SMALL_BATCH_MAX_TOKENS tokens (or the caller's / FLOTILLA_MOE_TILES'
+    small_tokens, t=N) to the small-batch kernels, the rest to the sorted GEMMs; both give the reference's numbers."""
+    from flotilla.kernels.moe import triton_experts, triton_experts_small
+
+    calls = []
+    for name, module in (("small", triton_experts_small), ("sorted", triton_experts)):
+        real = getattr(module, "fused_experts_small" if name == "small" else "_two_passes")
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, args[0].shape[0]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, real.__name__, spy)
+    limit = triton_experts_small.SMALL_BATCH_MAX_TOKENS
+    for tokens in (1, limit, limit + 1):
+        _check_fused(triton_experts.fused_experts, tokens, 32, 16, 4, 2, torch.float32, seed=tokens)
+    assert calls == [("small", 1), ("small", limit), ("sorted", limit + 1)]
+    calls.clear()
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "t=0")
+    _check_fused(triton_experts.fused_experts, 1, 32, 16, 4, 2, torch.float32, seed=1)
+    _check_fused(lambda *a: triton_experts.fused_experts(*a, small_tokens=8), 6, 32, 16, 4, 2, torch.float32, seed=6)
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "t=2,sn=8,sk=16")
+    _check_fused(triton_experts.fused_experts, 2, 32, 16, 4, 2, torch.float32, seed=2)
+    assert calls == [("sorted", 1), ("small", 6), ("small", 2)]
 
 
 @needs_triton
@@ -266,8 +315,15 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     fp8 = dict(TOP_K=8, FP8=True, BLOCK_SCALE_N=128, BLOCK_SCALE_K=128, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")
     specs += [(fp8_pointers, dict(fp8, N=2048, K=7168, GATE_UP=True, UP_SCALE_ROW=16, BLOCK_M=64)),
               (fp8_pointers, dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16))]  # fmt: skip
-    compile_for_sm90([("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], c, 4) for p, c in specs],
-                     tmp_path)
+    kernels = [("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], c, 4) for p, c in specs]
+    small = "flotilla.kernels.moe.triton_experts_small"
+    tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128)
+    kernels += [(small, "_small_gate_up_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
+                                                  "out_ptr": "*bf16"}, [], dict(tiles, N=768, K=2048), 4),
+                (small, "_small_down_kernel", {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
+                                               "weights_ptr": "*fp32", "out_ptr": "*bf16"}, [],
+                 dict(tiles, N=2048, K=768, TOP_K_P2=8), 8)]  # fmt: skip
+    compile_for_sm90(kernels, tmp_path)
 
 
 # ---- realistic sizes on the GPU (bf16, Qwen3-30B-A3B's expert shapes) ----
@@ -279,6 +335,14 @@ def test_gpu_triton_fused_experts_at_qwen3_30b_sizes(tokens):
     from flotilla.kernels.moe import triton_experts
 
     _check_fused(triton_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+
+
+@gpu_test
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8])
+def test_gpu_small_batch_experts_at_qwen3_30b_sizes(tokens):
+    from flotilla.kernels.moe import triton_experts_small
+
+    _check_fused(triton_experts_small.fused_experts_small, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
 
 
 @gpu_test

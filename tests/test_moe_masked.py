@@ -117,6 +117,12 @@ def test_triton_experts_with_masked_slots_match_the_reference(dtype) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_small_batch_experts_with_masked_slots_match_the_reference(dtype) -> None:
+    _check_triton(*_masked_case(3, 32, 16, 4, 2, dtype, seed=5), small_tokens=4, small_block_n=8, small_block_k=16)
+
+
+@needs_triton
 def test_triton_fp8_experts_with_masked_slots_match_the_reference() -> None:
     from flotilla.kernels.moe import triton_experts
 

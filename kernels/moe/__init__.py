@@ -8,7 +8,8 @@ rows [e0, e1) of both and receives only the tokens routed there.
 
 - "torch": torch_ref, a loop over experts; the reference and the CPU path.
 - "triton": triton_experts, sorted-token grouped GEMMs with SiLU-and-mul fused (CUDA, or the CPU
-  interpreter under TRITON_INTERPRET=1).
+  interpreter under TRITON_INTERPRET=1); batches of a few tokens (decode at small batch) take
+  triton_experts_small instead: token-major matrix-vector kernels with no sorting and the combine fused.
 - "deep_gemm": deep_gemm_experts on DeepGEMM's contiguous grouped GEMM (CUDA with deep_gemm, bf16).
 
 FP8 experts (DeepSeek-V3's e4m3 weights with float32 128x128 block scales, kept as the checkpoint stores

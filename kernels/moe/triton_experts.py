@@ -13,6 +13,9 @@ experts is a single launch whose grid does not depend on the routing (CUDA-graph
 - combine: the k rows of each token summed in float32 and rounded once (one plain reduction launch,
   deterministic, no atomics).
 
+Batches of at most SMALL_BATCH_MAX_TOKENS tokens skip all of this: kernels/moe/triton_experts_small.py computes
+them token by token in two launches, with no sorting and the combine inside the down pass.
+
 Rounding follows kernels/moe/torch_ref.py: every value that the reference holds in the activation dtype
 is rounded here too. Importing this module imports triton; the dispatch imports it only when chosen.
 
@@ -35,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.moe import triton_experts_small as small
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
 from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
@@ -114,8 +118,10 @@ def _expert_gemm_kernel(
         tl.store(out_ptrs, y.to(dtype), mask=valid[:, None] & n_mask[None, :])
 
 
-TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages"}
-"""FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset)."""
+TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
+             "sn": "small_block_n", "sk": "small_block_k"}
+"""FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
+small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles."""
 
 
 @functools.cache
@@ -182,13 +188,23 @@ def fused_experts(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    small_tokens: int | None = None,
+    small_block_n: int | None = None,
+    small_block_k: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
-    ids, slots that add nothing. Block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs); tiles and launch
-    options not given come from FLOTILLA_MOE_TILES, else the defaults (block_m by pick_block_m, 64 x 64, triton's
-    warps and stages)."""
-    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    ids, slots that add nothing. Batches of at most `small_tokens` tokens (default
+    triton_experts_small.SMALL_BATCH_MAX_TOKENS; 0: none) take the small-batch path, tiled by small_block_n /
+    small_block_k; others the sorted GEMMs, with block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs).
+    Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (block_m by pick_block_m,
+    64 x 64, triton's warps and stages)."""
+    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+               small_block_n=small_block_n, small_block_k=small_block_k)
+    limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
+    if 0 < hidden.shape[0] <= limit:
+        return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
+                                         t.get("small_block_k"), _launch(t))  # fmt: skip
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t.get("block_m"), t.get("block_n", 64),
                        t.get("block_k", 64), launch=_launch(t), masked=masked)  # fmt: skip
 

@@ -1,0 +1,149 @@
+"""Fused MoE experts for decode-sized batches: token-major, no sorting, the combine inside the down pass.
+
+At batch 1 the sorted grouped GEMMs of kernels/moe/triton_experts.py spend most of a MoE layer on things other
+than reading the experts. An H200 profile of Qwen3-30B-A3B decoding one token in a CUDA graph (docs/performance.md,
+2026-12-01, ninth device session) gave per layer: the two expert GEMMs 30.5 us for 75 MB of weights (a 17.5 us
+floor), the grouping of 8 slots 4.3 us, and the combine (a torch sum over the top-k rows) 4.8 us. Here the same
+computation is two launches that need no grouping:
+
+- gate_up: one program per (slot, BLOCK_N columns of the intermediate size); it reads its token's row and the
+  expert's gate and up rows of those columns, and writes silu(gate) * up for the slot. Slots with a negative
+  expert id (expert parallelism's masked routing) write nothing.
+- down: one program per (token, BLOCK_N columns of the hidden size); it steps along K through all of the token's
+  top-k slots at once, rounds and weights each slot's product as the reference does, and sums them in float32 in
+  registers, so the token's output is written once, already combined.
+
+Both are matrix-vector products: the weights are multiplied elementwise and summed along K in float32 (a
+[BLOCK_N, BLOCK_K] accumulator reduced once at the end), with no tl.dot, whose 16-row minimum would waste 15/16
+of every tile at one token. Each slot reads its expert's weights itself: two tokens routed to the same expert read
+it twice (from L2 when close together), which is why this path is for a few tokens only (SMALL_BATCH_MAX_TOKENS;
+beyond it the sorted GEMMs read each expert once). The grid depends on the number of tokens alone, so CUDA graphs
+capture it.
+
+Rounding follows kernels/moe/torch_ref.py, as the sorted kernels do: gate, up and the activation rounded to the
+activation dtype, each slot's down product rounded, weighted in float32 and rounded, the k outputs summed in float32
+and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SMALL_BATCH_MAX_TOKENS = 4
+"""Batches of at most this many tokens take this path in triton_experts.fused_experts (bf16/fp16/fp32 weights);
+the `small_tokens` tile (FLOTILLA_MOE_TILES "t=N", 0 to turn it off) overrides it for tuning sweeps."""
+
+DEFAULT_BLOCK_N = 16
+DEFAULT_BLOCK_K = 128
+DOWN_NUM_WARPS = 8
+"""The down pass holds a [top_k, BLOCK_N, BLOCK_K] float32 accumulator: 8 warps keep it at 64 registers a thread at
+the default tiles and top-8."""
+
+
+@triton.jit
+def _small_gate_up_kernel(
+    x_ptr, w_ptr, ids_ptr, out_ptr, stride_xm, stride_we, stride_wn, stride_om,
+    N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (slot, pid_n): out[slot, cols] = silu(x[token] @ gate[cols].T) * (x[token] @ up[cols].T) for the
+    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    if expert < 0:
+        return  # a masked slot: the down pass skips it
+    token = slot // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_xm + offs_k
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # tl.full, not tl.zeros: see triton_experts.py (the CPU interpreter and triton.language's @jit helpers)
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < K - k_tile * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(w_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        acc_up += w_up * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + slot * stride_om + offs_n, (act * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _small_down_kernel(
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_am, stride_we, stride_wn, stride_om,
+    N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (token, pid_n): out[token, cols] = sum over the token's slots of weight * (act[slot] @ w2[cols].T),
+    cols = [pid_n * BLOCK_N, +BLOCK_N) of the hidden size N, K the intermediate size; masked slots add nothing.
+    All TOP_K slots advance together along K (a [TOP_K, BLOCK_N, BLOCK_K] step): at one token the grid is only
+    N / BLOCK_N programs, and one slot at a time would leave too few loads in flight to read at full bandwidth."""
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_j = tl.arange(0, TOP_K_P2)
+    slots = token * TOP_K + offs_j
+    experts = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=-1).to(tl.int64)
+    valid = experts >= 0  # a masked slot (or a padding one past TOP_K) loads nothing and adds 0 * 0
+    weights = tl.load(weights_ptr + slots, mask=valid, other=0.0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = (w_ptr + tl.maximum(experts, 0)[:, None, None] * stride_we
+              + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :])  # fmt: skip
+    acc = tl.full((TOP_K_P2, BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < K - k_tile * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_mask = valid[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc += w * a[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # each slot's product, rounded
+    y = (y * weights[:, None]).to(dtype).to(tl.float32)  # weighted in float32, rounded
+    tl.store(out_ptr + token * stride_om + offs_n, tl.sum(y, axis=0).to(dtype), mask=n_mask)
+
+
+def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+                        launch: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """torch_ref.fused_experts's contract (negative ids always allowed) in two launches: hidden [T, H], w13
+    [E, 2I, H], w2 [E, H, I], topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Meant for
+    T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes."""
+    num_tokens, hidden_size = hidden.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_experts needs a contiguous last dimension in activations and weights")
+    bn, bk = block_n or DEFAULT_BLOCK_N, block_k or DEFAULT_BLOCK_K
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)
+    _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
+        hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
+        **(launch or {}),
+    )  # fmt: skip
+    _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, bn))](
+        act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=bn,
+        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **{"num_warps": DOWN_NUM_WARPS, **(launch or {})},
+    )  # fmt: skip
+    return out
