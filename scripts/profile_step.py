@@ -242,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     p.add_argument("--attention-backend", default="auto", help="force an attention backend")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--kv-cache-blocks", type=int, default=24576, help="KV blocks of 16 tokens (--mixed needs room)")
+    p.add_argument("--kv-cache-blocks", type=int, default=24576, help="KV blocks (--mixed needs room)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the engine's, which is 64 for FlashMLA's DeepSeek shapes; "
+                        "16 made those fall back to the triton MLA kernels)")
     p.add_argument("--torch-profile", action="store_true",
                    help="profile the overlapped pass with torch.profiler: device busy time per step and the top kernels "
                         "(the profiler's own host cost slows the host side: read the wall times from a run without it)")
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_options(
         model=str(shape_dir(args.model)) if dummy else args.model, dtype="bfloat16",
         load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=args.kv_cache_blocks,
-        block_size=16,
+        block_size=args.block_size,
         attention_backend=args.attention_backend, device="cuda", enforce_eager=args.enforce_eager)
     runner = ModelRunner(config, progress=False)
     rows = []

@@ -180,3 +180,19 @@ def test_mla_kernels_compile_for_sm90_at_deepseek_v3_sizes(tmp_path):
     specs += [(mod, "_store_latent_kernel", {**store, "cache_ptr": cache}, ["kv_scale"],
                dict(BLOCK_L=512, BLOCK_R=64, QUANT=cache == "*fp8e4nv"), 4) for cache in ("*bf16", "*fp8e4nv")]
     compile_for_sm90(specs, tmp_path)
+
+
+def test_decode_splits_left_empty_are_neither_written_nor_read(monkeypatch):
+    """A CUDA graph fixes the splits for the longest context, so short ones leave most splits empty: those write only
+    their lse (-inf) and the merge skips them. Partial buffers start as NaN here: reading one would show."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    q_latent, q_pe, cache, meta = _decode_batch([1, 3, 40], 32, 8, 4, 4, torch.float32, seed=11)
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, num_splits=16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
