@@ -37,9 +37,11 @@ the `small_tokens` tile (FLOTILLA_MOE_TILES "t=N", 0 to turn it off) overrides i
 
 DEFAULT_BLOCK_N = 16
 DEFAULT_BLOCK_K = 128
-DOWN_NUM_WARPS = 8
-"""The down pass holds a [top_k, BLOCK_N, BLOCK_K] float32 accumulator: 8 warps keep it at 64 registers a thread at
-the default tiles and top-8."""
+NUM_WARPS = 8
+"""Warps per program of both passes unless the launch options say otherwise. The down pass holds a [top_k, BLOCK_N,
+BLOCK_K] float32 accumulator, which 8 warps keep at 64 registers a thread at the default tiles and top-8. For the
+gate_up pass 8 warps were faster than triton's 4 on an H200 (bench_kernels in CUDA graphs, Qwen3-30B-A3B's experts:
+27.7 against 36.5 us for the whole MoE at one token, 76.3 against 83.6 at four; docs/performance.md, 2026-12-01)."""
 
 
 @triton.jit
@@ -139,11 +141,11 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
         hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
-        **(launch or {}),
+        **{"num_warps": NUM_WARPS, **(launch or {})},
     )  # fmt: skip
     _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, bn))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=bn,
-        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **{"num_warps": DOWN_NUM_WARPS, **(launch or {})},
+        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **{"num_warps": NUM_WARPS, **(launch or {})},
     )  # fmt: skip
     return out
