@@ -115,7 +115,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     attention_backend: str = "auto"
-    """Attention kernels: auto picks the best importable backend; or force one by name."""
+    """Attention kernels: auto picks the best importable backend; or force one by name: torch, triton, flashinfer,
+    flashinfer_triton (FlashInfer for prefill steps, triton's decode kernel in CUDA graphs); an MLA model takes
+    torch, triton, flash_mla or flashinfer."""
     enforce_eager: bool = False
     """Never capture CUDA graphs."""
     fused_ops: Literal["auto", "torch", "triton"] = "auto"

@@ -11,6 +11,13 @@
 #   profile_ds   profile_step --torch-profile on DeepSeek-V3-4L at batch 1 and 64 (FlashMLA, graphs)
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
+#   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
+#                attention backend in Q30_ATTN (default "auto")
+#   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
+#   profile_q30_long  profile_q30 at 2,048-token prompts, once per attention backend in Q30_ATTN
+#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto")
+#   moe_small    bench_kernels' moe bench at 1-16 tokens: the small-batch experts against the sorted ones (t=0) and
+#                the small path's tile variants in SMALL_TILES
 # The next session's plan (docs/performance.md) runs, on a warm nvidia-h200:
 #   1) carry [".vllm-peer/vllm.tar.xz.part-aa", ".gpu-lite"]: SETUPS="peer tests mtp" bash scripts/device_h200.sh
 #   2) carry [".vllm-peer/vllm.tar.xz.part-ab", ".gpu-lite"]: SETUPS="peer kernels profile_ds" bash scripts/device_h200.sh
@@ -60,14 +67,46 @@ if want kernels; then
   echo "exit $?"; grep '"summary"' "$R/kernels.log"
 fi
 
-profile() {  # label, model
-  stage "$1: profile_step --model $2"
+if want moe_small; then
+  stage "moe_small: bench_kernels --only moe at 1-16 tokens"
+  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 1,2,4,8,16 --target-s 0.05 \
+    --moe-tiles "${SMALL_TILES:-t=0;t=16;sn=8;sn=32;sk=256;sn=8,sk=256;w=8}" --json "$R/moe-small.json" \
+    > "$R/moe-small.log" 2>&1
+  echo "exit $?"; grep '"summary"' "$R/moe-small.log"
+fi
+
+profile() {  # label, model, more profile_step options
+  stage "$1: profile_step --model $2 ${*:3}"
   timeout "$(cap 180)" python3 -m flotilla.scripts.profile_step --model "$2" --batch 1,64 --steps 30 --torch-profile \
-    > "$R/$1.log" 2>&1
+    "${@:3}" > "$R/$1.log" 2>&1
   echo "exit $?"; grep '^{' "$R/$1.log" | cut -c1-600
 }
 want profile_ds && profile profile_ds deepseek-v3-4l
 want profile_q30 && profile profile_q30 qwen3-30b-a3b
+want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
+if want profile_q30_long; then
+  for attn in ${Q30_ATTN:-auto}; do
+    profile "profile_q30_long_$attn" qwen3-30b-a3b --attention-backend "$attn" --prompt-len 2048 --steps 20
+  done
+fi
+
+if want bench_q30; then
+  for attn in ${Q30_ATTN:-auto}; do
+    stage "bench_q30: bench_offline qwen3-30b-a3b --attention-backend $attn"
+    timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat 1 \
+      --attention-backend "$attn" --json "$R/flotilla-qwen3-30b-a3b-$attn.json" > "$R/bench_q30_$attn.log" 2>&1
+    echo "exit $?"; tail -1 "$R/bench_q30_$attn.log" | cut -c1-500
+  done
+fi
+
+if want ds_b1; then
+  for attn in ${DS_ATTN:-auto}; do
+    stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1 --attention-backend $attn"
+    timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --workload decode1 \
+      --repeat 2 --attention-backend "$attn" --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
+    echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
+  done
+fi
 
 if want ds_deepgemm; then
   stage "ds_deepgemm: bench_offline deepseek-v3-4l --fp8-backend deep_gemm"

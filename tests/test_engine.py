@@ -263,6 +263,24 @@ def test_flashinfer_and_torch_attention_give_the_same_greedy_tokens_on_cuda(tmp_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_prefill_with_triton_decode_gives_flashinfers_greedy_tokens_on_cuda(tmp_path):
+    """attention_backend "flashinfer_triton" (FlashInfer's prefill, triton's decode in static-table graphs) against
+    flashinfer alone, CUDA graphs on for both."""
+    pytest.importorskip("flashinfer")
+    model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))
+    ps = prompts(12, seed=17)
+    outs = {}
+    for backend in ("flashinfer", "flashinfer_triton"):
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                 attention_backend=backend, placement="inline") as engine:
+            assert engine.client.ready_detail["worker/0"]["attention"] == backend
+            assert engine.client.runtime.actors["worker/0"].runner.graphs is not None
+            outs[backend] = run(engine, ps, max_tokens=10)
+    assert outs["flashinfer_triton"] == outs["flashinfer"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graph_decode_gives_the_eager_tokens(tmp_path):
     pytest.importorskip("flashinfer")
     model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))

@@ -534,3 +534,41 @@ def test_tiny_qwen3_with_triton_ops_matches_torch_ops(tmp_path):
         want, got = (runner.step(batch) for runner in runners)
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_flashinfer_triton_decodes_with_triton_and_leaves_prefill_to_flashinfer(monkeypatch):
+    """"flashinfer_triton": pure-decode steps go to triton's decode kernel (so decode graphs capture it over static
+    tables), steps with a prefill chunk to FlashInfer (a stand-in here: FlashInfer needs CUDA)."""
+    import flotilla.kernels.attention as attention
+    from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS
+    from flotilla.kernels.attention import flashinfer_backend
+
+    prefills = []
+
+    class StandIn:
+        store_kv = staticmethod(tri_attn.store_kv)
+
+        def forward(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+            prefills.append(meta.max_query_len)
+            return tri_attn.paged_prefill_attention(query, kv_cache, meta, scale)
+
+    monkeypatch.setattr(flashinfer_backend, "importable", lambda: True)
+    monkeypatch.setattr(flashinfer_backend, "shared", StandIn)
+    monkeypatch.delitem(attention._BACKENDS, "flashinfer_triton", raising=False)
+    backend = get_attention_backend("flashinfer_triton")
+    monkeypatch.delitem(attention._BACKENDS, "flashinfer_triton")
+    assert backend.name in STATIC_TABLE_BACKENDS and "flashinfer_triton" in attention.available_attention_backends()
+    _check_attention([(7, 1), (0, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=1, run=backend.forward)
+    assert prefills == []
+    _check_attention([(7, 1), (0, 5), (30, 2)], 4, 4, 2, 16, torch.float32, seed=2, run=backend.forward)
+    assert prefills == [5]
+
+
+def test_flashinfer_triton_names_what_it_lacks(monkeypatch):
+    import flotilla.kernels.attention as attention
+    from flotilla.kernels.attention import flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend, "importable", lambda: False)
+    monkeypatch.delitem(attention._BACKENDS, "flashinfer_triton", raising=False)
+    with pytest.raises(ValueError, match="'flashinfer_triton' needs CUDA with the flashinfer and triton packages"):
+        get_attention_backend("flashinfer_triton")

@@ -46,7 +46,8 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def check_fp8_kv_support(backend: str, device: torch.device) -> None:
     """Refuse, before anything is allocated, a backend that cannot read an FP8 KV cache on `device`: triton
     converts e4m3 in hardware only from compute capability 8.9 (Ada, Hopper) on."""
-    if backend == "triton" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+    if backend in ("triton", "flashinfer_triton") and old_gpu:  # (the latter decodes with triton)
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(f"kv_cache_dtype fp8 with the triton attention backend needs compute capability 8.9 or "
                          f"newer, this GPU has {major}.{minor}: use kv_cache_dtype auto or another backend")
