@@ -18,6 +18,8 @@
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto")
 #   moe_small    bench_kernels' moe bench at 1-16 tokens: the small-batch experts against the sorted ones (t=0) and
 #                the small path's tile variants in SMALL_TILES
+#   moe_large    the same bench at 64-4,096 tokens over the sorted GEMMs' tile variants in LARGE_TILES (after vLLM's
+#                tuned H200 configs for E=128, N=768: BLOCK_N halved, since our gate_up programs hold gate and up)
 # The next session's plan (docs/performance.md) runs, on a warm nvidia-h200:
 #   1) carry [".vllm-peer/vllm.tar.xz.part-aa", ".gpu-lite"]: SETUPS="peer tests mtp" bash scripts/device_h200.sh
 #   2) carry [".vllm-peer/vllm.tar.xz.part-ab", ".gpu-lite"]: SETUPS="peer kernels profile_ds" bash scripts/device_h200.sh
@@ -73,6 +75,14 @@ if want moe_small; then
     --moe-tiles "${SMALL_TILES:-t=0;t=16;sn=8;sn=32;sk=256;sn=8,sk=256;w=8}" --json "$R/moe-small.json" \
     > "$R/moe-small.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/moe-small.log"
+fi
+
+if want moe_large; then
+  stage "moe_large: bench_kernels --only moe at 64-4,096 tokens"
+  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 64,256,1024,4096 --target-s 0.05 \
+    --moe-tiles "${LARGE_TILES:-m=32,n=128,k=128,w=4,s=2;m=64,n=128,k=64,w=4,s=3;m=128,n=128,k=64,w=8,s=4;m=64,n=128,k=64,w=8,s=4;m=16,n=128,k=128,w=4,s=3}" \
+    --json "$R/moe-large.json" > "$R/moe-large.log" 2>&1
+  echo "exit $?"; grep '"summary"' "$R/moe-large.log"
 fi
 
 profile() {  # label, model, more profile_step options

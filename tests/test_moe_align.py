@@ -96,10 +96,13 @@ def test_int64_ids_and_a_strided_view_give_the_same_grouping() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
-def test_on_cuda_the_one_launch_grouping_at_16384_slots_matches_the_torch_version() -> None:
+@pytest.mark.parametrize("tokens", [2048, 4096, 8192])
+def test_on_cuda_the_one_launch_grouping_at_16384_slots_and_beyond_matches_the_torch_version(tokens,
+                                                                                             monkeypatch) -> None:
     from flotilla.kernels.moe.triton_align import align_by_expert
 
-    ids = _ids(2048, 128, 8, seed=2048, device="cuda")
+    ids = _ids(tokens, 128, 8, seed=tokens, device="cuda")
+    monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "0")  # sort_by_expert's torch version, at any size
     _check_same_grouping(align_by_expert(ids, 128, 64), routing.sort_by_expert(ids, 128, 64))
 
 
