@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_shape
+from flotilla.kernels.linear import linear
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.rope import rope_cos_sin_cache
 from flotilla.models.hf_config import HFModelConfig
@@ -53,7 +53,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.kernels.linear import linear
 from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.quant import Fp8LinearBackend
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
@@ -272,7 +273,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _empty(at) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str) -> None:
         """Copy this rank's rows of checkpoint tensor `src` (part `shard`, all its rows) into `param` (weight
@@ -332,8 +333,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return _row_parallel_output(F.linear(x, self.weight), self.bias, self.reduce_results, self.tp)
+            return linear(x, self.weight, self.bias)
+        return _row_parallel_output(linear(x, self.weight), self.bias, self.reduce_results, self.tp)
 
     def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
         if param is self.bias:

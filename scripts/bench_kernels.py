@@ -18,6 +18,9 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
             triton_mla.paged_mla_decode vs flash_mla_backend.paged_mla_decode, the latter as every layer but the
             first runs it ("flash_mla": the step's scheduler metadata reused) and as the first layer
             ("flash_mla_first": metadata made in the call); gbps = batch*ctx*576*2 bytes / time.
+- gemv:     one-row bf16 linear layers (batch-1 decode) at Qwen3-30B-A3B's attention and router shapes and
+            Qwen3-8B's: cuBLAS (F.linear) vs kernels/triton/gemv.py and its --gemv-tiles variants;
+            gbps = the weight's 2*N*K bytes / time (a graph's 10 calls reread a weight that fits the 50 MB L2).
 - routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
             with FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused": the
             one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain
@@ -59,7 +62,10 @@ import torch
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.moe.routing import select_experts, select_experts_grouped, sort_by_expert
 
-BENCHES = ("moe", "fp8_moe", "fp8_gemm", "mla", "routing")
+BENCHES = ("moe", "fp8_moe", "fp8_gemm", "mla", "routing", "gemv")
+GEMV_SHAPES = (("q30_qkv", 5120, 2048), ("q30_o", 2048, 4096), ("q30_router", 128, 2048), ("q8_qkv", 6144, 4096),
+               ("q8_o", 4096, 4096), ("q8_gate_up", 24576, 4096), ("q8_down", 4096, 12288))
+"""(name, N, K) of bench gemv (on the CPU smoke run only the first, shrunk)."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,10 @@ class Bench:
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
                  moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None,
-                 graph_tokens: int = 0) -> None:  # fmt: skip
+                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
+        self.gemv_tiles = gemv_tiles or []
+        """Extra triton gemv variants, each like "n=8,k=1024,w=8" (BLOCK_N, BLOCK_K, num_warps; any subset)."""
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.fp8_tiles = fp8_tiles or []
@@ -369,6 +377,38 @@ def bench_fp8_gemm(bench: Bench, sizes: Sizes) -> None:
     _recover(dev)
 
 
+# --- gemv ----------------------------------------------------------------------------------------------------------
+
+
+def bench_gemv(bench: Bench, sizes: Sizes) -> None:
+    import torch.nn.functional as F
+
+    candidates: Backends = [("cublas", F.linear)]
+    reason = _triton_reason(bench)
+    if reason is None:
+        from flotilla.kernels.triton import gemv  # imports triton
+
+        candidates.append(("triton", gemv.gemv))
+        for text in bench.gemv_tiles:
+            tiles = {{"n": "block_n", "k": "block_k", "w": "num_warps"}[key]: int(value)
+                     for key, _, value in (item.partition("=") for item in text.split(","))}
+            candidates.append((f"triton[{text}]", lambda *a, tiles=tiles: gemv.gemv(*a, **tiles)))
+    else:
+        candidates.append(("triton", reason))
+    backends = _runnable(bench, "gemv", candidates)
+    dev, gen = bench.device, bench.generator()
+    dtype = torch.float32 if bench.smoke else torch.bfloat16
+    shapes = (("tiny", 96, 160),) if bench.smoke else GEMV_SHAPES
+    for shape, n, k in shapes:
+        weight = (torch.randn(n, k, generator=gen, device=dev) * k**-0.5).to(dtype)
+        x = torch.randn(1, k, generator=gen, device=dev).to(dtype)
+        for backend, fn in backends:
+            bench.point_modes({"bench": "gemv", "shape": shape, "N": n, "K": k, "backend": backend}, 1, fn, x, weight,
+                              flops=2 * n * k, nbytes=weight.numel() * weight.element_size())  # fmt: skip
+        del weight
+    _recover(dev)
+
+
 # --- mla -----------------------------------------------------------------------------------------------------------
 
 
@@ -496,7 +536,7 @@ def _capture(fn: Callable[[], object]) -> Callable[[], None]:
 # --- main ----------------------------------------------------------------------------------------------------------
 
 RUNNERS = {"moe": bench_moe, "fp8_moe": bench_fp8_moe, "fp8_gemm": bench_fp8_gemm, "mla": bench_mla,
-           "routing": bench_routing}  # fmt: skip
+           "routing": bench_routing, "gemv": bench_gemv}  # fmt: skip
 
 
 def _env_record(device: torch.device, args: argparse.Namespace) -> dict:
@@ -538,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra triton FP8 GEMM variants for fp8_gemm, ';'-separated, each like FLOTILLA_FP8_TILES: "
                         "m=BLOCK_M,n=BLOCK_N,sk=SPLIT_K,w=num_warps,s=num_stages (any subset), e.g. "
                         "'n=128,sk=1;n=64,sk=4' (the first: the tiles before K was split for small batches)")  # fmt: skip
+    p.add_argument("--gemv-tiles", default="",
+                   help="extra triton gemv variants for gemv, ';'-separated, each like n=BLOCK_N,k=BLOCK_K,w=num_warps "
+                        "(any subset), e.g. 'n=4,k=2048;n=16,k=512,w=4'")  # fmt: skip
     p.add_argument("--graph-tokens", type=int, default=256,
                    help="moe, fp8_moe and fp8_gemm points of at most this many tokens are also timed replayed from a "
                         "CUDA graph (records with \"mode\": \"graph\"), as decode steps run them; 0: eager only")  # fmt: skip
@@ -567,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
                   [t.strip() for t in args.moe_tiles.split(";") if t.strip()],
-                  [t.strip() for t in args.fp8_tiles.split(";") if t.strip()], args.graph_tokens)  # fmt: skip
+                  [t.strip() for t in args.fp8_tiles.split(";") if t.strip()], args.graph_tokens,
+                  [t.strip() for t in args.gemv_tiles.split(";") if t.strip()])  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

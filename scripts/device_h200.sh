@@ -12,9 +12,11 @@
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
-#                attention backend in Q30_ATTN (default "auto")
+#                variant in Q30_ATTN (default "auto"): an attention backend, "+gemv" appended for FLOTILLA_GEMV=1
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
-#   profile_q30_long  profile_q30 at 2,048-token prompts, once per attention backend in Q30_ATTN
+#   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
+#   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
+#   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto")
 #   moe_small    bench_kernels' moe bench at 1-16 tokens: the small-batch experts against the sorted ones (t=0) and
 #                the small path's tile variants in SMALL_TILES
@@ -94,18 +96,32 @@ profile() {  # label, model, more profile_step options
 want profile_ds && profile profile_ds deepseek-v3-4l
 want profile_q30 && profile profile_q30 qwen3-30b-a3b
 want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
+gemv_of() { [[ $1 == *+gemv ]] && echo 1 || echo 0; }  # variant "backend[+gemv]" -> FLOTILLA_GEMV
+if want profile_q30_var; then
+  for v in ${Q30_PROFILE:-auto}; do
+    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}"
+  done
+fi
 if want profile_q30_long; then
-  for attn in ${Q30_ATTN:-auto}; do
-    profile "profile_q30_long_$attn" qwen3-30b-a3b --attention-backend "$attn" --prompt-len 2048 --steps 20
+  for v in ${Q30_ATTN:-auto}; do
+    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}" \
+      --prompt-len 2048 --steps 20
   done
 fi
 
+if want gemv; then
+  stage "gemv: bench_kernels --only gemv"
+  timeout "$(cap 90)" python3 -m flotilla.scripts.bench_kernels --only gemv --target-s 0.05 \
+    --gemv-tiles "${GEMV_TILES:-n=4,k=2048;n=16,k=512;n=8,k=2048;n=8,k=512,w=4}" --json "$R/gemv.json" > "$R/gemv.log" 2>&1
+  echo "exit $?"; grep '"summary"' "$R/gemv.log"
+fi
+
 if want bench_q30; then
-  for attn in ${Q30_ATTN:-auto}; do
-    stage "bench_q30: bench_offline qwen3-30b-a3b --attention-backend $attn"
-    timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat 1 \
-      --attention-backend "$attn" --json "$R/flotilla-qwen3-30b-a3b-$attn.json" > "$R/bench_q30_$attn.log" 2>&1
-    echo "exit $?"; tail -1 "$R/bench_q30_$attn.log" | cut -c1-500
+  for v in ${Q30_ATTN:-auto}; do
+    stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
+    FLOTILLA_GEMV=$(gemv_of "$v") timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
+      --repeat 1 --attention-backend "${v%+gemv}" --json "$R/flotilla-qwen3-30b-a3b-$v.json" > "$R/bench_q30_$v.log" 2>&1
+    echo "exit $?"; tail -1 "$R/bench_q30_$v.log" | cut -c1-500
   done
 fi
 

@@ -1,0 +1,64 @@
+"""One-row linear layers (y = x W^T for a single token) as a triton matrix-vector kernel.
+
+At batch-1 decode every linear layer is a matrix-vector product, bound by reading W once. cuBLAS picks GEMM tiles
+for these: on an H200, Qwen3-30B-A3B's attention projections in a CUDA graph took 7.6 us for q/k/v (21 MB) and
+7.1 + 1.7 us for o_proj (17 MB, split K plus its reduction), 42% of the memory bandwidth, and its 0.5 MB router
+5.0 us (docs/performance.md, 2026-12-01). Here each program owns BLOCK_N output rows and reads them whole, in
+BLOCK_K-wide steps, into a [BLOCK_N, BLOCK_K] float32 accumulator that is summed once at the end: wide steps keep
+many loads in flight per program, and the grid (N / BLOCK_N programs) needs no split of K and so no second launch.
+
+kernels/linear.py decides when this runs (opt-in: FLOTILLA_GEMV=1, until the GPU has measured it against cuBLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 8
+BLOCK_K = 1024
+NUM_WARPS = 8
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Program pid: out[rows] = x @ W[rows].T (+ b[rows]), rows = [pid * BLOCK_N, +BLOCK_N); x is one row of K."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_k
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < K - k_tile * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x [1, K] (or [K]) @ weight [N, K].T (+ bias [N]) -> [1, N] (or [N]) in x's dtype, accumulated in float32."""
+    n, k = weight.shape
+    row = x.reshape(-1)
+    if row.numel() != k:
+        raise ValueError(f"gemv takes one row of {k} values, not x of shape {tuple(x.shape)}")
+    if not row.is_contiguous() or weight.stride(1) != 1:
+        raise ValueError("gemv needs a contiguous x and weight rows")
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    bn = block_n or BLOCK_N
+    bk = min(block_k or BLOCK_K, triton.next_power_of_2(k))
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        row, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or NUM_WARPS,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
