@@ -71,20 +71,19 @@ if want kernels; then
   echo "exit $?"; grep '"summary"' "$R/kernels.log"
 fi
 
+if want gemv; then
+  stage "gemv: bench_kernels --only gemv"
+  timeout "$(cap 90)" python3 -m flotilla.scripts.bench_kernels --only gemv --target-s 0.05 \
+    --gemv-tiles "${GEMV_TILES:-n=4,k=2048;n=16,k=512;n=8,k=2048;n=8,k=512,w=4}" --json "$R/gemv.json" > "$R/gemv.log" 2>&1
+  echo "exit $?"; grep '"summary"' "$R/gemv.log"
+fi
+
 if want moe_small; then
   stage "moe_small: bench_kernels --only moe at 1-16 tokens"
   timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 1,2,4,8,16 --target-s 0.05 \
     --moe-tiles "${SMALL_TILES:-t=0;t=16;sn=8;sn=32;sk=256;sn=8,sk=256;w=8}" --json "$R/moe-small.json" \
     > "$R/moe-small.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/moe-small.log"
-fi
-
-if want moe_large; then
-  stage "moe_large: bench_kernels --only moe at 64-4,096 tokens"
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 64,256,1024,4096 --target-s 0.05 \
-    --moe-tiles "${LARGE_TILES:-m=32,n=128,k=128,w=4,s=2;m=64,n=128,k=64,w=4,s=3;m=128,n=128,k=64,w=8,s=4;m=64,n=128,k=64,w=8,s=4;m=16,n=128,k=128,w=4,s=3}" \
-    --json "$R/moe-large.json" > "$R/moe-large.log" 2>&1
-  echo "exit $?"; grep '"summary"' "$R/moe-large.log"
 fi
 
 profile() {  # label, model, more profile_step options
@@ -102,20 +101,6 @@ if want profile_q30_var; then
     FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}"
   done
 fi
-if want profile_q30_long; then
-  for v in ${Q30_ATTN:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}" \
-      --prompt-len 2048 --steps 20
-  done
-fi
-
-if want gemv; then
-  stage "gemv: bench_kernels --only gemv"
-  timeout "$(cap 90)" python3 -m flotilla.scripts.bench_kernels --only gemv --target-s 0.05 \
-    --gemv-tiles "${GEMV_TILES:-n=4,k=2048;n=16,k=512;n=8,k=2048;n=8,k=512,w=4}" --json "$R/gemv.json" > "$R/gemv.log" 2>&1
-  echo "exit $?"; grep '"summary"' "$R/gemv.log"
-fi
-
 if want bench_q30; then
   for v in ${Q30_ATTN:-auto}; do
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
@@ -123,6 +108,21 @@ if want bench_q30; then
       --repeat 1 --attention-backend "${v%+gemv}" --json "$R/flotilla-qwen3-30b-a3b-$v.json" > "$R/bench_q30_$v.log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$v.log" | cut -c1-500
   done
+fi
+
+if want profile_q30_long; then
+  for v in ${Q30_ATTN:-auto}; do
+    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}" \
+      --prompt-len 2048 --steps 20
+  done
+fi
+
+if want moe_large; then
+  stage "moe_large: bench_kernels --only moe at 64-4,096 tokens"
+  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 64,128,256,512,1024,4096 --target-s 0.05 \
+    --moe-tiles "${LARGE_TILES:-m=32,n=128,k=128,w=4,s=2;m=64,n=128,k=64,w=4,s=3;m=128,n=128,k=64,w=8,s=4;m=64,n=128,k=64,w=8,s=4;m=16,n=128,k=128,w=4,s=3}" \
+    --json "$R/moe-large.json" > "$R/moe-large.log" 2>&1
+  echo "exit $?"; grep '"summary"' "$R/moe-large.log"
 fi
 
 if want ds_b1; then
