@@ -238,6 +238,22 @@ def test_moe_tiles_from_the_environment_reach_the_kernel_and_bad_ones_are_refuse
         _check_fused(triton_experts.fused_experts, 5, 48, 24, 8, 2, torch.float32, seed=3)
 
 
+@needs_triton
+def test_default_tiles_follow_the_slots_per_expert_and_match_the_reference(monkeypatch):
+    """The bf16 sorted GEMMs take sorted_tiles' row blocks (16, 32, 64, 128 rows as experts get more slots each) with
+    their launch options; every tier gives the reference's numbers."""
+    from flotilla.kernels.moe import triton_experts
+
+    seen = []
+    real = triton_experts._two_passes
+    monkeypatch.setattr(triton_experts, "_two_passes",
+                        lambda *a, **kw: seen.append((a[5], kw["launch"])) or real(*a, **kw))  # fmt: skip
+    for tokens in (12, 30, 60, 100):  # 4 experts, top-2: 6, 15, 30 and 50 slots per expert
+        _check_fused(triton_experts.fused_experts, tokens, 32, 16, 4, 2, torch.float32, seed=tokens)
+    assert [m for m, _ in seen] == [16, 32, 64, 128]
+    assert seen[-1][1] == {"num_warps": 8, "num_stages": 4}
+
+
 @pytest.mark.parametrize(("tokens", "alignment", "dtype"), [(1, 8, torch.float32), (11, 4, torch.float32),
                                                             (30, 16, torch.bfloat16)])  # fmt: skip
 def test_deep_gemm_layout_with_its_gemm_contract_matches_reference(tokens, alignment, dtype):

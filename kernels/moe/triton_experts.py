@@ -143,9 +143,31 @@ def env_tiles() -> dict[str, int]:
 
 
 def pick_block_m(num_slots: int, num_experts: int) -> int:
-    """Rows per block: small when experts get few tokens each (decode), where padding would dominate."""
+    """Rows per block: small when experts get few tokens each (decode), where padding would dominate. (The FP8
+    experts' default; the bf16 ones take sorted_tiles.)"""
     per_expert = num_slots / num_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+
+
+SORTED_TILES = (
+    (8, dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+    (16, dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)),
+    (32, dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (None, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)),
+)
+"""(most slots per expert, tiles) of the bf16 sorted GEMMs, by the batch's mean slots per expert. Measured on an H200
+at Qwen3-30B-A3B's experts (E=128, top-8; bench_kernels, docs/performance.md 2026-12-01), each against the earlier
+fixed 64 x 64 tiles: 64 tokens 300.8 against 312.5 us (CUDA graph), 256 tokens 321.7 against 352.8 (graph), 512
+tokens 396.4 against 409.8, 1,024 tokens 487.9 against 561.7 and 4,096 tokens 1,071.5 against 1,308.7 (eager).
+A block of rows should hold a whole expert's share where it can: every extra block of an expert reads its weights
+again. The choices follow vLLM's tuned H200 configs for E=128, N=768, with BLOCK_N halved, since each gate_up program
+here holds gate's and up's columns side by side."""
+
+
+def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
+    """The bf16 sorted GEMMs' default tiles and launch options for a batch of `num_slots` slots (SORTED_TILES)."""
+    per_expert = num_slots / max(num_experts, 1)
+    return next(dict(tiles) for most, tiles in SORTED_TILES if most is None or per_expert <= most)
 
 
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
@@ -197,16 +219,17 @@ def fused_experts(
     ids, slots that add nothing. Batches of at most `small_tokens` tokens (default
     triton_experts_small.SMALL_BATCH_MAX_TOKENS; 0: none) take the small-batch path, tiled by small_block_n /
     small_block_k; others the sorted GEMMs, with block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs).
-    Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (block_m by pick_block_m,
-    64 x 64, triton's warps and stages)."""
+    Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (sorted_tiles by the batch's
+    slots per expert)."""
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                small_block_n=small_block_n, small_block_k=small_block_k)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t))  # fmt: skip
-    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t.get("block_m"), t.get("block_n", 64),
-                       t.get("block_k", 64), launch=_launch(t), masked=masked)  # fmt: skip
+    t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
+    return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
+                       launch=_launch(t), masked=masked)  # fmt: skip
 
 
 def _tiles(**given: int | None) -> dict[str, int]:
