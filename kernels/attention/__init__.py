@@ -81,10 +81,15 @@ def triton_usable() -> bool:
 
 
 def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
-    """The fastest backend usable on `device` for this head size: flashinfer on CUDA when importable, then
-    triton on CUDA once TRITON_IN_AUTO is switched on, else the torch reference."""
+    """The fastest backend usable on `device` for this head size: on CUDA with flashinfer importable,
+    flashinfer_triton (FlashInfer's prefill, triton's decode; flashinfer alone without triton), then triton on CUDA
+    once TRITON_IN_AUTO is switched on, else the torch reference. Why flashinfer_triton: on an H200, Qwen3-30B-A3B's
+    decode attention in CUDA graphs (kernel + split merge, per layer) took 7.1 against 11.3 us at batch 1 with
+    128-token prompts, 8.1 against 12.5 with 2,048-token prompts, 15.0 against 18.0 at batch 64 with 128-token
+    prompts and 74.0 against 75.8 with 2,048; batch-1 decode went from 250 to 266 tok/s (profile_step,
+    docs/performance.md, 2026-12-01)."""
     if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS:
-        return "flashinfer"
+        return "flashinfer_triton" if triton_usable() else "flashinfer"
     if TRITON_IN_AUTO and device.type == "cuda" and triton_usable():
         return "triton"
     return "torch"
@@ -126,9 +131,8 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
 def _flashinfer_triton() -> AttentionBackend:
     """FlashInfer for steps with a prefill chunk, triton's decode kernel for pure-decode steps, over the one cache
     layout they share. Decode graphs then capture the triton kernel over static tables (actors/cuda_graphs.py), with
-    no host planning per step. Why: on an H200, Qwen3-30B-A3B's decode attention in a CUDA graph took 5.2 us per
-    layer with triton's kernel against 9.1 us for flashinfer's plus 2.3 us for its merge (batch 1, 128-token
-    prompts; docs/performance.md, 2026-12-01)."""
+    no host planning per step. It is faster at short and long contexts (best_attention_backend has the H200's
+    numbers), which is why "auto" picks it."""
     from flotilla.kernels.triton import attention as triton_attention
 
     impl = flashinfer_backend.shared()
