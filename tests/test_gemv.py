@@ -78,7 +78,7 @@ def test_gemv_compiles_for_sm90_without_a_gpu(tmp_path):
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}
     compile_for_sm90([("flotilla.kernels.triton.gemv", "_gemv_kernel", pointers, [],
-                       dict(HAS_BIAS=has_bias, BLOCK_N=8, BLOCK_K=1024), 8) for has_bias in (False, True)],
+                       dict(HAS_BIAS=has_bias, BLOCK_N=4, BLOCK_K=2048), 8) for has_bias in (False, True)],
                      tmp_path)  # fmt: skip
 
 
