@@ -12,7 +12,7 @@
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
-#                variant in Q30_ATTN (default "auto"): an attention backend, "+gemv" appended for FLOTILLA_GEMV=1
+#                variant in Q30_ATTN (default "auto"): an attention backend, with "+gemv" FLOTILLA_GEMV=1, else 0
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN

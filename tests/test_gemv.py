@@ -45,6 +45,14 @@ def test_gemv_matches_f_linear(n, k, block_n, block_k, bias, dtype):
     assert gemv(x.view(-1), w, b, block_n=block_n, block_k=block_k).shape == (n,)  # one row without the batch dim
 
 
+@pytest.mark.parametrize(("n", "k"), [(9, 40), (4, 3000)])  # one K step narrower than the tile; two, the last partial
+def test_gemv_with_its_default_tiles_matches_f_linear(n, k):
+    from flotilla.kernels.triton.gemv import gemv
+
+    x, w, b = _case(n, k, torch.float32, seed=n, bias=True)
+    torch.testing.assert_close(gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
 def test_gemv_refuses_more_than_one_row():
     from flotilla.kernels.triton.gemv import gemv
 
@@ -54,7 +62,7 @@ def test_gemv_refuses_more_than_one_row():
 
 
 def test_linear_is_f_linear_unless_switched_on_for_one_row_on_cuda(monkeypatch):
-    """kernels/linear.linear: F.linear for anything but a single bf16/fp16 row on CUDA with FLOTILLA_GEMV=1."""
+    """kernels/linear.linear: F.linear for anything but a single bf16/fp16 row on CUDA (unless FLOTILLA_GEMV=0)."""
     calls = []
     from flotilla.kernels.triton import gemv as gemv_module
 
@@ -97,8 +105,8 @@ def test_gpu_gemv_at_qwen3_shapes(n, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 def test_gpu_engine_with_the_gemv_kernel_gives_the_cublas_greedy_tokens(tmp_path, monkeypatch):
-    """FLOTILLA_GEMV=1 (here: the switch flipped in this process, an inline engine): batch-1 decode graphs capture
-    the triton kernel for every float linear layer; the greedy tokens are cuBLAS's."""
+    """With the kernel on (the default; here the switch flipped in this process, an inline engine) batch-1 decode
+    graphs capture it for every float linear layer; the greedy tokens are cuBLAS's (FLOTILLA_GEMV=0)."""
     from helpers_engine import write_tiny_engine_model
 
     from flotilla import LLM, SamplingParams

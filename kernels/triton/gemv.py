@@ -7,7 +7,7 @@ for these: on an H200, Qwen3-30B-A3B's attention projections in a CUDA graph too
 BLOCK_K-wide steps, into a [BLOCK_N, BLOCK_K] float32 accumulator that is summed once at the end: wide steps keep
 many loads in flight per program, and the grid (N / BLOCK_N programs) needs no split of K and so no second launch.
 
-kernels/linear.py decides when this runs (opt-in: FLOTILLA_GEMV=1, until the GPU has measured it against cuBLAS).
+kernels/linear.py decides when this runs (one row on CUDA in bf16 / fp16, unless FLOTILLA_GEMV=0).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ NUM_WARPS = 8
 """The fastest of five tilings in bench_kernels' gemv bench on an H200 (CUDA graphs, 2026-12-01): q/k/v 5.8 us,
 o_proj 4.7 us and the router 1.9 us at Qwen3-30B-A3B's shapes, against cuBLAS's 6.6, 7.4 and 4.8 there; the first
 tiling (8 rows x 1,024) took 6.9, 5.6 and 3.1. Those runs reread weights that fit the 50 MB L2; inside an engine
-the first tiling's three calls per layer took 23.8 us against cuBLAS's 21.2, which is why this stays opt-in."""
+(profile_step, batch 1) the first tiling's three calls per layer took 23.8 us against cuBLAS's 21.2, this one's 16.2."""
 
 
 @triton.jit
