@@ -42,6 +42,7 @@ def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, 
         by.setdefault(r["bench"], set()).add(r["backend"])
     assert by["moe"] == by["fp8_moe"] == {"torch", "deep_gemm_layout_ref"}
     assert by["fp8_gemm"] == {"torch", "torch_bf16"} and by["mla"] == {"torch"} and by["routing"] == {"torch"}
+    assert by["gemv"] == {"cublas"}  # (F.linear: cuBLAS on a GPU)
     smoke = bk.SMOKE_SIZES
     moe = [r for r in measured if r["bench"] == "moe"]
     assert sorted({r["tokens"] for r in moe}) == sorted(smoke.moe_tokens)
@@ -53,7 +54,7 @@ def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, 
     assert {r["batch"] for r in measured if r["bench"] == "mla"} == set(smoke.mla_batch)
     assert all(r["mode"] == "eager" for r in measured if r["bench"] == "routing")  # no CUDA graphs on CPU
     triton_skips = {r["bench"] for r in skipped if r["backend"] == "triton"}
-    assert triton_skips == {"moe", "fp8_moe", "fp8_gemm", "mla"}
+    assert triton_skips == {"moe", "fp8_moe", "fp8_gemm", "mla", "gemv"}
 
 
 def test_only_filters_and_a_failing_point_is_reported_while_the_run_goes_on(monkeypatch, capsys):

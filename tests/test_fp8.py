@@ -33,7 +33,6 @@ from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.quant import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
-    Fp8LinearBackend,
     available_fp8_backends,
     best_fp8_backend,
     block_dequantize,
@@ -396,20 +395,31 @@ def test_fp8_checkpoint_matches_its_dequantized_float_model(fp8_dirs: tuple[Path
 @needs_triton
 @pytest.mark.slow
 def test_fp8_checkpoint_on_the_triton_gemm(fp8_dirs: tuple[Path, Path]) -> None:
-    """The triton backend quantizes activations too: equal to the model on the w8a8 torch reference, and
-    near the dequantized float model."""
+    """The triton backend quantizes activations too: every FP8 layer of the model gives the w8a8 torch reference's
+    output for the input it really got, and the model stays near the dequantized float model.
+
+    (Layer by layer, not the whole model against a w8a8 model: a float32 difference of 1e-6 upstream can move an
+    activation across an e4m3 rounding midpoint, one e4m3 step, 6% of that value. Under triton 3.9's interpreter
+    that happened in the third layer's attention and moved the logits by 0.02.)"""
     fp8_dir, float_dir = fp8_dirs
     kwargs = {"attention_backend": "torch", "fp8_backend": "triton"}
     model = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module
     assert model.fp8_backend_name == "triton"
-    w8a8 = load_model(fp8_dir, progress=False, model_kwargs={**kwargs, "fp8_backend": "torch"}).module
-    reference = Fp8LinearBackend("w8a8_reference", fp8_ref.fp8_block_linear_w8a8)
-    for layer in w8a8.modules():
-        if isinstance(layer, Fp8BlockLinear):
-            layer.backend = reference
+    checked = []
+
+    def against_reference(layer: Fp8BlockLinear, inputs: tuple, out: torch.Tensor) -> None:
+        want = fp8_ref.fp8_block_linear_w8a8(inputs[0], layer.weight, layer.weight_scale_inv, layer.bias,
+                                             layer.block_size)  # fmt: skip
+        torch.testing.assert_close(out, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+        checked.append(layer)
+
+    layers = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
+    handles = [layer.register_forward_hook(against_reference) for layer in layers]
     tokens = _tokens(9, seed=2)
     got = PagedRunner(model).step([(0, tokens)])[0]
-    torch.testing.assert_close(got, PagedRunner(w8a8).step([(0, tokens)])[0], atol=1e-4, rtol=0)
+    for h in handles:
+        h.remove()
+    assert len(checked) == len(layers) > 0
     want = PagedRunner(load_flotilla_model(float_dir)).step([(0, tokens)])[0]
     torch.testing.assert_close(got, want, atol=0.1 * want.abs().max().item(), rtol=0)
 

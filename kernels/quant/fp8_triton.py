@@ -61,7 +61,7 @@ def _fp8_block_gemm_kernel(
     for i in range(PER_SPLIT):
         kb = first + i
         k = kb * BLOCK_K + rk
-        k_ok = (k < K) & (kb < K_BLOCKS)
+        k_ok = k < K  # (also false in a K block past the end: a split's idle steps)
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         in_k = kb < K_BLOCKS
@@ -71,8 +71,13 @@ def _fp8_block_gemm_kernel(
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, a_scale[:, None]), -FP8_MAX), FP8_MAX)
             a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
         else:
-            a_scale = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
-        b_scale = tl.load(b_scale_ptr + scale_row * stride_bsn + kb, mask=in_k, other=0.0)
+            a_scale = tl.load(a_scale_ptr + rm * stride_asm + tl.minimum(kb, K_BLOCKS - 1), mask=m_ok, other=0.0)
+            a_scale = tl.where(in_k, a_scale, 0.0)
+        # a K block past the end (a split's idle steps) scales by 0. No mask mixes a scalar condition in: triton 3.9's
+        # CPU interpreter refuses such masks ("mask has unsupported dtype"), so the index is clamped and the value
+        # dropped instead
+        b_scale = tl.load(b_scale_ptr + scale_row * stride_bsn + tl.minimum(kb, K_BLOCKS - 1))
+        b_scale = tl.where(in_k, b_scale, 0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale
     if SPLIT_K > 1:
         part = out_ptr + tl.program_id(2) * M * stride_om
