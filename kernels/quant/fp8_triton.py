@@ -4,8 +4,8 @@ The activation is quantized per token and group of block_k columns, in one launc
 (kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values), or, with FLOTILLA_FP8_TILES's q=1,
 inside the GEMM: each K step quantizes the tile of activations it reads (one group per row, the same operations, so
 the same bits), which saves a launch and a round trip through memory per linear at decode sizes and costs each of
-the N tiles a quantization of the same rows (opt-in until measured inside a decode graph on the GPU; scripts/
-bench_kernels.py --fp8-tiles 'q=1'). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
+the N tiles a quantization of the same rows (off by default: inside CUDA graphs on an H200 it was 3-5x slower at
+one token than the separate launch, docs/performance.md 2026-12-01). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
 K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on the tensor cores with a
 float32 accumulator and scales each partial product by its tokens' group scales times the weight
 block's scale before adding it (BLOCK_N divides block_n, so a tile meets one weight block per K step).
