@@ -6,7 +6,7 @@ attention projections and router) at under half the memory bandwidth (kernels/tr
 H200, Qwen3-30B-A3B's batch-1 decode step in CUDA graphs took 3.05 ms of device time with the kernel against 3.30 with
 cuBLAS, 290 against 260 tok/s (profile_step, docs/performance.md, 2026-12-01); at Qwen3-8B's shapes the kernel
 matched or beat cuBLAS in bench_kernels. Only rows on CUDA in bf16 / fp16 with matching weights take it; everything
-else (batches, float32, the LM head, which calls F.linear itself) is F.linear.
+else (batches, float32, strided rows or weights, the LM head, which calls F.linear itself) is F.linear.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ _HALF = (torch.bfloat16, torch.float16)
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias), as F.linear."""
-    if GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype:
+    if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
+            and x.is_contiguous() and weight.stride(1) == 1):
         from flotilla.kernels.triton.gemv import gemv  # imports triton: CUDA only here
 
         return gemv(x, weight, bias)

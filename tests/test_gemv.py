@@ -78,6 +78,9 @@ def test_linear_is_f_linear_unless_switched_on_for_one_row_on_cuda(monkeypatch):
         xh, wh, bh = (t.to(torch.bfloat16) for t in (x, w, b))
         linear_module.linear(xh, wh, bh)
         assert calls == [(1, 40)]
+        strided = torch.cat([xh, xh], dim=1)[:, ::2]  # a row that is not contiguous: F.linear takes it
+        torch.testing.assert_close(linear_module.linear(strided, wh, bh), F.linear(strided, wh, bh))
+        assert calls == [(1, 40)]
 
 
 @pytest.mark.slow
