@@ -130,6 +130,29 @@ def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefil
     assert b.proc.wait(timeout=30) == 1, "".join(b.log[-30:])
 
 
+def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.0) -> None:
+    """Until every engine's last report to the Redis registry at `url` says it runs nothing."""
+    import asyncio
+    import time
+
+    from flotilla.transport.registry import RedisRegistry
+
+    async def loads() -> dict[str, float]:
+        registry = RedisRegistry(url)
+        try:
+            return {e.engine_id: e.load for e in await registry.engines()}
+        finally:
+            await registry.close()
+
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = asyncio.run(loads())
+        if all(seen.get(e) == 0 for e in engines):
+            return
+        assert time.monotonic() < deadline, f"engines still report load: {seen}"
+        time.sleep(0.1)
+
+
 def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, monkeypatch):
     """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
@@ -155,6 +178,9 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
         assert routed["d-engine-0"] > 0 and sum(routed.values()) == 24, routed
         pdh.wait_idle(d.url, ["d-engine-0"], transfers=False)
         pdh.wait_idle(c.url, ["c-engine-0"], transfers=False)
+        # the router balances on the loads the engines last reported to the registry: until both report 0, a stale
+        # load on d's would send every stream below to c's own engine, and the kill would find none to abort on d
+        _wait_registry_loads_zero(url, ["c-engine-0", "d-engine-0"])
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=60)
         streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=180, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
