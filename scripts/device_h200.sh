@@ -22,10 +22,9 @@
 #                the small path's tile variants in SMALL_TILES
 #   moe_large    the same bench at 64-4,096 tokens over the sorted GEMMs' tile variants in LARGE_TILES (after vLLM's
 #                tuned H200 configs for E=128, N=768: BLOCK_N halved, since our gate_up programs hold gate and up)
-# The next session's plan (docs/performance.md) runs, on a warm nvidia-h200:
-#   1) carry [".vllm-peer/vllm.tar.xz.part-aa", ".gpu-lite"]: SETUPS="peer tests mtp" bash scripts/device_h200.sh
-#   2) carry [".vllm-peer/vllm.tar.xz.part-ab", ".gpu-lite"]: SETUPS="peer kernels profile_ds" bash scripts/device_h200.sh
-#   3) the peer's third call (device_compare.sh's header), then SETUPS="ds_deepgemm profile_q30" in the same command
+# Stages run in this file's order whatever SETUPS's order (tests and kernel benches first, the larger sweeps last).
+# Carry ".gpu-bundle", or ".gpu-lite" beside one of the vLLM peer's parts; docs/performance.md ("The next device
+# session, in order") has the calls the next session makes.
 # Each stage has its own timeout, capped by what is left of BUDGET (default 560 s). Results in $OUT/h200.tgz.
 # CPU smoke run (stages that need no GPU model): NO_BUNDLE=1 SETUPS="peer" bash scripts/device_h200.sh
 set -uo pipefail

@@ -8,11 +8,13 @@ node b's decode engine.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import openai
 import pytest
 from flotilla.scripts.launch import load_deployment, serve_argv
 from flotilla.transport.endpoints import free_tcp_port
+from flotilla.transport.registry import RedisRegistry
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 
@@ -132,11 +135,6 @@ def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefil
 
 def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.0) -> None:
     """Until every engine's last report to the Redis registry at `url` says it runs nothing."""
-    import asyncio
-    import time
-
-    from flotilla.transport.registry import RedisRegistry
-
     async def loads() -> dict[str, float]:
         registry = RedisRegistry(url)
         try:
