@@ -59,6 +59,39 @@ def decodes_only(plan: StepPlan) -> bool:
     return bool(plan.rids) and len(plan.rids) == int(plan.num_new_tokens.sum())
 
 
+def page_tables(size: int, seq_lens: np.ndarray, tables: list[np.ndarray], block_size: int,
+                scratch_block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashInfer's page tables (indptr, indices, last page lengths) for `size` rows: the real sequences first
+    (tables[b] holds at least the pages of seq_lens[b]), then padding rows, one page each, on the scratch block."""
+    bs = block_size
+    pages = np.ones(size, dtype=np.int64)
+    last = np.ones(size, dtype=np.int32)
+    n = len(seq_lens)
+    pages[:n] = -(-seq_lens // bs)
+    last[:n] = seq_lens - (pages[:n] - 1) * bs
+    indptr = np.zeros(size + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    indices = np.full(int(indptr[-1]), scratch_block, dtype=np.int32)
+    if n:  # one concatenate of views, not a slice assignment per sequence
+        real = int(indptr[n])
+        indices[:real] = np.concatenate([t[:p] for t, p in zip(tables, pages[:n].tolist())])
+    return indptr, indices, last
+
+
+def static_tables(size: int, seq_lens: np.ndarray, tables: list[np.ndarray], block_size: int,
+                  scratch_block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_lens [size], block tables [size, pages of the longest sequence]) for the static-table kernels: the
+    real sequences first, then padding rows of one token on the scratch block (page_tables' pages, as rows)."""
+    indptr, indices, _ = page_tables(size, seq_lens, tables, block_size, scratch_block)
+    pages = np.diff(indptr)
+    lens = np.ones(size, dtype=np.int32)
+    lens[:len(seq_lens)] = seq_lens
+    table = np.full((size, int(pages.max())), scratch_block, dtype=np.int32)
+    rows = np.repeat(np.arange(size), pages)
+    table[rows, np.arange(len(indices)) - indptr[rows]] = indices
+    return lens, table
+
+
 class DecodeGraphs:
     """Captured decode forwards, one per batch size of the ladder."""
 
@@ -116,36 +149,13 @@ class DecodeGraphs:
 
     def page_tables(self, size: int, seq_lens: np.ndarray,
                     tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """FlashInfer's page tables (indptr, indices, last page lengths) for `size` rows: the real sequences
-        first (tables[b] holds at least the pages of seq_lens[b]), then padding rows, one page each, on the
-        scratch block."""
-        bs = self.block_size
-        pages = np.ones(size, dtype=np.int64)
-        last = np.ones(size, dtype=np.int32)
-        n = len(seq_lens)
-        pages[:n] = -(-seq_lens // bs)
-        last[:n] = seq_lens - (pages[:n] - 1) * bs
-        indptr = np.zeros(size + 1, dtype=np.int32)
-        np.cumsum(pages, out=indptr[1:])
-        indices = np.full(int(indptr[-1]), self.scratch_block, dtype=np.int32)
-        if n:  # one concatenate of views, not a slice assignment per sequence
-            real = int(indptr[n])
-            indices[:real] = np.concatenate([t[:p] for t, p in zip(tables, pages[:n].tolist())])
-        return indptr, indices, last
+        """page_tables() on this graph set's block size and scratch block."""
+        return page_tables(size, seq_lens, tables, self.block_size, self.scratch_block)
 
     def static_tables_for(self, size: int, seq_lens: np.ndarray,
                           tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(seq_lens [size], block tables [size, pages of the longest sequence]) for the static-table kernels:
-        the real sequences first, then padding rows of one token on the scratch block (page_tables' pages, as
-        rows)."""
-        indptr, indices, _ = self.page_tables(size, seq_lens, tables)
-        pages = np.diff(indptr)
-        lens = np.ones(size, dtype=np.int32)
-        lens[:len(seq_lens)] = seq_lens
-        table = np.full((size, int(pages.max())), self.scratch_block, dtype=np.int32)
-        rows = np.repeat(np.arange(size), pages)
-        table[rows, np.arange(len(indices)) - indptr[rows]] = indices
-        return lens, table
+        """static_tables() on this graph set's block size and scratch block."""
+        return static_tables(size, seq_lens, tables, self.block_size, self.scratch_block)
 
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
         if self.static_tables:

@@ -25,6 +25,7 @@ import torch
 
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, static_table_graphs_enabled
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
+from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
@@ -184,12 +185,19 @@ class ModelRunner:
         tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
                                       and (not config.parallel.enable_expert_parallel
                                            or config.parallel.data_parallel_size == 1))
-        if (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
-                and (self.model.attention_backend_name == "flashinfer"
-                     or (self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()))):
+        static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()
+        graphs_ok = self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
+        max_blocks = -(-self.max_model_len // self.block_size)
+        if self.spec is not None:
+            # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the
+            # verify step's tokens would be broadcast and the MTP layer's all-to-alls padded per step otherwise)
+            if graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers:
+                self.spec.graphs = SpecGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
+                                              config.scheduler.max_num_seqs, max_blocks,
+                                              self.spec.num_speculative_tokens, self.device)
+        elif graphs_ok and (self.model.attention_backend_name == "flashinfer" or static):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
-                                       max_batch=config.scheduler.max_num_seqs,
-                                       max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                                       max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                        device=self.device)
         log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens (%s)",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),

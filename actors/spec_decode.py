@@ -23,7 +23,8 @@ stops there).
 
 Steps run one at a time (the scheduler plans a decode only when it knows how many drafts were accepted); each
 launch() under speculation finishes its step at once. The drafts are argmax tokens of the MTP head, kept on
-the host in SeqState.drafts.
+the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
+the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from flotilla.actors.data_parallel_worker import mtp_expert_layers
+from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
@@ -91,6 +93,8 @@ class MTPSpeculator:
         self.runner = runner
         self.model = runner.model
         self.num_speculative_tokens = num_speculative_tokens
+        self.graphs: SpecGraphs | None = None
+        """CUDA graphs of uniform steps (the runner captures them when its decode steps may use graphs)."""
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
         par = runner.config.parallel
@@ -119,9 +123,16 @@ class MTPSpeculator:
                 drafts = s.drafts[:k]
                 ids[at + known - c:at + known - c + len(drafts)] = drafts
         tables = [s.block_ids for s in seqs]
-        meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
-        positions = positions_from_lists(cached, num_new, device=dev)
-        hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
+        k, g = self.num_speculative_tokens, self.graphs
+        # every sequence decodes with all k drafts: the captured passes (actors/spec_graphs.py)
+        uniform = (g is not None and g.fits(len(seqs)) and all(n == k + 1 for n in num_new)
+                   and all(d == k for d in num_drafts))  # fmt: skip
+        if uniform:
+            hidden = g.verify(ids[:-1], np.asarray(cached, dtype=np.int64), tables)
+        else:
+            meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
+            positions = positions_from_lists(cached, num_new, device=dev)
+            hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
         for s, n in zip(seqs, num_new):
             s.num_computed += n
 
@@ -142,18 +153,25 @@ class MTPSpeculator:
             self._pad_mtp_passes(1)
             return StepResult(step=step)
 
-        out, want = self._sample(seqs, samplers, seg, local, hidden[upload(rows, dev)])
+        # (in a uniform step every row samples: rows is 0 .. B * (k + 1) - 1)
+        out, want = self._sample(seqs, samplers, seg, local, hidden if uniform else hidden[upload(rows, dev)])
+        if uniform:  # queued before the host waits for the tokens: the token ahead of every row is the one sampled
+            mtp_hidden = g.propose(out.token_ids)
         y = out.token_ids.cpu().numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
         accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
         keep = local <= np.repeat(accepted, seg)
 
-        mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
-        mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
-        last = rows[seg_start + accepted]  # each sequence's last accepted position
-        drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers],
-                             (np.asarray(lengths)[samplers] - 1 + accepted).tolist())
+        if not uniform:
+            mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
+            mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
+        last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
+        first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
+        if uniform and g.can_draft(first, tables, r.max_model_len):
+            drafts = g.draft(last, first, tables).tolist()
+        else:
+            drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
 
         tokens = y[keep].astype(np.int32)
         at = 0

@@ -107,7 +107,8 @@ class GPUWorkerActor(Actor):
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
                 "fp8": getattr(r.model, "fp8_backend_name", None) or "-",
                 "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}",
-                "cuda_graphs": "on" if r.graphs is not None else "off",
+                "cuda_graphs": "on" if r.graphs is not None or (r.spec is not None and r.spec.graphs is not None)
+                               else "off",
                 "dp": f"{self.dp_rank}/{self.dp_size}", **dp.placement_detail(self.ep_layers)}
 
     def _load(self) -> ModelRunner:

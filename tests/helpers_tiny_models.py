@@ -358,3 +358,15 @@ def check_mixed_batch_equals_each_alone(model: nn.Module, hf_model: nn.Module,
         got = torch.cat(batched[i])
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
         torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
+
+
+def write_flash_mla_shaped_deepseek(model_dir: str | Path) -> Path:
+    """A small DeepSeek-V3 with FlashMLA's shapes (kv_lora_rank 512, rope 64, 16 heads), random weights."""
+    config = transformers.DeepseekV3Config(**{**_COMMON, **dict(
+        num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=1024, tie_word_embeddings=False)})  # fmt: skip
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(config).float().eval().save_pretrained(model_dir, safe_serialization=True)
+    return Path(model_dir)

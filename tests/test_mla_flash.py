@@ -18,6 +18,7 @@ import torch
 from flotilla.kernels.mla import flash_mla_backend as fmb
 from flotilla.kernels.mla import mla_cache_shape, torch_ref
 from helpers_mla import mla_step
+from helpers_tiny_models import write_flash_mla_shaped_deepseek
 
 ON_HOPPER = fmb.flash_mla_usable()
 
@@ -29,9 +30,10 @@ def _decode_batch(seq_lens, heads, dtype=torch.bfloat16, seed=0, device="cpu"):
 
 
 class _StandIn:
-    """FlashMLA's dense decode contract in plain torch: q [B, 1, H, 576], k_cache [blocks, 64, 1, 576], block_table
-    [B, max_blocks] int32, cache_seqlens [B] int32 -> (out [B, 1, H, head_dim_v], lse); keys are whole rows, values
-    their first head_dim_v entries. Records the scheduler objects it was handed."""
+    """FlashMLA's dense decode contract in plain torch: q [B, s_q, H, 576], k_cache [blocks, 64, 1, 576], block_table
+    [B, max_blocks] int32, cache_seqlens [B] int32 -> (out [B, s_q, H, head_dim_v], lse); keys are whole rows, values
+    their first head_dim_v entries; causal: query i of s_q sees keys up to cache_seqlens - s_q + i (its tests' mask,
+    bottom-right aligned). Records the scheduler objects it was handed."""
 
     def __init__(self) -> None:
         self.scheds: list[object] = []
@@ -42,17 +44,20 @@ class _StandIn:
 
     def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits=None,
                                softmax_scale=None, causal=False):  # fmt: skip
-        assert q.dim() == 4 and q.shape[1] == 1 and k_cache.dim() == 4 and k_cache.shape[2] == 1
+        assert q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape[2] == 1 and causal
         assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32 and num_splits is None
         self.scheds.append(sched)
         sched.have_initialized = True
+        s_q = q.shape[1]
         outs = []
         for b in range(q.shape[0]):
             n = int(cache_seqlens[b])
             keys = k_cache[block_table[b].long()].reshape(-1, k_cache.shape[-1])[:n].float()  # [n, 576]
-            probs = torch.softmax((q[b, 0].float() @ keys.T) * softmax_scale, dim=-1)  # [H, n]
-            outs.append(probs @ keys[:, :head_dim_v])
-        return torch.stack(outs)[:, None].to(q.dtype), None
+            scores = torch.einsum("shd,nd->shn", q[b].float(), keys) * softmax_scale  # [s_q, H, n]
+            visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]  # [s_q, n]
+            probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+            outs.append(probs @ keys[:, :head_dim_v])  # [s_q, H, head_dim_v]
+        return torch.stack(outs).to(q.dtype), None
 
 
 def test_the_adapter_gives_the_reference_and_shares_one_schedule_per_step():
@@ -67,6 +72,28 @@ def test_the_adapter_gives_the_reference_and_shares_one_schedule_per_step():
     next_step = dataclasses.replace(meta, backend_state={})  # the next step's metadata (same shapes here)
     fmb.paged_mla_decode(q_latent, q_pe, cache, next_step, 0.05, flash_mla=stand_in)
     assert stand_in.scheds[-1] is not stand_in.scheds[0]  # a new step schedules anew
+
+
+@pytest.mark.parametrize("s_q", [2, 4])
+def test_the_adapter_takes_a_speculating_steps_same_few_new_tokens_per_sequence(s_q):
+    """A verify pass: s_q new tokens for each sequence, causal within them, as one FlashMLA call; steps with other
+    shapes are refused (paged_mla sends them to triton's prefill kernel)."""
+    stand_in = _StandIn()
+    lens = [s_q + 3, 70, 200, 64]
+    q_latent, q_pe, cache, meta = mla_step([n - s_q for n in lens], [s_q] * 4, fmb.LATENT, fmb.ROPE, 4,
+                                           fmb.BLOCK_SIZE, 1, "cpu", torch.bfloat16)  # fmt: skip
+    assert fmb.uniform_query_len(q_latent.shape[0], meta) == s_q
+    want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.05)
+    got = fmb.paged_mla_decode(q_latent, q_pe, cache, meta, 0.05, flash_mla=stand_in)
+    assert got.shape == q_latent.shape
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    mixed = mla_step([10, 60], [s_q, 1], fmb.LATENT, fmb.ROPE, 4, fmb.BLOCK_SIZE, 2, "cpu", torch.bfloat16)
+    assert fmb.uniform_query_len(mixed[0].shape[0], mixed[3]) == 0
+    with pytest.raises(ValueError, match="same number of new tokens"):
+        fmb.paged_mla_decode(*mixed, 0.05, flash_mla=stand_in)
+    long = mla_step([10], [fmb.MAX_UNIFORM_QUERY + 1], fmb.LATENT, fmb.ROPE, 4, fmb.BLOCK_SIZE, 3, "cpu",
+                    torch.bfloat16)  # fmt: skip
+    assert fmb.uniform_query_len(long[0].shape[0], long[3]) == 0  # a prefill chunk: triton's kernel
 
 
 def test_layouts_flash_mla_cannot_read_are_refused_with_the_reason():
@@ -89,20 +116,17 @@ def test_flash_mla_matches_the_float32_reference_at_deepseek_v3_sizes(batch, hea
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-def _write_flash_mla_shaped_deepseek(model_dir):
-    """A small DeepSeek-V3 with FlashMLA's shapes (kv_lora_rank 512, rope 64, 16 heads), random weights."""
-    import transformers
-
-    from helpers_tiny_models import _COMMON
-
-    config = transformers.DeepseekV3Config(**{**_COMMON, **dict(
-        num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512,
-        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-        max_position_embeddings=1024, tie_word_embeddings=False)})  # fmt: skip
-    torch.manual_seed(0)
-    transformers.DeepseekV3ForCausalLM(config).float().eval().save_pretrained(model_dir, safe_serialization=True)
-    return str(model_dir)
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU with flash_mla")
+@pytest.mark.parametrize(("batch", "s_q"), [(1, 2), (16, 2), (4, 4)])
+def test_flash_mla_verify_pass_matches_the_float32_reference(batch, s_q):
+    """s_q new tokens per sequence in one FlashMLA call (a speculating step's verify pass), causal within them."""
+    lens = [random.Random(batch + s_q).randint(s_q, 3000) for _ in range(batch)]
+    q_latent, q_pe, cache, meta = mla_step([n - s_q for n in lens], [s_q] * batch, fmb.LATENT, fmb.ROPE, 128,
+                                           fmb.BLOCK_SIZE, batch, "cuda", torch.bfloat16)  # fmt: skip
+    want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.1)
+    got = fmb.paged_mla_decode(q_latent, q_pe, cache, meta, 0.1)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -110,7 +134,7 @@ def _write_flash_mla_shaped_deepseek(model_dir):
 def test_the_engine_on_flash_mla_gives_the_same_tokens_in_cuda_graphs_as_eager(tmp_path):
     from flotilla import LLM, SamplingParams
 
-    model = _write_flash_mla_shaped_deepseek(tmp_path / "ds")
+    model = str(write_flash_mla_shaped_deepseek(tmp_path / "ds"))
     rng = random.Random(5)
     ps = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 150))] for _ in range(10)]
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(10)]

@@ -22,13 +22,16 @@ from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.actors.spec_decode import check_speculative_config
+from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
 from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
 from helpers_engine import write_tiny_tokenizer
 from helpers_server import start_server
-from helpers_tiny_models import write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model, write_tiny_model
+from helpers_tiny_models import (write_flash_mla_shaped_deepseek, write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model,
+                                 write_tiny_model)
 from safetensors.torch import load_file, save_file
 
 VOCAB = 320
@@ -89,9 +92,10 @@ def test_dummy_weights_are_the_same_with_and_without_the_mtp_layer(model_dir: Pa
     assert all(torch.equal(again[name], t) for name, t in plain.items())  # and a second load draws the same
 
 
-def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300, device: str = "cpu") -> ModelRunner:
+def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300, device: str = "cpu",
+                enforce_eager: bool = False, **options: object) -> ModelRunner:
     options = {"model": str(model_dir), "device": device, "dtype": "float32", "kv_cache_blocks": num_blocks,
-               "block_size": 4}
+               "block_size": 4, "max_num_seqs": 6, "enforce_eager": enforce_eager, **options}
     if spec is not None:
         options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
     return ModelRunner(EngineConfig.from_options(**options), progress=False)
@@ -117,16 +121,16 @@ def requests() -> list[TokenizedRequest]:
     return reqs
 
 
-def run(runner: ModelRunner, budget: int = 16, rows: list | None = None
+def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: tuple[str, ...] = ()
         ) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
-    """Every request to the end, one step at a time; also (drafts planned, tokens got) of each verify row, and the
-    same with the row's request id first in `rows` when given."""
+    """Every request (but those in `drop`) to the end, one step at a time; also (drafts planned, tokens got) of each
+    verify row, and the same with the row's request id first in `rows` when given."""
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
                           speculative_config=runner.config.scheduler.speculative_config)
     blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None)
     sched = BatchScheduler(cfg, blocks, max_model_len=256)
     for req in requests():
-        assert sched.add(req)
+        assert req.rid in drop or sched.add(req)
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     verified: list[tuple[int, int]] = []
@@ -243,6 +247,121 @@ def test_forced_acceptance_on_cuda_gives_num_speculative_tokens_plus_one_per_ver
     check_all_accepted(rows, want[0])
     full = [n for k, n in verified if k == num_spec]
     print(f"tokens per verify step at forced acceptance, N={num_spec}: {sum(full) / len(full):.2f}")
+
+
+def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
+    """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
+    runner steps."""
+    counts = {"verify": 0, "draft": 0, "padded": 0}
+    verify, draft = g.verify, g.draft
+
+    def counted_verify(ids, cached, tables):
+        counts["verify"] += 1
+        counts["padded"] += g.padded_size(len(cached)) > len(cached)
+        return verify(ids, cached, tables)
+
+    def counted_draft(*args):
+        counts["draft"] += 1
+        return draft(*args)
+
+    g.verify, g.draft = counted_verify, counted_draft
+    return counts
+
+
+def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
+    """Give a CPU runner the speculating-step graphs: on a CPU they rerun their passes eagerly over the same static
+    buffers and tables the CUDA graphs read."""
+    spec = runner.spec
+    spec.graphs = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
+                             max_blocks_per_seq=256 // runner.block_size,
+                             num_speculative_tokens=spec.num_speculative_tokens, device=runner.device)
+    return spec.graphs
+
+
+def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple) -> None:
+    """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
+    and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache afterwards."""
+    penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
+    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
+    drafted: list[dict] = []
+    caches: list[list[torch.Tensor]] = []
+    for graphs in (False, True):
+        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
+        if graphs and device == "cpu":
+            attach_step_graphs(runner)
+        assert (runner.spec.graphs is not None) == graphs
+        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
+        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
+        drafted.append(seen)
+
+        def record(tokens: np.ndarray, drafts: list[int], hook=hook, seen=seen) -> list[int]:
+            seen[tuple(tokens.tolist())] = drafts  # the MTP layer's own drafts, before the oracle's
+            return hook(tokens, drafts)
+
+        runner.spec.draft_hook = record
+        rows: list[tuple[str, int, int]] = []
+        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
+        check_same((tokens, logprobs), want)
+        caches.append([c[:runner.num_blocks] for c in runner.kv_caches])  # (not the scratch block)
+    assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do
+    for eager, graphed in zip(*caches):  # and every pass wrote the same latents in the same slots
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+    # (with 3 drafts few steps are uniform: the short requests get fewer drafts near their max_tokens)
+    assert counts["verify"] >= (6 if num_spec == 1 else 2) and counts["draft"] > 0
+    assert counts["padded"] > 0 or num_spec == 3
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))
+    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
+
+
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculating_step_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple,
+                                                                   num_spec: int) -> None:
+    """Uniform steps (every sequence decoding with all its drafts) go through SpecGraphs' verify / propose / draft
+    passes over static buffers, padded batches included; the rest stay eager. Drafts accepted, rejected and cut
+    short all give plain decoding's tokens and logprobs."""
+    check_step_graphs(model_dir, num_spec, "cpu", plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculating_step_cuda_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, num_spec: int) -> None:
+    """The same on CUDA, where the runner captures the graphs itself (the triton MLA kernels' static tables)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_step_graphs(model_dir, num_spec, "cuda", run(make_runner(model_dir, None, device="cuda"))[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculation_on_flash_mla_in_cuda_graphs_gives_eager_speculations_tokens(tmp_path: Path, num_spec: int) -> None:
+    """DeepSeek-V3's MLA shapes in bf16 on FlashMLA: the verify pass is one FlashMLA call of num_spec + 1 tokens per
+    sequence, eager and in the step graphs alike, so both give the same tokens."""
+    if not flash_mla_usable():
+        pytest.skip("needs a Hopper GPU with flash_mla")
+    model = add_mtp_layer(write_flash_mla_shaped_deepseek(tmp_path / "ds"))
+    got = []
+    for eager in (True, False):
+        runner = make_runner(model, num_spec, num_blocks=60, device="cuda", enforce_eager=eager, dtype="bfloat16",
+                             block_size=64, attention_backend="flash_mla")  # fmt: skip
+        assert runner.model.attention_backend_name == "mla_flash_mla"
+        assert (runner.spec.graphs is None) == eager
+        counts = {} if eager else count_step_graphs(runner.spec.graphs)
+        got.append(run(runner, budget=64, drop=("r4", "r10"))[0])
+    assert got[0] == got[1]
+    assert counts["verify"] >= 2 and counts["draft"] > 0
+
+
+def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> None:
+    """A prefill chunk or a sequence with fewer drafts than k runs eager; a chain whose last draft has no KV slot
+    (past the block table or max_model_len) drafts eagerly."""
+    runner = make_runner(model_dir, 3)
+    g = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
+                   max_blocks_per_seq=64, num_speculative_tokens=3, device=runner.device)
+    tables = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
+    assert g.can_draft(np.array([9, 5]), tables, max_model_len=256)  # last drafts at 11 and 7: blocks 2 and 1
+    assert not g.can_draft(np.array([10, 5]), tables, max_model_len=256)  # 12 would need a fourth block
+    assert not g.can_draft(np.array([9, 5]), tables, max_model_len=11)
+    assert g.fits(6) and not g.fits(7) and g.padded_size(3) == 4
 
 
 def test_a_tiny_kv_cache_preempts_and_still_gives_the_plain_tokens(model_dir: Path, plain: tuple) -> None:

@@ -1,0 +1,231 @@
+"""CUDA graphs for MTP speculative decoding (actors/spec_decode.py): the uniform step, where each of B sequences
+decodes with all k = num_speculative_tokens drafts, so B * (k + 1) rows.
+
+Three graphs per captured batch size B (the decode ladder, cuda_graphs.capture_sizes), in one memory pool:
+
+- verify: the main model over the B * (k + 1) rows: hidden [B * (k + 1), H];
+- propose: the MTP layer over the same rows, reading verify's hidden states and the tokens sampled there (in a
+  uniform step every row samples, so the token one position ahead of each row is the one sampled at it): its
+  output [B * (k + 1), H];
+- draft: each sequence's row of propose's output at its last accepted position, the MTP head's argmax (draft
+  1), then the MTP layer k - 1 more times, one position further each, on its own draft and output: the drafts
+  [B, k].
+
+Sampling stays outside (its options change per request), as in the decode graphs. The host computes the accepted
+counts in between (propose is queued before the host waits for the sampled tokens), then fills the draft graph's
+rows and positions. A step that is not uniform (a prefill chunk, a penalised request without drafts, a chain cut
+short by the end of the block table or of max_model_len, a batch past the largest size) runs eager.
+
+Attention reads static device tables (the static-table backends of actors/cuda_graphs.py): the verify and propose
+graphs run max_query_len k + 1, which the MLA backends send to their prefill kernel (flash_mla's decode kernel
+takes one query per sequence); the draft passes are decodes. Padded rows of a batch run on the scratch block, and
+their outputs are dropped. On a CPU device the "graphs" rerun their function eagerly over the same static
+buffers, which lets tests check every buffer and table the graphs read without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from flotilla.actors.cuda_graphs import capture_sizes, static_tables
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.staging import upload
+
+log = logging.getLogger(__name__)
+
+
+class _Graph:
+    """fn() captured once (CUDA) and replayed, or on a CPU device rerun eagerly on every replay."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, pool: object,
+                 before_capture: Callable[[], None]) -> None:  # fmt: skip
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if device.type != "cuda":
+            return
+        fn()  # warm-up: lazy initialisation (triton compiles, workspaces) must not happen inside the capture
+        torch.cuda.synchronize(device)
+        before_capture()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        assert self.out is not None
+        return self.out
+
+
+class SpecGraphs:
+    """Captured verify / propose / draft passes of uniform speculating steps, one set per batch size."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, scratch_block: int,
+                 max_batch: int, max_blocks_per_seq: int, num_speculative_tokens: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.device = device
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
+        self.k = k = num_speculative_tokens
+        self.q = q = k + 1
+        self.sizes = capture_sizes(max_batch)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        gmax = self.sizes[-1]
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        # verify and propose: q rows per sequence
+        self.ids = torch.zeros(gmax * q, **i64)
+        self.mtp_ids = torch.zeros(gmax * q, **i64)
+        self.positions = torch.zeros(gmax * q, **i64)
+        self.slots = torch.full((gmax * q,), self.scratch_slot, **i64)
+        self.query_start_loc = torch.arange(0, gmax * q + 1, q, **i32)
+        self.seq_lens = torch.full((gmax,), q, **i32)
+        self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
+        # draft: the row each sequence drafts from, then k - 1 decode passes (pass j at positions[j])
+        self.last_rows = torch.zeros(gmax, **i64)
+        self.d_positions = torch.zeros(max(k - 1, 1), gmax, **i64)
+        self.d_slots = torch.full((max(k - 1, 1), gmax), self.scratch_slot, **i64)
+        self.d_seq_lens = torch.ones(max(k - 1, 1), gmax, **i32)
+        self.d_query_start_loc = torch.arange(gmax + 1, **i32)
+        self.d_block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
+        self.verify_graphs: dict[int, _Graph] = {}
+        self.propose_graphs: dict[int, _Graph] = {}
+        self.draft_graphs: dict[int, _Graph] = {}
+        t0 = time.perf_counter()
+        self._capture_all()
+        if device.type == "cuda":
+            log.info("captured CUDA graphs of speculating steps (%d drafts) for batch sizes %s in %.1f s", k,
+                     self.sizes, time.perf_counter() - t0)
+
+    # ---- capture ----------------------------------------------------------------------------------------------
+
+    def _verify_meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+                                 block_tables=self.block_tables[:size], slot_mapping=self.slots[:size * self.q],
+                                 max_query_len=self.q, max_seq_len=self.max_blocks_per_seq * self.block_size,
+                                 block_size=self.block_size)  # fmt: skip
+
+    def _draft_meta(self, size: int, j: int) -> AttentionMetadata:
+        return AttentionMetadata(query_start_loc=self.d_query_start_loc[:size + 1], seq_lens=self.d_seq_lens[j, :size],
+                                 block_tables=self.d_block_tables[:size], slot_mapping=self.d_slots[j, :size],
+                                 max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
+                                 block_size=self.block_size)  # fmt: skip
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        model, kv, q = self.model, self.kv_caches, self.q
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            n = size * q
+            vmeta = self._verify_meta(size)
+            dmetas = [self._draft_meta(size, j) for j in range(self.k - 1)]
+
+            def clear(metas: list[AttentionMetadata] = [vmeta, *dmetas]) -> None:
+                for m in metas:  # per-step state (FlashMLA's scheduling) is computed inside the graph
+                    m.backend_state.clear()
+
+            verify = _Graph(lambda n=n, m=vmeta: model(self.ids[:n], self.positions[:n], kv, m),
+                            self.device, pool, clear)
+            self.verify_graphs[size] = verify
+            hidden = verify.out  # a CUDA graph's output tensor: fixed; eager mode reads it at replay (below)
+
+            def propose(n: int = n, m: AttentionMetadata = vmeta, size: int = size) -> torch.Tensor:
+                h = hidden if hidden is not None else self.verify_graphs[size].out
+                return model.mtp_forward(self.mtp_ids[:n], self.positions[:n], h, kv, m)
+
+            self.propose_graphs[size] = _Graph(propose, self.device, pool, clear)
+            proposed = self.propose_graphs[size].out
+
+            def draft(size: int = size, metas: list[AttentionMetadata] = dmetas) -> torch.Tensor:
+                out = proposed if proposed is not None else self.propose_graphs[size].out
+                h = out[self.last_rows[:size]]
+                tokens = [model.mtp_logits(h).argmax(dim=-1)]
+                for j, m in enumerate(metas):
+                    h = model.mtp_forward(tokens[-1], self.d_positions[j, :size], h, kv, m)
+                    tokens.append(model.mtp_logits(h).argmax(dim=-1))
+                return torch.stack(tokens, dim=1)
+
+            self.draft_graphs[size] = _Graph(draft, self.device, pool, clear)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- replay -----------------------------------------------------------------------------------------------
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    def padded_size(self, batch: int) -> int:
+        return next(s for s in self.sizes if s >= batch)
+
+    def verify(self, ids: np.ndarray, cached: np.ndarray, tables: list[np.ndarray]) -> torch.Tensor:
+        """The main model over B sequences of q = k + 1 new tokens each: ids int64 [B * q] (each sequence's last
+        token and its k drafts), cached [B] the tokens already in each sequence's cache (its first new position),
+        tables each sequence's KV blocks. -> hidden [B * q, H] (valid until the next verify)."""
+        batch, q, bs = len(cached), self.q, self.block_size
+        size = self.padded_size(batch)
+        self._size, self._batch = size, batch
+        pos = (cached[:, None] + np.arange(q)[None, :]).reshape(-1)
+        blocks = np.concatenate([t[p // bs] for t, p in zip(tables, np.split(pos, batch))]) if batch else pos
+        host = np.zeros((3, size * q), dtype=np.int64)
+        host[2] = self.scratch_slot  # padded rows: on the scratch block
+        host[0, :batch * q], host[1, :batch * q], host[2, :batch * q] = ids, pos, blocks * bs + pos % bs
+        staged = upload(host, self.device)
+        self.ids[:size * q].copy_(staged[0])
+        self.positions[:size * q].copy_(staged[1])
+        self.slots[:size * q].copy_(staged[2])
+        lens, table = static_tables(size, cached + q, tables, bs, self.scratch_block)
+        lens[batch:] = q  # a padded sequence holds its q rows on the scratch block
+        self.seq_lens[:size].copy_(upload(lens, self.device))
+        self.block_tables[:size, :table.shape[1]].copy_(upload(table, self.device))
+        return self.verify_graphs[size].replay()[:batch * q]
+
+    def propose(self, sampled: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over the last verify's rows, each reading the token sampled at it (sampled int64 [B * q],
+        on the device). -> its output [B * q, H] (valid until the next propose)."""
+        n = self._batch * self.q
+        self.mtp_ids[:n].copy_(sampled)
+        self.mtp_ids[n:self._size * self.q].zero_()
+        return self.propose_graphs[self._size].replay()[:n]
+
+    def can_draft(self, first: np.ndarray, tables: list[np.ndarray], max_model_len: int) -> bool:
+        """Whether every chain of k drafts starting after positions `first` (each sequence's last accepted
+        position) has its KV slots: k - 1 passes at first + 1 .. first + k - 1."""
+        if self.k == 1:
+            return True
+        last = first + self.k - 1
+        return bool((last < max_model_len).all()
+                    and all(p // self.block_size < len(t) for p, t in zip(last.tolist(), tables)))
+
+    def draft(self, last_rows: np.ndarray, first: np.ndarray, tables: list[np.ndarray]) -> torch.Tensor:
+        """The drafts [B, k] (int64, on the device) of the last propose's sequences: last_rows [B] their rows of
+        the last accepted position, first [B] that position (can_draft(first, ...) must hold)."""
+        size, batch, bs = self._size, self._batch, self.block_size
+        passes = self.k - 1
+        host = np.zeros((1 + 2 * max(passes, 1), size), dtype=np.int64)
+        host[0, :batch] = last_rows
+        lens = np.ones((max(passes, 1), size), dtype=np.int32)
+        if passes:
+            pos = first[None, :] + np.arange(1, passes + 1)[:, None]  # [passes, B]
+            host[1:1 + passes, :batch] = pos
+            host[1 + passes:] = self.scratch_slot
+            blocks = np.stack([np.fromiter((t[p // bs] for t, p in zip(tables, row)), dtype=np.int64, count=batch)
+                               for row in pos.tolist()])  # fmt: skip
+            host[1 + passes:, :batch] = blocks * bs + pos % bs
+            lens[:, :batch] = pos + 1
+            _, table = static_tables(size, pos[-1] + 1, tables, bs, self.scratch_block)
+            self.d_block_tables[:size, :table.shape[1]].copy_(upload(table, self.device))
+        staged = upload(host, self.device)
+        self.last_rows[:size].copy_(staged[0])
+        if passes:
+            self.d_positions[:, :size].copy_(staged[1:1 + passes])
+            self.d_slots[:, :size].copy_(staged[1 + passes:])
+            self.d_seq_lens[:, :size].copy_(upload(lens, self.device))
+        return self.draft_graphs[size].replay()[:batch]
