@@ -81,7 +81,9 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
     with LLM(placement="inline", **engine_options(args, num_spec)) as llm:
         actors = llm.client.runtime.actors
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        actors["worker/0"].runner.spec.draft_hook = oracle(prompt, plain)
+        spec = actors["worker/0"].runner.spec
+        spec.draft_hook = oracle(prompt, plain)
+        graphs = spec.graphs is not None  # the uniform steps' CUDA graphs (actors/spec_graphs.py)
         core = actors["scheduler/0"].core
         drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
         tokens, elapsed = decode_twice(llm, prompt, args.decode_out)
@@ -92,7 +94,7 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         print(f"warning: with {num_spec} speculative tokens the greedy output left plain decoding's at output token "
               f"{diff} of {len(plain)}; past it no draft was forced", file=sys.stderr, flush=True)
     verify_steps = len(tokens) - 1 - accepted  # the prefill gave the first token; each verify step accepted + 1
-    return {"num_speculative_tokens": num_spec, "first_difference": diff, "tok_per_s": round(len(tokens) / elapsed, 1),
+    return {"num_speculative_tokens": num_spec, "cuda_graphs": graphs, "first_difference": diff, "tok_per_s": round(len(tokens) / elapsed, 1),
             "ms_per_token": round(1000 * elapsed / len(tokens), 3),
             "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
             "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None}

@@ -46,7 +46,46 @@ def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(to
     case = _fp8_case(tokens, 7168, 2048, 16, 8, (128, 128), torch.bfloat16, seed=tokens, device=torch.device("cuda"))
     want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128))
     got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128))
+    try:  # (read with pytest -s)
+        print(f"\n[tokens={tokens}] {_where_deep_gemm_differs(case, got, want)}")
+    except Exception as e:  # noqa: BLE001 (the diagnosis must not stand in for the comparison below)
+        print(f"\n[tokens={tokens}] diagnosis failed: {e!r}")
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _where_deep_gemm_differs(case, got: torch.Tensor, want: torch.Tensor) -> str:
+    """Relative errors that say which part of the DeepGEMM FP8 experts departs: the whole layer against triton's and
+    the float32 W8A8 reference, then each grouped GEMM alone (DeepGEMM against its contract's torch version) on the
+    layer's own layout and quantized operands."""
+    import deep_gemm
+
+    from flotilla.kernels.activation import silu_and_mul
+    from flotilla.kernels.quant import quantize_activations
+
+    x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids = case
+    ref = torch_ref.fused_experts_fp8_w8a8(x.float(), w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                                           block_size=(128, 128))  # fmt: skip
+    parts = [f"layer: deep_gemm/triton {_rel(got, want):.3g}, deep_gemm/ref {_rel(got, ref):.3g}, "
+             f"triton/ref {_rel(want, ref):.3g}"]
+    layout = deep_gemm_experts._Layout(x, topk_ids, w13.shape[0], deep_gemm_experts._alignment(deep_gemm))
+    real = layout.m_indices >= 0
+    parts.append(f"rows {layout.a.shape[0]} ({int(real.sum())} real), experts used {topk_ids.unique().numel()}")
+    a = quantize_activations(layout.a, 128)
+    for name, (w, s), n in (("gate_up", (w13, w13_scale.float()), w13.shape[1]),
+                            ("down", (w2, w2_scale.float()), w2.shape[1])):  # fmt: skip
+        dg = torch.zeros(layout.a.shape[0], n, dtype=torch.bfloat16, device=x.device)
+        deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, (w, s), dg, layout.m_indices)
+        tr = torch.zeros_like(dg)
+        deep_gemm_experts.grouped_fp8_gemm_reference(a, (w, s), tr, layout.m_indices)
+        parts.append(f"{name} GEMM alone {_rel(dg[real], tr[real]):.3g} (scales {tuple(s.shape)}, "
+                     f"contiguous {s.is_contiguous()}, a_scales {tuple(a[1].shape)} stride {a[1].stride()})")
+        if name == "gate_up":
+            a = quantize_activations(silu_and_mul(tr), 128)
+    return "; ".join(parts)
 
 
 @pytest.mark.gpu
