@@ -1,7 +1,7 @@
 """deep_gemm's FP8 experts (kernels/moe/deep_gemm_experts.fused_experts_fp8): the layout, quantization and combine
 on CPU with DeepGEMM's FP8 grouped GEMM replaced by a torch implementation of its contract (padding rows NaN-filled
 first, so a layout that read them would fail), against the W8A8 reference; on a Hopper GPU with deep_gemm, the real
-GEMM at DeepSeek-V3's expert sizes against the triton FP8 experts."""
+GEMM at DeepSeek-V3's expert sizes against the triton FP8 experts and the reference."""
 
 from __future__ import annotations
 
@@ -37,27 +37,34 @@ def test_blocks_deep_gemm_cannot_take_are_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_DEEP_GEMM, reason="needs deep_gemm and a CUDA device")
-@pytest.mark.xfail(strict=True, reason="failed on an H200 on 2026-11-30 at all three sizes (cause not found yet: the "
-                   "activation-scale layout DeepGEMM wants is the first suspect); the backend does not offer it")
 @pytest.mark.parametrize("tokens", [1, 64, 512])
 def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(tokens):
+    """DeepGEMM's FP8 experts against triton's at DeepSeek-V3's expert sizes, both against the float32 W8A8 reference.
+
+    Both round the intermediate activation to bf16 before quantizing it to e4m3, and a bf16 difference upstream moves
+    an activation across an e4m3 rounding step now and then: on an H200 (2026-12-01) each was 1.5-2.0% (relative
+    Frobenius norm) from the float32 reference and 0.02-0.8% from the other, while an elementwise tolerance of 3% failed
+    on such outliers (this test's earlier form, xfailed from 2026-11-30 as a mismatch of unknown cause). The criterion
+    is therefore in norms: close to triton's, and no further from the reference than triton is (a misplaced scale or
+    row moves the norm by orders of magnitude more)."""
     from flotilla.kernels.moe import triton_experts
 
     case = _fp8_case(tokens, 7168, 2048, 16, 8, (128, 128), torch.bfloat16, seed=tokens, device=torch.device("cuda"))
     want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128))
     got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128))
-    try:  # (read with pytest -s)
-        print(f"\n[tokens={tokens}] {_where_deep_gemm_differs(case, got, want)}")
-    except Exception as e:  # noqa: BLE001 (the diagnosis must not stand in for the comparison below)
-        print(f"\n[tokens={tokens}] diagnosis failed: {e!r}")
-    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    x, *weights = case
+    ref = torch_ref.fused_experts_fp8_w8a8(x.float(), *weights, block_size=(128, 128))
+    print(f"\n[tokens={tokens}] {_where_deep_gemm_differs(case, got, want, ref)}")  # (pytest -s shows it)
+    assert _rel(got, want) < 0.02
+    assert _rel(got, ref) < 1.1 * _rel(want, ref) + 1e-3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative Frobenius-norm error of a against b."""
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _where_deep_gemm_differs(case, got: torch.Tensor, want: torch.Tensor) -> str:
+def _where_deep_gemm_differs(case, got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor) -> str:
     """Relative errors that say which part of the DeepGEMM FP8 experts departs: the whole layer against triton's and
     the float32 W8A8 reference, then each grouped GEMM alone (DeepGEMM against its contract's torch version) on the
     layer's own layout and quantized operands."""
@@ -67,8 +74,6 @@ def _where_deep_gemm_differs(case, got: torch.Tensor, want: torch.Tensor) -> str
     from flotilla.kernels.quant import quantize_activations
 
     x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids = case
-    ref = torch_ref.fused_experts_fp8_w8a8(x.float(), w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
-                                           block_size=(128, 128))  # fmt: skip
     parts = [f"layer: deep_gemm/triton {_rel(got, want):.3g}, deep_gemm/ref {_rel(got, ref):.3g}, "
              f"triton/ref {_rel(want, ref):.3g}"]
     layout = deep_gemm_experts._Layout(x, topk_ids, w13.shape[0], deep_gemm_experts._alignment(deep_gemm))
@@ -81,8 +86,7 @@ def _where_deep_gemm_differs(case, got: torch.Tensor, want: torch.Tensor) -> str
         deep_gemm.m_grouped_fp8_gemm_nt_contiguous(a, (w, s), dg, layout.m_indices)
         tr = torch.zeros_like(dg)
         deep_gemm_experts.grouped_fp8_gemm_reference(a, (w, s), tr, layout.m_indices)
-        parts.append(f"{name} GEMM alone {_rel(dg[real], tr[real]):.3g} (scales {tuple(s.shape)}, "
-                     f"contiguous {s.is_contiguous()}, a_scales {tuple(a[1].shape)} stride {a[1].stride()})")
+        parts.append(f"{name} GEMM alone {_rel(dg[real], tr[real]):.3g}")
         if name == "gate_up":
             a = quantize_activations(silu_and_mul(tr), 128)
     return "; ".join(parts)
