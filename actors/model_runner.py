@@ -314,6 +314,8 @@ class ModelRunner:
         them) then finds it free. On an H200 the second inline engine failed with CUDA out of memory without this:
         the first one's 135 GiB stayed reachable through the stopped actors. The runner is unusable afterwards."""
         device = self.device
+        if self.__dict__.get("spec") is not None:  # a speculator (and its graphs) someone still holds lets go too
+            self.spec.close()
         self.__dict__.clear()
         gc.collect()
         if device.type == "cuda":

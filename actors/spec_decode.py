@@ -104,6 +104,11 @@ class MTPSpeculator:
         runs the MTP layer exactly num_speculative_tokens times on every rank (empty passes where a rank has no
         more drafts to make), as the ranks' all-to-alls must pair up."""
 
+    def close(self) -> None:
+        """Drop the model, the graphs and the runner (ModelRunner.close): a caller that kept this speculator, as
+        bench_mtp did, must not keep the engine's device memory with it. Unusable afterwards."""
+        self.__dict__.clear()
+
     @torch.inference_mode()
     def step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int]) -> StepResult:
         """Run a planned step to its end: rids / seqs / num_new as the plan has them; cached blocks appended."""

@@ -84,6 +84,7 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         spec = actors["worker/0"].runner.spec
         spec.draft_hook = oracle(prompt, plain)
         graphs = spec.graphs is not None  # the uniform steps' CUDA graphs (actors/spec_graphs.py)
+        del spec  # (a reference held past the engine's close would keep its graphs and KV cache on the device)
         core = actors["scheduler/0"].core
         drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
         tokens, elapsed = decode_twice(llm, prompt, args.decode_out)

@@ -351,6 +351,22 @@ def test_speculation_on_flash_mla_in_cuda_graphs_gives_eager_speculations_tokens
     assert counts["verify"] >= 2 and counts["draft"] > 0
 
 
+def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_speculator_is_held(model_dir: Path) -> None:
+    """bench_mtp held the speculator past its engine's close; on an H200 the next inline engine then ran out of memory
+    (the speculator's step graphs and model kept the first engine's KV cache)."""
+    import gc
+    import weakref
+
+    runner = make_runner(model_dir, 2)
+    attach_step_graphs(runner)
+    spec = runner.spec
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    runner.close()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert spec is not None and not hasattr(spec, "graphs")
+
+
 def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> None:
     """A prefill chunk or a sequence with fewer drafts than k runs eager; a chain whose last draft has no KV slot
     (past the block table or max_model_len) drafts eagerly."""
