@@ -160,9 +160,16 @@ class MTPSpeculator:
 
         # (in a uniform step every row samples: rows is 0 .. B * (k + 1) - 1)
         out, want = self._sample(seqs, samplers, seg, local, hidden if uniform else hidden[upload(rows, dev)])
-        if uniform:  # queued before the host waits for the tokens: the token ahead of every row is the one sampled
+        device_drafts = None
+        if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
             mtp_hidden = g.propose(out.token_ids)
-        y = out.token_ids.cpu().numpy()
+            cached_np = np.asarray(cached, dtype=np.int64)
+            if g.can_draft(cached_np, tables, r.max_model_len):  # and the accepted counts and drafts too
+                device_drafts = g.draft(cached_np, tables)
+                host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait
+                y, device_drafts = host[:len(rows)], host[len(rows):].reshape(len(seqs), k + 1)
+        if device_drafts is None:
+            y = out.token_ids.cpu().numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
         accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
@@ -171,11 +178,14 @@ class MTPSpeculator:
         if not uniform:
             mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
             mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
-        last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
-        first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
-        if uniform and g.can_draft(first, tables, r.max_model_len):
-            drafts = g.draft(last, first, tables).tolist()
+        if device_drafts is not None:
+            if not np.array_equal(device_drafts[:, 0], accepted):
+                raise RuntimeError(f"the draft graph counted {device_drafts[:, 0].tolist()} accepted drafts, the host "
+                                   f"{accepted.tolist()}")  # fmt: skip
+            drafts = device_drafts[:, 1:].tolist()
         else:
+            last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
+            first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
             drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
 
         tokens = y[keep].astype(np.int32)

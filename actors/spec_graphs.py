@@ -7,14 +7,17 @@ Three graphs per captured batch size B (the decode ladder, cuda_graphs.capture_s
 - propose: the MTP layer over the same rows, reading verify's hidden states and the tokens sampled there (in a
   uniform step every row samples, so the token one position ahead of each row is the one sampled at it): its
   output [B * (k + 1), H];
-- draft: each sequence's row of propose's output at its last accepted position, the MTP head's argmax (draft
-  1), then the MTP layer k - 1 more times, one position further each, on its own draft and output: the drafts
-  [B, k].
+- draft: each sequence's accepted count (its leading drafts equal to the tokens sampled before them, counted on
+  the device from verify's inputs and the sampled tokens), its row of propose's output at the last accepted
+  position, the MTP head's argmax (draft 1), then the MTP layer k - 1 more times, one position further each, on its
+  own draft and output; the positions, slots and context lengths of those passes are computed in the graph too.
+  Out: [B, 1 + k], the accepted count and the k drafts.
 
-Sampling stays outside (its options change per request), as in the decode graphs. The host computes the accepted
-counts in between (propose is queued before the host waits for the sampled tokens), then fills the draft graph's
-rows and positions. A step that is not uniform (a prefill chunk, a penalised request without drafts, a chain cut
-short by the end of the block table or of max_model_len, a batch past the largest size) runs eager.
+Sampling stays outside (its options change per request), as in the decode graphs. All three graphs and the sampler
+are queued before the host waits once, for the sampled tokens, the accepted counts and the drafts together. A step
+that is not uniform (a prefill chunk, a penalised request without drafts, a batch past the largest size) runs eager;
+so does the draft chain of a step where a chain might run past the block table or max_model_len (the host checks
+the case where every draft is accepted, the longest).
 
 Attention reads static device tables (the static-table backends of actors/cuda_graphs.py): the verify and propose
 graphs run max_query_len k + 1, which the MLA backends send to their prefill kernel (flash_mla's decode kernel
@@ -89,9 +92,8 @@ class SpecGraphs:
         self.query_start_loc = torch.arange(0, gmax * q + 1, q, **i32)
         self.seq_lens = torch.full((gmax,), q, **i32)
         self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
-        # draft: the row each sequence drafts from, then k - 1 decode passes (pass j at positions[j])
-        self.last_rows = torch.zeros(gmax, **i64)
-        self.d_positions = torch.zeros(max(k - 1, 1), gmax, **i64)
+        # draft: k - 1 decode passes whose slots and context lengths the graph writes here (pass j in row j)
+        self.row_base = torch.arange(0, gmax * q, q, **i64)  # each sequence's first verify row
         self.d_slots = torch.full((max(k - 1, 1), gmax), self.scratch_slot, **i64)
         self.d_seq_lens = torch.ones(max(k - 1, 1), gmax, **i32)
         self.d_query_start_loc = torch.arange(gmax + 1, **i32)
@@ -144,14 +146,24 @@ class SpecGraphs:
             self.propose_graphs[size] = _Graph(propose, self.device, pool, clear)
             proposed = self.propose_graphs[size].out
 
-            def draft(size: int = size, metas: list[AttentionMetadata] = dmetas) -> torch.Tensor:
+            def draft(size: int = size, n: int = n, metas: list[AttentionMetadata] = dmetas) -> torch.Tensor:
                 out = proposed if proposed is not None else self.propose_graphs[size].out
-                h = out[self.last_rows[:size]]
+                k, bs = self.k, self.block_size
+                sampled = self.mtp_ids[:n].view(size, q)  # y_j at row j
+                drafted = self.ids[:n].view(size, q)[:, 1:]  # draft j + 1 at row j + 1
+                # leading drafts equal to the token sampled before them (padded rows: all, on the scratch block)
+                accepted = (drafted == sampled[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+                h = out[self.row_base[:size] + accepted]
+                first = self.positions[:n].view(size, q)[:, 0] + accepted  # the last accepted position
                 tokens = [model.mtp_logits(h).argmax(dim=-1)]
                 for j, m in enumerate(metas):
-                    h = model.mtp_forward(tokens[-1], self.d_positions[j, :size], h, kv, m)
+                    pos = first + 1 + j
+                    pages = self.d_block_tables[:size].gather(1, (pos // bs)[:, None]).squeeze(1)
+                    self.d_slots[j, :size].copy_(pages.to(torch.int64) * bs + pos % bs)
+                    self.d_seq_lens[j, :size].copy_(pos + 1)
+                    h = model.mtp_forward(tokens[-1], pos, h, kv, m)
                     tokens.append(model.mtp_logits(h).argmax(dim=-1))
-                return torch.stack(tokens, dim=1)
+                return torch.cat((accepted[:, None], torch.stack(tokens, dim=1)), dim=1)
 
             self.draft_graphs[size] = _Graph(draft, self.device, pool, clear)
         if self.device.type == "cuda":
@@ -195,37 +207,20 @@ class SpecGraphs:
         self.mtp_ids[n:self._size * self.q].zero_()
         return self.propose_graphs[self._size].replay()[:n]
 
-    def can_draft(self, first: np.ndarray, tables: list[np.ndarray], max_model_len: int) -> bool:
-        """Whether every chain of k drafts starting after positions `first` (each sequence's last accepted
-        position) has its KV slots: k - 1 passes at first + 1 .. first + k - 1."""
+    def can_draft(self, cached: np.ndarray, tables: list[np.ndarray], max_model_len: int) -> bool:
+        """Whether the last verify's sequences (cached [B]: their first new positions) have the KV slots of a whole
+        draft chain whatever is accepted: with all k drafts accepted the chain's k - 1 passes end at cached + 2k - 1."""
         if self.k == 1:
             return True
-        last = first + self.k - 1
+        last = cached + 2 * self.k - 1
         return bool((last < max_model_len).all()
                     and all(p // self.block_size < len(t) for p, t in zip(last.tolist(), tables)))
 
-    def draft(self, last_rows: np.ndarray, first: np.ndarray, tables: list[np.ndarray]) -> torch.Tensor:
-        """The drafts [B, k] (int64, on the device) of the last propose's sequences: last_rows [B] their rows of
-        the last accepted position, first [B] that position (can_draft(first, ...) must hold)."""
-        size, batch, bs = self._size, self._batch, self.block_size
-        passes = self.k - 1
-        host = np.zeros((1 + 2 * max(passes, 1), size), dtype=np.int64)
-        host[0, :batch] = last_rows
-        lens = np.ones((max(passes, 1), size), dtype=np.int32)
-        if passes:
-            pos = first[None, :] + np.arange(1, passes + 1)[:, None]  # [passes, B]
-            host[1:1 + passes, :batch] = pos
-            host[1 + passes:] = self.scratch_slot
-            blocks = np.stack([np.fromiter((t[p // bs] for t, p in zip(tables, row)), dtype=np.int64, count=batch)
-                               for row in pos.tolist()])  # fmt: skip
-            host[1 + passes:, :batch] = blocks * bs + pos % bs
-            lens[:, :batch] = pos + 1
-            _, table = static_tables(size, pos[-1] + 1, tables, bs, self.scratch_block)
+    def draft(self, cached: np.ndarray, tables: list[np.ndarray]) -> torch.Tensor:
+        """[B, 1 + k] int64 on the device: each sequence's accepted count, then its k drafts for the next step, from
+        the last verify and propose (can_draft(cached, ...) must hold)."""
+        size, batch = self._size, self._batch
+        if self.k > 1:  # the pages a chain may reach (the graph looks its slots up in them)
+            _, table = static_tables(size, cached + 2 * self.k, tables, self.block_size, self.scratch_block)
             self.d_block_tables[:size, :table.shape[1]].copy_(upload(table, self.device))
-        staged = upload(host, self.device)
-        self.last_rows[:size].copy_(staged[0])
-        if passes:
-            self.d_positions[:, :size].copy_(staged[1:1 + passes])
-            self.d_slots[:, :size].copy_(staged[1 + passes:])
-            self.d_seq_lens[:, :size].copy_(upload(lens, self.device))
         return self.draft_graphs[size].replay()[:batch]

@@ -368,15 +368,16 @@ def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_sp
 
 
 def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> None:
-    """A prefill chunk or a sequence with fewer drafts than k runs eager; a chain whose last draft has no KV slot
-    (past the block table or max_model_len) drafts eagerly."""
+    """A prefill chunk or a sequence with fewer drafts than k runs eager; a step where a chain might reach a position
+    without a KV slot (past the block table or max_model_len, if every draft were accepted) drafts eagerly."""
     runner = make_runner(model_dir, 3)
     g = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
                    max_blocks_per_seq=64, num_speculative_tokens=3, device=runner.device)
     tables = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
-    assert g.can_draft(np.array([9, 5]), tables, max_model_len=256)  # last drafts at 11 and 7: blocks 2 and 1
-    assert not g.can_draft(np.array([10, 5]), tables, max_model_len=256)  # 12 would need a fourth block
-    assert not g.can_draft(np.array([9, 5]), tables, max_model_len=11)
+    # all 3 drafts accepted, the chain's passes reach cached + 5: 11 and 7, blocks 2 and 1 (of 4 tokens)
+    assert g.can_draft(np.array([6, 2]), tables, max_model_len=256)
+    assert not g.can_draft(np.array([7, 2]), tables, max_model_len=256)  # 12 would need a fourth block
+    assert not g.can_draft(np.array([6, 2]), tables, max_model_len=11)
     assert g.fits(6) and not g.fits(7) and g.padded_size(3) == 4
 
 
