@@ -326,6 +326,41 @@ def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_t
     uvloop.run(main())
 
 
+def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
+    """A front end restarted at the same address before the grace ends: the watch sees the disconnect and then the
+    reconnect (the monitor's events arrive in order, however late the task reads them), so nothing is aborted."""
+    from flotilla.actors.front_end_watch import FrontEndWatch
+    from flotilla.transport.messages import AbortCmd
+
+    async def main():
+        ctx = new_context()
+        gone: list[str] = []
+
+        async def on_gone(address: str) -> None:
+            gone.append(address)
+
+        watch = FrontEndWatch(on_gone, grace_s=1.0, connect_s=1.0)
+        address = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
+        front_end = Inbox(ctx, address, (AbortCmd,))
+        out = Outbox(ctx, address, connect=False)
+        watch.watch(address, out.sock)
+        out.sock.connect(address)
+        await out.send(AbortCmd(rid="a"))
+        assert (await asyncio.wait_for(front_end.recv(), 5)).rid == "a"
+        front_end.close()
+        front_end = Inbox(ctx, address, (AbortCmd,))  # back at once
+        await out.send(AbortCmd(rid="b"))
+        assert (await asyncio.wait_for(front_end.recv(), 10)).rid == "b"
+        await asyncio.sleep(1.5)  # past the grace of the disconnect
+        assert gone == [] and address not in watch.gone
+        await watch.close()
+        for s in (front_end, out):
+            s.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
 def test_a_front_end_that_stops_listening_is_reported_gone_after_the_grace_and_back_when_it_returns():
     """FrontEndWatch on real TCP sockets: a front end (an inbox) that closes is reported gone once the grace has
     passed; bound again at the same address it is back, and what was sent meanwhile arrives; an address nobody
