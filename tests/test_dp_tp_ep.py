@@ -188,8 +188,8 @@ def test_flotilla_serve_runs_dp2_tp2_ep4_and_answers_like_one_process(moe_dir: P
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(text, prompts)) == want
         deadline = time.monotonic() + 20  # the workers report expert loads every half second, after their steps
-        while "flotilla_expert_tokens_total{" not in (
-                metrics := urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()):
+        while "flotilla_expert_tokens_total{" not in urllib.request.urlopen(server.url + "/metrics",
+                                                                           timeout=10).read().decode():
             assert time.monotonic() < deadline, "no expert token counts in /metrics"
             time.sleep(0.2)
     finally:

@@ -197,7 +197,7 @@ def test_seeded_noise_is_splitmix64() -> None:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_unseeded_distribution_matches_softmax(temperature: float) -> None:
-    vocab, n = 8, 40000
+    n = 40000
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     tokens = _draw(logits, SamplingParams(temperature=temperature), n)
     # chi-square with 7 degrees of freedom: 99.9999% quantile is ~ 38.
