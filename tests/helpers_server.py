@@ -10,7 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from flotilla.transport.endpoints import free_tcp_port
 
@@ -68,3 +71,21 @@ def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> 
             return server
     proc.kill()
     raise AssertionError("server did not become ready:\n" + "".join(server.log[-40:]))
+
+
+def start_servers(*specs: tuple[Sequence[str], dict[str, Any]]) -> list[Server]:
+    """start_server(*args, **kwargs) for each (args, kwargs), all at once (each start waits on its own process, so the
+    suite spends one start-up, not several); if any fails, the ones that started are stopped and its error raised."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_server, *args, **kwargs) for args, kwargs in specs]
+    started, error = [], None
+    for f in futures:
+        try:
+            started.append(f.result())
+        except BaseException as e:  # noqa: BLE001 (re-raised below, after the others are stopped)
+            error = error or e
+    if error is not None:
+        for server in started:
+            server.stop()
+        raise error
+    return started

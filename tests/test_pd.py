@@ -24,7 +24,7 @@ import pytest
 import redis
 from flotilla.scripts.launch import load_deployment, serve_argv
 from helpers_engine import write_tiny_engine_model
-from helpers_server import start_server
+from helpers_server import start_servers
 
 if os.environ.get("CI"):
     import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
@@ -51,12 +51,8 @@ def servers(model, redis_url, tmp_path_factory):
     toml.write_text(f'name = "pd-1p2d"\nengines = ["prefill", "decode", "decode"]\nregistry = "{registry}"\n'
                     '[engine]\nblock_size = 4\nkv_cache_blocks = 160\nmax_num_seqs = 16\n'
                     'kv_transfer_backend = "dlslime_tcp"\n')
-    pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
-    try:
-        colocated = start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180)
-    except BaseException:
-        pd.stop()
-        raise
+    pd, colocated = start_servers(((str(toml), "--model", str(model)), {"command": "launch", "timeout": 180}),
+                                  ((str(model), "--single-process", *pdh.ENGINE_OPTIONS), {"timeout": 180}))
     yield pd, colocated
     colocated.stop()
     assert pd.stop() == 0, "".join(pd.log[-30:])

@@ -25,7 +25,7 @@ from flotilla.scripts.launch import load_deployment, serve_argv
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.registry import RedisRegistry
 from helpers_engine import write_tiny_engine_model
-from helpers_server import start_server
+from helpers_server import start_server, start_servers
 
 if os.environ.get("CI"):
     import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
@@ -65,8 +65,9 @@ def nodes(model, redis_url):
     started = [a]
     try:
         pdh.wait_health(a.url, 503)  # a prefill engine alone serves nothing: no decode engine anywhere yet
-        started.append(b := start_server(*node_argv(model, redis_url, "b", "decode"), timeout=180))
-        started.append(colocated := start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180))
+        b, colocated = start_servers((node_argv(model, redis_url, "b", "decode"), {"timeout": 180}),
+                                     ((str(model), "--single-process", *pdh.ENGINE_OPTIONS), {"timeout": 180}))
+        started += [b, colocated]
     except BaseException:
         for s in started:
             s.stop()
@@ -160,13 +161,9 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     later found nothing left to abort.)"""
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
-    c = start_server(*node_argv(model, url, "c", "both"), timeout=180)
-    monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")
-    try:
-        d = start_server(*node_argv(model, url, "d", "both"), timeout=180)
-    except BaseException:
-        c.stop()
-        raise
+    monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")  # (c's engine gets it too: nothing of d's runs there)
+    c, d = start_servers((node_argv(model, url, "c", "both"), {"timeout": 180}),
+                         (node_argv(model, url, "d", "both"), {"timeout": 180}))
     try:
         pdh.wait_health(c.url, 200)
         reqs = pdh.requests(24, offset=50)

@@ -20,7 +20,7 @@ import helpers_pd as pdh
 import openai
 import pytest
 from helpers_engine import write_tiny_engine_model
-from helpers_server import start_server
+from helpers_server import start_server, start_servers
 
 ENGINES = ["prefill-0", "prefill-1", "decode-0"]
 
@@ -34,12 +34,8 @@ def servers(tmp_path_factory):
     toml.write_text('name = "pd-2p1d-torch"\nengines = ["prefill", "prefill", "decode"]\n'
                     '[engine]\nblock_size = 4\nkv_cache_blocks = 160\nmax_num_seqs = 16\n'
                     'kv_transfer_backend = "torch_dist"\nkv_staging_blocks = 8\nkv_transfer_timeout_s = 10\n')
-    pd = start_server(str(toml), "--model", str(model), command="launch", timeout=180)
-    try:
-        colocated = start_server(str(model), "--single-process", *pdh.ENGINE_OPTIONS, timeout=180)
-    except BaseException:
-        pd.stop()
-        raise
+    pd, colocated = start_servers(((str(toml), "--model", str(model)), {"command": "launch", "timeout": 180}),
+                                  ((str(model), "--single-process", *pdh.ENGINE_OPTIONS), {"timeout": 180}))
     yield pd, colocated
     colocated.stop()
     assert pd.stop() == 0, "".join(pd.log[-30:])
