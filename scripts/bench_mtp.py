@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,13 @@ def engine_options(args: argparse.Namespace, num_spec: int | None) -> dict[str, 
     return options
 
 
-def decode_twice(llm: LLM, prompt: list[int], out_len: int) -> tuple[list[int], float]:
-    """The second run's tokens and seconds (the first warms up)."""
+def decode_twice(llm: LLM, prompt: list[int], out_len: int,
+                 before_timed: Callable[[], None] | None = None) -> tuple[list[int], float]:
+    """The second run's tokens and seconds (the first warms up; before_timed() runs between them)."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out_len)
-    for _ in range(2):
+    for run in range(2):
+        if run == 1 and before_timed is not None:
+            before_timed()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
         elapsed = time.perf_counter() - t0
@@ -77,6 +81,25 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
     return diff if diff is not None or len(got) == len(want) else min(len(got), len(want))
 
 
+class StepTimer:
+    """Times the worker's speculating steps (MTPSpeculator.step, its device waits included): what a step costs
+    inside the worker, against the wall time per step, whose rest is the scheduler's planning, the messages between
+    the actors and the engine's loop (the steps run one at a time, so none of it overlaps a step)."""
+
+    def __init__(self, spec: Any) -> None:
+        self.seconds: list[float] = []
+        step = spec.step
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return step(*a, **kw)
+            finally:
+                self.seconds.append(time.perf_counter() - t0)
+
+        spec.step = timed
+
+
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
     with LLM(placement="inline", **engine_options(args, num_spec)) as llm:
         actors = llm.client.runtime.actors
@@ -84,10 +107,11 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         spec = actors["worker/0"].runner.spec
         spec.draft_hook = oracle(prompt, plain)
         graphs = spec.graphs is not None  # the uniform steps' CUDA graphs (actors/spec_graphs.py)
+        timer = StepTimer(spec)
         del spec  # (a reference held past the engine's close would keep its graphs and KV cache on the device)
         core = actors["scheduler/0"].core
         drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
-        tokens, elapsed = decode_twice(llm, prompt, args.decode_out)
+        tokens, elapsed = decode_twice(llm, prompt, args.decode_out, before_timed=timer.seconds.clear)
         # decode_twice ran the request twice: the counters moved by two runs' worth
         drafts, accepted = (core.spec_draft_tokens - drafts0) / 2, (core.spec_accepted_tokens - accepted0) / 2
     diff = first_difference(tokens, plain)
@@ -98,7 +122,18 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
     return {"num_speculative_tokens": num_spec, "cuda_graphs": graphs, "first_difference": diff, "tok_per_s": round(len(tokens) / elapsed, 1),
             "ms_per_token": round(1000 * elapsed / len(tokens), 3),
             "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
-            "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None}
+            "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None,
+            **step_split(timer.seconds, elapsed)}
+
+
+def step_split(seconds: list[float], elapsed: float) -> dict[str, Any]:
+    """Per step of the timed run (its prefill included): the wall time, the time inside the worker's step, and the
+    rest (the scheduler's planning and the round trip between the actors), in ms."""
+    if not seconds:
+        return {"steps": 0}
+    wall, inside = 1000 * elapsed / len(seconds), 1000 * sum(seconds) / len(seconds)
+    return {"steps": len(seconds), "step_wall_ms": round(wall, 3), "step_in_worker_ms": round(inside, 3),
+            "step_outside_worker_ms": round(wall - inside, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -579,6 +579,10 @@ def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(
         assert run["num_speculative_tokens"] == n and run["acceptance_rate"] == 1.0 and run["first_difference"] is None
         assert n + 1 - 0.25 <= run["tokens_per_verify_step"] <= n + 1
         assert run["speedup"] > 0
+        # every step of the timed run was timed: its prefill and its verify steps (23 tokens after the first)
+        assert run["steps"] == 1 + round(23 / run["tokens_per_verify_step"])
+        assert 0 < run["step_in_worker_ms"] < run["step_wall_ms"]
+        assert run["step_outside_worker_ms"] == pytest.approx(run["step_wall_ms"] - run["step_in_worker_ms"], abs=2e-3)
 
 
 def test_bench_mtps_oracle_leaves_a_departed_sequence_its_own_drafts() -> None:
