@@ -49,7 +49,7 @@ if want peer; then
 fi
 
 if want tests; then
-  TESTS=${TESTS:-tests/test_fp8_quant_triton.py tests/test_moe_masked.py tests/test_spec_decode.py \
+  TESTS=${TESTS:-tests/test_fp8_quant_triton.py tests/test_moe_masked.py tests/test_spec_decode.py tests/test_spec_graphs.py \
 tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py tests/test_moe.py tests/test_fp8_moe.py tests/test_kernels_triton.py}
   stage "tests: $TESTS"
   # shellcheck disable=SC2086

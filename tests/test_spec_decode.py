@@ -18,52 +18,18 @@ import numpy as np
 import pytest
 import torch
 from flotilla import LLM, SamplingParams
-from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
-from flotilla.actors.model_runner import ModelRunner
 from flotilla.actors.spec_decode import check_speculative_config
-from flotilla.actors.spec_graphs import SpecGraphs
-from flotilla.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
+from flotilla.config import EngineConfig, SpeculativeConfig
 from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
-from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
+from flotilla.transport.messages import SchedulerStatsEvent
 from helpers_engine import write_tiny_tokenizer
 from helpers_server import start_server
-from helpers_tiny_models import (write_flash_mla_shaped_deepseek, write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model,
-                                 write_tiny_model)
-from safetensors.torch import load_file, save_file
-
-VOCAB = 320
-STOP_TOKEN = 64
-"""A stop token id request r5 is given (the test picks a prompt whose greedy output holds it)."""
-
-
-def add_mtp_layer(model_dir: Path, seed: int = 5) -> Path:
-    """Append a random MTP layer (DeepSeek-V3's names, at layer num_hidden_layers) to a tiny checkpoint: a
-    decoder block made from layer 1's tensors (MoE) plus noise, enorm / hnorm / eh_proj / shared_head, and
-    copies of the embedding and LM head as DeepSeek ships them."""
-    config = json.loads((model_dir / "config.json").read_text())
-    n = config["num_hidden_layers"]
-    weights = load_file(str(model_dir / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    hidden = config["hidden_size"]
-    mtp = {}
-    for name, t in weights.items():
-        if name.startswith("model.layers.1."):
-            noise = torch.randn(t.shape, generator=gen) * 0.02 * (t.float().std() if t.numel() > 1 else 0)
-            mtp[name.replace("model.layers.1.", f"model.layers.{n}.")] = (t + noise.to(t.dtype)).contiguous()
-    p = f"model.layers.{n}."
-    mtp[p + "enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
-    mtp[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
-    mtp[p + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
-    mtp[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
-    mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    mtp[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
-    save_file({**weights, **mtp}, str(model_dir / "model.safetensors"))
-    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    return model_dir
-
+from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, check_all_accepted, check_same, make_runner, oracle,
+                          requests, run)
+from helpers_tiny_models import write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model, write_tiny_model
+from safetensors.torch import load_file
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -92,68 +58,6 @@ def test_dummy_weights_are_the_same_with_and_without_the_mtp_layer(model_dir: Pa
     assert all(torch.equal(again[name], t) for name, t in plain.items())  # and a second load draws the same
 
 
-def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300, device: str = "cpu",
-                enforce_eager: bool = False, **options: object) -> ModelRunner:
-    options = {"model": str(model_dir), "device": device, "dtype": "float32", "kv_cache_blocks": num_blocks,
-               "block_size": 4, "max_num_seqs": 6, "enforce_eager": enforce_eager, **options}
-    if spec is not None:
-        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
-    return ModelRunner(EngineConfig.from_options(**options), progress=False)
-
-
-def requests() -> list[TokenizedRequest]:
-    rng = np.random.default_rng(3)
-    kinds = [
-        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True),  # seeded: the same noise
-        SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True),
-        SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),  # gets no drafts
-        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[STOP_TOKEN]),
-    ]
-    lengths = [3, 31, 9, 22, 5, 14, 40, 1, 17, 6, 27, 11]
-    reqs = [TokenizedRequest(rid=f"r{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
-                             sampling=kinds[i % len(kinds)]) for i, n in enumerate(lengths)]
-    shared = reqs[1].prompt_ids[:21]  # later requests that hit r1's prompt in the prefix cache
-    for i, n in ((12, 6), (13, 1)):
-        prompt = np.concatenate((shared, rng.integers(4, VOCAB, n).astype(np.int32)))
-        reqs.append(TokenizedRequest(rid=f"r{i}", prompt_ids=prompt, eos_token_ids=[2], sampling=kinds[0]))
-    return reqs
-
-
-def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: tuple[str, ...] = ()
-        ) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
-    """Every request (but those in `drop`) to the end, one step at a time; also (drafts planned, tokens got) of each
-    verify row, and the same with the row's request id first in `rows` when given."""
-    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
-                          speculative_config=runner.config.scheduler.speculative_config)
-    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None)
-    sched = BatchScheduler(cfg, blocks, max_model_len=256)
-    for req in requests():
-        assert req.rid in drop or sched.add(req)
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
-    verified: list[tuple[int, int]] = []
-    for _ in range(5_000):
-        plan = sched.schedule()
-        if plan is None:
-            break
-        drafts = {seq.rid: seq.num_drafts for seq, _ in sched.inflight[plan.step] if seq.num_drafts}
-        result = runner.execute(plan)
-        assert result.error is None
-        if result.num_tokens is not None:
-            verified += [(drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
-            if rows is not None:
-                rows += [(rid, drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
-        for d in sched.update(result):
-            tokens.setdefault(d.rid, []).extend(d.token_ids)
-            if d.logprobs is not None:
-                logprobs.setdefault(d.rid, []).extend(d.logprobs)
-    assert not sched.seqs
-    assert blocks.hit_tokens > 0 or blocks.num_blocks < 100  # r12 and r13 reused r1's prompt blocks
-    return tokens, logprobs, sched, verified
-
-
 @pytest.fixture(scope="module")
 def plain(model_dir: Path) -> tuple[dict, dict]:
     tokens, logprobs, sched, verified = run(make_runner(model_dir, None))
@@ -161,40 +65,6 @@ def plain(model_dir: Path) -> tuple[dict, dict]:
     assert STOP_TOKEN in tokens["r5"] and tokens["r5"][-1] == STOP_TOKEN and len(tokens["r5"]) < 16, \
         "the fixture's stop-token request should stop early"
     return tokens, logprobs
-
-
-def oracle(plain_tokens: dict, corrupt: bool):
-    """A draft hook giving the tokens plain decoding produced next (every third step one of them is wrong)."""
-    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in requests()}
-
-    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
-        seq = tokens.tolist()
-        ref = next(f for p, f in full.items() if seq[:len(p)] == list(p))
-        want = ref[len(seq):len(seq) + len(drafts)]
-        out = want + drafts[len(want):]
-        if corrupt and len(seq) % 3 == 0:
-            j = (len(seq) // 3) % len(out)
-            out[j] = (out[j] + 1) % VOCAB
-        return out
-    return hook
-
-
-def check_all_accepted(rows: list[tuple[str, int, int]], want_tokens: dict) -> None:
-    """Every verify row at forced acceptance yields its drafts plus one token, except the stop-token request's last:
-    past its stop token the oracle has no tokens left to hand, so its last drafts are the model's own, rejected (with
-    three drafts the stop token fell inside such a row)."""
-    assert rows
-    short = [(i, rid) for i, (rid, k, n) in enumerate(rows) if n != k + 1]
-    last = {rid: i for i, (rid, _, _) in enumerate(rows)}
-    for i, rid in short:
-        assert want_tokens[rid][-1] == STOP_TOKEN and last[rid] == i, rows[i]
-
-
-def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
-    assert got[0] == want[0]
-    assert got[1].keys() == want[1].keys()
-    for rid in want[1]:
-        np.testing.assert_allclose(got[1][rid], want[1][rid], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_spec", [1, 2])
@@ -247,138 +117,6 @@ def test_forced_acceptance_on_cuda_gives_num_speculative_tokens_plus_one_per_ver
     check_all_accepted(rows, want[0])
     full = [n for k, n in verified if k == num_spec]
     print(f"tokens per verify step at forced acceptance, N={num_spec}: {sum(full) / len(full):.2f}")
-
-
-def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
-    """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
-    runner steps."""
-    counts = {"verify": 0, "draft": 0, "padded": 0}
-    verify, draft = g.verify, g.draft
-
-    def counted_verify(ids, cached, tables):
-        counts["verify"] += 1
-        counts["padded"] += g.padded_size(len(cached)) > len(cached)
-        return verify(ids, cached, tables)
-
-    def counted_draft(*args):
-        counts["draft"] += 1
-        return draft(*args)
-
-    g.verify, g.draft = counted_verify, counted_draft
-    return counts
-
-
-def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
-    """Give a CPU runner the speculating-step graphs: on a CPU they rerun their passes eagerly over the same static
-    buffers and tables the CUDA graphs read."""
-    spec = runner.spec
-    spec.graphs = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
-                             max_blocks_per_seq=256 // runner.block_size,
-                             num_speculative_tokens=spec.num_speculative_tokens, device=runner.device)
-    return spec.graphs
-
-
-def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple) -> None:
-    """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
-    and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache afterwards."""
-    penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
-    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
-    drafted: list[dict] = []
-    caches: list[list[torch.Tensor]] = []
-    for graphs in (False, True):
-        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
-        if graphs and device == "cpu":
-            attach_step_graphs(runner)
-        assert (runner.spec.graphs is not None) == graphs
-        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
-        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
-        drafted.append(seen)
-
-        def record(tokens: np.ndarray, drafts: list[int], hook=hook, seen=seen) -> list[int]:
-            seen[tuple(tokens.tolist())] = drafts  # the MTP layer's own drafts, before the oracle's
-            return hook(tokens, drafts)
-
-        runner.spec.draft_hook = record
-        rows: list[tuple[str, int, int]] = []
-        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
-        check_same((tokens, logprobs), want)
-        caches.append([c[:runner.num_blocks] for c in runner.kv_caches])  # (not the scratch block)
-    assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do
-    for eager, graphed in zip(*caches):  # and every pass wrote the same latents in the same slots
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
-    # (with 3 drafts few steps are uniform: the short requests get fewer drafts near their max_tokens)
-    assert counts["verify"] >= (6 if num_spec == 1 else 2) and counts["draft"] > 0
-    assert counts["padded"] > 0 or num_spec == 3
-    assert {n for _, n in verified} == set(range(1, num_spec + 2))
-    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
-
-
-@pytest.mark.parametrize("num_spec", [1, 3])
-def test_speculating_step_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple,
-                                                                   num_spec: int) -> None:
-    """Uniform steps (every sequence decoding with all its drafts) go through SpecGraphs' verify / propose / draft
-    passes over static buffers, padded batches included; the rest stay eager. Drafts accepted, rejected and cut
-    short all give plain decoding's tokens and logprobs."""
-    check_step_graphs(model_dir, num_spec, "cpu", plain)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_spec", [1, 3])
-def test_speculating_step_cuda_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, num_spec: int) -> None:
-    """The same on CUDA, where the runner captures the graphs itself (the triton MLA kernels' static tables)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    check_step_graphs(model_dir, num_spec, "cuda", run(make_runner(model_dir, None, device="cuda"))[:2])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_spec", [1, 3])
-def test_speculation_on_flash_mla_in_cuda_graphs_gives_eager_speculations_tokens(tmp_path: Path, num_spec: int) -> None:
-    """DeepSeek-V3's MLA shapes in bf16 on FlashMLA: the verify pass is one FlashMLA call of num_spec + 1 tokens per
-    sequence, eager and in the step graphs alike, so both give the same tokens."""
-    if not flash_mla_usable():
-        pytest.skip("needs a Hopper GPU with flash_mla")
-    model = add_mtp_layer(write_flash_mla_shaped_deepseek(tmp_path / "ds"))
-    got = []
-    for eager in (True, False):
-        runner = make_runner(model, num_spec, num_blocks=60, device="cuda", enforce_eager=eager, dtype="bfloat16",
-                             block_size=64, attention_backend="flash_mla")  # fmt: skip
-        assert runner.model.attention_backend_name == "mla_flash_mla"
-        assert (runner.spec.graphs is None) == eager
-        counts = {} if eager else count_step_graphs(runner.spec.graphs)
-        got.append(run(runner, budget=64, drop=("r4", "r10"))[0])
-    assert got[0] == got[1]
-    assert counts["verify"] >= 2 and counts["draft"] > 0
-
-
-def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_speculator_is_held(model_dir: Path) -> None:
-    """bench_mtp held the speculator past its engine's close; on an H200 the next inline engine then ran out of memory
-    (the speculator's step graphs and model kept the first engine's KV cache)."""
-    import gc
-    import weakref
-
-    runner = make_runner(model_dir, 2)
-    attach_step_graphs(runner)
-    spec = runner.spec
-    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
-    runner.close()
-    gc.collect()
-    assert model() is None and cache() is None
-    assert spec is not None and not hasattr(spec, "graphs")
-
-
-def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> None:
-    """A prefill chunk or a sequence with fewer drafts than k runs eager; a step where a chain might reach a position
-    without a KV slot (past the block table or max_model_len, if every draft were accepted) drafts eagerly."""
-    runner = make_runner(model_dir, 3)
-    g = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
-                   max_blocks_per_seq=64, num_speculative_tokens=3, device=runner.device)
-    tables = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
-    # all 3 drafts accepted, the chain's passes reach cached + 5: 11 and 7, blocks 2 and 1 (of 4 tokens)
-    assert g.can_draft(np.array([6, 2]), tables, max_model_len=256)
-    assert not g.can_draft(np.array([7, 2]), tables, max_model_len=256)  # 12 would need a fourth block
-    assert not g.can_draft(np.array([6, 2]), tables, max_model_len=11)
-    assert g.fits(6) and not g.fits(7) and g.padded_size(3) == 4
 
 
 def test_a_tiny_kv_cache_preempts_and_still_gives_the_plain_tokens(model_dir: Path, plain: tuple) -> None:
@@ -575,14 +313,14 @@ def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(
                            "--kv-cache-blocks", "200", "--json", str(out)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     assert result["plain_tok_per_s"] > 0
-    for run, n in zip(result["mtp"], (1, 2), strict=True):
-        assert run["num_speculative_tokens"] == n and run["acceptance_rate"] == 1.0 and run["first_difference"] is None
-        assert n + 1 - 0.25 <= run["tokens_per_verify_step"] <= n + 1
-        assert run["speedup"] > 0
+    for rec, n in zip(result["mtp"], (1, 2), strict=True):
+        assert rec["num_speculative_tokens"] == n and rec["acceptance_rate"] == 1.0 and rec["first_difference"] is None
+        assert n + 1 - 0.25 <= rec["tokens_per_verify_step"] <= n + 1
+        assert rec["speedup"] > 0
         # every step of the timed run was timed: its prefill and its verify steps (23 tokens after the first)
-        assert run["steps"] == 1 + round(23 / run["tokens_per_verify_step"])
-        assert 0 < run["step_in_worker_ms"] < run["step_wall_ms"]
-        assert run["step_outside_worker_ms"] == pytest.approx(run["step_wall_ms"] - run["step_in_worker_ms"], abs=2e-3)
+        assert rec["steps"] == 1 + round(23 / rec["tokens_per_verify_step"])
+        assert 0 < rec["step_in_worker_ms"] < rec["step_wall_ms"]
+        assert rec["step_outside_worker_ms"] == pytest.approx(rec["step_wall_ms"] - rec["step_in_worker_ms"], abs=2e-3)
 
 
 def test_bench_mtps_oracle_leaves_a_departed_sequence_its_own_drafts() -> None:

@@ -1,0 +1,144 @@
+"""Shared by the MTP speculation tests (test_spec_decode.py, test_spec_graphs.py): a random MTP layer written into a
+tiny DeepSeek-V3 checkpoint, a runner, a mixed batch of requests driven to the end one step at a time, and a draft
+hook that hands plain decoding's tokens (forced acceptance, some corrupted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from flotilla import SamplingParams
+from flotilla.actors.batching import BatchScheduler
+from flotilla.actors.block_manager import BlockManager
+from flotilla.actors.model_runner import ModelRunner
+from flotilla.config import EngineConfig, SchedulerConfig
+from flotilla.transport.messages import TokenizedRequest
+from safetensors.torch import load_file, save_file
+
+VOCAB = 320
+STOP_TOKEN = 64
+"""A stop token id request r5 is given (the test picks a prompt whose greedy output holds it)."""
+
+
+def add_mtp_layer(model_dir: Path, seed: int = 5) -> Path:
+    """Append a random MTP layer (DeepSeek-V3's names, at layer num_hidden_layers) to a tiny checkpoint: a
+    decoder block made from layer 1's tensors (MoE) plus noise, enorm / hnorm / eh_proj / shared_head, and
+    copies of the embedding and LM head as DeepSeek ships them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    weights = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    hidden = config["hidden_size"]
+    mtp = {}
+    for name, t in weights.items():
+        if name.startswith("model.layers.1."):
+            noise = torch.randn(t.shape, generator=gen) * 0.02 * (t.float().std() if t.numel() > 1 else 0)
+            mtp[name.replace("model.layers.1.", f"model.layers.{n}.")] = (t + noise.to(t.dtype)).contiguous()
+    p = f"model.layers.{n}."
+    mtp[p + "enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=gen)
+    mtp[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file({**weights, **mtp}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return model_dir
+
+
+def make_runner(model_dir: Path, spec: int | None, num_blocks: int = 300, device: str = "cpu",
+                enforce_eager: bool = False, **options: object) -> ModelRunner:
+    options = {"model": str(model_dir), "device": device, "dtype": "float32", "kv_cache_blocks": num_blocks,
+               "block_size": 4, "max_num_seqs": 6, "enforce_eager": enforce_eager, **options}
+    if spec is not None:
+        options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
+    return ModelRunner(EngineConfig.from_options(**options), progress=False)
+
+
+def requests() -> list[TokenizedRequest]:
+    rng = np.random.default_rng(3)
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True),  # seeded: the same noise
+        SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),  # gets no drafts
+        SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[STOP_TOKEN]),
+    ]
+    lengths = [3, 31, 9, 22, 5, 14, 40, 1, 17, 6, 27, 11]
+    reqs = [TokenizedRequest(rid=f"r{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
+                             sampling=kinds[i % len(kinds)]) for i, n in enumerate(lengths)]
+    shared = reqs[1].prompt_ids[:21]  # later requests that hit r1's prompt in the prefix cache
+    for i, n in ((12, 6), (13, 1)):
+        prompt = np.concatenate((shared, rng.integers(4, VOCAB, n).astype(np.int32)))
+        reqs.append(TokenizedRequest(rid=f"r{i}", prompt_ids=prompt, eos_token_ids=[2], sampling=kinds[0]))
+    return reqs
+
+
+def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: tuple[str, ...] = ()
+        ) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
+    """Every request (but those in `drop`) to the end, one step at a time; also (drafts planned, tokens got) of each
+    verify row, and the same with the row's request id first in `rows` when given."""
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
+                          speculative_config=runner.config.scheduler.speculative_config)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None)
+    sched = BatchScheduler(cfg, blocks, max_model_len=256)
+    for req in requests():
+        assert req.rid in drop or sched.add(req)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    verified: list[tuple[int, int]] = []
+    for _ in range(5_000):
+        plan = sched.schedule()
+        if plan is None:
+            break
+        drafts = {seq.rid: seq.num_drafts for seq, _ in sched.inflight[plan.step] if seq.num_drafts}
+        result = runner.execute(plan)
+        assert result.error is None
+        if result.num_tokens is not None:
+            verified += [(drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
+            if rows is not None:
+                rows += [(rid, drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
+        for d in sched.update(result):
+            tokens.setdefault(d.rid, []).extend(d.token_ids)
+            if d.logprobs is not None:
+                logprobs.setdefault(d.rid, []).extend(d.logprobs)
+    assert not sched.seqs
+    assert blocks.hit_tokens > 0 or blocks.num_blocks < 100  # r12 and r13 reused r1's prompt blocks
+    return tokens, logprobs, sched, verified
+
+
+def oracle(plain_tokens: dict, corrupt: bool):
+    """A draft hook giving the tokens plain decoding produced next (every third step one of them is wrong)."""
+    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in requests()}
+
+    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
+        seq = tokens.tolist()
+        ref = next(f for p, f in full.items() if seq[:len(p)] == list(p))
+        want = ref[len(seq):len(seq) + len(drafts)]
+        out = want + drafts[len(want):]
+        if corrupt and len(seq) % 3 == 0:
+            j = (len(seq) // 3) % len(out)
+            out[j] = (out[j] + 1) % VOCAB
+        return out
+    return hook
+
+
+def check_all_accepted(rows: list[tuple[str, int, int]], want_tokens: dict) -> None:
+    """Every verify row at forced acceptance yields its drafts plus one token, except the stop-token request's last:
+    past its stop token the oracle has no tokens left to hand, so its last drafts are the model's own, rejected (with
+    three drafts the stop token fell inside such a row)."""
+    assert rows
+    short = [(i, rid) for i, (rid, k, n) in enumerate(rows) if n != k + 1]
+    last = {rid: i for i, (rid, _, _) in enumerate(rows)}
+    for i, rid in short:
+        assert want_tokens[rid][-1] == STOP_TOKEN and last[rid] == i, rows[i]
+
+
+def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys()
+    for rid in want[1]:
+        np.testing.assert_allclose(got[1][rid], want[1][rid], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,163 @@
+"""CUDA graphs of MTP speculation's uniform steps (actors/spec_graphs.py): on a CPU the "graphs" rerun their passes
+eagerly over the same static buffers and tables the CUDA graphs read, so tokens, the MTP layer's own drafts and the
+KV cache are compared with eager speculation without a GPU; the `gpu` tests capture real graphs (triton MLA, and
+FlashMLA's verify pass of k + 1 tokens per sequence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flotilla.actors.model_runner import ModelRunner
+from flotilla.actors.spec_graphs import SpecGraphs
+from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
+from helpers_engine import write_tiny_tokenizer
+from helpers_spec import VOCAB, add_mtp_layer, check_same, make_runner, oracle, run
+from helpers_tiny_models import write_flash_mla_shaped_deepseek, write_tiny_deepseek_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = add_mtp_layer(write_tiny_deepseek_model(tmp_path_factory.mktemp("mtp-graphs") / "m", "deepseek_v3"))
+    write_tiny_tokenizer(d, vocab_size=VOCAB)
+    return d
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> tuple[dict, dict]:
+    tokens, logprobs, _, _ = run(make_runner(model_dir, None))
+    return tokens, logprobs
+
+
+def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
+    """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
+    runner steps."""
+    counts = {"verify": 0, "draft": 0, "padded": 0}
+    verify, draft = g.verify, g.draft
+
+    def counted_verify(ids, cached, tables):
+        counts["verify"] += 1
+        counts["padded"] += g.padded_size(len(cached)) > len(cached)
+        return verify(ids, cached, tables)
+
+    def counted_draft(*args):
+        counts["draft"] += 1
+        return draft(*args)
+
+    g.verify, g.draft = counted_verify, counted_draft
+    return counts
+
+
+def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
+    """Give a CPU runner the speculating-step graphs: on a CPU they rerun their passes eagerly over the same static
+    buffers and tables the CUDA graphs read."""
+    spec = runner.spec
+    spec.graphs = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
+                             max_blocks_per_seq=256 // runner.block_size,
+                             num_speculative_tokens=spec.num_speculative_tokens, device=runner.device)
+    return spec.graphs
+
+
+def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple) -> None:
+    """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
+    and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache afterwards."""
+    penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
+    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
+    drafted: list[dict] = []
+    caches: list[list[torch.Tensor]] = []
+    for graphs in (False, True):
+        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
+        if graphs and device == "cpu":
+            attach_step_graphs(runner)
+        assert (runner.spec.graphs is not None) == graphs
+        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
+        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
+        drafted.append(seen)
+
+        def record(tokens: np.ndarray, drafts: list[int], hook=hook, seen=seen) -> list[int]:
+            seen[tuple(tokens.tolist())] = drafts  # the MTP layer's own drafts, before the oracle's
+            return hook(tokens, drafts)
+
+        runner.spec.draft_hook = record
+        rows: list[tuple[str, int, int]] = []
+        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
+        check_same((tokens, logprobs), want)
+        caches.append([c[:runner.num_blocks] for c in runner.kv_caches])  # (not the scratch block)
+    assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do
+    for eager, graphed in zip(*caches):  # and every pass wrote the same latents in the same slots
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+    # (with 3 drafts few steps are uniform: the short requests get fewer drafts near their max_tokens)
+    assert counts["verify"] >= (6 if num_spec == 1 else 2) and counts["draft"] > 0
+    assert counts["padded"] > 0 or num_spec == 3
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))
+    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
+
+
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculating_step_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple,
+                                                                   num_spec: int) -> None:
+    """Uniform steps (every sequence decoding with all its drafts) go through SpecGraphs' verify / propose / draft
+    passes over static buffers, padded batches included; the rest stay eager. Drafts accepted, rejected and cut
+    short all give plain decoding's tokens and logprobs."""
+    check_step_graphs(model_dir, num_spec, "cpu", plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculating_step_cuda_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, num_spec: int) -> None:
+    """The same on CUDA, where the runner captures the graphs itself (the triton MLA kernels' static tables)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_step_graphs(model_dir, num_spec, "cuda", run(make_runner(model_dir, None, device="cuda"))[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_speculation_on_flash_mla_in_cuda_graphs_gives_eager_speculations_tokens(tmp_path: Path, num_spec: int) -> None:
+    """DeepSeek-V3's MLA shapes in bf16 on FlashMLA: the verify pass is one FlashMLA call of num_spec + 1 tokens per
+    sequence, eager and in the step graphs alike, so both give the same tokens."""
+    if not flash_mla_usable():
+        pytest.skip("needs a Hopper GPU with flash_mla")
+    model = add_mtp_layer(write_flash_mla_shaped_deepseek(tmp_path / "ds"))
+    got = []
+    for eager in (True, False):
+        runner = make_runner(model, num_spec, num_blocks=60, device="cuda", enforce_eager=eager, dtype="bfloat16",
+                             block_size=64, attention_backend="flash_mla")  # fmt: skip
+        assert runner.model.attention_backend_name == "mla_flash_mla"
+        assert (runner.spec.graphs is None) == eager
+        counts = {} if eager else count_step_graphs(runner.spec.graphs)
+        got.append(run(runner, budget=64, drop=("r4", "r10"))[0])
+    assert got[0] == got[1]
+    assert counts["verify"] >= 2 and counts["draft"] > 0
+
+
+def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_speculator_is_held(model_dir: Path) -> None:
+    """bench_mtp held the speculator past its engine's close; on an H200 the next inline engine then ran out of memory
+    (the speculator's step graphs and model kept the first engine's KV cache)."""
+    import gc
+    import weakref
+
+    runner = make_runner(model_dir, 2)
+    attach_step_graphs(runner)
+    spec = runner.spec
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    runner.close()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert spec is not None and not hasattr(spec, "graphs")
+
+
+def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> None:
+    """A prefill chunk or a sequence with fewer drafts than k runs eager; a step where a chain might reach a position
+    without a KV slot (past the block table or max_model_len, if every draft were accepted) drafts eagerly."""
+    runner = make_runner(model_dir, 3)
+    g = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
+                   max_blocks_per_seq=64, num_speculative_tokens=3, device=runner.device)
+    tables = [np.array([1, 2, 3], np.int32), np.array([4, 5], np.int32)]
+    # all 3 drafts accepted, the chain's passes reach cached + 5: 11 and 7, blocks 2 and 1 (of 4 tokens)
+    assert g.can_draft(np.array([6, 2]), tables, max_model_len=256)
+    assert not g.can_draft(np.array([7, 2]), tables, max_model_len=256)  # 12 would need a fourth block
+    assert not g.can_draft(np.array([6, 2]), tables, max_model_len=11)
+    assert g.fits(6) and not g.fits(7) and g.padded_size(3) == 4
