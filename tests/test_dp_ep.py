@@ -107,9 +107,10 @@ def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle
         busy = expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == [computed * top_k] * 2)
         assert busy.shape == (2, 8)
         assert sorted(client.expert_loads.by_rank) == [0, 1]
-        # one request: rank 0 runs it, rank 1 has nothing and runs empty steps through the all-to-alls
+        # one request: one rank runs it, the other has nothing and runs empty steps through the all-to-alls
         alone = _generate_within(llm, prompts[2:3], timeout_s=60)
-        assert client.coordinator.assigned == [3, 2]
+        # (which rank: both have no request left, and their last KV usage reports, which may lag, break the tie)
+        assert sorted(client.coordinator.assigned) == [2, 3]
         assert alone == want[2:3]
         expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
 
@@ -151,9 +152,10 @@ def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_ran
         expected = [computed * config["num_experts_per_tok"]] * moe_layers
         busy = expert_loads_reaching(client, lambda total: total.sum(axis=1).tolist() == expected)
         assert busy.shape == (moe_layers, config["n_routed_experts"])
-        # one request: rank 0 runs it while rank 1, idle, runs empty steps through the all-to-alls
+        # one request: one rank runs it while the other, idle, runs empty steps through the all-to-alls
         alone = _generate_within(llm, prompts[1:2], timeout_s=30)
-        assert client.coordinator.assigned == [3, 2]
+        # (which rank: both have no request left, and their last KV usage reports, which may lag, break the tie)
+        assert sorted(client.coordinator.assigned) == [2, 3]
         assert alone == want[1:2]
         expert_loads_reaching(client, lambda total: (total.sum(axis=1) > busy.sum(axis=1)).all())
 

@@ -126,9 +126,10 @@ def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_i
         got = _generate_within(llm, prompts[:4], timeout_s=120)
         assert client.coordinator.assigned == [2, 2]
         assert got == want[:4]
-        # one request: DP rank 0 runs it while both TP ranks of DP rank 1 run empty steps (under EP)
+        # one request: one DP rank runs it while both TP ranks of the other run empty steps (under EP)
         assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]
-        assert client.coordinator.assigned == [3, 2]
+        # (which rank: both have no request left, and their last KV usage reports, which may lag, break the tie)
+        assert sorted(client.coordinator.assigned) == [2, 3]
         if expert_parallel:  # every token computed went to top_k experts per MoE layer, counted once
             top_k = TINY_MOE_CONFIGS["qwen3_moe"]["num_experts_per_tok"]
             computed = sum(len(p["prompt_token_ids"]) + GREEDY.max_tokens - 1 for p in prompts)
@@ -148,7 +149,7 @@ def test_dp2_tp2_ep4_deepseek_v3_gives_the_one_process_tokens(tmp_path: Path) ->
         assert [llm.client.ready_detail[f"worker/{w}"]["experts"] for w in range(4)] == [
             "0-1/8", "2-3/8", "4-5/8", "6-7/8"]
         assert _generate_within(llm, prompts[:4], timeout_s=120) == want[:4]
-        assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]  # DP rank 1 idle
+        assert _generate_within(llm, prompts[4:], timeout_s=60) == want[4:]  # one DP rank idle
 
 
 def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> None:
