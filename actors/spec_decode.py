@@ -133,7 +133,8 @@ class MTPSpeculator:
         uniform = (g is not None and g.fits(len(seqs)) and all(n == k + 1 for n in num_new)
                    and all(d == k for d in num_drafts))  # fmt: skip
         if uniform:
-            hidden = g.verify(ids[:-1], np.asarray(cached, dtype=np.int64), tables)
+            cached_np = np.asarray(cached, dtype=np.int64)
+            hidden = g.verify(ids[:-1], cached_np, tables)
         else:
             meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
             positions = positions_from_lists(cached, num_new, device=dev)
@@ -163,7 +164,6 @@ class MTPSpeculator:
         device_drafts = None
         if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
             mtp_hidden = g.propose(out.token_ids)
-            cached_np = np.asarray(cached, dtype=np.int64)
             if g.can_draft(cached_np, tables, r.max_model_len):  # and the accepted counts and drafts too
                 device_drafts = g.draft(cached_np, tables)
                 host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait

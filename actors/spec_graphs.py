@@ -184,8 +184,10 @@ class SpecGraphs:
         batch, q, bs = len(cached), self.q, self.block_size
         size = self.padded_size(batch)
         self._size, self._batch = size, batch
+        lens, table = static_tables(size, cached + q, tables, bs, self.scratch_block)
+        lens[batch:] = q  # a padded sequence holds its q rows on the scratch block
         pos = (cached[:, None] + np.arange(q)[None, :]).reshape(-1)
-        blocks = np.concatenate([t[p // bs] for t, p in zip(tables, np.split(pos, batch))]) if batch else pos
+        blocks = table[np.repeat(np.arange(batch), q), pos // bs].astype(np.int64)
         host = np.zeros((3, size * q), dtype=np.int64)
         host[2] = self.scratch_slot  # padded rows: on the scratch block
         host[0, :batch * q], host[1, :batch * q], host[2, :batch * q] = ids, pos, blocks * bs + pos % bs
@@ -193,8 +195,6 @@ class SpecGraphs:
         self.ids[:size * q].copy_(staged[0])
         self.positions[:size * q].copy_(staged[1])
         self.slots[:size * q].copy_(staged[2])
-        lens, table = static_tables(size, cached + q, tables, bs, self.scratch_block)
-        lens[batch:] = q  # a padded sequence holds its q rows on the scratch block
         self.seq_lens[:size].copy_(upload(lens, self.device))
         self.block_tables[:size, :table.shape[1]].copy_(upload(table, self.device))
         return self.verify_graphs[size].replay()[:batch * q]

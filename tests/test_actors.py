@@ -326,6 +326,21 @@ def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_t
     uvloop.run(main())
 
 
+async def _watched_front_end(ctx, watch) -> tuple[str, Inbox, Outbox]:
+    """A front end (an inbox at a free TCP address) and the outbox that sends to it, connected under `watch`, with
+    one message through."""
+    from flotilla.transport.messages import AbortCmd
+
+    address = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
+    front_end = Inbox(ctx, address, (AbortCmd,))
+    out = Outbox(ctx, address, connect=False)
+    watch.watch(address, out.sock)
+    out.sock.connect(address)
+    await out.send(AbortCmd(rid="a"))
+    assert (await asyncio.wait_for(front_end.recv(), 5)).rid == "a"
+    return address, front_end, out
+
+
 def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
     """A front end restarted at the same address before the grace ends: the watch sees the disconnect and then the
     reconnect (the monitor's events arrive in order, however late the task reads them), so nothing is aborted."""
@@ -340,13 +355,7 @@ def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
             gone.append(address)
 
         watch = FrontEndWatch(on_gone, grace_s=1.0, connect_s=1.0)
-        address = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
-        front_end = Inbox(ctx, address, (AbortCmd,))
-        out = Outbox(ctx, address, connect=False)
-        watch.watch(address, out.sock)
-        out.sock.connect(address)
-        await out.send(AbortCmd(rid="a"))
-        assert (await asyncio.wait_for(front_end.recv(), 5)).rid == "a"
+        address, front_end, out = await _watched_front_end(ctx, watch)
         front_end.close()
         front_end = Inbox(ctx, address, (AbortCmd,))  # back at once
         await out.send(AbortCmd(rid="b"))
@@ -378,13 +387,7 @@ def test_a_front_end_that_stops_listening_is_reported_gone_after_the_grace_and_b
             reported.set()
 
         watch = FrontEndWatch(on_gone, grace_s=0.2, connect_s=0.2)
-        address = f"tcp://127.0.0.1:{ep.free_tcp_port()}"
-        front_end = Inbox(ctx, address, (AbortCmd,))
-        out = Outbox(ctx, address, connect=False)
-        watch.watch(address, out.sock)
-        out.sock.connect(address)
-        await out.send(AbortCmd(rid="a"))
-        assert (await asyncio.wait_for(front_end.recv(), 5)).rid == "a"
+        address, front_end, out = await _watched_front_end(ctx, watch)
         await asyncio.sleep(0.4)  # connected: the grace passes without a report
         assert gone == []
         front_end.close()

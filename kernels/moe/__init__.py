@@ -68,9 +68,9 @@ _BACKENDS: dict[str, MoEBackend] = {
     "torch": MoEBackend(name="torch", fused_experts=torch_ref.fused_experts, fused_experts_fp8=torch_ref.fused_experts_fp8)
 }
 _OPTIONAL = ("triton", "deep_gemm")
+"""Backends built on first use, when their package and device are there."""
 _FP8_BACKENDS = ("torch", "triton", "deep_gemm")
 """The backends with FP8 experts."""
-"""Backends built on first use, when their package and device are there."""
 _logged_auto_choice = False
 
 DEEP_GEMM_IN_AUTO = False
