@@ -22,9 +22,9 @@ rank's stacked weights: the layer gives it a backend whose fused_experts reads t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from flotilla.kernels.linear import linear_float32
 from flotilla.kernels.moe import MoEBackend, select_experts_grouped
 from flotilla.kernels.moe.torch_ref import fp8_expert_scale_shapes, w13_block_quantize
 from flotilla.kernels.quant import FP8_DTYPE, block_quantize
@@ -50,7 +50,7 @@ class DeepseekV3Router(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (weights float32 [T, k], expert ids int32 [T, k])."""
         moe = self.moe
-        logits = F.linear(hidden.float(), self.weight)
+        logits = linear_float32(hidden, self.weight)
         return select_experts_grouped(logits, moe.num_experts_per_tok, moe.num_groups, moe.topk_groups,
                                       self.e_score_correction_bias, moe.norm_topk_prob,
                                       moe.routed_scaling_factor)  # fmt: skip

@@ -34,7 +34,8 @@ class Sizes:
 GPU_SIZES = Sizes(
     moe=(128, 8, 2048, 768), moe_tokens=(1, 16, 64, 256, 1024, 4096),
     fp8_moe=(256, 8, 7168, 2048, 8, 4), fp8_moe_tokens=(1, 64, 512, 4096),
-    gemm_shapes=(("q_b", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168), ("4096x7168", 4096, 7168)),
+    gemm_shapes=(("q_b", 24576, 1536), ("o_proj", 7168, 16384), ("kv_a+q_a", 2112, 7168), ("4096x7168", 4096, 7168),
+                 ("dense_gate_up", 36864, 7168), ("dense_down", 7168, 18432)),
     gemm_m=(1, 64, 4096),
     mla=(128, 512, 64, 64), mla_batch=(1, 16, 64, 128), mla_ctx=4096,
     routing_tokens=(1, 256, 1024, 4096),
@@ -56,10 +57,13 @@ class Bench:
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
                  moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None,
-                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
+                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None,
+                 fp8_gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
         self.gemv_tiles = gemv_tiles or []
         """Extra triton gemv variants, each like "n=8,k=1024,w=8" (BLOCK_N, BLOCK_K, num_warps; any subset)."""
+        self.fp8_gemv_tiles = fp8_gemv_tiles or []
+        """Extra FP8 gemv variants for fp8_gemm, the same notation as gemv_tiles."""
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.fp8_tiles = fp8_tiles or []

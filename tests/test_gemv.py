@@ -53,6 +53,18 @@ def test_gemv_with_its_default_tiles_matches_f_linear(n, k):
     torch.testing.assert_close(gemv(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+def test_gemv_widens_a_bf16_row_against_float32_weights_into_a_float32_output():
+    """A MoE router's logits (kernels/linear.linear_float32): bf16 hidden state, float32 weight, float32 logits."""
+    from flotilla.kernels.triton.gemv import gemv
+
+    x, w, _ = _case(24, 200, torch.float32, seed=5)
+    xh = x.to(torch.bfloat16)
+    got = gemv(xh, w, block_n=8, block_k=64, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(xh.float(), w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear_module.linear_float32(xh, w), F.linear(xh.float(), w))  # CPU: F.linear
+
+
 def test_gemv_refuses_more_than_one_row():
     from flotilla.kernels.triton.gemv import gemv
 
@@ -103,6 +115,16 @@ def test_gpu_gemv_at_qwen3_shapes(n, k):
     got = gemv(x, w)
     want = F.linear(x.float(), w.float())
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+def test_gpu_router_logits_in_float32_at_deepseek_v3_shape():
+    x, w, _ = _case(256, 7168, torch.float32, seed=11)
+    xh = x.to(torch.bfloat16)
+    got = linear_module.linear_float32(xh, w)
+    assert got.dtype == torch.float32 and got.shape == (1, 256)
+    torch.testing.assert_close(got, F.linear(xh.float(), w), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -50,15 +50,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:  # fmt: skip
-    """x [1, K] (or [K]) @ weight [N, K].T (+ bias [N]) -> [1, N] (or [N]) in x's dtype, accumulated in float32."""
+         block_k: int | None = None, num_warps: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """x [1, K] (or [K]) @ weight [N, K].T (+ bias [N]) -> [1, N] (or [N]) in out_dtype (default x's), accumulated in
+    float32; x and the weight may differ in dtype (each is widened to float32 as it is read)."""
     n, k = weight.shape
     row = x.reshape(-1)
     if row.numel() != k:
         raise ValueError(f"gemv takes one row of {k} values, not x of shape {tuple(x.shape)}")
     if not row.is_contiguous() or weight.stride(1) != 1:
         raise ValueError("gemv needs a contiguous x and weight rows")
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     bn = block_n or BLOCK_N
     bk = min(block_k or BLOCK_K, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, bn),)](
