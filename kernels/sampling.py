@@ -321,6 +321,16 @@ def exponential_race(logits: Tensor, noise: Tensor) -> Tensor:
     return probs.div_(noise).argmax(dim=-1)
 
 
+def greedy_argmax(logits: Tensor) -> Tensor:
+    """logits [B, V] -> int64 [B], logits.argmax(dim=-1); on CUDA triton's two-launch argmax (kernels/triton/argmax.py:
+    torch's single-row reduction took 27.9 us over DeepSeek-V3's vocabulary on an H200)."""
+    if logits.is_cuda and logits.dim() == 2:
+        from flotilla.kernels.triton.argmax import argmax_rows  # imports triton: CUDA only here
+
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: Tensor,
     st: SamplingTensors,
@@ -350,9 +360,9 @@ def sample(
         )
 
     if st.all_greedy:
-        token_ids = logits.argmax(dim=-1)
+        token_ids = greedy_argmax(logits)
     else:
-        greedy_ids = logits.argmax(dim=-1) if st.any_greedy else None
+        greedy_ids = greedy_argmax(logits) if st.any_greedy else None
         if st.do_temperature:
             logits.div_(st.temperature.unsqueeze(1))
         if st.do_top_k or st.do_top_p:

@@ -185,16 +185,7 @@ def bench_fp8_gemm(bench: Bench, sizes: Sizes) -> None:
     if reason is None:
         from flotilla.kernels.quant import fp8_triton  # imports triton
 
-        from flotilla.kernels.quant import fp8_gemv
-
-        # "triton" is the backend's default: fp8_gemv (W8A16) up to fp8_gemv.MAX_ROWS rows on CUDA, else the GEMM;
-        # "triton_gemm" always the W8A8 GEMM (given tiles, even none, keep it off the gemv)
         candidates.append(("triton", fp8_triton.fp8_block_linear))
-        candidates.append(("triton_gemm", lambda *a: fp8_triton.fp8_block_linear(*a, tiles={})))
-        for text in bench.fp8_gemv_tiles:  # the gemv's tilings, at most MAX_ROWS rows (more: the point's error)
-            tiles = {{"n": "block_n", "k": "block_k", "w": "num_warps"}[key]: int(value)
-                     for key, _, value in (item.partition("=") for item in text.split(","))}
-            candidates.append((f"fp8_gemv[{text}]", lambda *a, tiles=tiles: fp8_gemv.fp8_gemv(*a, **tiles)))
         for text in bench.fp8_tiles:  # a tuning sweep: the same kernel with other tiles / K splits
             tiles = fp8_triton.parse_tiles(text)
             candidates.append((f"triton[{text}]", lambda *a, tiles=tiles: fp8_triton.fp8_block_linear(*a, tiles=tiles)))
@@ -416,9 +407,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra triton FP8 GEMM variants for fp8_gemm, ';'-separated, each like FLOTILLA_FP8_TILES: "
                         "m=BLOCK_M,n=BLOCK_N,sk=SPLIT_K,w=num_warps,s=num_stages (any subset), e.g. "
                         "'n=128,sk=1;n=64,sk=4' (the first: the tiles before K was split for small batches)")  # fmt: skip
-    p.add_argument("--fp8-gemv-tiles", default="",
-                   help="FP8 matrix-vector kernel (kernels/quant/fp8_gemv.py) variants for fp8_gemm, ';'-separated, "
-                        "each like n=BLOCK_N,k=BLOCK_K,w=num_warps (any subset), e.g. 'n=4,k=4096;n=8,k=2048,w=4'")  # fmt: skip
     p.add_argument("--gemm-m", default=None,
                    help="fp8_gemm's token counts, comma-separated (default: %s)" % ",".join(map(str, GPU_SIZES.gemm_m)))  # fmt: skip
     p.add_argument("--gemv-tiles", default="",
@@ -458,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
                   [t.strip() for t in args.moe_tiles.split(";") if t.strip()],
                   [t.strip() for t in args.fp8_tiles.split(";") if t.strip()], args.graph_tokens,
-                  [t.strip() for t in args.gemv_tiles.split(";") if t.strip()],
-                  [t.strip() for t in args.fp8_gemv_tiles.split(";") if t.strip()])  # fmt: skip
+                  [t.strip() for t in args.gemv_tiles.split(";") if t.strip()])  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

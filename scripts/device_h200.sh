@@ -18,10 +18,7 @@
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
-#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto");
-#                DS_GEMV="1 0" adds runs with FLOTILLA_FP8_GEMV=0 (the W8A8 GEMMs and grouped experts at batch 1)
-#   fp8_small    bench_kernels: the FP8 linears at 1-4 rows (fp8_gemv against the W8A8 GEMM, FP8_GEMV_TILES variants)
-#                and the FP8 experts at 1-4 tokens (the small-batch W8A16 kernels against the grouped GEMMs, t=0)
+#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto")
 #   profile_ds_var  profile_ds once per MLA backend in DS_PROFILE (default "auto triton")
 #   host_ds      profile_step on DeepSeek-V3-4L at batch 1 with --cprofile and no torch profiler: the host's time per
 #                step (launch_host_ms) and the functions it goes to
@@ -107,14 +104,6 @@ profile() {  # label, model, more profile_step options
     "${@:3}" > "$R/$1.log" 2>&1
   echo "exit $?"; grep '^{' "$R/$1.log" | cut -c1-600
 }
-if want fp8_small; then
-  stage "fp8_small: bench_kernels --only fp8_gemm,fp8_moe at 1-4 rows"
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only fp8_gemm,fp8_moe --gemm-m 1,2,4 \
-    --fp8-moe-tokens 1,2,4 --target-s 0.05 --moe-tiles "t=0" \
-    --fp8-gemv-tiles "${FP8_GEMV_TILES:-n=8,k=2048,w=8;n=2,k=8192,w=8;n=4,k=2048,w=4;n=8,k=4096,w=8;n=16,k=1024,w=8}" \
-    --json "$R/fp8-small.json" > "$R/fp8-small.log" 2>&1
-  echo "exit $?"; grep '"summary"' "$R/fp8-small.log"
-fi
 want profile_ds && profile profile_ds deepseek-v3-4l
 if want profile_ds_var; then
   for attn in ${DS_PROFILE:-auto triton}; do profile "profile_ds_$attn" deepseek-v3-4l --attention-backend "$attn"; done
@@ -159,13 +148,10 @@ fi
 
 if want ds_b1; then
   for attn in ${DS_ATTN:-auto}; do
-    for g in ${DS_GEMV:-1}; do
-      stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1 --attention-backend $attn, FLOTILLA_FP8_GEMV=$g"
-      FLOTILLA_FP8_GEMV=$g timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l \
-        --workload decode1 --repeat 2 --attention-backend "$attn" --json "$R/flotilla-ds-b1-$attn-g$g.json" \
-        > "$R/ds_b1_$attn-g$g.log" 2>&1
-      echo "exit $?"; tail -1 "$R/ds_b1_$attn-g$g.log" | cut -c1-400
-    done
+    stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1 --attention-backend $attn"
+    timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --workload decode1 \
+      --repeat 2 --attention-backend "$attn" --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
+    echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
   done
 fi
 

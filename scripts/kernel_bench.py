@@ -57,13 +57,10 @@ class Bench:
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
                  moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None,
-                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None,
-                 fp8_gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
+                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
         self.gemv_tiles = gemv_tiles or []
         """Extra triton gemv variants, each like "n=8,k=1024,w=8" (BLOCK_N, BLOCK_K, num_warps; any subset)."""
-        self.fp8_gemv_tiles = fp8_gemv_tiles or []
-        """Extra FP8 gemv variants for fp8_gemm, the same notation as gemv_tiles."""
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.fp8_tiles = fp8_tiles or []

@@ -50,7 +50,7 @@ def test_gpu_deep_gemm_fp8_experts_match_the_triton_ones_at_deepseek_v3_sizes(to
     from flotilla.kernels.moe import triton_experts
 
     case = _fp8_case(tokens, 7168, 2048, 16, 8, (128, 128), torch.bfloat16, seed=tokens, device=torch.device("cuda"))
-    want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128), small_tokens=0)  # W8A8, as DeepGEMM
+    want = triton_experts.fused_experts_fp8(*case, block_size=(128, 128))
     got = deep_gemm_experts.fused_experts_fp8(*case, block_size=(128, 128))
     x, *weights = case
     ref = torch_ref.fused_experts_fp8_w8a8(x.float(), *weights, block_size=(128, 128))

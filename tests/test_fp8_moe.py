@@ -134,9 +134,7 @@ def _triton_run(tiles: tuple[int, int, int], module=None):
 
     module = module or triton_experts
     block_m, block_n, block_k = tiles
-    # small_tokens=0: the grouped GEMMs (W8A8) at every batch size, also on CUDA (where up to 4 tokens go W8A16)
-    return lambda *args: module.fused_experts_fp8(*args, block_m=block_m, block_n=block_n, block_k=block_k,
-                                                  small_tokens=0)  # fmt: skip
+    return lambda *args: module.fused_experts_fp8(*args, block_m=block_m, block_n=block_n, block_k=block_k)
 
 
 @needs_triton
@@ -196,97 +194,10 @@ def test_gpu_triton_fp8_experts_at_deepseek_v3_sizes(tokens: int) -> None:
     logits[:, :used] = torch.randn(tokens, used, device=DEVICE, generator=gen)
     weights, ids = select_experts(logits, 8, True)
     case = (x, w13, s13, w2, s2, weights, ids)
-    got = triton_experts.fused_experts_fp8(*case, block, small_tokens=0)
+    got = triton_experts.fused_experts_fp8(*case, block)
     # the reference rounds where the kernel rounds (bf16), so pass 2 quantizes the same bf16 activations
     want = torch_ref.fused_experts_fp8_w8a8(*case, block).float()
     torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
-
-
-# ---- the small-batch FP8 experts (W8A16) ----
-
-SMALL_CASES = [
-    # tokens, hidden, inter, experts, top_k, block, (small_block_n, small_block_k)
-    (1, 64, 32, 4, 2, (32, 32), (16, 32)),  # one decode token
-    (3, 80, 48, 6, 3, (32, 16), (16, 64)),  # I 1.5 blocks (up's scales from row 2); K steps of 4 blocks, the last partial
-    (4, 48, 64, 5, 2, (16, 16), (8, 16)),  # 8-row programs in 16-row blocks
-]  # fmt: skip
-
-
-def _small_run(tiles: tuple[int, int], module=None):
-    from flotilla.kernels.moe import triton_experts
-
-    module = module or triton_experts
-    return lambda *args: module.fused_experts_fp8(*args, small_tokens=4, small_block_n=tiles[0],
-                                                  small_block_k=tiles[1])  # fmt: skip
-
-
-@needs_triton
-@pytest.mark.parametrize(("tokens", "hidden", "inter", "experts", "top_k", "block", "tiles"), SMALL_CASES)
-def test_small_batch_fp8_experts_are_the_dequantized_experts(tokens, hidden, inter, experts, top_k, block, tiles):
-    """Up to 4 tokens the FP8 experts run the small-batch kernels on unquantized activations: the weight-only
-    reference's values (float32: to summation order), also with a masked slot (a negative id) among them."""
-    case = list(_fp8_case(tokens, hidden, inter, experts, top_k, block, torch.float32, seed=tokens + inter))
-    got = _small_run(tiles)(*case, block)
-    want = torch_ref.fused_experts_fp8(*case, block)
-    atol = 1e-5 * want.abs().max().item()  # the block columns' magnitudes span 10^3: summation order shows
-    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
-    ids = case[6].clone()
-    ids[0, 0] = -1  # expert parallelism's masked routing: this slot adds nothing
-    zeroed = case[5].clone()
-    zeroed[0, 0] = 0.0
-    got = _small_run(tiles)(*case[:5], case[5], ids, block)
-    want = torch_ref.fused_experts_fp8(*case[:5], zeroed, ids.clamp(min=0), block)
-    torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
-
-
-SMALL_MUTATIONS = {
-    "up rows scaled by gate's block scales": ("up_scales = gate_scales + UP_SCALE_ROW * stride_sn",
-                                              "up_scales = gate_scales"),
-    "down scales of the first expert": ("scales = (s_ptr + tl.maximum(experts, 0)[:, None] * stride_se",
-                                        "scales = (s_ptr + 0 * experts[:, None] * stride_se"),
-    "scale row by block_k": ("up_scales = gate_scales + UP_SCALE_ROW * stride_sn",
-                             "up_scales = gate_scales + UP_SCALE_ROW * stride_sn + stride_sn"),
-}  # fmt: skip
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
-@pytest.mark.parametrize("mutation", sorted(SMALL_MUTATIONS))
-def test_a_mutated_small_fp8_kernel_fails_the_check(mutation: str, tmp_path: Path) -> None:
-    from flotilla.kernels.moe import triton_experts, triton_experts_small
-
-    old, new = SMALL_MUTATIONS[mutation]
-    source = Path(triton_experts_small.__file__).read_text()
-    assert source.count(old) == 1
-    path = tmp_path / "mutated_small.py"
-    path.write_text(source.replace(old, new))
-    spec = importlib.util.spec_from_file_location("mutated_small", path)
-    mutated = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutated)
-    block = (16, 16)
-    case = _fp8_case(2, 48, 48, 4, 2, block, torch.float32, seed=9)
-    want = torch_ref.fused_experts_fp8(*case, block)
-    original = triton_experts.small
-    try:
-        triton_experts.small = mutated
-        got = _small_run((16, 16))(*case, block)
-    finally:
-        triton_experts.small = original
-    assert not torch.allclose(got, want, atol=1e-3, rtol=1e-3)
-
-
-@gpu_test
-@pytest.mark.parametrize("tokens", [1, 2, 4])
-def test_gpu_small_batch_fp8_experts_at_deepseek_v3_sizes(tokens: int) -> None:
-    """The engine's default at decode batch sizes on CUDA (no small_tokens given): H 7168, I 2048, top-8 of 16
-    experts, bf16 activations, against the weight-only reference computed in float32."""
-    from flotilla.kernels.moe import triton_experts
-
-    case = _fp8_case(tokens, 7168, 2048, 16, 8, (128, 128), torch.bfloat16, seed=tokens, device=torch.device("cuda"))
-    got = triton_experts.fused_experts_fp8(*case, (128, 128)).float()
-    x, *weights = case
-    want = torch_ref.fused_experts_fp8(x.float(), *weights, (128, 128))
-    assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 # ---- the tiny FP8 DeepSeek-V3 with FP8 experts ----

@@ -352,7 +352,8 @@ def _compile_specs() -> list:
     no_quant = dict(QUANT=False, FP8_MAX=448.0)
     specs += [
         (att, "_store_kv_kernel", bf16, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **no_quant), 4),
-        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128), 4),
+        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128, CHUNK_S=8), 4),
+        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=512, CHUNK_S=8), 4),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096), 16),
         (fused, "_silu_and_mul_kernel", bf16, [], dict(BLOCK=1024), 4),

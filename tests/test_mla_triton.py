@@ -196,3 +196,15 @@ def test_decode_splits_left_empty_are_neither_written_nor_read(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
     got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, num_splits=16)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_merge_reads_the_splits_in_chunks_at_deepseek_width():
+    """At DeepSeek-V3's kv_lora_rank (512) the merge reads 8 splits per step (triton.attention.merge_chunk); with
+    32 splits, filled ones in every chunk of the longest sequence and none in the shortest's, every chunk counts."""
+    from flotilla.kernels.triton.attention import merge_chunk
+
+    assert merge_chunk(32, 512) == 8
+    q_latent, q_pe, cache, meta = _decode_batch([2, 90, 300], 512, 64, 2, 16, torch.float32, seed=12)
+    want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.05)
+    got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.05, num_splits=32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -334,19 +334,11 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     kernels = [("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], c, 4) for p, c in specs]
     small = "flotilla.kernels.moe.triton_experts_small"
     tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128)
-    bf16_small = dict(tiles, FP8=False, BLOCK_SCALE_N=1, BLOCK_SCALE_K=1)
     kernels += [(small, "_small_gate_up_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
-                                                  "out_ptr": "*bf16"}, [], dict(bf16_small, N=768, K=2048, UP_SCALE_ROW=0), 4),
+                                                  "out_ptr": "*bf16"}, [], dict(tiles, N=768, K=2048), 4),
                 (small, "_small_down_kernel", {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
                                                "weights_ptr": "*fp32", "out_ptr": "*bf16"}, [],
-                 dict(bf16_small, N=2048, K=768, TOP_K_P2=8), 8)]  # fmt: skip
-    fp8_small = dict(tiles, FP8=True, BLOCK_SCALE_N=128, BLOCK_SCALE_K=128)  # DeepSeek-V3's experts, W8A16
-    kernels += [(small, "_small_gate_up_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32",
-                                                  "out_ptr": "*bf16", "s_ptr": "*fp32"}, [],
-                 dict(fp8_small, N=2048, K=7168, UP_SCALE_ROW=16), 8),
-                (small, "_small_down_kernel", {"act_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ids_ptr": "*i32",
-                                               "weights_ptr": "*fp32", "out_ptr": "*bf16", "s_ptr": "*fp32"}, [],
-                 dict(fp8_small, N=7168, K=2048, TOP_K_P2=8), 8)]  # fmt: skip
+                 dict(tiles, N=2048, K=768, TOP_K_P2=8), 8)]  # fmt: skip
     compile_for_sm90(kernels, tmp_path)
 
 

@@ -30,6 +30,7 @@ from flotilla.kernels.triton.attention import (
     _dot_precision,
     _finish_decode,
     _split_range,
+    merge_chunk,
 )
 
 FP8_MAX = tl.constexpr(FP8_KV_MAX)
@@ -240,6 +241,7 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, meta.query_start_loc, splits, num_heads, kv_lora_rank, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_l,
+            CHUNK_S=merge_chunk(triton.next_power_of_2(splits), block_l),
         )  # fmt: skip
     return out
 

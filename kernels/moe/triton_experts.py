@@ -41,7 +41,6 @@ import triton.language as tl
 from flotilla.kernels.moe import triton_experts_small as small
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
-from flotilla.kernels.quant import fp8_gemv
 from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
 
@@ -283,27 +282,13 @@ def fused_experts_fp8(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    small_tokens: int | None = None,
-    small_block_n: int | None = None,
-    small_block_k: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts_fp8: hidden [T, H] (float), e4m3 w13 [E, 2I, H] / w2 [E, H, I]
     with their float32 block scales, topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype,
     computed as torch_ref.fused_experts_fp8_w8a8. block_k (default: the weights' block_k, at most 128) divides
-    the weights' block_k, a power of two.
-
-    Batches of at most `small_tokens` tokens (default: SMALL_BATCH_MAX_TOKENS on CUDA unless FLOTILLA_FP8_GEMV=0, as
-    for the FP8 linears (kernels/quant/fp8_gemv.py), none elsewhere; or
-    FLOTILLA_MOE_TILES' "t=N") take the small-batch kernels instead, W8A16: the activations stay unquantized, so those
-    batches get torch_ref.fused_experts_fp8's values (the dequantized experts') up to float32 summation order."""
+    the weights' block_k, a power of two."""
     check_fp8_expert_scales(w13, w13_scale, w2, w2_scale, block_size)
-    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-               small_block_n=small_block_n, small_block_k=small_block_k)
-    default_small = small.SMALL_BATCH_MAX_TOKENS if hidden.is_cuda and fp8_gemv.GEMV else 0
-    limit = small_tokens if small_tokens is not None else t.get("small_tokens", default_small)
-    if 0 < hidden.shape[0] <= limit:
-        return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
-                                         t.get("small_block_k"), _launch(t), (w13_scale, w2_scale), block_size)  # fmt: skip
+    t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     bk = block_size[1]
     block_m, block_n = t.get("block_m"), t.get("block_n", 64)
     block_k = t.get("block_k") or min(bk, 128)

@@ -48,13 +48,9 @@ gate_up pass 8 warps were faster than triton's 4 on an H200 (bench_kernels in CU
 def _small_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, stride_xm, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False, UP_SCALE_ROW: tl.constexpr = 0,
-    BLOCK_SCALE_N: tl.constexpr = 1, BLOCK_SCALE_K: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (slot, pid_n): out[slot, cols] = silu(x[token] @ gate[cols].T) * (x[token] @ up[cols].T) for the
-    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's.
-    FP8: the weights are e4m3 with float32 block scales s [E, gate's block rows + up's, K blocks] (up's from row
-    UP_SCALE_ROW); each x value is multiplied by its column's block scale (BLOCK_N divides BLOCK_SCALE_N)."""
+    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -69,22 +65,14 @@ def _small_gate_up_kernel(
     # tl.full, not tl.zeros: see triton_experts.py (the CPU interpreter and triton.language's @jit helpers)
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
     acc_up = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
-    if FP8:
-        gate_scales = s_ptr + expert * stride_se + ((pid_n * BLOCK_N) // BLOCK_SCALE_N) * stride_sn
-        up_scales = gate_scales + UP_SCALE_ROW * stride_sn
     for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k_mask = offs_k < K - k_tile * BLOCK_K
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        x_up = x
-        if FP8:
-            group = (k_tile * BLOCK_K + offs_k) // BLOCK_SCALE_K
-            x = x * tl.load(gate_scales + group, mask=k_mask, other=0.0)
-            x_up = x_up * tl.load(up_scales + group, mask=k_mask, other=0.0)
         mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
         w_up = tl.load(w_ptrs + N * stride_wn, mask=mask, other=0.0).to(tl.float32)
         acc += w * x[None, :]
-        acc_up += w_up * x_up[None, :]
+        acc_up += w_up * x[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
@@ -98,14 +86,12 @@ def _small_gate_up_kernel(
 def _small_down_kernel(
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_am, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False,
-    BLOCK_SCALE_N: tl.constexpr = 1, BLOCK_SCALE_K: tl.constexpr = 1,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program (token, pid_n): out[token, cols] = sum over the token's slots of weight * (act[slot] @ w2[cols].T),
     cols = [pid_n * BLOCK_N, +BLOCK_N) of the hidden size N, K the intermediate size; masked slots add nothing.
     All TOP_K slots advance together along K (a [TOP_K, BLOCK_N, BLOCK_K] step): at one token the grid is only
-    N / BLOCK_N programs, and one slot at a time would leave too few loads in flight to read at full bandwidth.
-    FP8: e4m3 weights with float32 block scales s [E, N blocks, K blocks], as in the gate_up pass."""
+    N / BLOCK_N programs, and one slot at a time would leave too few loads in flight to read at full bandwidth."""
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, TOP_K_P2)
@@ -120,15 +106,9 @@ def _small_down_kernel(
     w_ptrs = (w_ptr + tl.maximum(experts, 0)[:, None, None] * stride_we
               + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :])  # fmt: skip
     acc = tl.full((TOP_K_P2, BLOCK_N, BLOCK_K), 0.0, tl.float32)
-    if FP8:
-        scales = (s_ptr + tl.maximum(experts, 0)[:, None] * stride_se
-                  + ((pid_n * BLOCK_N) // BLOCK_SCALE_N) * stride_sn)  # fmt: skip
     for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         k_mask = offs_k < K - k_tile * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if FP8:
-            group = (k_tile * BLOCK_K + offs_k) // BLOCK_SCALE_K
-            a = a * tl.load(scales + group[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
         w_mask = valid[:, None, None] & n_mask[None, :, None] & k_mask[None, None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         acc += w * a[:, None, :]
@@ -142,14 +122,10 @@ def _small_down_kernel(
 
 def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                        launch: dict | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:  # fmt: skip
+                        launch: dict | None = None) -> torch.Tensor:  # fmt: skip
     """torch_ref.fused_experts's contract (negative ids always allowed) in two launches: hidden [T, H], w13
     [E, 2I, H], w2 [E, H, I], topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Meant for
-    T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes. `scales` (w13's,
-    w2's float32 block scales, torch_ref.fp8_expert_scale_shapes) for e4m3 weights in block_size blocks: then
-    torch_ref.fused_experts_fp8's contract, W8A16 (the activations are not quantized); block_n must divide the
-    blocks' rows."""
+    T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -159,28 +135,17 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_experts needs a contiguous last dimension in activations and weights")
     bn, bk = block_n or DEFAULT_BLOCK_N, block_k or DEFAULT_BLOCK_K
-    fp8_13: dict = {}
-    fp8_2: dict = {}
-    if scales is not None:
-        if block_size[0] % bn:
-            raise ValueError(f"the small-batch FP8 experts' block_n {bn} must divide the weights' block rows "
-                             f"{block_size[0]}")  # fmt: skip
-        s13, s2 = (s if s.dtype == torch.float32 and s.stride(-1) == 1 else s.float().contiguous() for s in scales)
-        blocks = dict(FP8=True, BLOCK_SCALE_N=block_size[0], BLOCK_SCALE_K=block_size[1])
-        fp8_13 = dict(s_ptr=s13, stride_se=s13.stride(0), stride_sn=s13.stride(1), UP_SCALE_ROW=s13.shape[1] // 2,
-                      **blocks)  # fmt: skip
-        fp8_2 = dict(s_ptr=s2, stride_se=s2.stride(0), stride_sn=s2.stride(1), **blocks)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
         hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
-        **fp8_13, **{"num_warps": NUM_WARPS, **(launch or {})},
+        **{"num_warps": NUM_WARPS, **(launch or {})},
     )  # fmt: skip
     _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, bn))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=bn,
-        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **fp8_2, **{"num_warps": NUM_WARPS, **(launch or {})},
+        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **{"num_warps": NUM_WARPS, **(launch or {})},
     )  # fmt: skip
     return out

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.quant import fp8_gemv
 from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3, per_token_group_quantize
 from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_MAX, FP8_MAX_INV, num_blocks
 
@@ -157,9 +156,7 @@ def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                      block_size: tuple[int, int] = (128, 128), tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
     """y = x W^T (+ b) with x quantized per token group and W's e4m3 blocks, accumulated in float32;
-    x [..., K] -> [..., N] in x's dtype. `tiles` (parse_tiles' form) overrides FLOTILLA_FP8_TILES, for sweeps.
-    Up to fp8_gemv.MAX_ROWS rows on CUDA (no tiles given or forced, FLOTILLA_FP8_GEMV not 0) go to fp8_gemv's
-    matrix-vector kernel instead, which leaves the activations unquantized (W8A16)."""
+    x [..., K] -> [..., N] in x's dtype. `tiles` (parse_tiles' form) overrides FLOTILLA_FP8_TILES, for sweeps."""
     n, k = weight.shape
     if scale_inv.shape != (num_blocks(n, block_size[0]), num_blocks(k, block_size[1])):
         raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not fit a [{n}, {k}] weight in "
@@ -167,9 +164,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if fp8_gemv.GEMV and x.is_cuda and 0 < m <= fp8_gemv.MAX_ROWS and tiles is None \
-            and not os.environ.get("FLOTILLA_FP8_TILES"):  # fmt: skip
-        return fp8_gemv.fp8_gemv(x2.contiguous(), weight, scale_inv, bias, block_size).view(*lead, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)

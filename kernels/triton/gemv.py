@@ -25,6 +25,19 @@ tiling (8 rows x 1,024) took 6.9, 5.6 and 3.1. Those runs reread weights that fi
 (profile_step, batch 1) the first tiling's three calls per layer took 23.8 us against cuBLAS's 21.2, this one's 16.2."""
 
 
+MIN_PROGRAMS = 256
+"""Fewer rows per program than BLOCK_N when N / BLOCK_N programs would be fewer than this (about two per SM of an
+H200): DeepSeek-V3's float32 router (256 rows of 7,168) as 64 programs of 4 rows read at 1.1 TB/s, 6.8 us per layer of
+a batch-1 step on an H200, no faster than cuBLAS (docs/performance.md, twelfth session)."""
+
+
+def _rows_per_program(n: int) -> int:
+    bn = BLOCK_N
+    while bn > 1 and triton.cdiv(n, bn) < MIN_PROGRAMS:
+        bn //= 2
+    return bn
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
@@ -60,7 +73,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not row.is_contiguous() or weight.stride(1) != 1:
         raise ValueError("gemv needs a contiguous x and weight rows")
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
-    bn = block_n or BLOCK_N
+    bn = block_n or _rows_per_program(n)
     bk = min(block_k or BLOCK_K, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, bn),)](
         row, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
