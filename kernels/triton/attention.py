@@ -203,16 +203,23 @@ def _decode_merge_kernel(
     lse = tl.load(part_lse_ptr + first + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights 0, output 0
-    total = tl.sum(tl.exp2(lse - lse_max), 0)
-    offs_c = tl.arange(0, CHUNK_S)
-    acc = tl.full((BLOCK_D,), 0.0, tl.float32)
-    for chunk in range(0, BLOCK_S // CHUNK_S):
-        s = chunk * CHUNK_S + offs_c
-        lse_c = tl.load(part_lse_ptr + first + s, mask=s < num_splits, other=float("-inf"))
-        filled = lse_c != float("-inf")  # (false past num_splits too)
-        part = tl.load(part_o_ptr + (first + s)[:, None] * head_dim + offs_d[None, :],
+    weight = tl.exp2(lse - lse_max)
+    total = tl.sum(weight, 0)
+    if CHUNK_S == BLOCK_S:  # one tile of every split (GQA's 128-wide rows): no second read of the lse
+        filled = lse != float("-inf")  # (false past num_splits too)
+        part = tl.load(part_o_ptr + (first + offs_s)[:, None] * head_dim + offs_d[None, :],
                        mask=filled[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
-        acc += tl.sum(tl.exp2(lse_c - lse_max)[:, None] * part, 0)
+        acc = tl.sum(weight[:, None] * part, 0)
+    else:
+        offs_c = tl.arange(0, CHUNK_S)
+        acc = tl.full((BLOCK_D,), 0.0, tl.float32)
+        for chunk in range(0, BLOCK_S // CHUNK_S):
+            s = chunk * CHUNK_S + offs_c
+            lse_c = tl.load(part_lse_ptr + first + s, mask=s < num_splits, other=float("-inf"))
+            filled = lse_c != float("-inf")
+            part = tl.load(part_o_ptr + (first + s)[:, None] * head_dim + offs_d[None, :],
+                           mask=filled[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+            acc += tl.sum(tl.exp2(lse_c - lse_max)[:, None] * part, 0)
     out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
