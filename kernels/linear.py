@@ -36,7 +36,7 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] (any float dtype) @ weight [N, K].T in float32, as F.linear(x.float(), weight.float()): a MoE router's
     logits (DeepSeek-V3 keeps its router weight in float32). One row on CUDA takes the gemv kernel, which widens x as
     it reads it (no cast launch) and reads the weight at a higher bandwidth than cuBLAS's float32 gemv: on an H200
-    DeepSeek-V3-4L's three routers took 20 us of a batch-1 step through cuBLAS (docs/performance.md)."""
+    DeepSeek-V3-4L's three routers took 20.1 us of a batch-1 step through cuBLAS, 14.6 here (docs/performance.md)."""
     if GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1:
         from flotilla.kernels.triton.gemv import gemv  # imports triton: CUDA only here
 

@@ -65,6 +65,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(vocab, per_split)
     vals = torch.empty(rows, splits, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows, splits, dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(rows, splits)](x, vals, idx, vocab, x.stride(0), per_split, splits, BLOCK=BLOCK, num_warps=4)
+    _argmax_partial_kernel[(rows, splits)](x, vals, idx, vocab, x.stride(0), per_split, splits, BLOCK=BLOCK,
+                                           num_warps=4)  # fmt: skip
     _argmax_final_kernel[(rows,)](vals, idx, out, splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
     return out

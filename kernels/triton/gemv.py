@@ -63,7 +63,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+         block_k: int | None = None, num_warps: int | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """x [1, K] (or [K]) @ weight [N, K].T (+ bias [N]) -> [1, N] (or [N]) in out_dtype (default x's), accumulated in
     float32; x and the weight may differ in dtype (each is widened to float32 as it is read)."""
     n, k = weight.shape
