@@ -341,6 +341,23 @@ async def _watched_front_end(ctx, watch) -> tuple[str, Inbox, Outbox]:
     return address, front_end, out
 
 
+async def _bind_again(ctx, address: str) -> Inbox:
+    """An inbox at the address a closed one held: ZeroMQ releases a closed socket's port from its I/O thread, a
+    moment later, so an immediate bind may meet EADDRINUSE (a fresh-clone CI run did); retried for up to 5 s."""
+    import zmq
+
+    from flotilla.transport.messages import AbortCmd
+
+    for _ in range(100):
+        try:
+            return Inbox(ctx, address, (AbortCmd,))
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+            await asyncio.sleep(0.05)
+    return Inbox(ctx, address, (AbortCmd,))
+
+
 def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
     """A front end restarted at the same address before the grace ends: the watch sees the disconnect and then the
     reconnect (the monitor's events arrive in order, however late the task reads them), so nothing is aborted."""
@@ -354,13 +371,13 @@ def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
         async def on_gone(address: str) -> None:
             gone.append(address)
 
-        watch = FrontEndWatch(on_gone, grace_s=1.0, connect_s=1.0)
+        watch = FrontEndWatch(on_gone, grace_s=2.0, connect_s=2.0)  # room for _bind_again's retries
         address, front_end, out = await _watched_front_end(ctx, watch)
         front_end.close()
-        front_end = Inbox(ctx, address, (AbortCmd,))  # back at once
+        front_end = await _bind_again(ctx, address)  # back at once
         await out.send(AbortCmd(rid="b"))
         assert (await asyncio.wait_for(front_end.recv(), 10)).rid == "b"
-        await asyncio.sleep(1.5)  # past the grace of the disconnect
+        await asyncio.sleep(2.5)  # past the grace of the disconnect
         assert gone == [] and address not in watch.gone
         await watch.close()
         for s in (front_end, out):
@@ -394,7 +411,7 @@ def test_a_front_end_that_stops_listening_is_reported_gone_after_the_grace_and_b
         await asyncio.wait_for(reported.wait(), 10)
         assert gone == [address] and address in watch.gone
         await out.send(AbortCmd(rid="b"))  # queued for it
-        front_end = Inbox(ctx, address, (AbortCmd,))
+        front_end = await _bind_again(ctx, address)
         assert (await asyncio.wait_for(front_end.recv(), 10)).rid == "b"
         for _ in range(100):
             if address not in watch.gone:

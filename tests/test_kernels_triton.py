@@ -220,6 +220,25 @@ def test_decode_matches_reference(num_splits, block_size, num_heads, num_kv_head
     _check_attention(seqs, block_size, num_heads, num_kv_heads, 16, dtype, seed=block_size + num_heads, run=run)
 
 
+def test_decode_drops_the_never_written_partials_of_empty_splits(monkeypatch):
+    """With 8 splits a 1-token context leaves 7 empty: their partials are never written, and the merge, which loads
+    them beside the lse, must drop them. The scratch buffers start as NaN here, so a partial that counted would show."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    seqs = [(0, 1), (2, 1), (40, 1)]
+
+    def run(q, cache, meta, scale):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", poisoned)
+            return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=8, block_n=16)
+
+    _check_attention(seqs, 4, 4, 2, 16, torch.float32, seed=21, run=run)
+
+
 def test_backend_dispatch_and_forward_picks_decode_or_prefill():
     backend = get_attention_backend("triton")
     assert backend.name == "triton" and backend.store_kv is tri_attn.store_kv and backend.forward is tri_attn.forward

@@ -137,6 +137,7 @@ def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_sp
     """bench_mtp held the speculator past its engine's close; on an H200 the next inline engine then ran out of memory
     (the speculator's step graphs and model kept the first engine's KV cache)."""
     import gc
+    import time
     import weakref
 
     runner = make_runner(model_dir, 2)
@@ -144,7 +145,11 @@ def test_a_closed_speculating_runner_lets_go_of_its_model_and_cache_while_its_sp
     spec = runner.spec
     model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
     runner.close()
-    gc.collect()
+    for _ in range(100):  # (under load a fresh-clone CI run once still saw the model after one collection)
+        gc.collect()
+        if model() is None and cache() is None:
+            break
+        time.sleep(0.05)
     assert model() is None and cache() is None
     assert spec is not None and not hasattr(spec, "graphs")
 

@@ -189,10 +189,11 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, query head): softmax-weighted sum of the splits' partial outputs. Empty splits (lse
-    -inf) are neither read nor counted: a CUDA graph sizes the splits for the longest context it may meet, so at a
-    short one most of them are empty (on an H200, DeepSeek-V3's 128 heads read 16 MB of such partials per layer at
-    batch 1 in 40 us before this). The partials are read CHUNK_S splits at a time (merge_chunk): all of them at once
-    as one [splits, head_dim] tile spilled registers at MLA's 512-wide rows (24 us per layer at batch 1, 2026-12-01)."""
+    -inf, their partials never written) are not counted: a CUDA graph sizes the splits for the longest context it may
+    meet, so at a short one most of them are empty. Where the partials of all splits fit one tile (GQA) they are loaded
+    beside the lse and the empty ones dropped; at MLA's 512-wide rows they are read CHUNK_S splits at a time
+    (merge_chunk), the empty ones not at all (on an H200, DeepSeek-V3's 128 heads read 16 MB of such partials per
+    layer at batch 1 in 40 us before; all splits as one tile spilled registers, 24 us per layer, 2026-12-01)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(qsl_ptr + seq).to(tl.int64)
@@ -205,10 +206,14 @@ def _decode_merge_kernel(
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights 0, output 0
     weight = tl.exp2(lse - lse_max)
     total = tl.sum(weight, 0)
-    if CHUNK_S == BLOCK_S:  # one tile of every split (GQA's 128-wide rows): no second read of the lse
-        filled = lse != float("-inf")  # (false past num_splits too)
+    if CHUNK_S == BLOCK_S:
+        # one tile of every split (GQA's 128-wide rows), loaded beside the lse rather than after it: an empty split's
+        # partial was never written, so whatever it holds (NaN included) is dropped by the select, not by the load's
+        # mask. Loading only the filled splits (mask from the lse) put the two loads in a row: Qwen3-30B-A3B's merge
+        # went from 2.07 to 2.85 us per layer on the H200 (docs/performance.md, twelfth session)
         part = tl.load(part_o_ptr + (first + offs_s)[:, None] * head_dim + offs_d[None, :],
-                       mask=filled[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+                       mask=(offs_s < num_splits)[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+        part = tl.where((lse != float("-inf"))[:, None], part, 0.0)
         acc = tl.sum(weight[:, None] * part, 0)
     else:
         offs_c = tl.arange(0, CHUNK_S)
