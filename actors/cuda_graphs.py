@@ -9,7 +9,8 @@ What is captured is exactly `model(input_ids, positions, kv_caches, meta)` over 
 logits and sampling stay outside the graph (their shapes depend on the real batch). How attention gets its
 batch depends on the backend:
 
-- flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads.
+- flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads (also
+  flashinfer_triton's sizes above its split, kernels/attention.FLASHINFER_DECODE_ABOVE).
 - the triton kernels (GQA "triton", MLA "mla_triton") and FlashMLA ("mla_flash_mla"): they read only device
   metadata, so the graph captures them over static seq_lens / block_tables / query_start_loc buffers that each
   replay refills. The triton decode kernels take a number of context splits fixed at capture (sized for
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from flotilla.kernels.attention import flashinfer_backend
+from flotilla.kernels.attention import decodes_with_flashinfer, flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import pinned, upload
 from flotilla.models.parallel import ep_step
@@ -104,14 +105,17 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         gmax = self.sizes[-1]
         self.static_tables = model.attention_backend_name in STATIC_TABLE_BACKENDS
-        """Attention reads static device tables (the triton kernels), not flashinfer's planned buffers."""
+        """Attention reads static device tables (the triton kernels), not flashinfer's planned buffers; with
+        flashinfer_triton only up to its split (planned_sizes: the sizes FlashInfer decodes)."""
+        self.planned_sizes = {size for size in self.sizes if not self.static_tables or (
+            model.attention_backend_name == "flashinfer_triton" and decodes_with_flashinfer(size))}
         self.max_blocks_per_seq = max_blocks_per_seq
         if self.static_tables:
             i32 = dict(dtype=torch.int32, device=device)
             self.query_start_loc = torch.arange(gmax + 1, **i32)
             self.seq_lens = torch.ones(gmax, **i32)
             self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
-        else:
+        if self.planned_sizes:
             self.attn = flashinfer_backend.shared()
             cfg = model.config
             attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
@@ -122,7 +126,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(gmax, **i64)
         self.positions = torch.zeros(gmax, **i64)
         self.slots = torch.full((gmax,), self.scratch_slot, **i64)
-        if not self.static_tables:  # flashinfer's page tables, which plan() fills
+        if self.planned_sizes:  # flashinfer's page tables, which plan() fills
             i32 = dict(dtype=torch.int32, device=device)
             self.kv_indptr = torch.zeros(gmax + 1, **i32)
             self.kv_indices = torch.zeros(gmax * max_blocks_per_seq, **i32)
@@ -136,7 +140,7 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - t0)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        if self.static_tables:  # the kernels read these buffers; max_seq_len sizes their fixed context splits
+        if size not in self.planned_sizes:  # the kernels read these buffers; max_seq_len sizes their fixed splits
             return AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                      block_tables=self.block_tables[:size], slot_mapping=self.slots[:size],
                                      max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
@@ -158,7 +162,7 @@ class DecodeGraphs:
         return static_tables(size, seq_lens, tables, self.block_size, self.scratch_block)
 
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
-        if self.static_tables:
+        if size not in self.planned_sizes:
             lens, table = self.static_tables_for(size, seq_lens, tables)
             self.seq_lens[:size].copy_(pinned(lens), non_blocking=True)
             self.block_tables[:size, :table.shape[1]].copy_(pinned(table), non_blocking=True)
@@ -176,7 +180,7 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            if not self.static_tables:
+            if size in self.planned_sizes:
                 self.wrappers[size] = self.attn.graph_decode_wrapper(
                     self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size],
                     tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],

@@ -263,10 +263,16 @@ def test_flashinfer_and_torch_attention_give_the_same_greedy_tokens_on_cuda(tmp_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flashinfer_prefill_with_triton_decode_gives_flashinfers_greedy_tokens_on_cuda(tmp_path):
+@pytest.mark.parametrize("split", [None, 4])
+def test_flashinfer_prefill_with_triton_decode_gives_flashinfers_greedy_tokens_on_cuda(tmp_path, monkeypatch, split):
     """attention_backend "flashinfer_triton" (FlashInfer's prefill, triton's decode in static-table graphs) against
-    flashinfer alone, CUDA graphs on for both."""
+    flashinfer alone, CUDA graphs on for both; with the split lowered to 4 sequences, the 12-sequence batches replay
+    graphs that decode with FlashInfer (planned per step) and the smaller ones graphs over triton's static tables."""
     pytest.importorskip("flashinfer")
+    import flotilla.kernels.attention as attention
+
+    if split is not None:
+        monkeypatch.setattr(attention, "FLASHINFER_DECODE_ABOVE", split)
     model = str(write_tiny_engine_model(tmp_path / "hd64", "qwen3_hd64"))
     ps = prompts(12, seed=17)
     outs = {}
@@ -274,9 +280,14 @@ def test_flashinfer_prefill_with_triton_decode_gives_flashinfers_greedy_tokens_o
         with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
                  attention_backend=backend, placement="inline") as engine:
             assert engine.client.ready_detail["worker/0"]["attention"] == backend
-            assert engine.client.runtime.actors["worker/0"].runner.graphs is not None
+            graphs = engine.client.runtime.actors["worker/0"].runner.graphs
+            assert graphs is not None
+            if backend == "flashinfer_triton":
+                assert graphs.planned_sizes == ({8, 16} if split == 4 else set())
             outs[backend] = run(engine, ps, max_tokens=10)
+            outs[backend + "_one_by_one"] = [run(engine, [p], max_tokens=6)[0] for p in ps[:2]]  # batch-1 graphs
     assert outs["flashinfer_triton"] == outs["flashinfer"]
+    assert outs["flashinfer_triton_one_by_one"] == outs["flashinfer_one_by_one"]
 
 
 @pytest.mark.gpu

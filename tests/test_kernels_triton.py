@@ -582,6 +582,11 @@ def test_flashinfer_triton_decodes_with_triton_and_leaves_prefill_to_flashinfer(
     assert prefills == []
     _check_attention([(7, 1), (0, 5), (30, 2)], 4, 4, 2, 16, torch.float32, seed=2, run=backend.forward)
     assert prefills == [5]
+    monkeypatch.setattr(attention, "FLASHINFER_DECODE_ABOVE", 2)  # decodes of more sequences go to FlashInfer's
+    _check_attention([(7, 1), (0, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=3, run=backend.forward)
+    assert prefills == [5, 1]
+    _check_attention([(7, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=4, run=backend.forward)
+    assert prefills == [5, 1]
 
 
 def test_flashinfer_triton_names_what_it_lacks(monkeypatch):
