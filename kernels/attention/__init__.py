@@ -128,12 +128,13 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     return _BACKENDS[name]
 
 
-FLASHINFER_DECODE_ABOVE = int(os.environ.get("FLOTILLA_FLASHINFER_DECODE_ABOVE", "192"))
+FLASHINFER_DECODE_ABOVE = int(os.environ.get("FLOTILLA_FLASHINFER_DECODE_ABOVE", "64"))
 """flashinfer_triton decodes batches of more sequences than this with FlashInfer's kernel, smaller ones with
-triton's. On an H200, Qwen3-8B at 1,024-token contexts (profile_step, CUDA graphs, device time per step, twelfth
-session): triton's was ahead by 1.6% at batch 1, 1.2% at 32, 4.4% at 64 and 3.5% at 128, FlashInfer's by 2.4% at
-256; the nano workload, most of whose steps run near 256 sequences at up to 2,048 tokens, gave 8,956.9 out tok/s with
-FlashInfer's decode against 8,743.8 with triton's. The crossover lies between 128 and 256; 192 splits it."""
+triton's. On an H200 (docs/performance.md, twelfth session): Qwen3-8B's nano workload (256 requests, contexts up to
+2,048 tokens) gave 8,883.5 out tok/s with the split at 64, 8,879.5 at 0 (FlashInfer's decode throughout), 8,744-8,774
+at 192 and 8,709-8,764 with no split (one to three runs each); profile_step at a fixed 1,024-token context had put the
+crossover between 128 and 256, with triton's kernel ahead at batch 1-128 by 1.2-4.4%. At batch 1, triton's decode is
+what made Qwen3-30B-A3B 266 against 250 tok/s (tenth session)."""
 
 
 def decodes_with_flashinfer(num_seqs: int) -> bool:
