@@ -22,10 +22,15 @@ GEMV = os.environ.get("FLOTILLA_GEMV", "1") != "0"
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _one_row_on_cuda(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gemv kernel may take x @ weight.T: switched on, one contiguous row on CUDA, weight rows dense."""
+    return (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+            and weight.stride(1) == 1)  # fmt: skip
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias), as F.linear."""
-    if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in _HALF and weight.dtype == x.dtype
-            and x.is_contiguous() and weight.stride(1) == 1):
+    if _one_row_on_cuda(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype:
         from flotilla.kernels.triton.gemv import gemv  # imports triton: CUDA only here
 
         return gemv(x, weight, bias)
@@ -37,7 +42,7 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits (DeepSeek-V3 keeps its router weight in float32). One row on CUDA takes the gemv kernel, which widens x as
     it reads it (no cast launch) and reads the weight at a higher bandwidth than cuBLAS's float32 gemv: on an H200
     DeepSeek-V3-4L's three routers took 20.1 us of a batch-1 step through cuBLAS, 14.6 here (docs/performance.md)."""
-    if GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1:
+    if _one_row_on_cuda(x, weight):
         from flotilla.kernels.triton.gemv import gemv  # imports triton: CUDA only here
 
         return gemv(x, weight, out_dtype=torch.float32)

