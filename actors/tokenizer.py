@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import msgspec
 import numpy as np
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.config import EngineConfig
@@ -39,8 +39,36 @@ def model_dir(config: EngineConfig) -> Path:
     return Path(config.model.model) if config.model.model else default_model_dir()
 
 
+# Model types for which transformers' AutoTokenizer, given a folder whose tokenizer_config.json names the generic fast
+# tokenizer, returns that generic class (tests/test_tokenizer_loading.py checks it against the installed transformers).
+GENERIC_FAST_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "deepseek_v3"})
+GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The model folder's tokenizer, as transformers' AutoTokenizer loads it.
+
+    AutoTokenizer resolves the class through the model's config, which imports torch and much of transformers'
+    modelling code: about 3 s of CPU in each process that loads a tokenizer (the tokenizer, the detokenizer and the
+    front end). Where the answer is known without it (a folder whose tokenizer_config.json names the generic fast
+    tokenizer, no remote code, a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES) that class is loaded directly;
+    everything else goes through AutoTokenizer."""
+    if _generic_fast_tokenizer(path):
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer  # (imports torch)
+
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _generic_fast_tokenizer(path: Path) -> bool:
+    try:
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tok_config, dict) and tok_config.get("tokenizer_class") in GENERIC_FAST_TOKENIZER_CLASSES
+            and "auto_map" not in tok_config and (path / "tokenizer.json").is_file()
+            and model_type in GENERIC_FAST_TOKENIZER_MODEL_TYPES)
 
 
 def max_model_len_of(config: EngineConfig, path: Path) -> int:

@@ -15,8 +15,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-import torch
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm.auto import tqdm
 
@@ -251,8 +250,7 @@ def iter_state_dict(reader: gguf.GGUFReader, config: dict[str, Any]) -> Iterator
             array = _unpermute_rotary(array, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             array = _unpermute_rotary(array, config["num_key_value_heads"])
-        # F32 tensors come straight from the read-only memory map; torch wants memory it may write.
-        yield name, array if array.flags.writeable else array.copy()
+        yield name, array
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True, desc: str | None = None) -> None:
@@ -261,7 +259,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True, de
     config = hf_config(reader)
     tokenizer = hf_tokenizer(reader)
     tokenizer_config = hf_tokenizer_config(reader, config)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     bar = tqdm(
         iter_state_dict(reader, config),
         total=len(reader.tensors),
@@ -270,10 +268,11 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True, de
         disable=progress_disabled(progress),
     )
     for name, array in bar:
-        tensors[name] = torch.from_numpy(array)
+        tensors[name] = array
     expected = _expected_tensors(config)
     if missing := sorted(expected - tensors.keys()):
         raise GGUFError(f"GGUF file {gguf_path} lacks tensors for {missing[:5]} ({len(missing)} missing)")
+    # (safetensors' numpy writer: the tokenizer process converts the default model without importing torch)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out_dir / "model.safetensors", 0o644)  # safetensors creates it owner-only
     tokenizer.save(str(out_dir / "tokenizer.json"))

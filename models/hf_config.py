@@ -10,17 +10,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# config.json's dtype names -> torch's (torch is imported where a dtype is asked for: the front end reads configs too)
+_DTYPES: dict[str, str] = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                           "bfloat16": "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +136,9 @@ class HFModelConfig:
             return None
         if self.dtype not in _DTYPES:
             raise ValueError(f"unsupported checkpoint dtype {self.dtype!r}; supported: {', '.join(_DTYPES)}")
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
 
 
 def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:

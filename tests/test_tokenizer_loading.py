@@ -1,0 +1,88 @@
+"""load_tokenizer gives what transformers' AutoTokenizer gives, without importing torch where it can.
+
+Every engine loads its tokenizer in three processes (tokenizer, detokenizer, front end); AutoTokenizer imports torch
+and much of transformers' modelling code to resolve the class, about 3 s of CPU each. load_tokenizer skips that for
+folders whose answer is known (actors/tokenizer.py); these tests hold it to AutoTokenizer's answer on the installed
+transformers, so a transformers release that resolves those folders differently fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers_engine import write_tiny_tokenizer
+from transformers import AutoTokenizer
+
+from flotilla.actors.tokenizer import GENERIC_FAST_TOKENIZER_MODEL_TYPES, load_tokenizer
+
+TEXTS = ["The quick brown fox.", "日本語 🙂 12345", "  spaces  and\ttabs\n", "<|im_start|>user\nhi<|im_end|>", ""]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def _folder(tmp_path: Path, model_type: str, **tok_config) -> Path:
+    d = tmp_path / model_type
+    d.mkdir()
+    write_tiny_tokenizer(d, vocab_size=320)
+    (d / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 320}))
+    if tok_config:
+        path = d / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **tok_config}))
+    return d
+
+
+def _same(ours, theirs) -> None:
+    assert type(ours) is type(theirs)
+    for text in TEXTS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (theirs.bos_token_id, theirs.eos_token_id,
+                                                                        theirs.pad_token_id)
+    assert ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("model_type", sorted(GENERIC_FAST_TOKENIZER_MODEL_TYPES))
+def test_the_direct_path_gives_autotokenizers_tokenizer(tmp_path, model_type):
+    d = _folder(tmp_path, model_type)
+    _same(load_tokenizer(d), AutoTokenizer.from_pretrained(str(d)))
+
+
+@pytest.mark.parametrize("model_type,tok_config", [
+    ("qwen2", {}),  # a model type whose hub class transformers overrides
+    ("llama", {"tokenizer_class": "GPT2Tokenizer"}),  # a named class
+    ("llama", {"auto_map": {"AutoTokenizer": [None, "tok.MyTokenizer"]}}),  # remote code: AutoTokenizer decides
+])
+def test_other_folders_go_through_autotokenizer(tmp_path, monkeypatch, model_type, tok_config):
+    d = _folder(tmp_path, model_type, **tok_config)
+    calls = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        calls.append(args[0])
+        if "auto_map" in tok_config:  # (its remote code does not exist: only which path was taken matters here)
+            return "autotokenizer"
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(spy))
+    got = load_tokenizer(d)
+    assert calls == [str(d)]
+    if "auto_map" not in tok_config:
+        _same(got, real(AutoTokenizer, str(d)))
+
+
+def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_path):
+    d = _folder(tmp_path, "llama")
+    code = ("import sys\nfrom pathlib import Path\nimport flotilla.actors.detokenizer, flotilla.server.serve\n"
+            "from flotilla.actors.tokenizer import load_tokenizer\n"
+            f"load_tokenizer(Path({str(d)!r}))\nprint(sorted(m for m in ('torch', 'transformers.configuration_utils')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
