@@ -149,9 +149,12 @@ fi
 if want ds_b1; then
   for attn in ${DS_ATTN:-auto}; do
     stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1 --attention-backend $attn"
-    timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --workload decode1 \
-      --repeat 2 --attention-backend "$attn" --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
+    # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
+    FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
+      --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$attn" \
+      --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
+    python3 -m flotilla.actors.step_trace "$R/ds_b1_$attn.trace.jsonl" | cut -c1-400
   done
 fi
 

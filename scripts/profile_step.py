@@ -35,25 +35,26 @@ from flotilla.scripts.bench_shapes import SHAPES, shape_dir
 from flotilla.transport.messages import NewSequence, StepPlan
 
 
-def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int) -> tuple[StepPlan, list[StepPlan]]:
+def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int, first_step: int = 0,
+                 prefix: str = "s") -> tuple[StepPlan, list[StepPlan]]:
     bs = runner.block_size
     per_seq = -(-(prompt_len + 2 * steps + 1) // bs)  # room for the timed pass and the overlapped pass
     sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
     rng = np.random.default_rng(0)
     vocab = min(10000, runner.hf_config.vocab_size)
-    new = [NewSequence(rid=f"s{i}", token_ids=rng.integers(0, vocab, prompt_len, dtype=np.int32),
+    new = [NewSequence(rid=f"{prefix}{i}", token_ids=rng.integers(0, vocab, prompt_len, dtype=np.int32),
                        num_computed_tokens=0, block_ids=np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32),
                        sampling=sp) for i in range(batch)]
     rids = [n.rid for n in new]
-    prefill = StepPlan(step=0, new_seqs=new, rids=rids, num_new_tokens=np.full(batch, prompt_len, np.int32))
+    prefill = StepPlan(step=first_step, new_seqs=new, rids=rids, num_new_tokens=np.full(batch, prompt_len, np.int32))
     zeros = np.zeros(batch, np.int32)
-    decodes = [StepPlan(step=s + 1, rids=rids, num_new_tokens=np.ones(batch, np.int32), new_block_counts=zeros,
-                        new_block_ids=np.zeros(0, np.int32)) for s in range(steps)]
+    decodes = [StepPlan(step=first_step + s + 1, rids=rids, num_new_tokens=np.ones(batch, np.int32),
+                        new_block_counts=zeros, new_block_ids=np.zeros(0, np.int32)) for s in range(steps)]
     return prefill, decodes
 
 
 def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_profile: bool = False,
-            host_profile: cProfile.Profile | None = None) -> dict[str, Any]:
+            host_profile: cProfile.Profile | None = None, host_breakdown: bool = False) -> dict[str, Any]:
     """One batch size: decode steps one at a time, then overlapped. torch_profile: kernels of the overlapped pass;
     host_profile: collects the overlapped pass's host functions (warm: no compilation in it)."""
     prefill, decodes = decode_plans(runner, batch, prompt_len, steps)
@@ -86,6 +87,15 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     # the worker's overlapped loop: step k+1 is launched before step k's tokens are waited for
     launch_s = 0.0
     overlapped = decodes_for_overlap(decodes)
+    replay_s = [0.0]  # of the launch: the host time in CUDAGraph.replay (cudaGraphLaunch)
+    real_replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph):
+        t = time.perf_counter()
+        real_replay(graph)
+        replay_s[0] += time.perf_counter() - t
+
+    torch.cuda.CUDAGraph.replay = timed_replay
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
     torch.cuda.synchronize()
     if torch_profile:
@@ -102,6 +112,7 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     runner.finish_oldest()
     torch.cuda.synchronize()
     overlap_wall = (time.perf_counter() - t0) * 1000 / len(overlapped)
+    torch.cuda.CUDAGraph.replay = real_replay
     if host_profile is not None:
         host_profile.disable()
     extra = {}
@@ -109,10 +120,97 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
         prof.stop()
         extra = kernel_table(prof, len(overlapped))
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
+    if host_breakdown:  # the overlapped pass once more, its launches' parts timed (host ms per step)
+        prefill2, decodes2 = decode_plans(runner, batch, prompt_len, steps, first_step=10**6 + 1, prefix="h")
+        runner.execute(prefill2)
+        overlapped2 = decodes_for_overlap(decodes2)
+        with HostTimers(host_breakdown_targets(runner)) as timers:
+            launch2 = 0.0
+            for k, plan in enumerate(overlapped2):
+                t1 = time.perf_counter()
+                runner.launch(plan)
+                launch2 += time.perf_counter() - t1
+                if k:
+                    runner.finish_oldest()
+            runner.finish_oldest()
+        torch.cuda.synchronize()
+        n = len(overlapped2)
+        extra["host_breakdown_ms"] = {"launch": round(launch2 * 1000 / n, 4),
+                                      **{k: round(v * 1000 / n, 4) for k, v in timers.seconds.items()}}
+        runner.execute(StepPlan(step=2 * 10**6, finished_rids=[f"h{i}" for i in range(batch)]))
     return {**extra, "batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
             "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1),
             "overlapped_step_ms": round(overlap_wall, 3), "launch_host_ms": round(launch_s * 1000 / len(overlapped), 3),
+            "replay_host_ms": round(replay_s[0] * 1000 / len(overlapped), 3),
             "overlapped_tok_per_s": round(batch * 1000 / overlap_wall, 1)}
+
+
+def host_breakdown_targets(runner: ModelRunner) -> list[tuple[str, Any, str]]:
+    """(label, owner, attribute) of the parts of a decode step's launch that --host-breakdown times."""
+    import flotilla.actors.cuda_graphs as cg
+    import flotilla.actors.model_runner as mr
+    import flotilla.kernels.sampling as sampling
+
+    targets = [("input_ids", runner, "_input_ids"), ("decode_by_graph", runner, "_decode_by_graph"),
+               ("graph_upload", cg, "upload"), ("graph_plan", runner.graphs, "_plan"),
+               ("graph_replay", torch.cuda.CUDAGraph, "replay"), ("apply_patch", mr, "_apply_patch"),
+               ("compute_logits", runner.model, "compute_logits"), ("sample", runner, "_sample"),
+               ("greedy_argmax", sampling, "greedy_argmax"), ("pending_launch", mr._Pending, "launch")]
+    return [t for t in targets if t[1] is not None and hasattr(t[1], t[2])]
+
+
+class HostTimers:
+    """Host seconds per labelled callable while installed (nested ones count in their callers too)."""
+
+    _MISSING = object()
+
+    def __init__(self, targets: list[tuple[str, Any, str]]) -> None:
+        self.targets, self.seconds, self.saved = targets, {t[0]: 0.0 for t in targets}, []
+
+    def __enter__(self) -> HostTimers:
+        for label, owner, attr in self.targets:
+            own = vars(owner).get(attr, self._MISSING)
+            original = getattr(owner, attr)  # (a classmethod comes bound to its class)
+
+            def timed(*args, _f=original, _label=label, **kw):
+                t = time.perf_counter()
+                try:
+                    return _f(*args, **kw)
+                finally:
+                    self.seconds[_label] += time.perf_counter() - t
+
+            setattr(owner, attr, staticmethod(timed) if isinstance(own, classmethod) else timed)
+            self.saved.append((owner, attr, own))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, own in reversed(self.saved):
+            if own is self._MISSING:  # an instance's method: drop the instance attribute that shadowed it
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, own)
+
+
+def graph_launch_calibration(sizes: tuple[int, ...] = (16, 64, 256, 1024), reps: int = 50) -> dict[str, Any]:
+    """This host's cudaGraphLaunch cost against the graph's length: host ms per replay of a captured chain of N
+    one-element kernels, each replay waited for (so the launch never queues behind the device)."""
+    x = torch.zeros(1, device="cuda")
+    out = {}
+    for n in sizes:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                x.add_(1)
+        graph.replay()
+        torch.cuda.synchronize()
+        host = 0.0
+        for _ in range(reps):
+            t = time.perf_counter()
+            graph.replay()
+            host += time.perf_counter() - t
+            torch.cuda.synchronize()
+        out[str(n)] = round(host * 1000 / reps, 4)
+    return {"graph_launch_host_ms_by_kernels": out}
 
 
 def kernel_table(prof, steps: int, top: int = 15) -> dict[str, Any]:
@@ -254,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed", default="",
                    help="also time one chunked-prefill step against its halves: DECODESxCONTEXT+TOKENSxPER_SEQ (e.g. "
                         "256x1000+8192x512: 256 decodes at 1,000 tokens of context with 16 new 512-token prompts)")
+    p.add_argument("--host-breakdown", action="store_true",
+                   help="also time the parts of each overlapped step's launch on the host (input ids, graph upload, "
+                        "plan and replay, logits, sampling, the result's copy): host ms per step")
+    p.add_argument("--launch-calibration", action="store_true",
+                   help="also time cudaGraphLaunch on this host for chains of 16-1,024 trivial kernels")
     p.add_argument("--cprofile", action="store_true",
                    help="also print the host functions that cost the most in the overlapped pass (per batch size)")
     args = p.parse_args(argv)
@@ -267,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in args.batch.split(","):
         host = cProfile.Profile() if args.cprofile else None
-        rows.append(profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile, host))
+        rows.append(profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile, host, args.host_breakdown))
         if host is not None:  # the overlapped pass only: what the host does per step, without compilation
             print(f"== host functions over {args.steps - 3} overlapped steps at batch {b} (divide by the steps)")
             pstats.Stats(host).sort_stats("tottime").print_stats(30)
@@ -279,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         dec, _, pre = args.mixed.partition("+")
         (d, c), (t, ps) = (map(int, part.split("x")) for part in (dec, pre))
         rows.append(profile_mixed(runner, d, c, t, ps))
+    if args.launch_calibration:
+        rows.append(graph_launch_calibration())
     for r in rows:
         print(json.dumps({"model": args.model, "attention": runner.model.attention_backend_name,
                           "cuda_graphs": runner.graphs is not None, **r}), flush=True)

@@ -48,3 +48,30 @@ def test_profile_mixed_runs_each_step_twice_and_reports_them(runner):
     out = profile_step.profile_mixed(runner, decodes=4, context=6, tokens=8, per_seq=4)
     assert out["mixed"]["sampled"] == 6 and out["decode_only"]["sampled"] == 4 and out["prefill_only"]["sampled"] == 2
     assert out["mixed_prefill_tokens"] == 8 and all(out[k]["step_ms"] > 0 for k in ("mixed", "decode_only"))
+
+
+def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
+    import types
+
+    import numpy as np
+
+    class K:
+        def method(self, x):
+            return x + 1
+
+        @classmethod
+        def make(cls, x):
+            return (cls, x)
+
+    module = types.SimpleNamespace(fn=lambda x: x * 2)  # (a module keeps its functions in __dict__ too)
+    k = K()
+    before = (K.__dict__["method"], K.__dict__["make"], module.fn)
+    targets = [("inst", k, "method"), ("cls", K, "make"), ("mod", module, "fn"), ("fn", K, "method")]
+    with profile_step.HostTimers(targets) as timers:
+        assert k.method(1) == 2 and K.make(3) == (K, 3) and module.fn(4) == 8
+        assert K().method(5) == 6  # through the class's function (another instance)
+    assert set(timers.seconds) == {"inst", "cls", "mod", "fn"} and all(v > 0 for v in timers.seconds.values())
+    assert (K.__dict__["method"], K.__dict__["make"], module.fn) == before and "method" not in vars(k)
+    labels = [t[0] for t in profile_step.host_breakdown_targets(runner)]
+    assert {"input_ids", "compute_logits", "sample", "pending_launch", "greedy_argmax"} <= set(labels)
+    np.testing.assert_equal(runner.execute(profile_step.decode_plans(runner, 1, 4, 1, prefix="z")[0]).rids, ["z0"])
