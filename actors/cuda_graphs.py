@@ -5,9 +5,12 @@ per layer, each costing ~10-20 us of Python and driver time, far more than the G
 A graph replays all of them with one launch. Batches are padded up to the next captured size; padded
 rows read and write a scratch KV block that the scheduler never hands out, and their outputs are dropped.
 
-What is captured is exactly `model(input_ids, positions, kv_caches, meta)` over static input buffers;
-logits and sampling stay outside the graph (their shapes depend on the real batch). How attention gets its
-batch depends on the backend:
+What is captured is `model(input_ids, positions, kv_caches, meta)` over static input buffers, then the logits of
+every row (into one float32 buffer that all sizes share) and their argmax: a greedy step samples nothing outside the
+graph. At batch 1 the host was the bottleneck of a DeepSeek-V3-shaped model's step on an H200: outside the graph the
+LM head's launch took 0.11 ms of host time and triton's two-launch argmax 0.16 ms, of a launch of 0.98 ms against the
+device's 1.4 ms (profile_step --host-breakdown, docs/performance.md). Sampling other than greedy runs on the logits
+after the replay. How attention gets its batch depends on the backend:
 
 - flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads (also
   flashinfer_triton's sizes above its split, kernels/attention.FLASHINFER_DECODE_ABOVE).
@@ -30,6 +33,7 @@ import torch
 
 from flotilla.kernels.attention import decodes_with_flashinfer, flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.sampling import greedy_argmax
 from flotilla.kernels.staging import pinned, upload
 from flotilla.models.parallel import ep_step
 from flotilla.transport.messages import StepPlan
@@ -135,6 +139,12 @@ class DecodeGraphs:
         self.metas: dict[int, AttentionMetadata] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        """Per size: the final hidden states [size, hidden]."""
+        self.logits: torch.Tensor | None = None
+        """The last replay's logits [size, vocab] (shared by every size: a replay overwrites them; allocated by the
+        first warm-up, at the model's logits width)."""
+        self.greedy: dict[int, torch.Tensor] = {}
+        """Per size: the argmax of each row's logits, int64 [size]."""
         t0 = time.perf_counter()
         self._capture_all()
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - t0)
@@ -191,14 +201,22 @@ class DecodeGraphs:
             # under gathering expert parallelism every rank captures the same sizes in this order, so the MoE
             # layers' all-gathers and reduce-scatters of `size` rows pair up across the ranks inside the captures
             with ep_step(size):
-                self.model(*args)  # warm-up: lazy initialisation must not happen inside the capture
+                self._forward(size, args)  # warm-up: lazy initialisation (triton's compiles) must not be captured
                 torch.cuda.synchronize(self.device)
                 self.metas[size].backend_state.clear()  # per-step state (FlashMLA's scheduling) is in the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model(*args)
+                    self.outputs[size], self.greedy[size] = self._forward(size, args)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
+
+    def _forward(self, size: int, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of `size` rows runs: (hidden states, argmax token ids); the logits go to self.logits."""
+        hidden = self.model(*args)
+        if self.logits is None:
+            width = self.model.compute_logits(hidden[:1]).shape[1]
+            self.logits = torch.empty(self.sizes[-1], width, dtype=torch.float32, device=self.device)
+        return hidden, greedy_argmax(self.model.compute_logits(hidden, out=self.logits[:size]))
 
     def fits(self, batch: int) -> bool:
         return batch <= self.sizes[-1]
@@ -209,9 +227,11 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None,
-            size: int | None = None) -> torch.Tensor:
-        """Hidden states [B, hidden] of one decode step of B sequences, by replay of the graph of `size` (default:
-        the smallest that holds them; expert-parallel ranks that gather tokens replay the size they agreed on).
+            size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decode step of B sequences, by replay of the graph of `size` (default: the smallest that holds them;
+        expert-parallel ranks that gather tokens replay the size they agreed on): its hidden states [B, hidden],
+        float32 logits [B, vocab] and their argmax int64 [B], views of the graph's buffers (the next replay
+        overwrites them).
 
         patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).
         """
@@ -230,4 +250,4 @@ class DecodeGraphs:
         self.slots[:size].copy_(staged[2])
         self._plan(size, seq_lens, tables)
         self.graphs[size].replay()
-        return self.outputs[size][:batch]
+        return self.outputs[size][:batch], self.logits[:batch], self.greedy[size][:batch]

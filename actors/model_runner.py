@@ -361,11 +361,10 @@ class ModelRunner:
                           and self.graphs.fits(len(seqs)) else 0)  # fmt: skip
         if graph_size:
             # one new token per sequence: a captured decode step
-            hidden = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
+            _, logits, greedy = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
-            logits = self.model.compute_logits(hidden)
         else:
             input_ids = upload(ids, self.device)
             _apply_patch(input_ids, patch, self.device)
@@ -382,10 +381,11 @@ class ModelRunner:
                 return
             ends = np.cumsum(num_new)[sampling_rows] - 1
             logits = self.model.compute_logits(hidden[upload(ends, self.device)])
+            greedy = None
         sampled = [seqs[i] for i in sampling_rows]
         sampled_rids = [plan.rids[i] for i in sampling_rows]
         if self.rank == 0:
-            out, want = self._sample(sampled, sampled_rids, logits)
+            out, want = self._sample(sampled, sampled_rids, logits, greedy)
         else:  # rank 0 samples for the group: these ranks only need its tokens (broadcast below)
             out, want = SamplerOutput(token_ids=torch.empty(len(sampled), dtype=torch.int64, device=self.device)), None
         token_ids = broadcast_from_first(out.token_ids)  # (int64 on every rank; in place)
@@ -394,15 +394,16 @@ class ModelRunner:
             s.length += 1
         self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device))
 
-    def _sample(self, sampled: list[SeqState], rids: list[str],
-                logits: torch.Tensor) -> tuple[SamplerOutput, int | None]:
-        """Sample the next token of each sequence; also the most logprobs any of them asked for."""
+    def _sample(self, sampled: list[SeqState], rids: list[str], logits: torch.Tensor,
+                greedy: torch.Tensor | None = None) -> tuple[SamplerOutput, int | None]:
+        """Sample the next token of each sequence; also the most logprobs any of them asked for. `greedy`: the
+        logits' argmax where a decode graph computed it."""
         history = any(s.needs_history for s in sampled)
         if history and any(s.host_length < s.length for s in sampled):
             self._drain()  # penalties read every output token on the host
         st = self._sampling_tensors(sampled, rids, history, logits.shape[1])
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
-        return sample(logits, st, want, generator=self.generator), want
+        return sample(logits, st, want, generator=self.generator, greedy_ids=greedy), want
 
     def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,
                           vocab: int) -> SamplingTensors:
@@ -452,7 +453,7 @@ class ModelRunner:
         return ids, patch
 
     def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
-                         patch: Patch, size: int) -> torch.Tensor:
+                         patch: Patch, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
         tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages
@@ -521,8 +522,13 @@ def _add_patch(patch: Patch, index: int, src: torch.Tensor, row: int) -> None:
 
 
 def _apply_patch(input_ids: torch.Tensor, patch: Patch, device: torch.device) -> None:
-    """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step)."""
+    """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step; one copy
+    where both sides are runs, as when a decode batch follows the step that sampled its tokens, rows in order)."""
     for src, dst, rows in patch.values():
+        n = len(dst)
+        if dst[-1] - dst[0] == n - 1 and rows == list(range(rows[0], rows[0] + n)):  # (dst only ever increases)
+            input_ids[dst[0]:dst[0] + n].copy_(src[rows[0]:rows[0] + n])
+            continue
         index = upload(np.array([dst, rows], dtype=np.int64), device)
         input_ids.index_copy_(0, index[0], src.index_select(0, index[1]).to(input_ids.dtype))
 

@@ -336,12 +336,15 @@ def sample(
     st: SamplingTensors,
     num_logprobs: int | None = None,
     generator: torch.Generator | None = None,
+    greedy_ids: Tensor | None = None,
 ) -> SamplerOutput:
     """Sample one token per row of `logits` [B, V]; a float32 `logits` is used as scratch and overwritten.
 
     num_logprobs: None (or negative) returns no logprobs; 0 returns the sampled token's raw logprob; n > 0
     also returns the n most likely tokens. Pass `st.max_num_logprobs` and slice per row on the host.
     generator: source of the unseeded rows' noise (torch's default generator when None).
+    greedy_ids: logits.argmax(dim=-1) if already computed (a decode graph's, on the logits before this call); used
+    for the greedy rows unless a penalty changes the logits first.
     """
     if logits.ndim != 2 or logits.shape[1] != st.vocab_size:
         raise ValueError(f"logits {tuple(logits.shape)} do not match vocab_size {st.vocab_size}")
@@ -350,6 +353,7 @@ def sample(
     raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None and num_logprobs >= 0 else None
 
     if st.do_repetition or st.do_presence or st.do_frequency:
+        greedy_ids = None  # (the argmax of the logits before the penalties)
         apply_penalties_(
             logits,
             st.prompt_keys,
@@ -359,10 +363,10 @@ def sample(
             st.frequency_penalty if st.do_frequency else None,
         )
 
-    if st.all_greedy:
-        token_ids = greedy_argmax(logits)
+    if st.all_greedy:  # (a copy of a graph's: its next replay overwrites the buffer)
+        token_ids = greedy_ids.clone() if greedy_ids is not None else greedy_argmax(logits)
     else:
-        greedy_ids = greedy_argmax(logits) if st.any_greedy else None
+        greedy_ids = (greedy_ids if greedy_ids is not None else greedy_argmax(logits)) if st.any_greedy else None
         if st.do_temperature:
             logits.div_(st.temperature.unsqueeze(1))
         if st.do_top_k or st.do_top_p:

@@ -291,9 +291,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions int64 [T] -> final hidden states [T, hidden]; writes K/V into kv_caches."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab] (on every rank)."""
-        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden] (the rows to sample from) -> float32 logits [N, vocab] (on every rank), into `out` if
+        given."""
+        return vocab_parallel_logits(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head, out)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor (allocate one per layer)."""

@@ -385,12 +385,14 @@ def _row_parallel_output(partial: torch.Tensor, bias: torch.Tensor | None, reduc
     return partial if bias is None else partial + bias
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding) -> torch.Tensor:
-    """hidden [N, H] -> float32 logits [N, vocab] on every rank: each rank's vocabulary range, gathered."""
+def vocab_parallel_logits(hidden: torch.Tensor, head: VocabParallelEmbedding,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [N, H] -> float32 logits [N, vocab] on every rank: each rank's vocabulary range, gathered. `out`: a
+    float32 [N, vocab] tensor to write them into (a decode graph's buffer) instead of a new one."""
     local = F.linear(hidden, head.weight)
-    if head.tp.size == 1:
-        return local.float()
-    return all_gather_last_dim(local)[:, :head.num_embeddings].float()
+    if head.tp.size > 1:
+        local = all_gather_last_dim(local)[:, :head.num_embeddings]
+    return local.float() if out is None else out.copy_(local)
 
 
 def _fp8_misaligned(what: str, unit: str, rows: int, full: int, first: int, block: int, tp: TPGroup) -> ValueError:

@@ -63,6 +63,23 @@ def test_mixed_greedy_and_sampled_rows() -> None:
     assert torch.equal(sample(logits.clone(), _build(params, 50)).token_ids, logits.argmax(-1))
 
 
+def test_a_graphs_argmax_stands_for_the_greedy_rows_unless_a_penalty_changes_the_logits() -> None:
+    """sample(greedy_ids=...): a decode graph hands over its argmax of the logits. Marked ids (not the argmax) show
+    where they are used: for every greedy row, as a copy (the graph's next replay overwrites its buffer), and not
+    once a penalty has changed the logits."""
+    logits = torch.randn(8, 40)
+    marked = (logits.argmax(-1) + 1) % 40
+    st = _build([SamplingParams(temperature=0.0)] * 8, 40)
+    out = sample(logits.clone(), st, greedy_ids=marked).token_ids
+    assert torch.equal(out, marked) and out.data_ptr() != marked.data_ptr()
+    params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 1.0) for r in range(8)]
+    out = sample(logits.clone(), _build(params, 40), greedy_ids=marked).token_ids
+    assert torch.equal(out[::2], marked[::2])
+    penalized = [SamplingParams(temperature=0.0, repetition_penalty=1.0001)] * 8
+    st = _build(penalized, 40, prompt_token_ids=[[0]] * 8, output_token_ids=[[]] * 8)
+    assert torch.equal(sample(logits.clone(), st, greedy_ids=marked).token_ids, logits.argmax(-1))
+
+
 @pytest.mark.parametrize("with_top_p", [False, True])
 def test_top_k_never_leaves_top_k(with_top_p: bool) -> None:
     vocab, n = 200, 4000
