@@ -18,7 +18,10 @@
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
-#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto")
+#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto"),
+#                with the worker's step trace summarized (ms per decode step, time waiting for plans)
+#   mla_split    the flash_mla backend with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 (triton's MLA decode up to 8
+#                sequences): its GPU tests, then ds_b1's batch-1 decode and the nano workload with it at 8 and at 0
 #   profile_ds_var  profile_ds once per MLA backend in DS_PROFILE (default "auto triton")
 #   host_ds      profile_step on DeepSeek-V3-4L at batch 1 with --cprofile and no torch profiler: the host's time per
 #                step (launch_host_ms) and the functions it goes to
@@ -155,6 +158,20 @@ if want ds_b1; then
       --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
     python3 -m flotilla.actors.step_trace "$R/ds_b1_$attn.trace.jsonl" | cut -c1-400
+  done
+fi
+
+if want mla_split; then
+  stage "mla_split: GPU tests with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8"
+  FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 timeout "$(cap 220)" python3 -m pytest -m gpu tests/test_mla_flash.py \
+    tests/test_mla_triton.py tests/test_spec_graphs.py -v -rfEX -p no:cacheprovider > "$R/mla-split-tests.log" 2>&1
+  echo "exit $?"; grep -E "FAILED|ERROR|passed|failed" "$R/mla-split-tests.log" | tail -8
+  for n in 8 0; do
+    stage "mla_split: bench_offline deepseek-v3-4l, FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n"
+    FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n FLOTILLA_STEP_TRACE="$R/mla_split_$n.trace.jsonl" timeout "$(cap 200)" \
+      python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --workload both --repeat "${DS_REPEAT:-2}" \
+      --json "$R/flotilla-ds-mla-split-$n.json" > "$R/mla_split_$n.log" 2>&1
+    echo "exit $?"; tail -1 "$R/mla_split_$n.log" | cut -c1-600
   done
 fi
 
