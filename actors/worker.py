@@ -185,14 +185,17 @@ class GPUWorkerActor(Actor):
         loop = asyncio.get_running_loop()
         while runner.num_pending:
             step, event = runner.oldest()
-            if event is not None and not event.query():
-                await asyncio.to_thread(event.synchronize)  # not on the runner's thread: it stages the next step
-            try:
-                result = await loop.run_in_executor(self._thread, runner.finish_oldest)
-            except Exception as exc:  # actor boundary
-                log.exception("worker: step %d failed", step)
-                result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
-                self._fatal_under_tp(step, exc)
+            # a result already known (a speculating step finishes at launch) needs no trip to the runner's thread
+            result = runner.take_oldest_if_done()
+            if result is None:
+                if event is not None and not event.query():
+                    await asyncio.to_thread(event.synchronize)  # not on the runner's thread: it stages the next step
+                try:
+                    result = await loop.run_in_executor(self._thread, runner.finish_oldest)
+                except Exception as exc:  # actor boundary
+                    log.exception("worker: step %d failed", step)
+                    result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
+                    self._fatal_under_tp(step, exc)
             if self._trace is not None:
                 self._trace.done(step)
             if self.rank == 0:

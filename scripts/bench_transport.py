@@ -23,7 +23,7 @@ import uvloop
 
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport import endpoints as ep
-from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.messages import NewSequence, StepPlan, StepResult
 
 
@@ -116,12 +116,48 @@ async def _drain(inbox: Inbox, n: int) -> None:
         await inbox.recv()
 
 
+async def _send_recv_costs(n: int, reps: int = 7) -> list[dict[str, float | str]]:
+    """us per send + receive of one message in one event loop over inproc, through the channels (their
+    no-wait path first) and through zmq.asyncio's futures alone (the channels' path when they must wait): what the
+    channels' fast path saves per message (transport/channels.py). Median of `reps` runs of n, interleaved."""
+    ctx = new_context()
+    rows = []
+    small = StepResult(step=1, rids=["a"], token_ids=np.array([5], dtype=np.int32))
+    for i, (label, msg, kind) in enumerate((("StepResult, 1 token", small, StepResult),
+                                            ("StepPlan, 256 sequences", step_plan(1), StepPlan))):
+        inbox, out = Inbox(ctx, f"inproc://send-recv-{i}", (kind,)), Outbox(ctx, f"inproc://send-recv-{i}")
+
+        async def channels() -> None:
+            for _ in range(n):
+                await out.send(msg)
+                await inbox.recv()
+
+        async def asyncio_only() -> None:
+            for _ in range(n):
+                await out.sock.send_multipart(out.encoder.encode(msg), copy=False)
+                inbox._decode(await inbox.sock.recv_multipart(copy=False))
+
+        times: dict[str, list[float]] = {"channels": [], "zmq_asyncio": []}
+        for _ in range(reps):
+            for name, run in (("channels", channels), ("zmq_asyncio", asyncio_only)):
+                t0 = time.perf_counter()
+                await run()
+                times[name].append((time.perf_counter() - t0) * 1e6 / n)
+        rows.append({"message": label, **{f"{k}_us": round(sorted(v)[reps // 2], 1) for k, v in times.items()}})
+        inbox.close()
+        out.close()
+    end_context(ctx)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flotilla bench transport", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--messages", type=int, default=20_000, help="StepPlans sent for the throughput figure")
     p.add_argument("--round-trips", type=int, default=2_000, help="round trips for the latency figure")
     p.add_argument("--transports", default="inproc,ipc,tcp", help="comma-separated: inproc, ipc, tcp")
+    p.add_argument("--send-recv", action="store_true",
+                   help="also time one send + receive in one loop through the channels against zmq.asyncio alone")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--peer", nargs=2, metavar=("INBOX", "REPLY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -134,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{r['transport']:>6}: {r['message_bytes']:,} B StepPlan, {r['messages_per_s']:,.0f} msg/s, "
               f"round trip p50 {r['rtt_p50_us']:.0f} us, p99 {r['rtt_p99_us']:.0f} us", flush=True)
+    if args.send_recv:
+        for r in uvloop.run(_send_recv_costs(3000)):
+            results.append(r)
+            print(f"send + receive, {r['message']}: {r['channels_us']} us through the channels, "
+                  f"{r['zmq_asyncio_us']} us through zmq.asyncio alone", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

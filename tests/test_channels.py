@@ -51,11 +51,24 @@ def test_a_full_peer_makes_senders_wait_rather_than_lose_messages():
         pending = asyncio.ensure_future(out.send(AbortCmd(rid=str(sent))))
         await asyncio.sleep(0.05)
         assert not pending.done()  # send awaits instead of dropping
-        got = [(await inbox.recv()).rid for _ in range(sent + 1)]
-        await asyncio.wait_for(pending, 5)
-        assert got == [str(i) for i in range(sent + 1)]  # every message, in order
+        later = asyncio.ensure_future(out.send(AbortCmd(rid=str(sent + 1))))
+        await asyncio.sleep(0)  # (it starts, and waits behind the first)
+        assert out.send_nowait(AbortCmd(rid=str(sent + 2)))  # queued behind the waiting sends, never ahead
+        got = [(await inbox.recv()).rid for _ in range(sent + 3)]
+        await asyncio.wait_for(asyncio.gather(pending, later), 5)
+        assert got == [str(i) for i in range(sent + 3)]  # every message, in order
+        assert out.send_nowait(AbortCmd(rid="after"))  # nothing waits now: it goes out at once
+        assert (await inbox.recv()).rid == "after"
         inbox.close()
         out.close()
         ctx.term()
 
     uvloop.run(main())
+
+
+def test_bench_transports_send_recv_rows_time_both_paths():
+    from flotilla.scripts import bench_transport
+
+    rows = uvloop.run(bench_transport._send_recv_costs(50, reps=3))
+    assert [r["message"] for r in rows] == ["StepResult, 1 token", "StepPlan, 256 sequences"]
+    assert all(r["channels_us"] > 0 and r["zmq_asyncio_us"] > 0 for r in rows)

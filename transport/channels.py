@@ -5,6 +5,12 @@ ROUTER binds and DEALERs connect with their rank as identity. High-water marks a
 *blocks* (awaits) rather than drops when a peer falls behind: a control message is never lost
 silently, and a slow consumer slows its producers (backpressure) instead of growing memory without
 bound. Linger is bounded so a stop flushes the last messages but a dead peer cannot hang shutdown.
+
+Sends and receives first try the socket without waiting, through a plain socket over the same ZeroMQ socket,
+and only await zmq.asyncio's future when the peer's queue is full or nothing has arrived: pyzmq's asyncio path
+makes a future and checks the socket's events for every message, which took about half of the control plane's
+time per message (bench_transport, docs/performance.md). A send waits behind any earlier send still waiting, so
+messages keep their order.
 """
 
 from __future__ import annotations
@@ -50,13 +56,50 @@ def _configure(sock: zmq.asyncio.Socket, opts: ChannelOptions) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity is an error, not a silent drop
 
 
+def _plain(sock: zmq.asyncio.Socket) -> zmq.Socket:
+    """A plain socket over the same ZeroMQ socket (the asyncio one owns it and closes it)."""
+    return zmq.Socket.shadow(sock.underlying)
+
+
+class _Sending:
+    """Sends that go out at once when they can and otherwise wait, in order (see the module's docstring)."""
+
+    sock: zmq.asyncio.Socket
+    _plain_sock: zmq.Socket
+    _waiting: int = 0
+    """Sends awaiting room at the peer: later sends queue behind them rather than overtake them."""
+
+    async def _send_frames(self, frames: list[Any]) -> None:
+        if not self._waiting:
+            try:
+                self._plain_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+        self._waiting += 1
+        try:
+            await self.sock.send_multipart(frames, copy=False)
+        finally:
+            self._waiting -= 1
+
+
 class _Receiving:
     """Typed decoding for a receiving socket: a malformed frame set is logged, counted and dropped."""
 
     address: str
     decoder: Decoder
+    sock: zmq.asyncio.Socket
+    _plain_sock: zmq.Socket
     dropped: int = 0
     """Malformed or unexpected frame sets received and dropped."""
+
+    async def _recv_frames(self) -> list[Any]:
+        """The next frame set: taken at once if one has arrived, else awaited. (One reader per socket: an actor's
+        receive loop.)"""
+        try:
+            return self._plain_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return await self.sock.recv_multipart(copy=False)
 
     def _decode(self, frames: Sequence[Any]) -> Message | None:
         try:
@@ -78,11 +121,12 @@ class Inbox(_Receiving):
         self.sock.bind(address)
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._plain_sock = _plain(self.sock)
         self.decoder = Decoder(types)
 
     async def recv(self) -> Message:
         """The next valid message; invalid frame sets are logged, counted and skipped."""
-        while (msg := self._decode(await self.sock.recv_multipart(copy=False))) is None:
+        while (msg := self._decode(await self._recv_frames())) is None:
             pass
         return msg
 
@@ -90,7 +134,7 @@ class Inbox(_Receiving):
         self.sock.close()
 
 
-class Outbox:
+class Outbox(_Sending):
     """A PUSH socket connected to one peer's inbox."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, opts: ChannelOptions = ChannelOptions(),
@@ -98,6 +142,7 @@ class Outbox:
         """connect=False: the caller connects `sock` to `address` itself (e.g. after attaching a monitor)."""
         self.address = address
         self.sock = ctx.socket(zmq.PUSH)
+        self._plain_sock = _plain(self.sock)
         _configure(self.sock, opts)
         if connect:
             self.sock.connect(address)
@@ -105,33 +150,41 @@ class Outbox:
 
     async def send(self, msg: Message) -> None:
         """Send one message; awaits (does not drop) while the peer's queue is full."""
-        await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
+        await self._send_frames(self.encoder.encode(msg))
 
     def send_nowait(self, msg: Message) -> bool:
         """Send if it can go without waiting; False (message not sent) when the peer's queue is full."""
-        # zmq.asyncio reports EAGAIN through the returned future, not by raising
-        fut = self.sock.send_multipart(self.encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
-        if fut.done():
-            exc = fut.exception()
-            if isinstance(exc, zmq.Again):
+        frames = self.encoder.encode(msg)
+        if not self._waiting:
+            try:
+                self._plain_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
                 return False
-            if exc is not None:
-                raise exc
-            return True
-        fut.add_done_callback(_retrieve)  # queued behind an earlier send: it goes out, or fails, later
+        # queued behind an earlier send that waits: it goes out, or fails, after that one (zmq.asyncio keeps the
+        # order of its pending sends, and later sends queue behind this one until it is done)
+        fut = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        self._waiting += 1
+
+        def done(f: Any) -> None:
+            self._waiting -= 1
+            _retrieve(f)
+
+        fut.add_done_callback(done)
         return True
 
     def close(self) -> None:
         self.sock.close()
 
 
-class Router(_Receiving):
+class Router(_Receiving, _Sending):
     """ROUTER socket (binds): sends to and receives from DEALERs addressed by their identity."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.ROUTER)
+        self._plain_sock = _plain(self.sock)
         _configure(self.sock, opts)
         self.sock.bind(address)
         self.encoder = Encoder()
@@ -139,12 +192,12 @@ class Router(_Receiving):
 
     async def send(self, identity: bytes, msg: Message) -> None:
         """Send to one DEALER; zmq.ZMQError(EHOSTUNREACH) if no peer has that identity."""
-        await self.sock.send_multipart([identity, *self.encoder.encode(msg)], copy=False)
+        await self._send_frames([identity, *self.encoder.encode(msg)])
 
     async def recv(self) -> tuple[bytes, Message]:
         """(identity, message); malformed frame sets are logged and skipped."""
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await self._recv_frames()
             if (msg := self._decode(frames[1:])) is not None:
                 return frames[0].bytes, msg
 
@@ -152,13 +205,14 @@ class Router(_Receiving):
         self.sock.close()
 
 
-class Dealer(_Receiving):
+class Dealer(_Receiving, _Sending):
     """DEALER socket (connects) with a fixed identity, e.g. a worker's rank."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
+        self._plain_sock = _plain(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         _configure(self.sock, opts)
         self.sock.connect(address)
@@ -166,10 +220,10 @@ class Dealer(_Receiving):
         self.decoder = Decoder(types)
 
     async def send(self, msg: Message) -> None:
-        await self.sock.send_multipart(self.encoder.encode(msg), copy=False)
+        await self._send_frames(self.encoder.encode(msg))
 
     async def recv(self) -> Message:
-        while (msg := self._decode(await self.sock.recv_multipart(copy=False))) is None:
+        while (msg := self._decode(await self._recv_frames())) is None:
             pass
         return msg
 
