@@ -300,17 +300,6 @@ class ModelRunner:
         p = self._pending[0]
         return p.step, p.event
 
-    def take_oldest_if_done(self) -> StepResult | None:
-        """The oldest step's result if no host work is left for it (a step that failed, had no sequences, or
-        finished at launch, as a speculating step does), taken off the queue; None otherwise. Safe from another
-        thread than the one launching steps: it touches no sequence state."""
-        p = self._pending[0]
-        if p.result is None:
-            return None
-        self._pending.popleft()
-        p.release()
-        return p.result
-
     def finish_oldest(self) -> StepResult:
         """Finish the oldest launched step (blocks until its device work is done) and return its result."""
         p = self._pending.popleft()

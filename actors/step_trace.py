@@ -42,6 +42,7 @@ class StepTrace:
         if row is None:
             return
         now = time.perf_counter()
+        row.setdefault("launched", now)  # (a launch that raised: its failure is its result)
         row["done"] = now
         row["gap_ms"] = round(max(0.0, row["arrived"] - self._last_done) * 1000, 3) if self._last_done else 0.0
         self._last_done = now

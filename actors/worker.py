@@ -143,8 +143,6 @@ class GPUWorkerActor(Actor):
             self._trace.arrived(plan)
         try:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._launch, plan)
-            if self._trace is not None:
-                self._trace.launched(plan.step)
         except Exception as exc:  # actor boundary: the step fails, queued in order behind the earlier ones
             log.exception("worker: step %d failed", plan.step)
             runner.fail(plan.step, f"{type(exc).__name__}: {exc}")
@@ -159,6 +157,8 @@ class GPUWorkerActor(Actor):
         graphs = self.runner.graphs if self.runner.spec is None else None
         with dp.step_rows(plan, graphs) as graph_size:
             self.runner.launch(plan, graph_size)
+            if self._trace is not None:  # when the launch returns (on this thread, before any finish of the step)
+                self._trace.launched(plan.step)
             if self.ep_layers:
                 if not plan.rids:
                     spec = self.runner.spec
@@ -185,17 +185,14 @@ class GPUWorkerActor(Actor):
         loop = asyncio.get_running_loop()
         while runner.num_pending:
             step, event = runner.oldest()
-            # a result already known (a speculating step finishes at launch) needs no trip to the runner's thread
-            result = runner.take_oldest_if_done()
-            if result is None:
-                if event is not None and not event.query():
-                    await asyncio.to_thread(event.synchronize)  # not on the runner's thread: it stages the next step
-                try:
-                    result = await loop.run_in_executor(self._thread, runner.finish_oldest)
-                except Exception as exc:  # actor boundary
-                    log.exception("worker: step %d failed", step)
-                    result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
-                    self._fatal_under_tp(step, exc)
+            if event is not None and not event.query():
+                await asyncio.to_thread(event.synchronize)  # not on the runner's thread: it stages the next step
+            try:
+                result = await loop.run_in_executor(self._thread, runner.finish_oldest)
+            except Exception as exc:  # actor boundary
+                log.exception("worker: step %d failed", step)
+                result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
+                self._fatal_under_tp(step, exc)
             if self._trace is not None:
                 self._trace.done(step)
             if self.rank == 0:

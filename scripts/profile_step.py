@@ -85,17 +85,7 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     setattr(owner, attr, original)
     gpu_forward = sum(s.elapsed_time(e) for s, e in forward_ms) / len(forward_ms)
     # the worker's overlapped loop: step k+1 is launched before step k's tokens are waited for
-    launch_s = 0.0
     overlapped = decodes_for_overlap(decodes)
-    replay_s = [0.0]  # of the launch: the host time in CUDAGraph.replay (cudaGraphLaunch)
-    real_replay = torch.cuda.CUDAGraph.replay
-
-    def timed_replay(graph):
-        t = time.perf_counter()
-        real_replay(graph)
-        replay_s[0] += time.perf_counter() - t
-
-    torch.cuda.CUDAGraph.replay = timed_replay
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
     torch.cuda.synchronize()
     if torch_profile:
@@ -103,16 +93,10 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     if host_profile is not None:
         host_profile.enable()
     t0 = time.perf_counter()
-    for k, plan in enumerate(overlapped):
-        t1 = time.perf_counter()
-        runner.launch(plan)
-        launch_s += time.perf_counter() - t1
-        if k:
-            runner.finish_oldest()
-    runner.finish_oldest()
+    with HostTimers([("replay", torch.cuda.CUDAGraph, "replay")]) as replay:  # of the launch: cudaGraphLaunch
+        launch_s = run_overlapped(runner, overlapped)
     torch.cuda.synchronize()
     overlap_wall = (time.perf_counter() - t0) * 1000 / len(overlapped)
-    torch.cuda.CUDAGraph.replay = real_replay
     if host_profile is not None:
         host_profile.disable()
     extra = {}
@@ -125,14 +109,7 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
         runner.execute(prefill2)
         overlapped2 = decodes_for_overlap(decodes2)
         with HostTimers(host_breakdown_targets(runner)) as timers:
-            launch2 = 0.0
-            for k, plan in enumerate(overlapped2):
-                t1 = time.perf_counter()
-                runner.launch(plan)
-                launch2 += time.perf_counter() - t1
-                if k:
-                    runner.finish_oldest()
-            runner.finish_oldest()
+            launch2 = run_overlapped(runner, overlapped2)
         torch.cuda.synchronize()
         n = len(overlapped2)
         extra["host_breakdown_ms"] = {"launch": round(launch2 * 1000 / n, 4),
@@ -141,8 +118,22 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     return {**extra, "batch": batch, "step_ms": round(wall, 3), "forward_window_ms": round(gpu_forward, 3),
             "outside_forward_ms": round(wall - gpu_forward, 3), "tok_per_s": round(batch * 1000 / wall, 1),
             "overlapped_step_ms": round(overlap_wall, 3), "launch_host_ms": round(launch_s * 1000 / len(overlapped), 3),
-            "replay_host_ms": round(replay_s[0] * 1000 / len(overlapped), 3),
+            "replay_host_ms": round(replay.seconds["replay"] * 1000 / len(overlapped), 3),
             "overlapped_tok_per_s": round(batch * 1000 / overlap_wall, 1)}
+
+
+def run_overlapped(runner: ModelRunner, plans: list[StepPlan]) -> float:
+    """Run `plans` as the worker's overlapped loop does (step k+1 launched before step k is finished); returns the
+    host seconds spent launching."""
+    launch_s = 0.0
+    for k, plan in enumerate(plans):
+        t = time.perf_counter()
+        runner.launch(plan)
+        launch_s += time.perf_counter() - t
+        if k:
+            runner.finish_oldest()
+    runner.finish_oldest()
+    return launch_s
 
 
 def host_breakdown_targets(runner: ModelRunner) -> list[tuple[str, Any, str]]:

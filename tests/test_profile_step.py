@@ -74,4 +74,7 @@ def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
     assert (K.__dict__["method"], K.__dict__["make"], module.fn) == before and "method" not in vars(k)
     labels = [t[0] for t in profile_step.host_breakdown_targets(runner)]
     assert {"input_ids", "compute_logits", "sample", "pending_launch", "greedy_argmax"} <= set(labels)
-    np.testing.assert_equal(runner.execute(profile_step.decode_plans(runner, 1, 4, 1, prefix="z")[0]).rids, ["z0"])
+    prefill, decodes = profile_step.decode_plans(runner, 1, 4, 3, prefix="z")
+    np.testing.assert_equal(runner.execute(prefill).rids, ["z0"])
+    assert profile_step.run_overlapped(runner, decodes) > 0 and runner.num_pending == 0
+    assert runner.seqs["z0"].length == 4 + 1 + 3  # the prompt, the prefill's token, one per decode step
