@@ -139,7 +139,8 @@ class DecodeGraphs:
         self.metas: dict[int, AttentionMetadata] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        """Per size: the final hidden states [size, hidden]."""
+        """Per size: the final hidden states [size, hidden] the logits are computed from (held, so no later capture
+        in the shared pool takes their memory)."""
         self.logits: torch.Tensor | None = None
         """The last replay's logits [size, vocab] (shared by every size: a replay overwrites them; allocated by the
         first warm-up, at the model's logits width)."""
@@ -227,11 +228,10 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None,
-            size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of B sequences, by replay of the graph of `size` (default: the smallest that holds them;
-        expert-parallel ranks that gather tokens replay the size they agreed on): its hidden states [B, hidden],
-        float32 logits [B, vocab] and their argmax int64 [B], views of the graph's buffers (the next replay
-        overwrites them).
+        expert-parallel ranks that gather tokens replay the size they agreed on): its float32 logits [B, vocab] and
+        their argmax int64 [B], views of the graph's buffers (the next replay overwrites them).
 
         patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).
         """
@@ -250,4 +250,4 @@ class DecodeGraphs:
         self.slots[:size].copy_(staged[2])
         self._plan(size, seq_lens, tables)
         self.graphs[size].replay()
-        return self.outputs[size][:batch], self.logits[:batch], self.greedy[size][:batch]
+        return self.logits[:batch], self.greedy[size][:batch]

@@ -361,7 +361,7 @@ class ModelRunner:
                           and self.graphs.fits(len(seqs)) else 0)  # fmt: skip
         if graph_size:
             # one new token per sequence: a captured decode step
-            _, logits, greedy = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
+            logits, greedy = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
@@ -453,7 +453,7 @@ class ModelRunner:
         return ids, patch
 
     def _decode_by_graph(self, seqs: list[SeqState], cached: list[int], ids: np.ndarray,
-                         patch: Patch, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         patch: Patch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.block_size
         pos = np.asarray(cached, dtype=np.int64)
         tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages

@@ -56,26 +56,40 @@ def _configure(sock: zmq.asyncio.Socket, opts: ChannelOptions) -> None:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity is an error, not a silent drop
 
 
-def _plain(sock: zmq.asyncio.Socket) -> zmq.Socket:
-    """A plain socket over the same ZeroMQ socket (the asyncio one owns it and closes it)."""
-    return zmq.Socket.shadow(sock.underlying)
-
-
-class _Sending:
-    """Sends that go out at once when they can and otherwise wait, in order (see the module's docstring)."""
+class _Channel:
+    """One ZeroMQ socket, held twice: as zmq.asyncio's (awaiting) and as a plain socket over the same ZeroMQ socket
+    (the no-wait path; the asyncio one owns the socket and closes it)."""
 
     sock: zmq.asyncio.Socket
     _plain_sock: zmq.Socket
+
+    def _open(self, ctx: zmq.asyncio.Context, kind: int, opts: ChannelOptions) -> None:
+        self.sock = ctx.socket(kind)
+        self._plain_sock = zmq.Socket.shadow(self.sock.underlying)
+        _configure(self.sock, opts)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Sending(_Channel):
+    """Sends that go out at once when they can and otherwise wait, in order (see the module's docstring)."""
+
     _waiting: int = 0
     """Sends awaiting room at the peer: later sends queue behind them rather than overtake them."""
 
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Send through the plain socket without waiting; False (nothing sent) when the peer's queue is full. Only
+        while no send waits (self._waiting == 0): this one would overtake it."""
+        try:
+            self._plain_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
     async def _send_frames(self, frames: list[Any]) -> None:
-        if not self._waiting:
-            try:
-                self._plain_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                pass
+        if not self._waiting and self._send_now(frames):
+            return
         self._waiting += 1
         try:
             await self.sock.send_multipart(frames, copy=False)
@@ -83,13 +97,11 @@ class _Sending:
             self._waiting -= 1
 
 
-class _Receiving:
+class _Receiving(_Channel):
     """Typed decoding for a receiving socket: a malformed frame set is logged, counted and dropped."""
 
     address: str
     decoder: Decoder
-    sock: zmq.asyncio.Socket
-    _plain_sock: zmq.Socket
     dropped: int = 0
     """Malformed or unexpected frame sets received and dropped."""
 
@@ -116,12 +128,10 @@ class Inbox(_Receiving):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self.sock = ctx.socket(zmq.PULL)
-        _configure(self.sock, opts)
+        self._open(ctx, zmq.PULL, opts)
         self.sock.bind(address)
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._plain_sock = _plain(self.sock)
         self.decoder = Decoder(types)
 
     async def recv(self) -> Message:
@@ -129,9 +139,6 @@ class Inbox(_Receiving):
         while (msg := self._decode(await self._recv_frames())) is None:
             pass
         return msg
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class Outbox(_Sending):
@@ -141,9 +148,7 @@ class Outbox(_Sending):
                  connect: bool = True) -> None:
         """connect=False: the caller connects `sock` to `address` itself (e.g. after attaching a monitor)."""
         self.address = address
-        self.sock = ctx.socket(zmq.PUSH)
-        self._plain_sock = _plain(self.sock)
-        _configure(self.sock, opts)
+        self._open(ctx, zmq.PUSH, opts)
         if connect:
             self.sock.connect(address)
         self.encoder = Encoder()
@@ -156,11 +161,7 @@ class Outbox(_Sending):
         """Send if it can go without waiting; False (message not sent) when the peer's queue is full."""
         frames = self.encoder.encode(msg)
         if not self._waiting:
-            try:
-                self._plain_sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return True
-            except zmq.Again:
-                return False
+            return self._send_now(frames)
         # queued behind an earlier send that waits: it goes out, or fails, after that one (zmq.asyncio keeps the
         # order of its pending sends, and later sends queue behind this one until it is done)
         fut = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -173,9 +174,6 @@ class Outbox(_Sending):
         fut.add_done_callback(done)
         return True
 
-    def close(self) -> None:
-        self.sock.close()
-
 
 class Router(_Receiving, _Sending):
     """ROUTER socket (binds): sends to and receives from DEALERs addressed by their identity."""
@@ -183,9 +181,7 @@ class Router(_Receiving, _Sending):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self.sock = ctx.socket(zmq.ROUTER)
-        self._plain_sock = _plain(self.sock)
-        _configure(self.sock, opts)
+        self._open(ctx, zmq.ROUTER, opts)
         self.sock.bind(address)
         self.encoder = Encoder()
         self.decoder = Decoder(types)
@@ -201,9 +197,6 @@ class Router(_Receiving, _Sending):
             if (msg := self._decode(frames[1:])) is not None:
                 return frames[0].bytes, msg
 
-    def close(self) -> None:
-        self.sock.close()
-
 
 class Dealer(_Receiving, _Sending):
     """DEALER socket (connects) with a fixed identity, e.g. a worker's rank."""
@@ -211,10 +204,8 @@ class Dealer(_Receiving, _Sending):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self.sock = ctx.socket(zmq.DEALER)
-        self._plain_sock = _plain(self.sock)
+        self._open(ctx, zmq.DEALER, opts)
         self.sock.setsockopt(zmq.IDENTITY, identity)
-        _configure(self.sock, opts)
         self.sock.connect(address)
         self.encoder = Encoder()
         self.decoder = Decoder(types)
@@ -226,9 +217,6 @@ class Dealer(_Receiving, _Sending):
         while (msg := self._decode(await self._recv_frames())) is None:
             pass
         return msg
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _retrieve(fut: Any) -> None:
