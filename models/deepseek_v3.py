@@ -18,11 +18,12 @@ dense MLP.
 Tensor parallelism (models/parallel.py `tp_group`, as vLLM and SGLang split MLA models): each rank keeps
 num_heads / tp attention heads: q_b_proj (q_proj without q_lora) and kv_b_proj column-parallel by heads,
 so W_UK / W_UV are absorbed per rank on its heads, and o_proj row-parallel (one all-reduce). q_a_proj,
-kv_a_proj_with_mqa and their norms are replicated: the latent and k_pe are per token, so every rank writes
-and reads the whole latent cache for its heads (the cache shape does not depend on tp). The dense MLPs and
-the shared experts split their intermediate dim (gate/up column-, down row-parallel); the routed experts
-split each expert's intermediate dim (StackedExperts) under a replicated router, and a MoE layer sums the
-routed and shared experts' partial outputs with one all-reduce. Embedding and LM head are vocab-parallel.
+kv_a_proj_with_mqa (one fused GEMM, fused_qkv_a_proj, where the FP8 blocks allow) and their norms are
+replicated: the latent and k_pe are per token, so every rank writes and reads the whole latent cache for its
+heads (the cache shape does not depend on tp). The dense MLPs and the shared experts split their intermediate
+dim (gate/up column-, down row-parallel); the routed experts split each expert's intermediate dim
+(StackedExperts) under a replicated router, and a MoE layer sums the routed and shared experts' partial outputs
+with one all-reduce. Embedding and LM head are vocab-parallel.
 FP8 linears slice their weights and block scales together (Fp8ColumnParallelLinear, Fp8RowParallelLinear);
 a split that does not fall on the weight blocks is refused when the model is built. Under speculative
 decoding (MTP) every rank runs the MTP layer on its heads and experts too; rank 0 samples the verify step's
@@ -40,8 +41,11 @@ weighted results (SharedTokenExperts computes its own slots of the shared tokens
 every rank. An idle rank's empty step runs each MoE layer's all-to-alls, in layer order.
 
 Checkpoints: HF names; per-expert tensors (Hub, transformers 5's save_pretrained) are stacked at load and
-already stacked ones load as they are; gate/up pairs are fused into one GEMM. The MTP layers (indices >=
-num_hidden_layers) are skipped unless the model is built with `mtp=True` (speculative decoding).
+already stacked ones load as they are; gate/up pairs are fused into one GEMM, and so are q_a_proj and
+kv_a_proj_with_mqa (fused_qkv_a_proj, rows [q_a | kv_a]: both read the same hidden, so one activation
+quantization and one GEMM fewer per layer), unless an FP8 block would hold rows of both (q_lora_rank not a
+multiple of the weight block's rows): then they stay two layers. The MTP layers (indices >= num_hidden_layers)
+are skipped unless the model is built with `mtp=True` (speculative decoding).
 
 MTP (multi-token prediction, DeepSeek-V3 section 2.2). Checkpoint layer num_hidden_layers holds one more
 decoder block (MLA + MoE) behind enorm / hnorm RMSNorms and eh_proj: for position i it reads the main model's
@@ -91,7 +95,11 @@ the RMSNorm default, not config.rms_norm_eps."""
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
-_GATE_UP = (".gate_proj.weight", ".up_proj.weight", ".gate_proj.weight_scale_inv", ".up_proj.weight_scale_inv")
+_FUSED_PART = re.compile(r"\.(gate_proj|up_proj|q_a_proj|kv_a_proj_with_mqa)\.(weight|weight_scale_inv|bias)$")
+_FUSED_INTO = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+               "q_a_proj": ("fused_qkv_a_proj", "q_a"), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", "kv_a")}
+"""Checkpoint projection -> (the fused layer it is a part of, its shard id there), where the model built that layer:
+gate/up always, the latent projections when DeepseekV3Attention fused them."""
 
 _WHOLE = "whole"
 """The shard id of a column-parallel layer that is one checkpoint tensor (not fused from parts)."""
@@ -133,15 +141,24 @@ class DeepseekV3Attention(nn.Module):
         hidden, bias = config.hidden_size, config.attention_bias
         # split by heads: q's and kv_b's rows, o_proj's input columns; the latent projections are replicated
         q_width = {_WHOLE: total_heads * (self.nope_dim + self.rope_dim)}
+        self.q_lora_rank = mla.q_lora_rank
+        # q_a_proj and kv_a_proj_with_mqa read the same hidden: one GEMM of [q_a | kv_a] rows (vLLM's
+        # fused_qkv_a_proj: one activation quantization and one GEMM fewer per layer), unless FP8 weight blocks
+        # would straddle the two parts (Linears.can_fuse); the checkpoint's two tensors load into its parts
+        latent_parts = {"q_a": mla.q_lora_rank or 0, "kv_a": self.kv_lora_rank + self.rope_dim}
+        fuse = mla.q_lora_rank is not None and linears.can_fuse(latent_parts)
+        self.fused_qkv_a_proj = (linears.replicated_fused(hidden, latent_parts, "fused_qkv_a_proj", bias=bias)
+                                 if fuse else None)  # fmt: skip
+        self.q_a_proj = (linears.replicated(hidden, mla.q_lora_rank, bias=bias)
+                         if mla.q_lora_rank is not None and not fuse else None)  # fmt: skip
+        self.kv_a_proj_with_mqa = None if fuse else linears.replicated(hidden, latent_parts["kv_a"], bias=bias)
         if mla.q_lora_rank is None:
             self.q_proj: nn.Module | None = linears.column(hidden, q_width, "q_proj")
-            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_a_layernorm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = linears.replicated(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = linears.column(mla.q_lora_rank, q_width, "q_b_proj")
-        self.kv_a_proj_with_mqa = linears.replicated(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = linears.column(self.kv_lora_rank, {_WHOLE: total_heads * (self.nope_dim + self.v_dim)},
                                         "kv_b_proj", quantized=False)  # dequantized at load if FP8
@@ -163,13 +180,20 @@ class DeepseekV3Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        if self.fused_qkv_a_proj is not None:  # views of one GEMM's [q_a | c_kv | k_pe] columns
+            assert self.q_lora_rank is not None
+            widths = [self.q_lora_rank, self.kv_lora_rank, self.rope_dim]
+            q_a, c_kv, k_pe = self.fused_qkv_a_proj(hidden).split(widths, dim=-1)
+        else:
+            assert self.kv_a_proj_with_mqa is not None
+            c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            q_a = self.q_a_proj(hidden) if self.q_a_proj is not None else None
         if self.q_proj is not None:
             q = self.q_proj(hidden)
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            assert q_a is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
         if self.rope_interleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
@@ -420,17 +444,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         return mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, per-expert
-        tensors into the stacked experts. Returns the parameters fully loaded (a fused or stacked one once
-        every part came). Raises ValueError naming the tensor on an unknown name, a bad shape or expert
-        index, an FP8 tensor without its scale (or a scale without an fp8 quantization_config)."""
+        """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, q_a_proj and
+        kv_a_proj_with_mqa into fused_qkv_a_proj (when built), per-expert tensors into the stacked experts. Returns
+        the parameters fully loaded (a fused or stacked one once every part came). Raises ValueError naming the
+        tensor on an unknown name, a bad shape or expert index, an FP8 tensor without its scale (or a scale without
+        an fp8 quantization_config)."""
         params = dict(self.named_parameters())
         # the layer that slices a parameter's checkpoint tensor to this rank's part (tensor parallelism)
         owners = {f"{prefix}.{p}" if prefix else p: m for prefix, m in self.named_modules() if hasattr(m, "load")
                   for p, _ in m.named_parameters(recurse=False)}
         experts = ExpertTensors(self)  # the routed experts' tensors, this rank's only under expert parallelism
         expert_scales = Fp8ExpertScales(self)  # and their block scales, when they stay FP8
-        gate_up_seen: dict[str, set[str]] = {}
+        fused_seen: dict[str, set[str]] = {}
         loaded: set[str] = set()
         skipped_mtp = 0
         for name, tensor in self._fp8_paired(map(self._mtp_renamed, weights), params, experts, expert_scales):
@@ -442,13 +467,13 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             if experts.load(name, tensor) or expert_scales.load(name, tensor):
                 continue
-            if name.endswith(_GATE_UP):  # dense MLP or shared experts (weights, or FP8 block scales)
-                proj = "gate_proj" if ".gate_proj." in name else "up_proj"
-                param_name = self._param_name(params, name.replace(f".{proj}.", ".gate_up_proj."), name)
-                owners[param_name].load(params[param_name], tensor, (name, param_name), proj.removesuffix("_proj"))
-                seen = gate_up_seen.setdefault(param_name, set())
-                seen.add(proj)
-                if len(seen) == 2:
+            if fused := self._fused_part(params, name):  # gate/up, q_a/kv_a (weights, FP8 block scales, biases)
+                param_name, shard = fused
+                owner = owners[param_name]
+                owner.load(params[param_name], tensor, (name, param_name), shard)
+                seen = fused_seen.setdefault(param_name, set())
+                seen.add(shard)
+                if len(seen) == len(owner.parts):
                     loaded.add(param_name)
             else:
                 param_name = self._param_name(params, name, name)
@@ -489,9 +514,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             return False
         if PER_EXPERT.match(name):
             return expert_scales.is_fp8(name)
-        for suffix in (".gate_proj.weight", ".up_proj.weight"):
-            if name.endswith(suffix):
-                name = name.removesuffix(suffix) + ".gate_up_proj.weight"
+        if fused := self._fused_part(params, name):
+            name = fused[0]
         return any(params.get(n) is not None and params[n].dtype == FP8_DTYPE for n in (name, f"model.{name}"))
 
     def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
@@ -543,6 +567,19 @@ class DeepseekV3ForCausalLM(nn.Module):
                              f"{unscaled[0]!r} has no block scales ({len(unscaled)} FP8 weights without them)")  # fmt: skip
         if orphans := sorted(set(waiting_scales) | (direct_scales - direct_weights)):
             raise ValueError(f"checkpoint tensor {orphans[0] + SCALE_SUFFIX!r} has no FP8 weight {orphans[0]!r}")
+
+    def _fused_part(self, params: dict[str, nn.Parameter], name: str) -> tuple[str, str] | None:
+        """(fused parameter, shard id) that checkpoint tensor `name` loads into (_FUSED_INTO), or None when the
+        model has no such fused parameter (then the tensor loads under its own name, or is refused naming it)."""
+        part = _FUSED_PART.search(name)
+        if part is None:
+            return None
+        fused, shard = _FUSED_INTO[part[1]]
+        candidate = f"{name[: part.start()]}.{fused}.{part[2]}"
+        for param_name in (candidate, f"model.{candidate}"):
+            if param_name in params:
+                return param_name, shard
+        return None
 
     def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
         """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""

@@ -33,6 +33,24 @@ class Linears:
             return Linear(in_features, out_features, bias)
         return Fp8BlockLinear(in_features, out_features, bias, self.block_size, self.backend)
 
+    def can_fuse(self, part_sizes: dict[str, int]) -> bool:
+        """Whether parts (shard id -> rows) can stack into one layer: always for float weights; with FP8 ones every
+        part but the last must be whole weight blocks of rows, since a block's scale covers one part's rows only
+        (the last may end on a partial block, as the tensor does)."""
+        if self.block_size is None:
+            return True
+        return all(rows % self.block_size[0] == 0 for rows in list(part_sizes.values())[:-1])
+
+    def replicated_fused(self, in_features: int, part_sizes: dict[str, int], what: str,
+                         bias: bool = False) -> nn.Module:  # fmt: skip
+        """Parts (shard id -> rows) stacked along the output dim into one layer that every rank keeps whole (DeepSeek's
+        q_a and kv_a latent projections: one GEMM, one activation quantization, instead of two); loads like a
+        column-parallel layer whose every rank takes all rows. FP8 parts must pass `can_fuse`."""
+        parts = {shard: (full, full, 0) for shard, full in part_sizes.items()}
+        if self.block_size is None:
+            return ColumnParallelLinear(in_features, parts, bias)
+        return Fp8ColumnParallelLinear(in_features, parts, bias, self.block_size, self.backend, what)
+
     def column(self, in_features: int, part_sizes: dict[str, int], what: str, bias: bool = False,
                quantized: bool = True) -> nn.Module:  # fmt: skip
         """Output rows fused from parts (shard id -> rows), each split evenly over the ranks; `quantized=False`

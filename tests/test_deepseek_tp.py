@@ -97,8 +97,9 @@ def test_each_rank_keeps_its_heads_and_slices(fp8: bool, monkeypatch: pytest.Mon
     attn = model.model.layers[0].self_attn
     assert attn.num_heads == 16
     assert tuple(attn.q_b_proj.weight.shape) == (16 * 192, 1536)
-    assert tuple(attn.q_a_proj.weight.shape) == (1536, 7168)  # the latent projections are whole
-    assert tuple(attn.kv_a_proj_with_mqa.weight.shape) == (576, 7168)
+    # the latent projections are whole, fused into one GEMM (q_lora_rank 1536 is whole FP8 blocks)
+    assert attn.q_a_proj is None and attn.kv_a_proj_with_mqa is None
+    assert tuple(attn.fused_qkv_a_proj.weight.shape) == (1536 + 576, 7168)
     assert tuple(attn.kv_b_proj.weight.shape) == (16 * 256, 512)
     w_uk, w_uv = attn.absorbed_weights()
     assert tuple(w_uk.shape) == (16, 128, 512) and tuple(w_uv.shape) == (16, 128, 512)
@@ -116,6 +117,7 @@ def test_each_rank_keeps_its_heads_and_slices(fp8: bool, monkeypatch: pytest.Mon
         assert isinstance(attn.q_b_proj, Fp8ColumnParallelLinear) and attn.q_b_proj.weight.dtype == FP8_DTYPE
         assert tuple(attn.q_b_proj.weight_scale_inv.shape) == (16 * 192 // 128, 1536 // 128)
         assert isinstance(attn.o_proj, Fp8RowParallelLinear)
+        assert tuple(attn.fused_qkv_a_proj.weight_scale_inv.shape) == (-(-(1536 + 576) // 128), 7168 // 128)
         assert tuple(attn.o_proj.weight_scale_inv.shape) == (7168 // 128, 16 * 128 // 128)
         assert attn.kv_b_proj.weight.dtype != FP8_DTYPE  # dequantized at load, then sliced
         assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == FP8_DTYPE  # the routed experts stay
@@ -138,6 +140,9 @@ def test_fp8_shards_load_their_blocks(tmp_path: Path, monkeypatch: pytest.Monkey
     assert torch.equal(attn.q_b_proj.weight_scale_inv, weights[f"{p}.q_b_proj.weight_scale_inv"][6:])
     assert torch.equal(attn.o_proj.weight.float(), weights[f"{p}.o_proj.weight"][:, 48:].float())
     assert torch.equal(attn.o_proj.weight_scale_inv, weights[f"{p}.o_proj.weight_scale_inv"][:, 3:])
+    for suffix in ("weight", "weight_scale_inv"):  # the fused latent projection whole: q_a's rows, then kv_a's
+        want = torch.cat([weights[f"{p}.q_a_proj.{suffix}"], weights[f"{p}.kv_a_proj_with_mqa.{suffix}"]])
+        assert torch.equal(getattr(attn.fused_qkv_a_proj, suffix).float(), want.float()), suffix
     kv_b = load_file(str(float_dir / "model.safetensors"))[f"{p}.kv_b_proj.weight"]  # dequantized there
     torch.testing.assert_close(attn.kv_b_proj.weight, kv_b[2 * 56:], atol=0, rtol=0)
     mlp, p = model.model.layers[0].mlp, "model.layers.0.mlp"

@@ -57,10 +57,12 @@ def test_layers_and_cache_follow_the_config(models: dict) -> None:
     assert (model.attention_backend_name, model.moe_backend_name) == ("mla_torch", "torch")
     attn = model.model.layers[0].self_attn
     assert attn.q_proj is None and attn.q_b_proj is not None
+    assert attn.fused_qkv_a_proj is not None and attn.q_a_proj is None  # float weights: q_a and kv_a in one GEMM
     assert attn.scale == pytest.approx(hf_model.model.layers[0].self_attn.scaling)  # YaRN's mscale included
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     no_q_lora = models["deepseek_v3_no_q_lora"][0]
-    assert no_q_lora.model.layers[0].self_attn.q_a_proj is None and no_q_lora.lm_head is None
+    no_q_lora_attn = no_q_lora.model.layers[0].self_attn
+    assert no_q_lora_attn.q_a_proj is None and no_q_lora_attn.fused_qkv_a_proj is None and no_q_lora.lm_head is None
 
 
 @pytest.mark.parametrize("name", list(TINY_DEEPSEEK_CONFIGS))
