@@ -207,6 +207,13 @@ def test_triton_fp8_linear_with_k_split_matches_the_w8a8_reference(tokens, shape
         got = fp8_block_linear(x, q, s, b, block, backend="triton")
         want = fp8_ref.fp8_block_linear_w8a8(x, q, s, b, block)
         torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+        # the last split of each tile adds the partials in the GEMM's launch (r=1, the default): the second
+        # launch's bits, and the arrival counters are left at zero for the next call
+        forced = fp8_triton.parse_tiles(tiles)
+        again = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**forced, "sum_in_kernel": 1})
+        assert torch.equal(again, got)
+        assert torch.equal(fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**forced, "sum_in_kernel": 0}), got)
+        assert not fp8_triton.tile_counts(x.device).any()
 
 
 @needs_triton
@@ -274,11 +281,16 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
                 "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
     specs = [(pointers, dict(K=16384, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)),
              (pointers, dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128)),
-             ({**pointers, "out_ptr": "*fp32"},  # batch-1 decode's q_a+kv_a: 64-column tiles, K split 8 ways
+             ({**pointers, "part_ptr": "*fp32"},  # batch-1 decode's q_a+kv_a: 64-column tiles, K split 8 ways
               dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8)),
+             ({**pointers, "part_ptr": "*fp32", "count_ptr": "*i32"},  # the same, its tiles' last splits adding up
+              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8,
+                   SUM_IN_KERNEL=True)),
              ({**pointers, "a_ptr": "*bf16"},  # the same with the bf16 activations quantized inside (q=1)
               dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, QUANT_A=True))]  # fmt: skip
-    kernels = [("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], c, 4) for p, c in specs]
+    defaults = dict(SPLIT_K=1, QUANT_A=False, SUM_IN_KERNEL=False)  # constexprs left out would compile as i32
+    kernels = [("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], {**defaults, **c}, 4)
+               for p, c in specs]  # fmt: skip
     kernels.append(("flotilla.kernels.quant.fp8_triton", "_split_k_sum_kernel",
                     {"part_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}, [],
                     dict(SPLIT_K=8, HAS_BIAS=True, BLOCK=1024), 4))  # fmt: skip
@@ -301,6 +313,37 @@ def test_gpu_quantizing_inside_the_fp8_gemm_gives_the_two_launch_bits(tokens: in
         got = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles=fused)
         want = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles={**fused, "quant_a": 0})
         assert torch.equal(got, want), (n, k)
+
+
+@gpu_test
+@pytest.mark.parametrize("tiles", ["", "sk=8", "sk=16,n=128"])
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_gpu_k_split_summed_in_the_gemm_gives_the_second_launchs_bits_eager_and_in_a_graph(tokens, tiles) -> None:
+    """r=1 (each tile's last split adds the partials, counting arrivals with atomics) against r=0 (a second launch):
+    the same bits at DeepSeek-V3's split shapes, eager and over several replays of one CUDA graph (the counters
+    must be back at zero after every call for the next to be right)."""
+    from flotilla.kernels.quant import fp8_triton
+
+    forced = fp8_triton.parse_tiles(tiles)
+    for n, k in ((2112, 7168), (7168, 16384), (7168, 2048)):  # q_a+kv_a, o_proj, the shared experts' down_proj
+        q, s = block_quantize(_weights((n, k), seed=n, device=DEVICE) * 0.01, (128, 128))
+        gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+        xs = [torch.randn(tokens, k, device=DEVICE, generator=gen).bfloat16() for _ in range(3)]
+        bias = torch.randn(n, device=DEVICE, generator=gen).bfloat16()
+        assert fp8_triton.pick_tiles(tokens, n, k, (128, 128), 132, forced)["split_k"] > 1
+        want = [fp8_triton.fp8_block_linear(x, q, s, bias, (128, 128), tiles={**forced, "sum_in_kernel": 0})
+                for x in xs]  # fmt: skip
+        for x, w in zip(xs, want):
+            assert torch.equal(fp8_triton.fp8_block_linear(x, q, s, bias, (128, 128), tiles=forced), w), (n, k)
+        static = xs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_triton.fp8_block_linear(static, q, s, bias, (128, 128), tiles=forced)
+        for x, w in [*zip(xs, want), *zip(xs, want)]:
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(out, w), (n, k)
+        assert not fp8_triton.tile_counts(DEVICE).any()
 
 
 @gpu_test
@@ -377,6 +420,7 @@ def test_fp8_checkpoint_matches_its_dequantized_float_model(fp8_dirs: tuple[Path
     model = fp8.module
     assert model.fp8_backend_name == "torch" and fp8.config.quantization is not None
     attn = model.model.layers[0].self_attn
+    assert attn.fused_qkv_a_proj is None  # q_lora_rank 48 is 1.5 blocks of 32: q_a and kv_a stay two layers
     for layer in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj,
                   model.model.layers[0].mlp.gate_up_proj, model.model.layers[1].mlp.shared_experts.down_proj):  # fmt: skip
         assert isinstance(layer, Fp8BlockLinear) and layer.weight.dtype == FP8_DTYPE

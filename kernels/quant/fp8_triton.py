@@ -15,8 +15,11 @@ Few tokens make few output tiles: at batch-1 decode DeepSeek-V3's q_a+kv_a proje
 128 columns for an H200's 132 SMs, each streaming all of K (7168) alone; on an H200 it ran at 248 GB/s
 (docs/performance.md, sixth session). So for small M the tiles are 64 columns and K is split (SPLIT_K programs per
 tile, each over a contiguous run of K blocks) until there are about two programs per SM; the splits write float32
-partial sums that a second launch adds up, with the bias, into the output (pick_tiles). FLOTILLA_FP8_TILES forces
-tiles for a sweep (`m=16,n=64,sk=4,w=4,s=3`, any subset; scripts/bench_kernels.py --fp8-tiles).
+partial sums, and the last of a tile's splits to finish adds them up, with the bias, into the output (pick_tiles;
+arrivals counted with an atomic per tile, so no second launch: DeepSeek-V3-4L's batch-1 step lost its 19
+_split_k_sum_kernel launches, 30.7 us of device time, docs/performance.md, fourteenth session). The sum runs in
+split order, so the bits are the second launch's, which `r=0` still takes. FLOTILLA_FP8_TILES forces tiles for a
+sweep (`m=16,n=64,sk=4,w=4,s=3,r=1`, any subset; scripts/bench_kernels.py --fp8-tiles).
 """
 
 from __future__ import annotations
@@ -40,10 +43,15 @@ def _fp8_block_gemm_kernel(
     BLOCK_SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     QUANT_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, FP8_MAX_INV: tl.constexpr = 1.0 / 448.0,
-    MIN_AMAX: tl.constexpr = 1e-12,
+    MIN_AMAX: tl.constexpr = 1e-12, part_ptr=None, count_ptr=None, SUM_IN_KERNEL: tl.constexpr = False,
 ):  # fmt: skip
     """With SPLIT_K > 1, program (m, n, s) sums K blocks [s * per, (s + 1) * per) and stores float32 partials at
-    out_ptr + s * M * stride_om (the bias is the reduction's). QUANT_A: a_ptr holds the unquantized activations
+    part_ptr + s * M * N (the bias is the reduction's). Without SUM_IN_KERNEL a second launch
+    (_split_k_sum_kernel) adds them into out_ptr; with it, the tile's last program to finish adds them: each
+    program counts itself in count_ptr[tile] (an atomic add with release and acquire semantics, so its partials
+    are visible before the count and the last one sees everyone's), and the one that counts SPLIT_K sums the
+    SPLIT_K partials in split order, exactly as the second launch would, writes the output and sets the count
+    back to 0 for the next call (or graph replay). QUANT_A: a_ptr holds the unquantized activations
     (a_scale_ptr is not read) and each K step quantizes its [BLOCK_M, BLOCK_K] tile, one group per row, with
     fp8_quant_triton's operations: the same e4m3 values and scales as the separate launch."""
     pid_m = tl.program_id(0)
@@ -80,8 +88,20 @@ def _fp8_block_gemm_kernel(
         b_scale = tl.where(in_k, b_scale, 0.0)
         acc += tl.dot(a, tl.trans(b)) * a_scale[:, None] * b_scale
     if SPLIT_K > 1:
-        part = out_ptr + tl.program_id(2) * M * stride_om
-        tl.store(part + rm[:, None] * stride_om + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        tile_mask = m_ok[:, None] & n_ok[None, :]
+        offs = rm[:, None] * N + rn[None, :]
+        tl.store(part_ptr + tl.program_id(2) * M * N + offs, acc, mask=tile_mask)
+        if SUM_IN_KERNEL:
+            tile = pid_m * tl.num_programs(1) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the tile's splits
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(SPLIT_K):  # ".cg": from L2, where the other programs' partials are
+                    total += tl.load(part_ptr + s * M * N + offs, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=tile_mask)  # fmt: skip
+                tl.atomic_xchg(count_ptr + tile, 0)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -103,9 +123,13 @@ def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages", "q": "quant_a"}
+TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages", "q": "quant_a",
+             "r": "sum_in_kernel"}
 """FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset); "q=1" quantizes the activations inside
-the GEMM (QUANT_A: one launch fewer, each program quantizing the rows it reads), "q=0" in their own launch."""
+the GEMM (QUANT_A: one launch fewer, each program quantizing the rows it reads), "q=0" in their own launch; "r=1"
+(the default) adds a K split's partials in the GEMM's launch (its last program per tile), "r=0" in a second one."""
+_FLAGS = ("q", "r")
+"""The keys that take 0 or 1."""
 
 SMALL_M = 64
 """Up to this many tokens the tiles are 64 columns wide and K may be split (pick_tiles)."""
@@ -117,10 +141,10 @@ def parse_tiles(text: str) -> dict[str, int]:
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in TILE_KEYS or not value.isdigit() or int(value) < (0 if key == "q" else 1) \
-                or (key == "q" and int(value) > 1):  # fmt: skip
+        if key not in TILE_KEYS or not value.isdigit() or int(value) < (0 if key in _FLAGS else 1) \
+                or (key in _FLAGS and int(value) > 1):  # fmt: skip
             raise ValueError(f"FLOTILLA_FP8_TILES: {item!r} is not one of "
-                             f"{', '.join(k + ('=0|1' if k == 'q' else '=N') for k in TILE_KEYS)}")  # fmt: skip
+                             f"{', '.join(k + ('=0|1' if k in _FLAGS else '=N') for k in TILE_KEYS)}")  # fmt: skip
         tiles[TILE_KEYS[key]] = int(value)
     return tiles
 
@@ -149,8 +173,26 @@ def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int
         tiles = -(-m // block_m) * -(-n // block_n)
         split_k = 1 if m > SMALL_M else max(1, min(-(-2 * num_sms // tiles), k_blocks // 4))
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": bk, "split_k": min(split_k, k_blocks),
-             "quant_a": forced.get("quant_a", 0)}
+             "quant_a": forced.get("quant_a", 0), "sum_in_kernel": forced.get("sum_in_kernel", 1)}
     return {**tiles, **{key: forced[key] for key in ("num_warps", "num_stages") if key in forced}}
+
+
+MAX_COUNTED_TILES = 1 << 16
+"""Tiles of one split GEMM whose arrivals the in-kernel sum can count (one int32 each, per device); a GEMM with
+more output tiles (never at decode sizes: 64-column tiles of up to 64 tokens) adds its partials in a second
+launch."""
+_tile_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counts(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counters of the in-kernel split-K sum: MAX_COUNTED_TILES zeros, made on first use
+    outside a CUDA graph capture (None during one until then: that call sums in a second launch). The kernel
+    leaves them at 0, so every GEMM on the device shares them; the GEMMs of a device run one after another on its
+    stream (the engine has one compute stream per device)."""
+    counts = _tile_counts.get(device)
+    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        counts = _tile_counts[device] = torch.zeros(MAX_COUNTED_TILES, dtype=torch.int32, device=device)
+    return counts
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
@@ -177,20 +219,23 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         a, a_scale = per_token_group_quantize(x2, block_size[1])
     split_k = t["split_k"]
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
-    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), split_k)
+    parts = None if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    counts = tile_counts(x.device) if split_k > 1 and t["sum_in_kernel"] and grid[0] * grid[1] <= MAX_COUNTED_TILES \
+        else None  # fmt: skip
     _fp8_block_gemm_kernel[grid](
-        a, a_scale, weight, scale_inv, bias if bias is not None else out, target,
+        a, a_scale, weight, scale_inv, bias if bias is not None else out, out,
         m, n, k,
         a.stride(0), a_scale.stride(0), weight.stride(0), scale_inv.stride(0), n,
         BLOCK_SCALE_N=block_size[0], HAS_BIAS=bias is not None,
         BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split_k,
-        QUANT_A=bool(t["quant_a"]), FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX, **launch,
+        QUANT_A=bool(t["quant_a"]), FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX,
+        part_ptr=parts, count_ptr=counts, SUM_IN_KERNEL=counts is not None, **launch,
     )  # fmt: skip
-    if split_k > 1:
+    if parts is not None and counts is None:
         block = 1024
         _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else out, out, m * n, n,
+            parts, bias if bias is not None else out, out, m * n, n,
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block,
         )  # fmt: skip
     return out.view(*lead, n)
