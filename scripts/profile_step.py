@@ -102,7 +102,7 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
     extra = {}
     if torch_profile:
         prof.stop()
-        extra = kernel_table(prof, len(overlapped))
+        extra = {**kernel_table(prof, len(overlapped)), "gaps": device_gaps(prof, len(overlapped))}
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
     if host_breakdown:  # the overlapped pass once more, its launches' parts timed (host ms per step)
         prefill2, decodes2 = decode_plans(runner, batch, prompt_len, steps, first_step=10**6 + 1, prefix="h")
@@ -214,6 +214,30 @@ def kernel_table(prof, steps: int, top: int = 15) -> dict[str, Any]:
     return {"device_busy_ms": round(busy, 3),
             "kernels": [{"name": k[:90], "us_per_step": round(t / steps, 1), "calls_per_step": round(c / steps, 1)}
                         for k, t, c in rows[:top]]}
+
+
+def device_gaps(prof, steps: int, top: int = 8) -> dict[str, Any]:
+    """Where the device sat idle over a profiled run of `steps` steps: every device activity (kernels, copies,
+    memsets) in time order; idle time per step between them, by the pair of activities around the gap (the
+    busiest pairs), and the copies' own time per step (kernel_table counts them too)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    idle: dict[tuple[str, str], list[float]] = {}
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            idle.setdefault((last[:40], name[:40]), []).append(start - end)
+        if stop >= end:
+            end, last = stop, name
+    pairs = sorted(idle.items(), key=lambda kv: -sum(kv[1]))
+    copies = sum(stop - start for start, stop, name in spans if name.startswith("Memcpy") or name.startswith("Memset"))
+    return {"device_span_ms": round((spans[-1][1] - spans[0][0]) / steps / 1000, 3),
+            "idle_ms": round(sum(map(sum, idle.values())) / steps / 1000, 3),
+            "copies_ms": round(copies / steps / 1000, 3),
+            "idle_by_pair": [{"after": a, "before": b, "us_per_step": round(sum(g) / steps, 1),
+                              "per_step": round(len(g) / steps, 1)} for (a, b), g in pairs[:top]]}
 
 
 def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str, Any]:

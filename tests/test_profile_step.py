@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
@@ -78,3 +79,28 @@ def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
     np.testing.assert_equal(runner.execute(prefill).rids, ["z0"])
     assert profile_step.run_overlapped(runner, decodes) > 0 and runner.num_pending == 0
     assert runner.seqs["z0"].length == 4 + 1 + 3  # the prompt, the prefill's token, one per decode step
+
+
+def test_device_gaps_sums_the_idle_time_between_activities_by_the_pair_around_it():
+    """Two steps of [copy, kernel a, kernel b (overlapping a), gap, kernel c]: idle time per step by the pair of
+    activities that frame it, an activity inside another's span not ending the busy stretch early."""
+    from types import SimpleNamespace
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(start, end, name):
+        return SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=start, end=end), name=name)
+
+    events = []
+    for base in (0, 100):
+        events += [ev(base, base + 5, "Memcpy HtoD"), ev(base + 8, base + 30, "a"), ev(base + 10, base + 20, "b"),
+                   ev(base + 40, base + 90, "c")]
+    events.append(SimpleNamespace(device_type=torch.autograd.DeviceType.CPU,
+                                  time_range=SimpleNamespace(start=0, end=500), name="host"))
+    out = profile_step.device_gaps(SimpleNamespace(events=lambda: events), steps=2)
+    # per step: 3 us copy->a, 10 us a->c (b ends inside a), and 10 us c->next copy once (between the steps)
+    assert out["idle_by_pair"][0] == {"after": "a", "before": "c", "us_per_step": 10.0, "per_step": 1.0}
+    assert {(p["after"], p["before"]): p["us_per_step"] for p in out["idle_by_pair"]} == {
+        ("a", "c"): 10.0, ("c", "Memcpy HtoD"): 5.0, ("Memcpy HtoD", "a"): 3.0}
+    assert out["idle_ms"] == round((13 + 13 + 10) / 2 / 1000, 3) and out["copies_ms"] == round(5 / 1000, 3)
+    assert out["device_span_ms"] == round(190 / 2 / 1000, 3)
