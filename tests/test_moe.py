@@ -212,7 +212,12 @@ def test_small_batches_take_the_token_major_path_and_larger_ones_the_sorted_gemm
     _check_fused(lambda *a: triton_experts.fused_experts(*a, small_tokens=8), 6, 32, 16, 4, 2, torch.float32, seed=6)
     monkeypatch.setenv("FLOTILLA_MOE_TILES", "t=2,sn=8,sk=16")
     _check_fused(triton_experts.fused_experts, 2, 32, 16, 4, 2, torch.float32, seed=2)
-    assert calls == [("sorted", 1), ("small", 6), ("small", 2)]
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "sn=16,sk=16,dn=8,dk=32,dw=2")  # the down pass tiled on its own
+    _check_fused(triton_experts.fused_experts, 3, 32, 16, 4, 2, torch.float32, seed=3)
+    monkeypatch.delenv("FLOTILLA_MOE_TILES")  # and as keyword arguments (bench_kernels' sweeps pass them so)
+    down = triton_experts.parse_tiles("dn=8,dk=32,dw=2")
+    _check_fused(lambda *a: triton_experts.fused_experts(*a, **down), 3, 32, 16, 4, 2, torch.float32, seed=4)
+    assert calls == [("sorted", 1), ("small", 6), ("small", 2), ("small", 3), ("small", 3)]
 
 
 @needs_triton

@@ -119,9 +119,11 @@ def _expert_gemm_kernel(
 
 
 TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
-             "sn": "small_block_n", "sk": "small_block_k"}
+             "sn": "small_block_n", "sk": "small_block_k", "dn": "small_down_block_n", "dk": "small_down_block_k",
+             "dw": "small_down_warps"}
 """FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
-small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles."""
+small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles; dn, dk and
+dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps)."""
 
 
 @functools.cache
@@ -213,6 +215,9 @@ def fused_experts(
     small_tokens: int | None = None,
     small_block_n: int | None = None,
     small_block_k: int | None = None,
+    small_down_block_n: int | None = None,
+    small_down_block_k: int | None = None,
+    small_down_warps: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
@@ -222,11 +227,13 @@ def fused_experts(
     Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (sorted_tiles by the batch's
     slots per expert)."""
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-               small_block_n=small_block_n, small_block_k=small_block_k)
+               small_block_n=small_block_n, small_block_k=small_block_k, small_down_block_n=small_down_block_n,
+               small_down_block_k=small_down_block_k, small_down_warps=small_down_warps)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
+        down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps") if f"small_down_{key}" in t}
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
-                                         t.get("small_block_k"), _launch(t))  # fmt: skip
+                                         t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
                        launch=_launch(t), masked=masked)  # fmt: skip

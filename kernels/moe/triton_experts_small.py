@@ -122,10 +122,11 @@ def _small_down_kernel(
 
 def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                        launch: dict | None = None) -> torch.Tensor:  # fmt: skip
+                        launch: dict | None = None, down: dict | None = None) -> torch.Tensor:  # fmt: skip
     """torch_ref.fused_experts's contract (negative ids always allowed) in two launches: hidden [T, H], w13
     [E, 2I, H], w2 [E, H, I], topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Meant for
-    T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes."""
+    T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes unless `down`
+    ({"block_n", "block_k", "warps"}, any subset) tiles the down pass otherwise (tuning sweeps)."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -143,9 +144,14 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
         **{"num_warps": NUM_WARPS, **(launch or {})},
     )  # fmt: skip
-    _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, bn))](
+    down = down or {}
+    dn, dk = down.get("block_n", bn), down.get("block_k", bk)
+    down_launch = {"num_warps": NUM_WARPS, **(launch or {})}
+    if "warps" in down:
+        down_launch["num_warps"] = down["warps"]
+    _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, dn))](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=bn,
-        BLOCK_K=min(bk, triton.next_power_of_2(inter)), **{"num_warps": NUM_WARPS, **(launch or {})},
+        N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=dn,
+        BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch,
     )  # fmt: skip
     return out
