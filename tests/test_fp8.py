@@ -43,6 +43,7 @@ from flotilla.kernels.quant import (  # noqa: E402
     per_token_group_dequantize,
     per_token_group_quantize,
 )
+from flotilla.kernels.arrivals import arrival_counters  # noqa: E402
 from flotilla.kernels.quant import fp8_ref  # noqa: E402
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear  # noqa: E402
 from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
@@ -213,7 +214,7 @@ def test_triton_fp8_linear_with_k_split_matches_the_w8a8_reference(tokens, shape
         again = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**forced, "sum_in_kernel": 1})
         assert torch.equal(again, got)
         assert torch.equal(fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**forced, "sum_in_kernel": 0}), got)
-        assert not fp8_triton.tile_counts(x.device).any()
+        assert not arrival_counters(x.device).any()
 
 
 @needs_triton
@@ -343,7 +344,7 @@ def test_gpu_k_split_summed_in_the_gemm_gives_the_second_launchs_bits_eager_and_
             static.copy_(x)
             graph.replay()
             assert torch.equal(out, w), (n, k)
-        assert not fp8_triton.tile_counts(DEVICE).any()
+        assert not arrival_counters(DEVICE).any()
 
 
 @gpu_test

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3, per_token_group_quantize
 from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_MAX, FP8_MAX_INV, num_blocks
 
@@ -93,6 +94,7 @@ def _fp8_block_gemm_kernel(
         tl.store(part_ptr + tl.program_id(2) * M * N + offs, acc, mask=tile_mask)
         if SUM_IN_KERNEL:
             tile = pid_m * tl.num_programs(1) + pid_n
+            tl.debug_barrier()  # every thread's partials stored before the count publishes them (CUTLASS's semaphore)
             if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the tile's splits
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(SPLIT_K):  # ".cg": from L2, where the other programs' partials are
@@ -177,24 +179,6 @@ def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int
     return {**tiles, **{key: forced[key] for key in ("num_warps", "num_stages") if key in forced}}
 
 
-MAX_COUNTED_TILES = 1 << 16
-"""Tiles of one split GEMM whose arrivals the in-kernel sum can count (one int32 each, per device); a GEMM with
-more output tiles (never at decode sizes: 64-column tiles of up to 64 tokens) adds its partials in a second
-launch."""
-_tile_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counts(device: torch.device) -> torch.Tensor | None:
-    """The device's arrival counters of the in-kernel split-K sum: MAX_COUNTED_TILES zeros, made on first use
-    outside a CUDA graph capture (None during one until then: that call sums in a second launch). The kernel
-    leaves them at 0, so every GEMM on the device shares them; the GEMMs of a device run one after another on its
-    stream (the engine has one compute stream per device)."""
-    counts = _tile_counts.get(device)
-    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        counts = _tile_counts[device] = torch.zeros(MAX_COUNTED_TILES, dtype=torch.int32, device=device)
-    return counts
-
-
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                      block_size: tuple[int, int] = (128, 128), tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
     """y = x W^T (+ b) with x quantized per token group and W's e4m3 blocks, accumulated in float32;
@@ -221,8 +205,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), split_k)
     parts = None if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    counts = tile_counts(x.device) if split_k > 1 and t["sum_in_kernel"] and grid[0] * grid[1] <= MAX_COUNTED_TILES \
-        else None  # fmt: skip
+    counts = arrival_counters(x.device) if split_k > 1 and t["sum_in_kernel"] \
+        and grid[0] * grid[1] <= MAX_ARRIVAL_COUNTERS else None  # fmt: skip
     _fp8_block_gemm_kernel[grid](
         a, a_scale, weight, scale_inv, bias if bias is not None else out, out,
         m, n, k,
