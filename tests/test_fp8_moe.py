@@ -124,6 +124,8 @@ TRITON_CASES = [
     (40, 48, 40, 3, 2, (32, 16), torch.float32, (16, 16, 16)),  # experts with several blocks of rows
     (9, 80, 40, 5, 1, (16, 16), torch.float16, (32, 16, 16)),  # half, top-1, partial last blocks everywhere
     (0, 64, 32, 4, 2, (32, 32), torch.float32, (16, 16, 32)),  # an empty batch
+    (4, 64, 48, 6, 3, (32, 16), torch.float32, (16, 16, 16)),  # 12 slots, each its own block, combined in the down pass
+    (3, 80, 40, 5, 2, (16, 16), torch.float16, (16, 32, 16)),  # the same in half precision, partial blocks
 ]
 """Half precision is float16 here: the CPU interpreter converts float32 to bfloat16 by truncation, not rounding
 (half of the values one bf16 step off), so bf16 is left to the GPU tests."""
@@ -142,6 +144,32 @@ def _triton_run(tiles: tuple[int, int, int], module=None):
 def test_triton_fp8_experts_match_the_w8a8_reference(tokens, hidden, inter, experts, top_k, block, dtype, tiles):
     case = _fp8_case(tokens, hidden, inter, experts, top_k, block, dtype, seed=tokens + hidden)
     _check_against_references(_triton_run(tiles), case, block)
+
+
+@needs_triton
+@pytest.mark.parametrize(("tokens", "combine"), [(2, None), (4, False), (9, True), (20, True)])
+def test_slot_blocks_and_the_combine_in_the_down_pass_give_the_sorted_two_launch_result(tokens, combine) -> None:
+    """Up to SLOT_BLOCKS_MAX_TOKENS tokens every slot is a block of its own (no sorting launch) and the down pass
+    sums each token's rows itself (arrival counters, kernels/arrivals.py); forced on the sorted layout too. Each is
+    the sorted path with the separate sum to float32 rounding, and leaves the counters at zero."""
+    from flotilla.kernels.arrivals import arrival_counters
+    from flotilla.kernels.moe import triton_experts
+
+    block = (16, 32)
+    case = _fp8_case(tokens, 64, 48, 6, 3, block, torch.float32, seed=tokens)
+    slots = triton_experts.slot_blocks(case[6], 16)
+    assert slots is not None and slots.block_experts.tolist() == case[6].flatten().tolist()
+    assert slots.sorted_slots.view(-1, 16)[:, 0].tolist() == list(range(tokens * 3))
+    assert (slots.sorted_slots.view(-1, 16)[:, 1:] == tokens * 3).all() and slots.num_padded.item() == tokens * 48
+    def run(x, w13, s13, w2, s2, weights, ids, *_, combine=combine):
+        return triton_experts._two_passes(x, w13, w2, weights, ids, 16, 16, 32, (s13, s2), block, combine=combine)
+
+    got = run(*case)
+    separate_sum = run(*case, combine=False)
+    # the sum in the down pass against the separate one (same layout): float32 summation order at most
+    torch.testing.assert_close(got, separate_sum, atol=1e-6 * separate_sum.abs().max().item(), rtol=1e-6)
+    _check_against_references(run, case, block)
+    assert not arrival_counters(case[0].device).any()
 
 
 MUTATIONS = {
@@ -175,7 +203,7 @@ def test_a_mutated_kernel_fails_the_check(mutation: str, tmp_path: Path) -> None
 
 
 @gpu_test
-@pytest.mark.parametrize("tokens", [1, 16, 128, 2048])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 128, 2048])
 def test_gpu_triton_fp8_experts_at_deepseek_v3_sizes(tokens: int) -> None:
     """H 7168, I 2048, 128x128 blocks, top-8 of 256 experts with only 16 of them routed to (a few active, most
     idle: their blocks are skipped), bf16 activations."""
@@ -364,3 +392,35 @@ def test_an_expert_parallel_rank_keeps_only_its_experts_in_fp8(fp8_dirs: tuple[P
     want = torch_ref.fused_experts_fp8(hidden, experts.gate_up_proj, experts.gate_up_proj_scale_inv,
                                        experts.down_proj, experts.down_proj_scale_inv, ones, ids, (32, 32))  # fmt: skip
     assert torch.equal(dispatch_backend.fused_experts(hidden, experts.gate_up_proj, experts.down_proj, ones, ids), want)
+
+
+@gpu_test
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_gpu_slot_blocks_with_the_down_pass_combine_replay_in_a_cuda_graph(tokens: int) -> None:
+    """The batch-1 path (every slot its own block, the combine inside the down pass) at DeepSeek-V3's expert sizes:
+    over several replays of one CUDA graph with new activations and routes, each output is the eager one bit for
+    bit (the arrival counters are back at zero after every replay)."""
+    from flotilla.kernels.arrivals import arrival_counters
+    from flotilla.kernels.moe import triton_experts
+
+    block, experts = (128, 128), 16
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    w13 = torch.randn(experts, 2 * 2048, 7168, device=DEVICE, generator=gen).mul_(7168**-0.5).to(FP8_DTYPE)
+    w2 = torch.randn(experts, 7168, 2048, device=DEVICE, generator=gen).mul_(2048**-0.5).to(FP8_DTYPE)
+    s13 = torch.rand(experts, 32, 56, device=DEVICE, generator=gen) + 0.5
+    s2 = torch.rand(experts, 56, 16, device=DEVICE, generator=gen) + 0.5
+    inputs = []
+    for _ in range(3):
+        weights, ids = select_experts(torch.randn(tokens, experts, device=DEVICE, generator=gen), 8, True)
+        inputs.append((torch.randn(tokens, 7168, device=DEVICE, generator=gen).bfloat16(), weights, ids))
+    want = [triton_experts.fused_experts_fp8(x, w13, s13, w2, s2, wt, ids, block) for x, wt, ids in inputs]
+    static = [t.clone() for t in inputs[0]]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_experts.fused_experts_fp8(static[0], w13, s13, w2, s2, static[1], static[2], block)
+    for (x, wt, ids), w in [*zip(inputs, want), *zip(inputs, want)]:
+        for dst, src in zip(static, (x, wt, ids)):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, w)
+    assert not arrival_counters(DEVICE).any()

@@ -335,8 +335,11 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
                     "w_scale_ptr": "*fp32"}  # fmt: skip
     fp8 = dict(TOP_K=8, FP8=True, BLOCK_SCALE_N=128, BLOCK_SCALE_K=128, BLOCK_N=64, BLOCK_K=128, DOT_PRECISION="tf32")
     specs += [(fp8_pointers, dict(fp8, N=2048, K=7168, GATE_UP=True, UP_SCALE_ROW=16, BLOCK_M=64)),
-              (fp8_pointers, dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16))]  # fmt: skip
-    kernels = [("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], c, 4) for p, c in specs]
+              (fp8_pointers, dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16)),
+              ({**fp8_pointers, "combined_ptr": "*bf16", "count_ptr": "*i32"},  # the down pass's own combine
+               dict(fp8, N=7168, K=2048, GATE_UP=False, UP_SCALE_ROW=0, BLOCK_M=16, COMBINE=True))]  # fmt: skip
+    kernels = [("flotilla.kernels.moe.triton_experts", "_expert_gemm_kernel", p, [], {"COMBINE": False, **c}, 4)
+               for p, c in specs]  # fmt: skip
     small = "flotilla.kernels.moe.triton_experts_small"
     tiles = dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128)
     kernels += [(small, "_small_gate_up_kernel", {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",

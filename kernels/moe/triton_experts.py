@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.moe import triton_experts_small as small
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
@@ -52,12 +53,15 @@ def _expert_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, UP_SCALE_ROW: tl.constexpr = 0, BLOCK_SCALE_N: tl.constexpr = 1,
-    BLOCK_SCALE_K: tl.constexpr = 1,
+    BLOCK_SCALE_K: tl.constexpr = 1, combined_ptr=None, count_ptr=None, stride_cm=0, COMBINE: tl.constexpr = False,
 ):  # fmt: skip
     """One program: rows [pid_m * BLOCK_M, +BLOCK_M) of the sorted slots (one expert) times columns
     [pid_n * BLOCK_N, +BLOCK_N) of that expert's weight [N(, +N for up), K] transposed. With FP8, a and w are
     e4m3, a with one scale per row and BLOCK_SCALE_K columns, w with one per BLOCK_SCALE_N x BLOCK_SCALE_K
-    block (up's from block row UP_SCALE_ROW on); the scale arguments are unused otherwise."""
+    block (up's from block row UP_SCALE_ROW on); the scale arguments are unused otherwise. COMBINE (down pass):
+    after writing its slots' weighted rows, a program counts each slot in count_ptr[token, pid_n] (kernels/
+    arrivals.py), and for a token whose last slot it wrote, sums the token's TOP_K rows in slot order, in float32,
+    into combined_ptr[token] (rounded once, as the separate sum does): the combine without a launch of its own."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -116,6 +120,18 @@ def _expert_gemm_kernel(
         y = acc.to(dtype).to(tl.float32) * weight[:, None]
         out_ptrs = out_ptr + slots[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, y.to(dtype), mask=valid[:, None] & n_mask[None, :])
+        if COMBINE:
+            tokens = slots // TOP_K
+            counts = count_ptr + tokens * tl.num_programs(1) + pid_n
+            tl.debug_barrier()  # every thread's rows stored before the counts publish them
+            last = valid & (tl.atomic_add(counts, 1, mask=valid, sem="acq_rel") == TOP_K - 1)
+            total = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            mask = last[:, None] & n_mask[None, :]
+            for j in range(TOP_K):  # ".cg": from L2, where the other programs' rows are
+                rows_j = out_ptr + (tokens * TOP_K + j)[:, None] * stride_om + offs_n[None, :]
+                total += tl.load(rows_j, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            tl.store(combined_ptr + tokens[:, None] * stride_cm + offs_n[None, :], total.to(dtype), mask=mask)
+            tl.atomic_xchg(counts, 0, mask=last)
 
 
 TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
@@ -175,8 +191,10 @@ def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
                  topk_weights: torch.Tensor, top_k: int, gate_up: bool, block_n: int, block_k: int,
                  w_scale: torch.Tensor | None = None, block_size: tuple[int, int] = (1, 1),
-                 launch: dict | None = None) -> None:  # fmt: skip
-    """One pass; with w_scale (FP8 weights), a is first quantized per row and block_size[1] group."""
+                 launch: dict | None = None, combined: torch.Tensor | None = None) -> bool:  # fmt: skip
+    """One pass; with w_scale (FP8 weights), a is first quantized per row and block_size[1] group. `combined`
+    ([T, H], down pass only): also sum each token's rows into it in the same launch (COMBINE) when the device's
+    arrival counters allow; returns whether it did."""
     n = w.shape[1] // 2 if gate_up else w.shape[1]
     k = w.shape[2]
     if a.stride(-1) != 1 or w.stride(-1) != 1 or out.stride(-1) != 1:
@@ -191,12 +209,18 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Ex
         fp8 = dict(FP8=True, UP_SCALE_ROW=w_scale.shape[1] // 2 if gate_up else 0, BLOCK_SCALE_N=block_size[0],
                    BLOCK_SCALE_K=block_size[1])  # fmt: skip
     grid = (blocks.block_experts.numel(), triton.cdiv(n, block_n))
+    counters = None
+    if combined is not None and combined.shape[0] * grid[1] <= MAX_ARRIVAL_COUNTERS:
+        counters = arrival_counters(out.device)
+    combine = {} if counters is None else dict(combined_ptr=combined, count_ptr=counters,
+                                                 stride_cm=combined.stride(0), COMBINE=True)  # fmt: skip
     _expert_gemm_kernel[grid](
         a, w, out, blocks.sorted_slots, blocks.block_experts, blocks.num_padded, topk_weights,
         blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales,
         N=n, K=k, TOP_K=top_k, GATE_UP=gate_up, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision, **fp8, **(launch or {}),
+        DOT_PRECISION=dot_precision, **fp8, **combine, **(launch or {}),
     )  # fmt: skip
+    return counters is not None
 
 
 def fused_experts(
@@ -252,9 +276,11 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                 topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                 block_size: tuple[int, int] = (1, 1), launch: dict | None = None,
-                masked: bool = False) -> torch.Tensor:  # fmt: skip
+                masked: bool = False, combine: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights. `masked`: the slots of
-    negative ids are in no expert's run, so the down pass never writes their rows: those start at zero."""
+    negative ids are in no expert's run, so the down pass never writes their rows: those start at zero.
+    Up to SLOT_BLOCKS_MAX_TOKENS tokens (unmasked, on CUDA) each slot is a block of its own (slot_blocks: no sorting
+    launch) and the down pass also combines (`combine`, default: then only; True forces it, for tests)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -262,15 +288,48 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return torch.empty_like(hidden)
     w13_scale, w2_scale = scales if scales is not None else (None, None)
     block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
-    blocks = sort_by_expert(topk_ids, num_experts, block_m, masked)
+    slots = slot_blocks(topk_ids, block_m) if num_tokens <= SLOT_BLOCKS_MAX_TOKENS and not masked else None
+    blocks = slots or sort_by_expert(topk_ids, num_experts, block_m, masked)
+    combine = slots is not None if combine is None else combine
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
     per_slot = (torch.zeros if masked else torch.empty)(blocks.num_slots, hidden_size, dtype=hidden.dtype,
                                                         device=hidden.device)
-    _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size, launch)
+    out = torch.empty_like(hidden) if combine else None
+    if _expert_gemm(act, w2, per_slot, blocks, weights, top_k, False, block_n, block_k, w2_scale, block_size, launch,
+                    combined=out):  # fmt: skip
+        return out
     # one reduction launch: torch sums bf16/fp16 in float32 and rounds once, as sum(dtype=float32).to() does in two
     return per_slot.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+SLOT_BLOCKS_MAX_TOKENS = 4
+"""Batches of at most this many tokens run each (token, k) slot as a block of its own (slot_blocks)."""
+_slot_rows: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def slot_blocks(topk_ids: torch.Tensor, block_m: int) -> ExpertBlocks | None:
+    """The slots of a tiny batch as blocks of one slot each (its row, then block_m - 1 padding rows): the expert of
+    block i is topk_ids.flatten()[i], so nothing needs sorting and no launch runs (sort_by_expert's align kernel
+    took 4.6 us per MoE layer of DeepSeek-V3-4L's batch-1 step; docs/performance.md, fourteenth session). Two slots
+    of one expert read its weights twice, which only costs at a few tokens. The row tables depend on the slot count
+    alone and are cached per device; None when topk_ids is not contiguous, or during a CUDA graph capture before the
+    tables exist."""
+    if not topk_ids.is_contiguous():
+        return None
+    num_slots = topk_ids.numel()
+    key = (num_slots, block_m, topk_ids.device)
+    rows = _slot_rows.get(key)
+    if rows is None:
+        if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        sorted_slots = torch.full((num_slots, block_m), num_slots, dtype=torch.int32, device=topk_ids.device)
+        sorted_slots[:, 0] = torch.arange(num_slots, dtype=torch.int32, device=topk_ids.device)
+        rows = _slot_rows[key] = (sorted_slots.view(-1), torch.full((1,), num_slots * block_m, dtype=torch.int32,
+                                                                        device=topk_ids.device))  # fmt: skip
+    return ExpertBlocks(sorted_slots=rows[0], block_experts=topk_ids.view(-1), num_padded=rows[1],
+                        num_slots=num_slots, block_m=block_m)
 
 
 def fused_experts_fp8(
