@@ -255,7 +255,7 @@ def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str,
     wall = (time.perf_counter() - t0) * 1000
     runner.execute(StepPlan(step=10**6 + 1, finished_rids=prefill.rids))
     return {"prefill_tokens": n * per_seq, "prefill_seqs": n, "step_ms_profiled": round(wall, 3),
-            **kernel_table(prof, 1)}
+            **kernel_table(prof, 1), "gaps": device_gaps(prof, 1)}
 
 
 def mixed_plans(runner: ModelRunner, decodes: int, context: int, tokens: int,
