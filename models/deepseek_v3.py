@@ -116,10 +116,43 @@ def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
     return scale
 
 
+_ROPE_ROWS = re.compile(r"self_attn\.(q_b_proj|q_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
+"""The checkpoint tensors whose output rows include rotary parts (each head's last qk_rope_head_dim rows of q; the
+last qk_rope_head_dim rows of kv_a, k_pe)."""
+
+
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's interleaved rotary pairs laid out as
-    halves, after which the neox rotation is exactly theirs (transformers does the same)."""
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...) along the last dim: deinterleaved_rope_rows at every
+    step, for the checkpoints whose weights cannot be reordered at load."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def rope_rows_in_blocks(config: HFModelConfig, mla: MLAConfig, block_rows: int) -> bool:
+    """Whether every rotary row range (each q head's last qk_rope_head_dim rows, kv_a's last ones) lies inside one
+    FP8 weight block of `block_rows` rows, so that reordering the rows leaves the block scales right."""
+    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    starts = [h * (nope + rope) + nope for h in range(config.num_attention_heads)] + [mla.kv_lora_rank]
+    return all(start // block_rows == (start + rope - 1) // block_rows for start in starts)
+
+
+def deinterleaved_rope_rows(tensor: torch.Tensor, kind: str, nope: int, rope: int) -> torch.Tensor:
+    """The rows of a q (`kind` q_b_proj / q_proj: heads of nope + rope rows) or kv_a (kv_a_proj_with_mqa: k_pe's rope
+    rows last) weight or bias with every rotary part's rows (x0, x1, x2, x3, ...) reordered (x0, x2, ..., x1, x3,
+    ...): DeepSeek's interleaved rotary pairs laid out as halves, after which the neox rotation is exactly theirs
+    (transformers de-interleaves the projections' outputs the same way, at every step). Done once to the weights
+    at load, the GEMMs write the halves directly: the same values, and no copy per layer and step. A row
+    permutation inside the rope rows never leaves an FP8 weight block (a head's rope rows lie in one 128-row block
+    at DeepSeek-V3's 192-row heads, and so does kv_a's tail), so the block scales stay as they are. A tensor whose
+    rows do not have the expected layout is returned as it is (the shape check that follows names it)."""
+    rows = tensor.shape[0]
+    per_head = nope + rope if kind != "kv_a_proj_with_mqa" else rows
+    if rows < rope or rows % per_head:
+        return tensor
+    halves = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    order = torch.arange(rows).view(rows // per_head, per_head)
+    order[:, per_head - rope :] = order[:, per_head - rope :][:, halves]
+    raw = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor  # index_select has no e4m3 kernels
+    return raw.index_select(0, order.flatten().to(raw.device)).view(tensor.dtype)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -133,9 +166,11 @@ class DeepseekV3Attention(nn.Module):
         """This rank's heads (all of them with one rank)."""
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.kv_lora_rank = mla.kv_lora_rank
-        self.rope_interleave = mla.rope_interleave
         self.backend = backend
         self.scale = softmax_scale(config, mla)
+        self.deinterleave = mla.rope_interleave
+        """De-interleave the rotary parts at every step (the model turns it off where it reorders the weights'
+        rows at load instead)."""
         self.kv_scale = 1.0
         """An FP8 latent cache holds [c_kv | k_pe] / kv_scale (kernels/mla); 1.0 without a calibrated scale."""
         hidden, bias = config.hidden_size, config.attention_bias
@@ -195,7 +230,7 @@ class DeepseekV3Attention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
-        if self.rope_interleave:
+        if self.deinterleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rope(positions, q_pe.contiguous(), k_pe.reshape(num_tokens, 1, self.rope_dim),
                                          cos_sin_cache)  # fmt: skip
@@ -387,6 +422,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.model = DeepseekV3Model(config, mla, backend, self._make_mlp, self.linears, self.num_mtp_layers)
         self.lm_head = (None if config.tie_word_embeddings
                         else VocabParallelEmbedding(config.vocab_size, config.hidden_size))  # fmt: skip
+        self.rope_halves_at_load = mla.rope_interleave and (
+            self.quant is None or rope_rows_in_blocks(config, mla, self.quant.weight_block_size[0]))
+        """Whether load_weights reorders the rotary rows into halves (deinterleaved_rope_rows), so attention need
+        not de-interleave its rotary parts at every step; else (FP8 blocks that a head's rope rows would straddle:
+        no DeepSeek or Kimi checkpoint) the attention layers do, as transformers does."""
+        for module in self.modules():
+            if isinstance(module, DeepseekV3Attention):
+                module.deinterleave = mla.rope_interleave and not self.rope_halves_at_load
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe
@@ -467,6 +510,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             if experts.load(name, tensor) or expert_scales.load(name, tensor):
                 continue
+            if self.rope_halves_at_load and (rope_rows := _ROPE_ROWS.search(name)):  # the halves, once, here
+                tensor = deinterleaved_rope_rows(tensor, rope_rows[1], self.mla.qk_nope_head_dim,
+                                                 self.mla.qk_rope_head_dim)  # fmt: skip
             if fused := self._fused_part(params, name):  # gate/up, q_a/kv_a (weights, FP8 block scales, biases)
                 param_name, shard = fused
                 owner = owners[param_name]

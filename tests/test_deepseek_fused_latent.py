@@ -27,7 +27,7 @@ from test_deepseek_v3 import HUB_V3
 
 from flotilla.kernels.quant import FP8_DTYPE
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
-from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM, deinterleaved_rope_rows
 from flotilla.models.hf_config import load_hf_config, parse_hf_config
 from flotilla.models.linears import Linears
 from flotilla.models.llama import Linear
@@ -78,6 +78,16 @@ def _load(model_dir: Path, fused: bool = True, dtype: str = "float32", **kwargs:
                           model_kwargs={"attention_backend": "torch", **kwargs}).module  # fmt: skip
 
 
+def _stacked(weights: dict[str, torch.Tensor], prefix: str, suffix: str, model: torch.nn.Module) -> torch.Tensor:
+    """What fused_qkv_a_proj's `suffix` holds after load: the checkpoint's q_a rows, then its kv_a rows with k_pe's
+    rotary rows in halves (deinterleaved_rope_rows; not the block scales, which the reordering leaves as they are)."""
+    mla = model.mla
+    kv_a = weights[f"{prefix}.kv_a_proj_with_mqa.{suffix}"]
+    if suffix != "weight_scale_inv" and mla.rope_interleave:
+        kv_a = deinterleaved_rope_rows(kv_a, "kv_a_proj_with_mqa", mla.qk_nope_head_dim, mla.qk_rope_head_dim)
+    return torch.cat([weights[f"{prefix}.q_a_proj.{suffix}"], kv_a]).float()
+
+
 def test_fused_where_the_fp8_blocks_allow_and_two_layers_elsewhere(dirs: dict[str, Path], tmp_path: Path) -> None:
     attn = _load(dirs["float"]).model.layers[0].self_attn
     assert attn.q_a_proj is None and attn.kv_a_proj_with_mqa is None
@@ -94,8 +104,7 @@ def test_fused_where_the_fp8_blocks_allow_and_two_layers_elsewhere(dirs: dict[st
         assert tuple(fused.weight.shape) == (64 + 48, 64) and tuple(fused.weight_scale_inv.shape) == (4, 2)
     fused = model.model.layers[0].self_attn.fused_qkv_a_proj
     for suffix in ("weight", "weight_scale_inv", "bias"):  # the checkpoint's q_a rows, then its kv_a rows
-        want = torch.cat([weights[f"{ATTN}.q_a_proj.{suffix}"], weights[f"{ATTN}.kv_a_proj_with_mqa.{suffix}"]])
-        assert torch.equal(getattr(fused, suffix).float(), want.float()), suffix
+        assert torch.equal(getattr(fused, suffix).float(), _stacked(weights, ATTN, suffix, model)), suffix
     no_q_lora = write_tiny_deepseek_model(tmp_path, "deepseek_v3_no_q_lora")
     attn = _load(no_q_lora).model.layers[0].self_attn  # one q_proj: kv_a alone
     assert attn.fused_qkv_a_proj is None and attn.q_a_proj is None and type(attn.kv_a_proj_with_mqa) is Linear
@@ -163,9 +172,8 @@ def test_mtp_layer_loads_its_fused_projection_and_errors_name_the_checkpoint_ten
     fused = model.model.mtp_layers[0].self_attn.fused_qkv_a_proj
     assert isinstance(fused, Fp8ColumnParallelLinear)
     for suffix in ("weight", "weight_scale_inv", "bias"):
-        p = "model.layers.3.self_attn"
-        want = torch.cat([weights[f"{p}.q_a_proj.{suffix}"], weights[f"{p}.kv_a_proj_with_mqa.{suffix}"]])
-        assert torch.equal(getattr(fused, suffix).float(), want.float()), suffix
+        want = _stacked(weights, "model.layers.3.self_attn", suffix, model)
+        assert torch.equal(getattr(fused, suffix).float(), want), suffix
     assert not torch.equal(fused.weight_scale_inv, model.model.layers[1].self_attn.fused_qkv_a_proj.weight_scale_inv)
 
     config = load_hf_config(folder)
@@ -188,3 +196,57 @@ def test_mtp_layer_loads_its_fused_projection_and_errors_name_the_checkpoint_ten
     assert float_model.model.layers[0].self_attn.fused_qkv_a_proj is not None
     with pytest.raises(ValueError, match=re.escape(f"'{ATTN}.q_a_proj.weight_scale_inv': FP8 block-scaled")):
         float_model.load_weights([(f"{ATTN}.q_a_proj.weight_scale_inv", weights[f"{ATTN}.q_a_proj.weight_scale_inv"])])
+
+
+def test_rotary_rows_are_reordered_into_halves_at_load_within_their_fp8_blocks() -> None:
+    """deinterleaved_rope_rows: each head's rope rows (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...), the
+    nope rows and kv_a's latent rows untouched; an e4m3 tensor keeps its bytes; at DeepSeek-V3's sizes no rope row
+    leaves its 128-row weight block, so the block scales still fit; an unexpected shape passes as it is."""
+    q = torch.arange(2 * 6, dtype=torch.float32)[:, None].repeat(1, 3)  # 2 heads of nope 2 + rope 4
+    got = deinterleaved_rope_rows(q, "q_b_proj", nope=2, rope=4)[:, 0].tolist()
+    assert got == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+    kv_a = torch.arange(7, dtype=torch.float32)
+    assert deinterleaved_rope_rows(kv_a, "kv_a_proj_with_mqa", nope=0, rope=4).tolist() == [0, 1, 2, 3, 5, 4, 6]
+    fp8 = torch.randn(12, 5).to(FP8_DTYPE)
+    assert torch.equal(deinterleaved_rope_rows(fp8, "q_proj", 2, 4).view(torch.uint8),
+                       fp8.view(torch.uint8)[[0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]])  # fmt: skip
+    odd = torch.zeros(13, 2)
+    assert deinterleaved_rope_rows(odd, "q_b_proj", 2, 4) is odd
+    order = deinterleaved_rope_rows(torch.arange(128 * 192, dtype=torch.float64), "q_b_proj", 128, 64).long()
+    assert torch.equal(order // 128, torch.arange(128 * 192) // 128)  # every row stays in its block
+    kv = deinterleaved_rope_rows(torch.arange(1536 + 576, dtype=torch.float64), "kv_a_proj_with_mqa", 0, 64).long()
+    assert torch.equal(kv // 128, torch.arange(1536 + 576) // 128)
+
+
+@pytest.mark.parametrize("folder", ["float", "fp8"])
+def test_rotary_rows_reordered_at_load_give_the_de_interleave_at_every_steps_logits(dirs: dict[str, Path],
+                                                                                  folder: str) -> None:  # fmt: skip
+    """The FP8 checkpoints whose rope rows would straddle a weight block (rope_rows_in_blocks false: none of
+    DeepSeek's or Kimi's) keep the de-interleave at every step; forced here on the tiny models, both ways give the
+    same logits (to float32 summation order: the GEMMs' output columns sit elsewhere), which transformers' match."""
+    from flotilla.models import deepseek_v3
+
+    at_load = _load(dirs[folder])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deepseek_v3, "rope_rows_in_blocks", lambda *a: False)
+        every_step = _load(dirs[folder]) if folder == "fp8" else None
+    if every_step is None:  # a float model always reorders at load; compare against transformers instead
+        check_prefill_then_paged_decode(at_load, load_hf_model(dirs[folder]))
+        return
+    assert at_load.rope_halves_at_load and not at_load.model.layers[0].self_attn.deinterleave
+    assert not every_step.rope_halves_at_load and every_step.model.layers[0].self_attn.deinterleave
+    steps = [[(0, random_tokens(11, seed=1))], [(1, random_tokens(6, seed=2)), (0, [7])], [(0, [9]), (1, [12])]]
+    got_runner, want_runner = PagedRunner(at_load), PagedRunner(every_step)
+    for batch in steps:
+        for got, want in zip(got_runner.step(batch), want_runner.step(batch), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_rope_rows_in_blocks_at_deepseek_v3_sizes() -> None:
+    """192-row heads (nope 128 + rope 64): every rope range lies in one 128-row block; 160- or 100-row blocks
+    would cut some."""
+    from flotilla.models.deepseek_v3 import rope_rows_in_blocks
+
+    config = parse_hf_config({**HUB_V3, "num_hidden_layers": 1})
+    assert rope_rows_in_blocks(config, config.mla, 128) and rope_rows_in_blocks(config, config.mla, 64)
+    assert not rope_rows_in_blocks(config, config.mla, 160) and not rope_rows_in_blocks(config, config.mla, 100)

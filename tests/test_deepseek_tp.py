@@ -24,7 +24,7 @@ from test_deepseek_v3 import HUB_V3
 from flotilla import LLM, SamplingParams
 from flotilla.kernels.quant import FP8_DTYPE
 from flotilla.models import parallel
-from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM, deinterleaved_rope_rows
 from flotilla.models.hf_config import load_hf_config, parse_hf_config
 from flotilla.models.parallel import (
     ColumnParallelLinear,
@@ -136,12 +136,19 @@ def test_fp8_shards_load_their_blocks(tmp_path: Path, monkeypatch: pytest.Monkey
     model = DeepseekV3ForCausalLM(load_hf_config(fp8_dir), fp8_backend="torch")
     assert model.load_weights(weights.items()) == set(dict(model.named_parameters()))
     attn, p = model.model.layers[0].self_attn, "model.layers.0.self_attn"
-    assert torch.equal(attn.q_b_proj.weight.float(), weights[f"{p}.q_b_proj.weight"][96:].float())
+    mla = model.mla  # q's rotary rows in halves, reordered at load before the rank takes its heads' rows
+    assert model.rope_halves_at_load and not attn.deinterleave
+    q_b = deinterleaved_rope_rows(weights[f"{p}.q_b_proj.weight"], "q_b_proj", mla.qk_nope_head_dim,
+                                  mla.qk_rope_head_dim)  # fmt: skip
+    assert torch.equal(attn.q_b_proj.weight.float(), q_b[96:].float())
     assert torch.equal(attn.q_b_proj.weight_scale_inv, weights[f"{p}.q_b_proj.weight_scale_inv"][6:])
     assert torch.equal(attn.o_proj.weight.float(), weights[f"{p}.o_proj.weight"][:, 48:].float())
     assert torch.equal(attn.o_proj.weight_scale_inv, weights[f"{p}.o_proj.weight_scale_inv"][:, 3:])
     for suffix in ("weight", "weight_scale_inv"):  # the fused latent projection whole: q_a's rows, then kv_a's
-        want = torch.cat([weights[f"{p}.q_a_proj.{suffix}"], weights[f"{p}.kv_a_proj_with_mqa.{suffix}"]])
+        kv_a = weights[f"{p}.kv_a_proj_with_mqa.{suffix}"]
+        if suffix == "weight":
+            kv_a = deinterleaved_rope_rows(kv_a, "kv_a_proj_with_mqa", 0, mla.qk_rope_head_dim)
+        want = torch.cat([weights[f"{p}.q_a_proj.{suffix}"], kv_a])
         assert torch.equal(getattr(attn.fused_qkv_a_proj, suffix).float(), want.float()), suffix
     kv_b = load_file(str(float_dir / "model.safetensors"))[f"{p}.kv_b_proj.weight"]  # dequantized there
     torch.testing.assert_close(attn.kv_b_proj.weight, kv_b[2 * 56:], atol=0, rtol=0)
