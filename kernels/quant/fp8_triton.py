@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
+from flotilla.kernels.quant import attached_quantized
 from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3, per_token_group_quantize
 from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_MAX, FP8_MAX_INV, num_blocks
 
@@ -199,6 +200,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     if t["quant_a"]:  # the kernel quantizes x's rows itself: a_scale is not read
         a = x2 if x2.stride(-1) == 1 else x2.contiguous()
         a_scale = scale_inv
+    elif (attached := attached_quantized(x, block_size[1])) is not None:  # quantized by the kernel that wrote x
+        a, a_scale = attached[0].reshape(-1, k), attached[1].reshape(m, -1)
     else:
         a, a_scale = per_token_group_quantize(x2, block_size[1])
     split_k = t["split_k"]
