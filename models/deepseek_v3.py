@@ -66,6 +66,7 @@ kv_b_proj (read as W_UK / W_UV by the absorbed attention) is dequantized once at
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -115,6 +116,12 @@ def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
         scale *= mscale * mscale
     return scale
 
+
+FP8_NORM_QUANT = os.environ.get("FLOTILLA_FP8_NORM_QUANT", "0") == "1"
+"""Let the RMSNorms before FP8 GEMMs quantize their output in their own launch (kernels/triton/fused.py) instead
+of a quantization launch per GEMM. Off: on an H200 at DeepSeek-V3-4L's batch-1 step it saved 15 of 26 quantization
+launches (36.4 -> 16.6 us) but the 17 norms went from 34.7 to 63.9 us (one program per row quantizing 56 groups
+of 128 through reshapes), a net loss (docs/performance.md, fourteenth session)."""
 
 _ROPE_ROWS = re.compile(r"self_attn\.(q_b_proj|q_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 """The checkpoint tensors whose output rows include rotary parts (each head's last qk_rope_head_dim rows of q; the
@@ -430,7 +437,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, DeepseekV3Attention):
                 module.deinterleave = mla.rope_interleave and not self.rope_halves_at_load
-        if self.fp8_backend_name == "triton":  # the norms before FP8 GEMMs quantize for them (one launch fewer each)
+        if self.fp8_backend_name == "triton" and FP8_NORM_QUANT:  # the norms before FP8 GEMMs quantize for them
             group = self.quant.weight_block_size[1]
             for layer in (*self.model.layers, *getattr(self.model, "mtp_layers", ())):
                 layer.input_layernorm.fp8_group = layer.post_attention_layernorm.fp8_group = group

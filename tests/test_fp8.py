@@ -555,3 +555,28 @@ def test_the_fp8_backend_option_reaches_the_model_and_is_refused_where_it_does_n
     dense = write_tiny_engine_model(tmp_path / "dense", "qwen3")
     with pytest.raises(ActorFailure, match=r"Qwen3ForCausalLM\) takes no fp8_backend='triton'"):
         LLM(str(dense), fp8_backend="triton", kv_cache_blocks=64, block_size=4)
+
+
+@needs_triton
+def test_norms_quantizing_for_the_fp8_gemms_give_the_same_logits(fp8_dirs: tuple[Path, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """FLOTILLA_FP8_NORM_QUANT (off by default): the input, q_a and post-attention norms quantize their output for
+    the FP8 GEMMs and experts that read it; the model's logits are those of the GEMMs quantizing for themselves."""
+    from flotilla.models import deepseek_v3
+
+    fp8_dir, _ = fp8_dirs
+    kwargs = {"attention_backend": "torch", "fp8_backend": "triton", "fused_ops": "triton", "moe_backend": "triton"}
+    plain = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module
+    assert plain.model.layers[0].input_layernorm.fp8_group == 0
+    monkeypatch.setattr(deepseek_v3, "FP8_NORM_QUANT", True)
+    fused = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module
+    group = fused.quant.weight_block_size[1]
+    for layer in fused.model.layers:
+        assert layer.input_layernorm.fp8_group == layer.post_attention_layernorm.fp8_group == group
+        assert layer.self_attn.q_a_layernorm.fp8_group == group
+    tokens = _tokens(9, seed=3)
+    steps = [[(0, tokens)], [(0, [5])]]
+    runners = PagedRunner(fused), PagedRunner(plain)
+    for batch in steps:
+        got, want = (r.step(batch)[0] for r in runners)
+        torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)
