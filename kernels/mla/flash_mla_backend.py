@@ -9,7 +9,7 @@ call of a step (inside the call, on the device) and reused by the other layers t
 AttentionMetadata.backend_state: in a CUDA graph the first layer's computation is captured and reruns on every
 replay. Prefill and mixed steps (sequences with different numbers of new tokens, or more than 4) go to the triton
 MLA kernels, as vLLM's FlashMLA backend sends prefills elsewhere; so do decode steps of at most
-TRITON_DECODE_AT_MOST sequences (off by default until the engine has run with it on a GPU), where FlashMLA's fixed
+TRITON_DECODE_AT_MOST sequences (off by default: the engine did not gain from it on an H200), where FlashMLA's fixed
 cost per step (its splits over every SM, then their combine) is more than the whole of triton's flash-decoding
 kernel.
 
@@ -42,8 +42,10 @@ TRITON_DECODE_AT_MOST = int(os.environ.get("FLOTILLA_MLA_TRITON_DECODE_AT_MOST",
 default: none). profile_step on DeepSeek-V3-4L, H200, 512-token prompts, block size 64, attention us per step over
 its 4 layers, triton against FlashMLA: batch 1 74.6 / 203.8, 2 88.7 / 189.6, 4 109.8 / 193.7, 8 152.1 / 194.1, 16
 210.4 / 175.8, 32 331.8 / 175.4 (docs/performance.md, thirteenth device session), so 8 is the value to try; it is a
-captured graph size, so a batch decodes with the same kernel eager as padded in a graph. Off until the engine's GPU
-tests and bench_offline have run with it (the session that measured it had no GPU left for that)."""
+captured graph size, so a batch decodes with the same kernel eager as padded in a graph. Off: in the engine (the
+fourteenth session) batch 1 decoded 594.3 tok/s with it at 8 against 605.4 without, and the engine's test of
+graphs against eager steps on FlashMLA failed with it (triton's split count differs between a graph, sized for the
+longest context, and an eager step, so near-tied greedy tokens of the random tiny model came out otherwise)."""
 
 
 def import_flash_mla() -> ModuleType | None:
