@@ -64,7 +64,12 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 60.0, stre
         seen += line
         if re.search(pattern, line):
             return seen
-    raise AssertionError(f"never saw {pattern!r}; {stream} so far:\n{seen}")
+    why = ""
+    if proc.poll() is not None:  # it exited: say how, with its stderr (a launcher that failed says why there)
+        why = f"\nthe process exited with {proc.returncode}"
+        if stream == "stdout" and proc.stderr is not None:
+            why += ":\n" + proc.stderr.read()[-4000:]
+    raise AssertionError(f"never saw {pattern!r}; {stream} so far:\n{seen}{why}")
 
 
 def pids_from_table(out: str) -> dict[str, int]:
