@@ -281,8 +281,9 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                 masked: bool = False, combine: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights. `masked`: the slots of
     negative ids are in no expert's run, so the down pass never writes their rows: those start at zero.
-    Up to SLOT_BLOCKS_MAX_TOKENS tokens (unmasked, on CUDA) each slot is a block of its own (slot_blocks: no sorting
-    launch) and the down pass also combines (`combine`, default: then only; True forces it, for tests)."""
+    Up to SLOT_BLOCKS_MAX_TOKENS tokens (unmasked) each slot is a block of its own (slot_blocks: no sorting launch)
+    and the down pass also combines (`combine`, default: then only; True forces it, for tests). Never with `masked`:
+    a masked slot is never counted, so its token's last arrival would never come."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -292,7 +293,7 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
     slots = slot_blocks(topk_ids, block_m) if num_tokens <= SLOT_BLOCKS_MAX_TOKENS and not masked else None
     blocks = slots or sort_by_expert(topk_ids, num_experts, block_m, masked)
-    combine = slots is not None if combine is None else combine
+    combine = (slots is not None if combine is None else combine) and not masked
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
