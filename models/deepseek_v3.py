@@ -134,6 +134,11 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def _present(params: dict[str, nn.Parameter], candidate: str) -> str | None:
+    """The parameter named `candidate`, or `model.` + it (headless checkpoints omit the prefix); None if neither."""
+    return next((name for name in (candidate, f"model.{candidate}") if name in params), None)
+
+
 def rope_rows_in_blocks(config: HFModelConfig, mla: MLAConfig, block_rows: int) -> bool:
     """Whether every rotary row range (each q head's last qk_rope_head_dim rows, kv_a's last ones) lies inside one
     FP8 weight block of `block_rows` rows, so that reordering the rows leaves the block scales right."""
@@ -573,9 +578,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             return False
         if PER_EXPERT.match(name):
             return expert_scales.is_fp8(name)
-        if fused := self._fused_part(params, name):
-            name = fused[0]
-        return any(params.get(n) is not None and params[n].dtype == FP8_DTYPE for n in (name, f"model.{name}"))
+        fused = self._fused_part(params, name)
+        param_name = fused[0] if fused else _present(params, name)
+        return param_name is not None and params[param_name].dtype == FP8_DTYPE
 
     def _fp8_paired(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
                     experts: ExpertTensors, expert_scales: Fp8ExpertScales) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
@@ -634,15 +639,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         if part is None:
             return None
         fused, shard = _FUSED_INTO[part[1]]
-        candidate = f"{name[: part.start()]}.{fused}.{part[2]}"
-        for param_name in (candidate, f"model.{candidate}"):
-            if param_name in params:
-                return param_name, shard
-        return None
+        param_name = _present(params, f"{name[: part.start()]}.{fused}.{part[2]}")
+        return None if param_name is None else (param_name, shard)
 
     def _param_name(self, params: dict[str, nn.Parameter], candidate: str, checkpoint_name: str) -> str:
-        """The parameter a checkpoint tensor maps to; headless checkpoints omit the `model.` prefix."""
-        for name in (candidate, f"model.{candidate}"):
-            if name in params:
-                return name
+        """The parameter a checkpoint tensor maps to (_present), or ValueError naming the tensor."""
+        if (name := _present(params, candidate)) is not None:
+            return name
         raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no parameter of {type(self).__name__}")

@@ -71,10 +71,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        quant = {"quant_group": self.fp8_group} if self.fp8_group else {}
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps, **quant)
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, **quant)
+            return self.ops.rms_norm(x, self.weight, self.eps, self.fp8_group)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.fp8_group)
 
 
 class RotaryEmbedding(nn.Module):

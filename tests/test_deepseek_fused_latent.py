@@ -218,21 +218,16 @@ def test_rotary_rows_are_reordered_into_halves_at_load_within_their_fp8_blocks()
     assert torch.equal(kv // 128, torch.arange(1536 + 576) // 128)
 
 
-@pytest.mark.parametrize("folder", ["float", "fp8"])
-def test_rotary_rows_reordered_at_load_give_the_de_interleave_at_every_steps_logits(dirs: dict[str, Path],
-                                                                                  folder: str) -> None:  # fmt: skip
+def test_rotary_rows_reordered_at_load_give_the_de_interleave_at_every_steps_logits(dirs: dict[str, Path]) -> None:
     """The FP8 checkpoints whose rope rows would straddle a weight block (rope_rows_in_blocks false: none of
-    DeepSeek's or Kimi's) keep the de-interleave at every step; forced here on the tiny models, both ways give the
-    same logits (to float32 summation order: the GEMMs' output columns sit elsewhere), which transformers' match."""
+    DeepSeek's or Kimi's) keep the de-interleave at every step; forced here on the tiny FP8 model, both ways give
+    the same logits (to float32 summation order: the GEMMs' output columns sit elsewhere)."""
     from flotilla.models import deepseek_v3
 
-    at_load = _load(dirs[folder])
+    at_load = _load(dirs["fp8"])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(deepseek_v3, "rope_rows_in_blocks", lambda *a: False)
-        every_step = _load(dirs[folder]) if folder == "fp8" else None
-    if every_step is None:  # a float model always reorders at load; compare against transformers instead
-        check_prefill_then_paged_decode(at_load, load_hf_model(dirs[folder]))
-        return
+        every_step = _load(dirs["fp8"])
     assert at_load.rope_halves_at_load and not at_load.model.layers[0].self_attn.deinterleave
     assert not every_step.rope_halves_at_load and every_step.model.layers[0].self_attn.deinterleave
     steps = [[(0, random_tokens(11, seed=1))], [(1, random_tokens(6, seed=2)), (0, [7])], [(0, [9]), (1, [12])]]
@@ -240,6 +235,10 @@ def test_rotary_rows_reordered_at_load_give_the_de_interleave_at_every_steps_log
     for batch in steps:
         for got, want in zip(got_runner.step(batch), want_runner.step(batch), strict=True):
             torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_a_float_model_reorders_its_rotary_rows_at_load_and_matches_transformers(dirs: dict[str, Path]) -> None:
+    check_prefill_then_paged_decode(_load(dirs["float"]), load_hf_model(dirs["float"]))
 
 
 def test_rope_rows_in_blocks_at_deepseek_v3_sizes() -> None:
