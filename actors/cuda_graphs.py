@@ -31,10 +31,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from flotilla.actors.graph_inputs import StaticInputs
 from flotilla.kernels.attention import decodes_with_flashinfer, flashinfer_backend
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.sampling import greedy_argmax
-from flotilla.kernels.staging import pinned, upload
+from flotilla.kernels.staging import pinned
 from flotilla.models.parallel import ep_step
 from flotilla.transport.messages import StepPlan
 
@@ -114,11 +115,13 @@ class DecodeGraphs:
         self.planned_sizes = {size for size in self.sizes if not self.static_tables or (
             model.attention_backend_name == "flashinfer_triton" and decodes_with_flashinfer(size))}
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.inputs = StaticInputs(gmax, gmax if self.static_tables else 0, max_blocks_per_seq if self.static_tables
+                                   else 0, scratch_block, self.scratch_slot, device)  # fmt: skip
+        """The graphs' inputs (and the static-table backends' seq_lens and block tables): one copy per step."""
+        self.input_ids, self.positions, self.slots = self.inputs.ids, self.inputs.positions, self.inputs.slots
         if self.static_tables:
-            i32 = dict(dtype=torch.int32, device=device)
-            self.query_start_loc = torch.arange(gmax + 1, **i32)
-            self.seq_lens = torch.ones(gmax, **i32)
-            self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
+            self.query_start_loc = torch.arange(gmax + 1, dtype=torch.int32, device=device)
+            self.seq_lens, self.block_tables = self.inputs.seq_lens, self.inputs.block_tables
         if self.planned_sizes:
             self.attn = flashinfer_backend.shared()
             cfg = model.config
@@ -126,10 +129,6 @@ class DecodeGraphs:
             self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=cfg.head_dim,
                               page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
                               scale=cfg.head_dim ** -0.5)  # fmt: skip
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(gmax, **i64)
-        self.positions = torch.zeros(gmax, **i64)
-        self.slots = torch.full((gmax,), self.scratch_slot, **i64)
         if self.planned_sizes:  # flashinfer's page tables, which plan() fills
             i32 = dict(dtype=torch.int32, device=device)
             self.kv_indptr = torch.zeros(gmax + 1, **i32)
@@ -172,12 +171,21 @@ class DecodeGraphs:
         """static_tables() on this graph set's block size and scratch block."""
         return static_tables(size, seq_lens, tables, self.block_size, self.scratch_block)
 
+    def _stage(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+               seq_lens: np.ndarray, tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None) -> None:
+        """Queue a step's inputs for the graph of `size`: ids, positions and slots (padding rows past them), patched
+        ids, and the attention tables: with the inputs in one copy (static-table sizes) or planned (flashinfer)."""
+        if size in self.planned_sizes:
+            self.inputs.write(input_ids, positions, slots)
+        else:
+            self.inputs.write(input_ids, positions, slots, *self.static_tables_for(size, seq_lens, tables))
+        if patch is not None:
+            patch(self.input_ids)
+        if size in self.planned_sizes:
+            self._plan(size, seq_lens, tables)
+
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:
-        if size not in self.planned_sizes:
-            lens, table = self.static_tables_for(size, seq_lens, tables)
-            self.seq_lens[:size].copy_(pinned(lens), non_blocking=True)
-            self.block_tables[:size, :table.shape[1]].copy_(pinned(table), non_blocking=True)
-            return
+        """FlashInfer's plan of a decode of `size` rows (its page tables into the graph's buffers)."""
         indptr, indices, last = self.page_tables(size, seq_lens, tables)
         # The page indices go straight into the buffer the graph reads, queued from pinned memory. Handing
         # FlashInfer's plan() host indices instead makes it copy them with non_blocking=False (flashinfer 0.6
@@ -197,7 +205,8 @@ class DecodeGraphs:
                     tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],
                                                                         self.heads["num_kv_heads"]))
             self.metas[size] = self._meta(size)
-            self._plan(size, np.zeros(0, dtype=np.int64), [])
+            none = np.zeros(0, dtype=np.int64)
+            self._stage(size, none, none, none, none, [], None)
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
             # under gathering expert parallelism every rank captures the same sizes in this order, so the MoE
             # layers' all-gathers and reduce-scatters of `size` rows pair up across the ranks inside the captures
@@ -239,15 +248,6 @@ class DecodeGraphs:
         size = size or self.padded_size(batch)
         if size not in self.graphs or size < batch:
             raise ValueError(f"no captured graph of {size} rows for a batch of {batch}")
-        host = np.empty((3, size), dtype=np.int64)
-        host[0, :batch], host[1, :batch], host[2, :batch] = input_ids, positions, slots
-        host[0, batch:], host[1, batch:], host[2, batch:] = 0, 0, self.scratch_slot
-        staged = upload(host, self.device)
-        self.input_ids[:size].copy_(staged[0])
-        if patch is not None:
-            patch(self.input_ids)
-        self.positions[:size].copy_(staged[1])
-        self.slots[:size].copy_(staged[2])
-        self._plan(size, seq_lens, tables)
+        self._stage(size, input_ids, positions, slots, seq_lens, tables, patch)
         self.graphs[size].replay()
         return self.logits[:batch], self.greedy[size][:batch]

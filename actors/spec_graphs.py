@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from flotilla.actors.cuda_graphs import capture_sizes, static_tables
+from flotilla.actors.graph_inputs import StaticInputs
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import upload
 
@@ -84,14 +85,13 @@ class SpecGraphs:
         gmax = self.sizes[-1]
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        # verify and propose: q rows per sequence
-        self.ids = torch.zeros(gmax * q, **i64)
+        # verify and propose: q rows per sequence, their inputs and tables in one buffer (one copy per step)
+        self.inputs = StaticInputs(gmax * q, gmax, max_blocks_per_seq, scratch_block, self.scratch_slot, device)
+        self.ids, self.positions, self.slots = self.inputs.ids, self.inputs.positions, self.inputs.slots
+        self.seq_lens, self.block_tables = self.inputs.seq_lens, self.inputs.block_tables
+        self.seq_lens.fill_(q)  # (until the first step: the captures' warm-up passes read q rows per sequence)
         self.mtp_ids = torch.zeros(gmax * q, **i64)
-        self.positions = torch.zeros(gmax * q, **i64)
-        self.slots = torch.full((gmax * q,), self.scratch_slot, **i64)
         self.query_start_loc = torch.arange(0, gmax * q + 1, q, **i32)
-        self.seq_lens = torch.full((gmax,), q, **i32)
-        self.block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
         # draft: k - 1 decode passes whose slots and context lengths the graph writes here (pass j in row j)
         self.row_base = torch.arange(0, gmax * q, q, **i64)  # each sequence's first verify row
         self.d_slots = torch.full((max(k - 1, 1), gmax), self.scratch_slot, **i64)
@@ -188,15 +188,7 @@ class SpecGraphs:
         lens[batch:] = q  # a padded sequence holds its q rows on the scratch block
         pos = (cached[:, None] + np.arange(q)[None, :]).reshape(-1)
         blocks = table[np.repeat(np.arange(batch), q), pos // bs].astype(np.int64)
-        host = np.zeros((3, size * q), dtype=np.int64)
-        host[2] = self.scratch_slot  # padded rows: on the scratch block
-        host[0, :batch * q], host[1, :batch * q], host[2, :batch * q] = ids, pos, blocks * bs + pos % bs
-        staged = upload(host, self.device)
-        self.ids[:size * q].copy_(staged[0])
-        self.positions[:size * q].copy_(staged[1])
-        self.slots[:size * q].copy_(staged[2])
-        self.seq_lens[:size].copy_(upload(lens, self.device))
-        self.block_tables[:size, :table.shape[1]].copy_(upload(table, self.device))
+        self.inputs.write(ids, pos, blocks * bs + pos % bs, lens, table)  # padded rows: on the scratch block
         return self.verify_graphs[size].replay()[:batch * q]
 
     def propose(self, sampled: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""StaticInputs: the device tensors a captured step reads, in one buffer that one copy per step fills.
+
+A CUDA graph reads its inputs from fixed device tensors: the token ids, positions and KV slots of its rows, and for
+the attention kernels that read device metadata (actors/cuda_graphs.py STATIC_TABLE_BACKENDS) each sequence's
+context length and block table. Filled one by one, a batch-1 DeepSeek-V3-4L step spent ~0.1 ms of an H200's time
+idle around eight small copies (an upload, three device copies out of it, seq_lens, the block table and its
+device-side scatter into the table's columns, the result; profile_step's gap table, docs/performance.md). Here they
+are views of one int64 buffer laid out so that a step's part of it is one contiguous prefix:
+
+    ids [rows] | positions [rows] | slots [rows] | seq_lens int32 [seqs] | block tables int32 [seqs, max_blocks]
+
+and `write` builds that prefix on the host (each section padded as the graph's padding rows need) and queues it
+with one copy from pinned memory: the block tables' rows [:size] whole, scratch-filled past each table. Where those
+rows would be large (long max_model_len at a large batch) the table keeps its own copy of only the columns in use.
+Every section starts on a 64-byte boundary, so the kernels see the alignment they would with tensors of their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flotilla.kernels.staging import pinned
+
+ALIGN = 8
+"""Section starts, in int64 elements (64 bytes)."""
+
+WHOLE_TABLE_BYTES = 256 * 1024
+"""The most block-table bytes a step copies with its inputs in one go (rows [:size] at full width); beyond it the
+table is copied on its own, only the columns its sequences use."""
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class StaticInputs:
+    """Views of one device buffer: `ids`, `positions`, `slots` (int64 [rows]) and, with `max_seqs`, `seq_lens` (int32
+    [max_seqs]) and `block_tables` (int32 [max_seqs, max_blocks])."""
+
+    def __init__(self, rows: int, max_seqs: int, max_blocks: int, scratch_block: int, scratch_slot: int,
+                 device: torch.device) -> None:  # fmt: skip
+        """max_seqs 0: token inputs only (a backend planned on the host keeps its own tables)."""
+        self.rows, self.max_seqs, self.max_blocks = rows, max_seqs, max_blocks
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
+        self.lens_at = 3 * _up(rows)  # int64 offsets of the sections
+        self.tables_at = self.lens_at + _up(-(-max_seqs // 2))
+        self.size = self.tables_at + _up(-(-max_seqs * max_blocks // 2))
+        self.buffer = torch.zeros(self.size, dtype=torch.int64, device=device)
+        r = _up(rows)
+        self.ids, self.positions, self.slots = (self.buffer[i * r:i * r + rows] for i in range(3))
+        self.slots.fill_(scratch_slot)
+        as32 = self.buffer.view(torch.int32)
+        self.seq_lens = as32[2 * self.lens_at:2 * self.lens_at + max_seqs]
+        self.seq_lens.fill_(1)
+        self.block_tables = as32[2 * self.tables_at:2 * self.tables_at + max_seqs * max_blocks].view(max_seqs,
+                                                                                                    max_blocks)
+        self.block_tables.fill_(scratch_block)
+
+    def write(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray | None = None,
+              table: np.ndarray | None = None) -> None:
+        """Queue a step's inputs: ids / positions / slots of its first len(ids) rows (every later row is padding:
+        token 0 at position 0 on the scratch slot); with seq_lens [size] and table [size, w] (static_tables', padding
+        sequences included), the attention tables of its `size` sequences (later ones: length 1; columns past w: the
+        scratch block)."""
+        r, n = _up(self.rows), len(ids)
+        end, whole, size = 3 * r, False, 0
+        if seq_lens is not None:
+            assert table is not None and self.max_seqs, "this buffer holds no attention tables"
+            size = len(seq_lens)
+            whole = size * self.max_blocks * 4 <= WHOLE_TABLE_BYTES
+            end = self.tables_at + (-(-size * self.max_blocks // 2) if whole else 0)
+        host = np.empty(end, dtype=np.int64)
+        for i, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, self.scratch_slot))):
+            host[i * r:i * r + n] = values
+            host[i * r + n:(i + 1) * r] = pad
+        if seq_lens is not None:
+            assert table is not None
+            as32 = host.view(np.int32)
+            as32[2 * self.lens_at:2 * self.lens_at + size] = seq_lens
+            as32[2 * self.lens_at + size:2 * self.tables_at] = 1
+            if whole:
+                rows = as32[2 * self.tables_at:2 * self.tables_at + size * self.max_blocks]
+                rows = rows.reshape(size, self.max_blocks)
+                rows[:, table.shape[1]:] = self.scratch_block
+                rows[:, :table.shape[1]] = table
+        self.buffer[:end].copy_(self._staged(host), non_blocking=True)
+        if seq_lens is not None and not whole:
+            assert table is not None
+            self.block_tables[:size, :table.shape[1]].copy_(self._staged(table), non_blocking=True)
+
+    def _staged(self, array: np.ndarray) -> torch.Tensor:
+        return pinned(array) if self.buffer.device.type == "cuda" else torch.from_numpy(np.ascontiguousarray(array))
