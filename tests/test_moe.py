@@ -188,6 +188,44 @@ def test_small_batch_experts_match_reference(tokens, hidden, inter, experts, top
 
 
 @needs_triton
+@pytest.mark.parametrize(("tokens", "top_k", "block_n", "dtype"), [(1, 4, 16, torch.float32), (3, 3, 8, torch.float16)])
+def test_the_per_slot_down_pass_gives_the_token_major_bits_masked_slots_included(tokens, top_k, block_n, dtype,
+                                                                                 monkeypatch):  # fmt: skip
+    """FLOTILLA_MOE_TILES "ds=1": the small path's down pass with a program per slot, the last of a token's programs
+    adding its rows (kernels/arrivals.py), gives the token-major pass's numbers bit for bit, with masked (negative)
+    slots adding nothing, and leaves every arrival counter at 0."""
+    from flotilla.kernels.arrivals import arrival_counters
+    from flotilla.kernels.moe import triton_experts, triton_experts_small
+
+    launched = []
+
+    class Spy:  # the per-slot kernel's grids, as launched
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(triton_experts_small, "_small_down_slot_kernel",
+                        Spy(triton_experts_small._small_down_slot_kernel))  # fmt: skip
+    x, w13, w2, weights, ids = _case(tokens, 48, 40, 6, top_k, dtype, seed=tokens)
+    ids[0, 1] = -1  # masked routing (expert parallelism): a slot no rank computes
+    per_slot = triton_experts.parse_tiles("ds=1")
+    got = triton_experts.fused_experts(x, w13, w2, weights, ids, small_block_n=block_n, small_block_k=16,
+                                       masked=True, **per_slot)  # fmt: skip
+    assert launched == [(tokens * top_k, -(-48 // block_n))]
+    want = triton_experts_small.fused_experts_small(x, w13, w2, weights, ids, block_n, 16)
+    assert len(launched) == 1  # (the token-major pass without ds)
+    assert torch.equal(got, want)
+    counters = arrival_counters(x.device)
+    assert counters is not None and not counters.any()
+    kept = ids[0] >= 0  # and the masked slot is no slot: the reference without it
+    ref = torch_ref.fused_experts(x[:1].float(), w13.float(), w2.float(), weights[:1, kept], ids[:1, kept])
+    torch.testing.assert_close(got[:1].float(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@needs_triton
 def test_small_batches_take_the_token_major_path_and_larger_ones_the_sorted_gemms(monkeypatch):
     """fused_experts sends batches of up to SMALL_BATCH_MAX_TOKENS tokens (or the caller's / FLOTILLA_MOE_TILES'
     small_tokens, t=N) to the small-batch kernels, the rest to the sorted GEMMs; both give the reference's numbers."""
@@ -346,7 +384,11 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
                                                   "out_ptr": "*bf16"}, [], dict(tiles, N=768, K=2048), 4),
                 (small, "_small_down_kernel", {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
                                                "weights_ptr": "*fp32", "out_ptr": "*bf16"}, [],
-                 dict(tiles, N=2048, K=768, TOP_K_P2=8), 8)]  # fmt: skip
+                 dict(tiles, N=2048, K=768, TOP_K_P2=8), 8),
+                (small, "_small_down_slot_kernel", {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32",
+                                                    "weights_ptr": "*fp32", "rows_ptr": "*bf16", "out_ptr": "*bf16",
+                                                    "count_ptr": "*i32"}, [], dict(tiles, N=2048, K=768), 8)]
+    # fmt: skip
     compile_for_sm90(kernels, tmp_path)
 
 

@@ -137,10 +137,11 @@ def _expert_gemm_kernel(
 
 TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
              "sn": "small_block_n", "sk": "small_block_k", "dn": "small_down_block_n", "dk": "small_down_block_k",
-             "dw": "small_down_warps"}
+             "dw": "small_down_warps", "ds": "small_down_per_slot"}
 """FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
 small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles; dn, dk and
-dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps)."""
+dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps), ds=1 its down pass with a
+program per slot."""
 
 
 @functools.cache
@@ -244,6 +245,7 @@ def fused_experts(
     small_down_block_n: int | None = None,
     small_down_block_k: int | None = None,
     small_down_warps: int | None = None,
+    small_down_per_slot: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
@@ -254,10 +256,12 @@ def fused_experts(
     slots per expert)."""
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                small_block_n=small_block_n, small_block_k=small_block_k, small_down_block_n=small_down_block_n,
-               small_down_block_k=small_down_block_k, small_down_warps=small_down_warps)
+               small_down_block_k=small_down_block_k, small_down_warps=small_down_warps,
+               small_down_per_slot=small_down_per_slot)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
-        down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps") if f"small_down_{key}" in t}
+        down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
+                if f"small_down_{key}" in t}
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}

@@ -11,7 +11,11 @@ computation is two launches that need no grouping:
   expert id (expert parallelism's masked routing) write nothing.
 - down: one program per (token, BLOCK_N columns of the hidden size); it steps along K through all of the token's
   top-k slots at once, rounds and weights each slot's product as the reference does, and sums them in float32 in
-  registers, so the token's output is written once, already combined.
+  registers, so the token's output is written once, already combined. Opt-in (FLOTILLA_MOE_TILES "ds=1", for a
+  measurement on the GPU): one program per (slot, BLOCK_N columns), top-k times the programs, each writing its
+  slot's weighted row; the last of a token's programs of those columns to finish (kernels/arrivals.py) sums the
+  rows in slot order. At one token the token-major down pass is only hidden / BLOCK_N programs (128 at
+  Qwen3-30B-A3B's 2,048), and it read its 25 MB at 2.1 TB/s against the gate_up pass's 3.3 (an H200, 2026-12-01).
 
 Both are matrix-vector products: the weights are multiplied elementwise and summed along K in float32 (a
 [BLOCK_N, BLOCK_K] accumulator reduced once at the end), with no tl.dot, whose 16-row minimum would waste 15/16
@@ -30,6 +34,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
+from flotilla.kernels.triton.gemv import row_products
 
 SMALL_BATCH_MAX_TOKENS = 4
 """Batches of at most this many tokens take this path in triton_experts.fused_experts (bf16/fp16/fp32 weights);
@@ -120,13 +127,51 @@ def _small_down_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, tl.sum(y, axis=0).to(dtype), mask=n_mask)
 
 
+@triton.jit
+def _small_down_slot_kernel(
+    act_ptr, w_ptr, ids_ptr, weights_ptr, rows_ptr, out_ptr, count_ptr, stride_am, stride_we, stride_wn, stride_rm,
+    stride_om, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program (slot, pid_n): the slot's weighted product rows[slot, cols] = round(weight * round(act[slot] @
+    w2[cols].T)) (0 for a masked slot), cols = [pid_n * BLOCK_N, +BLOCK_N) of the hidden size N; the last of a
+    token's TOP_K programs of those columns to finish (kernels/arrivals.py: count_ptr[token, pid_n]) sums the token's
+    rows in slot order, in float32, into out[token] and sets the count back to 0. The same numbers as
+    _small_down_kernel with TOP_K times the programs: at one token that kernel's grid is N / BLOCK_N programs."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = slot // TOP_K
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    k_end = tl.where(expert >= 0, K, 0)  # a masked slot loads nothing, writes zeros and is counted like the others
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    a_ptr = act_ptr + slot.to(tl.int64) * stride_am
+    w_rows = w_ptr + tl.maximum(expert, 0) * stride_we
+    products = row_products(a_ptr, w_rows, offs_n, n_mask, K, k_end, stride_wn, BLOCK_N, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + slot, mask=k_end > 0, other=0.0)
+    y = products.to(dtype).to(tl.float32)  # the slot's product, rounded
+    tl.store(rows_ptr + slot * stride_rm + offs_n, (y * weight).to(dtype), mask=n_mask)  # weighted, rounded
+    count = count_ptr + token * tl.num_programs(1) + pid_n
+    tl.debug_barrier()  # every thread's part of the row stored before the count publishes it
+    last = tl.atomic_add(count, 1, sem="acq_rel") == TOP_K - 1
+    total = tl.full((BLOCK_N,), 0.0, tl.float32)
+    mask = offs_n < tl.where(last, N, 0)
+    for j in range(TOP_K):  # ".cg": from L2, where the other programs' rows are
+        row = rows_ptr + (token * TOP_K + j) * stride_rm + offs_n
+        total += tl.load(row, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(dtype), mask=mask)
+    tl.atomic_xchg(count, 0, mask=last)
+
+
 def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
                         launch: dict | None = None, down: dict | None = None) -> torch.Tensor:  # fmt: skip
     """torch_ref.fused_experts's contract (negative ids always allowed) in two launches: hidden [T, H], w13
     [E, 2I, H], w2 [E, H, I], topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Meant for
     T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes unless `down`
-    ({"block_n", "block_k", "warps"}, any subset) tiles the down pass otherwise (tuning sweeps)."""
+    ({"block_n", "block_k", "warps"}, any subset) tiles the down pass otherwise (tuning sweeps); down["per_slot"]
+    runs the down pass with a program per slot (_small_down_slot_kernel: the same numbers) where the device's
+    arrival counters allow."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -149,7 +194,18 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     down_launch = {"num_warps": NUM_WARPS, **(launch or {})}
     if "warps" in down:
         down_launch["num_warps"] = down["warps"]
-    _small_down_kernel[(num_tokens, triton.cdiv(hidden_size, dn))](
+    grid_n = triton.cdiv(hidden_size, dn)
+    counters = arrival_counters(hidden.device) \
+        if down.get("per_slot") and num_tokens * grid_n <= MAX_ARRIVAL_COUNTERS else None  # fmt: skip
+    if counters is not None:  # a program per slot, the last of a token's adding its rows (the arrival counters)
+        rows = torch.empty(ids.numel(), hidden_size, dtype=hidden.dtype, device=hidden.device)
+        _small_down_slot_kernel[(ids.numel(), grid_n)](
+            act, w2, ids, weights, rows, out, counters, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+            out.stride(0), N=hidden_size, K=inter, TOP_K=top_k, BLOCK_N=dn,
+            BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch,
+        )  # fmt: skip
+        return out
+    _small_down_kernel[(num_tokens, grid_n)](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=dn,
         BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch,

@@ -40,24 +40,33 @@ def _rows_per_program(n: int) -> int:
 
 
 @triton.jit
+def row_products(x_ptr, w_ptr, offs_n, n_mask, K, k_end, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: x[:k_end] . W[offs_n, :k_end] for the rows of offs_n where n_mask holds (k_end <= K, the
+    steps' bound; k_end 0: zeros, nothing read), in BLOCK_K-wide steps into a [BLOCK_N, BLOCK_K] float32 accumulator
+    summed once at the end (no tl.dot, whose 16-row minimum would waste 15/16 of a tile on one row). Also the
+    small-batch MoE experts' down pass per slot (kernels/moe/triton_experts_small.py)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_k
+    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        k_mask = offs_k < k_end - k_tile * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Program pid: out[rows] = x @ W[rows].T (+ b[rows]), rows = [pid * BLOCK_N, +BLOCK_N); x is one row of K."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_k
-    acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
-    for k_tile in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-        k_mask = offs_k < K - k_tile * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    y = tl.sum(acc, axis=1)
+    y = row_products(x_ptr, w_ptr, offs_n, n_mask, K, K, stride_wn, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
