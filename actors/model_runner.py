@@ -300,6 +300,12 @@ class ModelRunner:
         p = self._pending[0]
         return p.step, p.event
 
+    def oldest_finished(self) -> bool:
+        """Whether the oldest pending step's result is ready as it is (a step that finished at launch: a speculating
+        one, an empty or a failed one): finish_oldest then waits for nothing and touches no sequence, so any thread
+        may call it."""
+        return self._pending[0].result is not None
+
     def finish_oldest(self) -> StepResult:
         """Finish the oldest launched step (blocks until its device work is done) and return its result."""
         p = self._pending.popleft()
