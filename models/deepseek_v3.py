@@ -2,26 +2,18 @@
 attention (MLA) over a paged compressed KV cache, and MoE layers with shared experts and grouped top-k
 routing, over flotilla's kernels.
 
-MLA. Per token, kv_a_proj_with_mqa makes a latent c_kv (kv_lora_rank, then RMSNorm) and one rotated key
-part k_pe (qk_rope_head_dim) shared by all heads; kv_b_proj expands c_kv into each head's no-rope key
-(W_UK) and value (W_UV). The cache holds only [c_kv | k_pe] per token (kernels/mla: one "head" of
-kv_lora_rank + qk_rope_head_dim), and attention never expands it: W_UK is absorbed into the query
-(q_latent = q_nope W_UK, since q_nope . (W_UK c) = (q_nope W_UK) . c), so every head attends to the same
-cache rows (MQA with keys [c_kv | k_pe] and values c_kv), and the latent output is projected by W_UV per
-head before o_proj. The same path serves prefill chunks and decodes.
+MLA (multi-head latent attention over a paged compressed KV cache, weight absorption for decode):
+models/deepseek_v3_mla.py.
 
 MoE. Layers from first_k_dense_replace on: sigmoid router scores, grouped top-k with the score-correction
 bias (kernels/moe/routing.select_experts_grouped), the routed experts through kernels/moe's fused_experts
 on stacked [E, 2I, H] / [E, H, I] weights, plus the shared experts as one dense MLP. Earlier layers have a
 dense MLP.
 
-Tensor parallelism (models/parallel.py `tp_group`, as vLLM and SGLang split MLA models): each rank keeps
-num_heads / tp attention heads: q_b_proj (q_proj without q_lora) and kv_b_proj column-parallel by heads,
-so W_UK / W_UV are absorbed per rank on its heads, and o_proj row-parallel (one all-reduce). q_a_proj,
-kv_a_proj_with_mqa (one fused GEMM, fused_qkv_a_proj, where the FP8 blocks allow) and their norms are
-replicated: the latent and k_pe are per token, so every rank writes and reads the whole latent cache for its
-heads (the cache shape does not depend on tp). The dense MLPs and the shared experts split their intermediate
-dim (gate/up column-, down row-parallel); the routed experts split each expert's intermediate dim
+Tensor parallelism (models/parallel.py `tp_group`, as vLLM and SGLang split MLA models): attention by heads
+(models/deepseek_v3_mla.py; the latent cache's shape does not depend on tp). The dense MLPs and the shared experts
+split their intermediate dim (gate/up column-, down row-parallel); the routed experts split each expert's
+intermediate dim
 (StackedExperts) under a replicated router, and a MoE layer sums the routed and shared experts' partial outputs
 with one all-reduce. Embedding and LM head are vocab-parallel.
 FP8 linears slice their weights and block scales together (Fp8ColumnParallelLinear, Fp8RowParallelLinear);
@@ -80,19 +72,16 @@ from flotilla.kernels.mla.flash_mla_backend import BLOCK_SIZE as FLASH_MLA_BLOCK
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.quant import FP8_DTYPE, block_dequantize, get_fp8_backend
-from flotilla.kernels.rope import rope_type, yarn_mscale
+from flotilla.models.deepseek_v3_mla import (ROPE_ROWS, WHOLE, DeepseekV3Attention, deinterleaved_rope_rows,
+                                              rope_rows_in_blocks)
 from flotilla.models.deepseek_v3_moe import SCALE_SUFFIX, DeepseekV3Router, Fp8ExpertScales, Fp8StackedExperts
 from flotilla.models.hf_config import HFModelConfig, MLAConfig, MoEConfig
 from flotilla.models.linears import Linears
 from flotilla.models.llama import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, _copy_checked
-from flotilla.models.parallel import VocabParallelEmbedding, all_reduce, divide, tp_group, vocab_parallel_logits
+from flotilla.models.parallel import VocabParallelEmbedding, all_reduce, vocab_parallel_logits
 from flotilla.models.qwen3_moe import PER_EXPERT, ExpertTensors, StackedExperts
 
 logger = logging.getLogger(__name__)
-
-LATENT_NORM_EPS = 1e-6
-"""eps of q_a_layernorm and kv_a_layernorm: DeepSeek's reference code and transformers build them with
-the RMSNorm default, not config.rms_norm_eps."""
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
@@ -102,158 +91,16 @@ _FUSED_INTO = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj"
 """Checkpoint projection -> (the fused layer it is a part of, its shard id there), where the model built that layer:
 gate/up always, the latent projections when DeepseekV3Attention fused them."""
 
-_WHOLE = "whole"
-"""The shard id of a column-parallel layer that is one checkpoint tensor (not fused from parts)."""
-
-
-def softmax_scale(config: HFModelConfig, mla: MLAConfig) -> float:
-    """1/sqrt(qk_nope + qk_rope) times YaRN's mscale(factor, mscale_all_dim)^2 when the rope is scaled
-    (transformers' yarn_apply_mscale; DeepSeek-V3's 40x YaRN makes it ~1.87)."""
-    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
-    scaling = config.rope_scaling
-    if rope_type(scaling) != "default" and scaling is not None and scaling.get("mscale_all_dim"):
-        mscale = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
-        scale *= mscale * mscale
-    return scale
-
-
 FP8_NORM_QUANT = os.environ.get("FLOTILLA_FP8_NORM_QUANT", "0") == "1"
 """Let the RMSNorms before FP8 GEMMs quantize their output in their own launch (kernels/triton/fused.py) instead
 of a quantization launch per GEMM. Off: on an H200 at DeepSeek-V3-4L's batch-1 step it saved 15 of 26 quantization
 launches (36.4 -> 16.6 us) but the 17 norms went from 34.7 to 63.9 us (one program per row quantizing 56 groups
 of 128 through reshapes), a net loss (docs/performance.md, fourteenth session)."""
 
-_ROPE_ROWS = re.compile(r"self_attn\.(q_b_proj|q_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
-"""The checkpoint tensors whose output rows include rotary parts (each head's last qk_rope_head_dim rows of q; the
-last qk_rope_head_dim rows of kv_a, k_pe)."""
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...) along the last dim: deinterleaved_rope_rows at every
-    step, for the checkpoints whose weights cannot be reordered at load."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
 
 def _present(params: dict[str, nn.Parameter], candidate: str) -> str | None:
     """The parameter named `candidate`, or `model.` + it (headless checkpoints omit the prefix); None if neither."""
     return next((name for name in (candidate, f"model.{candidate}") if name in params), None)
-
-
-def rope_rows_in_blocks(config: HFModelConfig, mla: MLAConfig, block_rows: int) -> bool:
-    """Whether every rotary row range (each q head's last qk_rope_head_dim rows, kv_a's last ones) lies inside one
-    FP8 weight block of `block_rows` rows, so that reordering the rows leaves the block scales right."""
-    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
-    starts = [h * (nope + rope) + nope for h in range(config.num_attention_heads)] + [mla.kv_lora_rank]
-    return all(start // block_rows == (start + rope - 1) // block_rows for start in starts)
-
-
-def deinterleaved_rope_rows(tensor: torch.Tensor, kind: str, nope: int, rope: int) -> torch.Tensor:
-    """The rows of a q (`kind` q_b_proj / q_proj: heads of nope + rope rows) or kv_a (kv_a_proj_with_mqa: k_pe's rope
-    rows last) weight or bias with every rotary part's rows (x0, x1, x2, x3, ...) reordered (x0, x2, ..., x1, x3,
-    ...): DeepSeek's interleaved rotary pairs laid out as halves, after which the neox rotation is exactly theirs
-    (transformers de-interleaves the projections' outputs the same way, at every step). Done once to the weights
-    at load, the GEMMs write the halves directly: the same values, and no copy per layer and step. A row
-    permutation inside the rope rows never leaves an FP8 weight block (a head's rope rows lie in one 128-row block
-    at DeepSeek-V3's 192-row heads, and so does kv_a's tail), so the block scales stay as they are. A tensor whose
-    rows do not have the expected layout is returned as it is (the shape check that follows names it)."""
-    rows = tensor.shape[0]
-    per_head = nope + rope if kind != "kv_a_proj_with_mqa" else rows
-    if rows < rope or rows % per_head:
-        return tensor
-    halves = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
-    order = torch.arange(rows).view(rows // per_head, per_head)
-    order[:, per_head - rope :] = order[:, per_head - rope :][:, halves]
-    raw = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor  # index_select has no e4m3 kernels
-    return raw.index_select(0, order.flatten().to(raw.device)).view(tensor.dtype)
-
-
-class DeepseekV3Attention(nn.Module):
-    """MLA: q (low-rank or not) and the latent -> RoPE on the rope parts -> store [c_kv | k_pe] in the
-    paged cache -> absorbed MQA over the latents -> W_UV per head -> o_proj."""
-
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, linears: Linears) -> None:
-        super().__init__()
-        total_heads = config.num_attention_heads
-        self.num_heads = divide(total_heads, tp_group().size, "num_attention_heads")
-        """This rank's heads (all of them with one rank)."""
-        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
-        self.kv_lora_rank = mla.kv_lora_rank
-        self.backend = backend
-        self.scale = softmax_scale(config, mla)
-        self.deinterleave = mla.rope_interleave
-        """De-interleave the rotary parts at every step (the model turns it off where it reorders the weights'
-        rows at load instead)."""
-        self.kv_scale = 1.0
-        """An FP8 latent cache holds [c_kv | k_pe] / kv_scale (kernels/mla); 1.0 without a calibrated scale."""
-        hidden, bias = config.hidden_size, config.attention_bias
-        # split by heads: q's and kv_b's rows, o_proj's input columns; the latent projections are replicated
-        q_width = {_WHOLE: total_heads * (self.nope_dim + self.rope_dim)}
-        self.q_lora_rank = mla.q_lora_rank
-        # q_a_proj and kv_a_proj_with_mqa read the same hidden: one GEMM of [q_a | kv_a] rows (vLLM's
-        # fused_qkv_a_proj: one activation quantization and one GEMM fewer per layer), unless FP8 weight blocks
-        # would straddle the two parts (Linears.can_fuse); the checkpoint's two tensors load into its parts
-        latent_parts = {"q_a": mla.q_lora_rank or 0, "kv_a": self.kv_lora_rank + self.rope_dim}
-        fuse = mla.q_lora_rank is not None and linears.can_fuse(latent_parts)
-        self.fused_qkv_a_proj = (linears.replicated_fused(hidden, latent_parts, "fused_qkv_a_proj", bias=bias)
-                                 if fuse else None)  # fmt: skip
-        self.q_a_proj = (linears.replicated(hidden, mla.q_lora_rank, bias=bias)
-                         if mla.q_lora_rank is not None and not fuse else None)  # fmt: skip
-        self.kv_a_proj_with_mqa = None if fuse else linears.replicated(hidden, latent_parts["kv_a"], bias=bias)
-        if mla.q_lora_rank is None:
-            self.q_proj: nn.Module | None = linears.column(hidden, q_width, "q_proj")
-            self.q_a_layernorm = self.q_b_proj = None
-        else:
-            self.q_proj = None
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = linears.column(mla.q_lora_rank, q_width, "q_b_proj")
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = linears.column(self.kv_lora_rank, {_WHOLE: total_heads * (self.nope_dim + self.v_dim)},
-                                        "kv_b_proj", quantized=False)  # dequantized at load if FP8
-        self.o_proj = linears.row(total_heads * self.v_dim, hidden, "o_proj", bias=bias)
-        self.ops = current_ops()
-
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight, so no copy
-        (an FP8 checkpoint's kv_b_proj is dequantized into that weight at load)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope_dim], w[:, self.nope_dim :]
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        if self.fused_qkv_a_proj is not None:  # views of one GEMM's [q_a | c_kv | k_pe] columns
-            assert self.q_lora_rank is not None
-            widths = [self.q_lora_rank, self.kv_lora_rank, self.rope_dim]
-            q_a, c_kv, k_pe = self.fused_qkv_a_proj(hidden).split(widths, dim=-1)
-        else:
-            assert self.kv_a_proj_with_mqa is not None
-            c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            q_a = self.q_a_proj(hidden) if self.q_a_proj is not None else None
-        if self.q_proj is not None:
-            q = self.q_proj(hidden)
-        else:
-            assert q_a is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv.contiguous())
-        if self.deinterleave:
-            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
-        q_pe, k_pe = self.ops.apply_rope(positions, q_pe.contiguous(), k_pe.reshape(num_tokens, 1, self.rope_dim),
-                                         cos_sin_cache)  # fmt: skip
-        self.backend.store_latent(c_kv, k_pe.view(num_tokens, self.rope_dim), kv_cache, meta.slot_mapping,
-                                  self.kv_scale)
-
-        w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
-        out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale, self.kv_scale)  # [T, H, r]
-        out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
 
 class DeepseekV3MLP(nn.Module):
@@ -528,7 +375,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             if experts.load(name, tensor) or expert_scales.load(name, tensor):
                 continue
-            if self.rope_halves_at_load and (rope_rows := _ROPE_ROWS.search(name)):  # the halves, once, here
+            if self.rope_halves_at_load and (rope_rows := ROPE_ROWS.search(name)):  # the halves, once, here
                 tensor = deinterleaved_rope_rows(tensor, rope_rows[1], self.mla.qk_nope_head_dim,
                                                  self.mla.qk_rope_head_dim)  # fmt: skip
             if fused := self._fused_part(params, name):  # gate/up, q_a/kv_a (weights, FP8 block scales, biases)
@@ -545,7 +392,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 if owner is None:  # replicated
                     _copy_checked(params[param_name].data, tensor, name, param_name)
                 else:
-                    owner.load(params[param_name], tensor, (name, param_name), _WHOLE)
+                    owner.load(params[param_name], tensor, (name, param_name), WHOLE)
                 loaded.add(param_name)
         if skipped_mtp:
             logger.info("skipped %d tensors of multi-token-prediction layers (%s)", skipped_mtp,

@@ -27,7 +27,8 @@ from test_deepseek_v3 import HUB_V3
 
 from flotilla.kernels.quant import FP8_DTYPE
 from flotilla.kernels.quant.fp8_linear import Fp8BlockLinear
-from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM, deinterleaved_rope_rows
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+from flotilla.models.deepseek_v3_mla import deinterleaved_rope_rows
 from flotilla.models.hf_config import load_hf_config, parse_hf_config
 from flotilla.models.linears import Linears
 from flotilla.models.llama import Linear
@@ -244,7 +245,7 @@ def test_a_float_model_reorders_its_rotary_rows_at_load_and_matches_transformers
 def test_rope_rows_in_blocks_at_deepseek_v3_sizes() -> None:
     """192-row heads (nope 128 + rope 64): every rope range lies in one 128-row block; 160- or 100-row blocks
     would cut some."""
-    from flotilla.models.deepseek_v3 import rope_rows_in_blocks
+    from flotilla.models.deepseek_v3_mla import rope_rows_in_blocks
 
     config = parse_hf_config({**HUB_V3, "num_hidden_layers": 1})
     assert rope_rows_in_blocks(config, config.mla, 128) and rope_rows_in_blocks(config, config.mla, 64)

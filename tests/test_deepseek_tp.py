@@ -24,7 +24,8 @@ from test_deepseek_v3 import HUB_V3
 from flotilla import LLM, SamplingParams
 from flotilla.kernels.quant import FP8_DTYPE
 from flotilla.models import parallel
-from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM, deinterleaved_rope_rows
+from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+from flotilla.models.deepseek_v3_mla import deinterleaved_rope_rows
 from flotilla.models.hf_config import load_hf_config, parse_hf_config
 from flotilla.models.parallel import (
     ColumnParallelLinear,

@@ -3,7 +3,7 @@ oracle later GPU backends (flash_mla, flashinfer's MLA, triton) are tested again
 
 The compressed cache of one layer is ONE tensor [num_blocks, block_size, kv_lora_rank + rope_dim]: per
 token the normalised latent c_kv, then the roped shared key part k_pe (one cache "head"). With the key
-projection absorbed into the query (q_latent = q_nope W_UK, see models/deepseek_v3.py) attention is
+projection absorbed into the query (q_latent = q_nope W_UK, see models/deepseek_v3_mla.py) attention is
 multi-query over that cache: the keys are whole rows, the values their first kv_lora_rank entries, and
 the output stays in the latent space (the caller projects it with W_UV). One code path serves prefill
 chunks (causal among a chunk's own tokens, over the cached prefix) and decodes alike; like the GQA

@@ -1,6 +1,6 @@
 """Triton MLA over the paged latent cache: the "triton" MLA backend (decode kernel, cache store).
 
-With the key projection absorbed into the query (models/deepseek_v3.py), decode attention is multi-query over
+With the key projection absorbed into the query (models/deepseek_v3_mla.py), decode attention is multi-query over
 one cache "head" per token: row = [c_kv (kv_lora_rank) || k_pe (rope_dim)], keys are whole rows, values their
 first kv_lora_rank entries (kernels/mla/torch_ref.py is the oracle). Flash-decoding, as the GQA kernel in
 kernels/triton/attention.py: a program owns (sequence, tile of BLOCK_H query heads, split of the context), so
