@@ -147,7 +147,7 @@ def test_triton_fp8_experts_match_the_w8a8_reference(tokens, hidden, inter, expe
 
 
 @needs_triton
-@pytest.mark.parametrize(("tokens", "combine"), [(2, None), (4, False), (9, True), (20, True)])
+@pytest.mark.parametrize(("tokens", "combine"), [(2, None), (4, False), (9, True)])  # 9: the sorted layout
 def test_slot_blocks_and_the_combine_in_the_down_pass_give_the_sorted_two_launch_result(tokens, combine) -> None:
     """Up to SLOT_BLOCKS_MAX_TOKENS tokens every slot is a block of its own (no sorting launch) and the down pass
     sums each token's rows itself (arrival counters, kernels/arrivals.py); forced on the sorted layout too. Each is
