@@ -13,7 +13,10 @@
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
-#                variant in Q30_ATTN (default "auto"): an attention backend, with "+gemv" FLOTILLA_GEMV=1, else 0
+#                variant in Q30_ATTN (default "auto"): an attention backend, with "+cublas" FLOTILLA_GEMV=0 (one-row
+#                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass); else the
+#                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
+#                kernel off, though the engine's default since 6f4da57)
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
@@ -119,24 +122,29 @@ if want host_ds; then
 fi
 want profile_q30 && profile profile_q30 qwen3-30b-a3b
 want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
-gemv_of() { [[ $1 == *+gemv ]] && echo 1 || echo 0; }  # variant "backend[+gemv]" -> FLOTILLA_GEMV
+gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cublas][+ds]" -> FLOTILLA_GEMV
+tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "${FLOTILLA_MOE_TILES:-}"; }
+backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}"
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") profile "profile_q30_$v" qwen3-30b-a3b \
+      --attention-backend "$(backend_of "$v")"
   done
 fi
 if want bench_q30; then
   for v in ${Q30_ATTN:-auto}; do
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
-    FLOTILLA_GEMV=$(gemv_of "$v") timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
-      --repeat 1 --attention-backend "${v%+gemv}" --json "$R/flotilla-qwen3-30b-a3b-$v.json" > "$R/bench_q30_$v.log" 2>&1
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 240)" \
+      python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
+      --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$v.json" > "$R/bench_q30_$v.log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$v.log" | cut -c1-500
   done
 fi
 
 if want profile_q30_long; then
   for v in ${Q30_ATTN:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b --attention-backend "${v%+gemv}" \
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b \
+      --attention-backend "$(backend_of "$v")" \
       --prompt-len 2048 --steps 20
   done
 fi

@@ -412,6 +412,22 @@ def test_gpu_small_batch_experts_at_qwen3_30b_sizes(tokens):
 
 
 @gpu_test
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_gpu_per_slot_down_pass_gives_the_token_major_bits_at_qwen3_30b_sizes(tokens):
+    """FLOTILLA_MOE_TILES ds=1 on the GPU: the same bits as the token-major down pass, counters back at 0, over
+    several launches (a counter left behind would corrupt the next)."""
+    from flotilla.kernels.arrivals import arrival_counters
+    from flotilla.kernels.moe import triton_experts_small
+
+    for seed in range(3):
+        x, w13, w2, weights, ids = _case(tokens, 2048, 768, 128, 8, torch.bfloat16, seed=seed, device=DEVICE)
+        want = triton_experts_small.fused_experts_small(x, w13, w2, weights, ids)
+        got = triton_experts_small.fused_experts_small(x, w13, w2, weights, ids, down={"per_slot": 1})
+        assert torch.equal(got, want)
+        assert not arrival_counters(x.device).any()
+
+
+@gpu_test
 @pytest.mark.skipif(deep_gemm_experts.import_deep_gemm() is None, reason="deep_gemm is not installed")
 @pytest.mark.parametrize("tokens", [64, 4096])
 def test_gpu_deep_gemm_fused_experts_at_qwen3_30b_sizes(tokens):
