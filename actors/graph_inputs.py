@@ -1,4 +1,5 @@
-"""StaticInputs: the device tensors a captured step reads, in one buffer that one copy per step fills.
+"""StaticInputs: the device tensors a captured step reads, in one buffer that one copy per step fills; StaticGraph:
+a function over such buffers captured as a CUDA graph (on a CPU, rerun eagerly).
 
 A CUDA graph reads its inputs from fixed device tensors: the token ids, positions and KV slots of its rows, and for
 the attention kernels that read device metadata (actors/cuda_graphs.py STATIC_TABLE_BACKENDS) each sequence's
@@ -16,6 +17,8 @@ Every section starts on a 64-byte boundary, so the kernels see the alignment the
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -91,3 +94,30 @@ class StaticInputs:
 
     def _staged(self, array: np.ndarray) -> torch.Tensor:
         return pinned(array) if self.buffer.device.type == "cuda" else torch.from_numpy(np.ascontiguousarray(array))
+
+
+class StaticGraph:
+    """fn() captured once (CUDA) and replayed, or on a CPU device rerun eagerly on every replay (which lets tests check
+    every buffer and table a graph reads without a GPU)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, pool: object,
+                 before_capture: Callable[[], None]) -> None:  # fmt: skip
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        if device.type != "cuda":
+            return
+        fn()  # warm-up: lazy initialisation (triton compiles, workspaces) must not happen inside the capture
+        torch.cuda.synchronize(device)
+        before_capture()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        assert self.out is not None
+        return self.out

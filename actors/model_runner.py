@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, static_table_graphs_enabled
+from flotilla.actors.prefill_graphs import (PREFILL_GRAPH_BACKENDS, PREFILL_GRAPH_TOKENS, PrefillGraphs,
+                                            prefill_graphs_enabled)
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
@@ -199,6 +201,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                        device=self.device)
+        self.prefill_graphs: PrefillGraphs | None = None
+        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS=1)."""
+        if (graphs_ok and static and self.spec is None and self.tp_size == 1 and prefill_graphs_enabled()
+                and self.model.attention_backend_name in PREFILL_GRAPH_BACKENDS
+                and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
+                and not (config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1)):
+            self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
+                                                self.max_model_len, config.scheduler.max_num_batched_tokens,
+                                                self.device)  # fmt: skip
         log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens (%s)",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
                  f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
@@ -372,12 +383,16 @@ class ModelRunner:
             for s in seqs:
                 s.num_computed += 1
         else:
-            input_ids = upload(ids, self.device)
-            _apply_patch(input_ids, patch, self.device)
-            meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
-                                                device=self.device)
-            positions = positions_from_lists(cached, num_new, device=self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            pg = self.prefill_graphs
+            if pg is not None and len(seqs) == 1 and not patch and pg.fits(cached[0], num_new[0]):
+                hidden = pg.run(ids, cached[0], seqs[0].block_ids)  # one sequence's chunk: a replay
+            else:
+                input_ids = upload(ids, self.device)
+                _apply_patch(input_ids, patch, self.device)
+                meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
+                                                    device=self.device)
+                positions = positions_from_lists(cached, num_new, device=self.device)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
             # a sequence samples when this step reaches the end of its known tokens
             sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
             for s, n in zip(seqs, num_new):

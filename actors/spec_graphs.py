@@ -30,43 +30,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from flotilla.actors.cuda_graphs import capture_sizes, static_tables
-from flotilla.actors.graph_inputs import StaticInputs
+from flotilla.actors.graph_inputs import StaticGraph, StaticInputs
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import upload
 
 log = logging.getLogger(__name__)
-
-
-class _Graph:
-    """fn() captured once (CUDA) and replayed, or on a CPU device rerun eagerly on every replay."""
-
-    def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, pool: object,
-                 before_capture: Callable[[], None]) -> None:  # fmt: skip
-        self.fn = fn
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        if device.type != "cuda":
-            return
-        fn()  # warm-up: lazy initialisation (triton compiles, workspaces) must not happen inside the capture
-        torch.cuda.synchronize(device)
-        before_capture()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn()
-
-    def replay(self) -> torch.Tensor:
-        if self.graph is None:
-            self.out = self.fn()
-        else:
-            self.graph.replay()
-        assert self.out is not None
-        return self.out
 
 
 class SpecGraphs:
@@ -98,9 +71,9 @@ class SpecGraphs:
         self.d_seq_lens = torch.ones(max(k - 1, 1), gmax, **i32)
         self.d_query_start_loc = torch.arange(gmax + 1, **i32)
         self.d_block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
-        self.verify_graphs: dict[int, _Graph] = {}
-        self.propose_graphs: dict[int, _Graph] = {}
-        self.draft_graphs: dict[int, _Graph] = {}
+        self.verify_graphs: dict[int, StaticGraph] = {}
+        self.propose_graphs: dict[int, StaticGraph] = {}
+        self.draft_graphs: dict[int, StaticGraph] = {}
         t0 = time.perf_counter()
         self._capture_all()
         if device.type == "cuda":
@@ -134,7 +107,7 @@ class SpecGraphs:
                 for m in metas:  # per-step state (FlashMLA's scheduling) is computed inside the graph
                     m.backend_state.clear()
 
-            verify = _Graph(lambda n=n, m=vmeta: model(self.ids[:n], self.positions[:n], kv, m),
+            verify = StaticGraph(lambda n=n, m=vmeta: model(self.ids[:n], self.positions[:n], kv, m),
                             self.device, pool, clear)
             self.verify_graphs[size] = verify
             hidden = verify.out  # a CUDA graph's output tensor: fixed; eager mode reads it at replay (below)
@@ -143,7 +116,7 @@ class SpecGraphs:
                 h = hidden if hidden is not None else self.verify_graphs[size].out
                 return model.mtp_forward(self.mtp_ids[:n], self.positions[:n], h, kv, m)
 
-            self.propose_graphs[size] = _Graph(propose, self.device, pool, clear)
+            self.propose_graphs[size] = StaticGraph(propose, self.device, pool, clear)
             proposed = self.propose_graphs[size].out
 
             def draft(size: int = size, n: int = n, metas: list[AttentionMetadata] = dmetas) -> torch.Tensor:
@@ -165,7 +138,7 @@ class SpecGraphs:
                     tokens.append(model.mtp_logits(h).argmax(dim=-1))
                 return torch.cat((accepted[:, None], torch.stack(tokens, dim=1)), dim=1)
 
-            self.draft_graphs[size] = _Graph(draft, self.device, pool, clear)
+            self.draft_graphs[size] = StaticGraph(draft, self.device, pool, clear)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -21,8 +21,9 @@
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
-#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto"),
-#                with the worker's step trace summarized (ms per decode step, time waiting for plans)
+#   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto";
+#                "+pg": with FLOTILLA_PREFILL_GRAPHS=1), with the worker's step trace summarized (ms per decode step,
+#                time waiting for plans)
 #   mla_split    the flash_mla backend with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 (triton's MLA decode up to 8
 #                sequences): its GPU tests, then ds_b1's batch-1 decode and the nano workload with it at 8 and at 0
 #   profile_ds_var  profile_ds once per MLA backend in DS_PROFILE (default "auto triton")
@@ -158,11 +159,12 @@ if want moe_large; then
 fi
 
 if want ds_b1; then
-  for attn in ${DS_ATTN:-auto}; do
-    stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1 --attention-backend $attn"
+  for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+pg]": +pg with FLOTILLA_PREFILL_GRAPHS=1
+    stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1, variant $attn"
     # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
-    FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
-      --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$attn" \
+    FLOTILLA_PREFILL_GRAPHS=$([[ $attn == *+pg* ]] && echo 1 || echo 0) FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" \
+      timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
+      --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
     python3 -m flotilla.actors.step_trace "$R/ds_b1_$attn.trace.jsonl" | cut -c1-400
