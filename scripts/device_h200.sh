@@ -162,7 +162,8 @@ if want ds_b1; then
   for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+pg]": +pg with FLOTILLA_PREFILL_GRAPHS=1
     stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1, variant $attn"
     # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
-    FLOTILLA_PREFILL_GRAPHS=$([[ $attn == *+pg* ]] && echo 1 || echo 0) FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" \
+    pg=$([[ $attn == *+pg* ]] && echo 1 || echo 0)
+    FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" \
       timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
