@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    # `kill -USR1 PID` prints every thread's Python stack to stderr: a process that hangs says where (every flotilla
+    # process, actors included, starts here)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command == "serve":
         # torch, transformers and uvicorn load only for the commands that use them: `flotilla actor echo`
         # and `flotilla --help` stay fast

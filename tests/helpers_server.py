@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -33,14 +34,24 @@ class Server:
         return [int(p) for p in out.split()]
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, wait; returns the exit code (kills it if it does not stop)."""
+        """SIGTERM, wait; returns the exit code. One that does not stop in time is asked for its threads' stacks
+        (SIGUSR1: faulthandler, flotilla/__main__.py), it and its children are killed, and AssertionError carries
+        the stacks and the end of its log (a hang in CI then says where)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+            children = self.child_pids()
+            for pid in [self.proc.pid, *children]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)  # (the stacks arrive on the log's pipe)
+            for pid in [self.proc.pid, *children]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"the server (pid {self.proc.pid}, children {children}) did not stop within "
+                                 f"{timeout} s of SIGTERM; its stacks and log:\n" + "".join(self.log[-120:]))
 
 
 def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> Server:

@@ -153,6 +153,9 @@ def test_one_actor_started_by_hand_joins_a_running_topology(topology):
                          "--trace") for i in range(2)]
         pids = pids_from_table(read_until(proc, r"^endpoints: "))
         assert pids["echo/0"] == hand[0].pid and pids["echo/1"] == hand[1].pid
+        # SIGUSR1 (faulthandler, as in every flotilla process): its threads' stacks on stderr, and it runs on
+        os.kill(hand[1].pid, signal.SIGUSR1)
+        read_until(hand[1], r"most recent call first", timeout=30, stream="stderr")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         for h in hand:  # the launcher's StopCmd reaches hand-started actors too

@@ -135,3 +135,32 @@ def test_a_dead_engine_is_evicted_within_three_heartbeats_and_a_live_one_comes_b
 
 async def _ids_are(reg, ids: set[str]) -> bool:
     return {e.engine_id for e in await reg.engines()} == ids
+
+
+def test_a_registry_that_never_answers_fails_in_seconds_and_a_heartbeat_still_stops(monkeypatch):
+    """A Redis that accepts connections and then says nothing (hung, or a half-open link): each command fails after
+    REDIS_TIMEOUT_S instead of waiting forever, and Heartbeat.stop() returns (the entry is left to its TTL), so an
+    engine's retirement and the front end's shutdown cannot hang on the registry."""
+    from flotilla.transport import registry
+
+    monkeypatch.setattr(registry, "REDIS_TIMEOUT_S", 0.5)
+
+    async def main():
+        conns = []
+        server = await asyncio.start_server(lambda r, w: conns.append(w), "127.0.0.1", 0)  # says nothing
+        port = server.sockets[0].getsockname()[1]
+        reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", ttl_s=3)
+        t0 = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await reg.deregister("x")
+        assert time.monotonic() - t0 < 3
+        hb = Heartbeat(reg, engine("e"), lambda: 0.0, interval_s=0.1)
+        t0 = time.monotonic()
+        await hb.stop()  # never started: only the deregistration, which times out and is logged
+        assert time.monotonic() - t0 < 3
+        for w in conns:
+            w.close()
+        server.close()
+        await reg.close()
+
+    uvloop.run(main())

@@ -28,6 +28,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Default heartbeat period, seconds."""
 TTL_HEARTBEATS = 3
 """An entry survives this many missed heartbeats."""
+REDIS_TIMEOUT_S = 5.0
+"""How long one Redis command (or a connect) may take before it fails: a registry that stopped answering must not
+hang a front end's heartbeats, an engine's retirement or its shutdown (redis-py waits forever by default)."""
 
 
 def shared_registry(url: str | None) -> bool:
@@ -128,7 +131,8 @@ class RedisRegistry:
 
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.prefix = prefix
-        self._redis = redis.asyncio.from_url(url)
+        self._redis = redis.asyncio.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
+                                             socket_connect_timeout=REDIS_TIMEOUT_S)
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(EngineInfo)
 
@@ -183,7 +187,13 @@ class Heartbeat:
                 await self.registry.register(msgspec.structs.replace(self.info, load=self.load()))
 
     async def stop(self) -> None:
+        """Stop heartbeating and leave the registry; a registry that does not answer within REDIS_TIMEOUT_S is
+        logged and left to expire the entry (the engine is gone from it within TTL_HEARTBEATS heartbeats)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self.registry.deregister(self.info.engine_id)
+        try:
+            await asyncio.wait_for(self.registry.deregister(self.info.engine_id), REDIS_TIMEOUT_S)
+        except Exception as exc:  # (TimeoutError or the client's own error): the TTL removes the entry
+            log.warning("registry: %s not deregistered (%s: %s); its entry expires within %d heartbeats",
+                        self.info.engine_id, type(exc).__name__, exc, TTL_HEARTBEATS)
