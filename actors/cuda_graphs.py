@@ -175,13 +175,12 @@ class DecodeGraphs:
                seq_lens: np.ndarray, tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None) -> None:
         """Queue a step's inputs for the graph of `size`: ids, positions and slots (padding rows past them), patched
         ids, and the attention tables: with the inputs in one copy (static-table sizes) or planned (flashinfer)."""
-        if size in self.planned_sizes:
-            self.inputs.write(input_ids, positions, slots)
-        else:
-            self.inputs.write(input_ids, positions, slots, *self.static_tables_for(size, seq_lens, tables))
+        planned = size in self.planned_sizes
+        tables_now = () if planned else self.static_tables_for(size, seq_lens, tables)
+        self.inputs.write(input_ids, positions, slots, *tables_now)
         if patch is not None:
             patch(self.input_ids)
-        if size in self.planned_sizes:
+        if planned:
             self._plan(size, seq_lens, tables)
 
     def _plan(self, size: int, seq_lens: np.ndarray, tables: list[np.ndarray]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from flotilla.kernels.staging import pinned
+from flotilla.kernels.staging import staged
 
 ALIGN = 8
 """Section starts, in int64 elements (64 bytes)."""
@@ -78,7 +78,6 @@ class StaticInputs:
             host[i * r:i * r + n] = values
             host[i * r + n:(i + 1) * r] = pad
         if seq_lens is not None:
-            assert table is not None
             as32 = host.view(np.int32)
             as32[2 * self.lens_at:2 * self.lens_at + size] = seq_lens
             as32[2 * self.lens_at + size:2 * self.tables_at] = 1
@@ -87,13 +86,9 @@ class StaticInputs:
                 rows = rows.reshape(size, self.max_blocks)
                 rows[:, table.shape[1]:] = self.scratch_block
                 rows[:, :table.shape[1]] = table
-        self.buffer[:end].copy_(self._staged(host), non_blocking=True)
-        if seq_lens is not None and not whole:
-            assert table is not None
-            self.block_tables[:size, :table.shape[1]].copy_(self._staged(table), non_blocking=True)
-
-    def _staged(self, array: np.ndarray) -> torch.Tensor:
-        return pinned(array) if self.buffer.device.type == "cuda" else torch.from_numpy(np.ascontiguousarray(array))
+        self.buffer[:end].copy_(staged(host, self.buffer.device), non_blocking=True)
+        if table is not None and not whole:
+            self.block_tables[:size, :table.shape[1]].copy_(staged(table, self.buffer.device), non_blocking=True)
 
 
 class StaticGraph:

@@ -17,8 +17,11 @@ def pinned(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
 
 
+def staged(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as the host tensor of a copy to `device` that the host need not wait for: pinned for CUDA."""
+    return pinned(array) if device.type == "cuda" else torch.from_numpy(np.ascontiguousarray(array))
+
+
 def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` as a tensor on `device`; queued through pinned memory on CUDA, a plain copy elsewhere."""
-    if device.type == "cuda":
-        return pinned(array).to(device, non_blocking=True)
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    return staged(array, device).to(device, non_blocking=device.type == "cuda")
