@@ -162,11 +162,8 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
     monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")  # (c's engine gets it too: nothing of d's runs there)
-    # streams long enough that d's cannot end before the grace after the kill runs out (at 180 tokens a fast run
-    # once finished them first, with nothing left to abort); RoPE takes the tiny model past its 256 positions
-    long = ["--max-model-len", "2048", "--kv-cache-blocks", "1600"]
-    c, d = start_servers(([*node_argv(model, url, "c", "both"), *long], {"timeout": 180}),
-                         ([*node_argv(model, url, "d", "both"), *long], {"timeout": 180}))
+    c, d = start_servers((node_argv(model, url, "c", "both"), {"timeout": 180}),
+                         (node_argv(model, url, "d", "both"), {"timeout": 180}))
     try:
         pdh.wait_health(c.url, 200)
         reqs = pdh.requests(24, offset=50)
@@ -180,7 +177,7 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
         # load on d's would send every stream below to c's own engine, and the kill would find none to abort on d
         _wait_registry_loads_zero(url, ["c-engine-0", "d-engine-0"])
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=1500, temperature=0,
+        streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=180, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
         assert all(next(iter(s)).choices for s in streams)  # decoding, some on each engine (least loaded first)
         c.proc.kill()
