@@ -202,7 +202,7 @@ class ModelRunner:
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                        device=self.device)
         self.prefill_graphs: PrefillGraphs | None = None
-        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS=1)."""
+        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS=0: off)."""
         if (graphs_ok and static and self.spec is None and self.tp_size == 1 and prefill_graphs_enabled()
                 and self.model.attention_backend_name in PREFILL_GRAPH_BACKENDS
                 and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]

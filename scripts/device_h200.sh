@@ -22,7 +22,7 @@
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto";
-#                "+pg": with FLOTILLA_PREFILL_GRAPHS=1), with the worker's step trace summarized (ms per decode step,
+#                "+eg": FLOTILLA_PREFILL_GRAPHS=0, eager prefill), with the worker's step trace summarized (ms per step,
 #                time waiting for plans)
 #   mla_split    the flash_mla backend with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 (triton's MLA decode up to 8
 #                sequences): its GPU tests, then ds_b1's batch-1 decode and the nano workload with it at 8 and at 0
@@ -126,9 +126,11 @@ want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-
 gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cublas][+ds]" -> FLOTILLA_GEMV
 tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "${FLOTILLA_MOE_TILES:-}"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
+label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") profile "profile_q30_$v" qwen3-30b-a3b \
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+      profile "profile_q30_$(label_of "$v")" qwen3-30b-a3b \
       --attention-backend "$(backend_of "$v")"
   done
 fi
@@ -137,14 +139,16 @@ if want bench_q30; then
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
     FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 240)" \
       python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
-      --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$v.json" > "$R/bench_q30_$v.log" 2>&1
-    echo "exit $?"; tail -1 "$R/bench_q30_$v.log" | cut -c1-500
+      --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
+      > "$R/bench_q30_$(label_of "$v").log" 2>&1
+    echo "exit $?"; tail -1 "$R/bench_q30_$(label_of "$v").log" | cut -c1-500
   done
 fi
 
 if want profile_q30_long; then
   for v in ${Q30_ATTN:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") profile "profile_q30_long_$v" qwen3-30b-a3b \
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+      profile "profile_q30_long_$(label_of "$v")" qwen3-30b-a3b \
       --attention-backend "$(backend_of "$v")" \
       --prompt-len 2048 --steps 20
   done
@@ -159,16 +163,17 @@ if want moe_large; then
 fi
 
 if want ds_b1; then
-  for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+pg]": +pg with FLOTILLA_PREFILL_GRAPHS=1
+  for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+eg]": +eg with FLOTILLA_PREFILL_GRAPHS=0
     stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1, variant $attn"
     # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
-    pg=$([[ $attn == *+pg* ]] && echo 1 || echo 0)
-    FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$attn.trace.jsonl" \
+    pg=$([[ $attn == *+eg* ]] && echo 0 || echo 1)
+    f=$(label_of "$attn")
+    FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
       timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
-      --json "$R/flotilla-ds-b1-$attn.json" > "$R/ds_b1_$attn.log" 2>&1
-    echo "exit $?"; tail -1 "$R/ds_b1_$attn.log" | cut -c1-400
-    python3 -m flotilla.actors.step_trace "$R/ds_b1_$attn.trace.jsonl" | cut -c1-400
+      --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1
+    echo "exit $?"; tail -1 "$R/ds_b1_$f.log" | cut -c1-400
+    python3 -m flotilla.actors.step_trace "$R/ds_b1_$f.trace.jsonl" | cut -c1-400
   done
 fi
 

@@ -12,7 +12,7 @@ import torch
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
-from flotilla.actors.prefill_graphs import PrefillGraphs
+from flotilla.actors.prefill_graphs import PrefillGraphs, prefill_graphs_enabled
 from flotilla.config import SchedulerConfig
 from helpers_spec import make_runner, requests
 from helpers_tiny_models import write_tiny_deepseek_model
@@ -64,7 +64,7 @@ def check_against_eager(model_dir: Path, device: str, budget: int) -> list[tuple
     runner's; the chunks the graphs ran."""
     eager = one_at_a_time(make_runner(model_dir, None, device=device, enforce_eager=True), budget)
     runner = make_runner(model_dir, None, device=device)
-    if device == "cpu":  # (a CUDA runner builds its own under FLOTILLA_PREFILL_GRAPHS=1)
+    if device == "cpu":  # (a CUDA runner builds its own: they are on by default)
         runner.prefill_graphs = PrefillGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks,
                                               runner.max_model_len, budget, runner.device)  # fmt: skip
     assert runner.prefill_graphs is not None
@@ -99,9 +99,19 @@ def test_a_chunk_whose_padding_would_pass_max_model_len_is_left_to_the_eager_for
 
 @pytest.mark.gpu
 def test_prefill_cuda_graphs_give_the_eager_tokens(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same on CUDA, where the runner captures the graphs itself (FLOTILLA_PREFILL_GRAPHS=1, triton's MLA)."""
+    """The same on CUDA, where the runner captures the graphs itself (by default, triton's MLA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "1")
+    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
     runs = check_against_eager(model_dir, "cuda", budget=32)
     assert len(runs) >= len(requests())
+
+
+def test_prefill_graphs_are_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default since the H200 measured them; FLOTILLA_PREFILL_GRAPHS=0 is the way out."""
+    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
+    assert prefill_graphs_enabled()
+    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "1")
+    assert prefill_graphs_enabled()
+    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "0")
+    assert not prefill_graphs_enabled()
