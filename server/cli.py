@@ -57,7 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": docs.get(f.name, "")}
+            # (argparse %-formats help: a docstring's "8%" must reach it as "8%%")
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default,
+                                      "help": docs.get(f.name, "").replace("%", "%%")}
             if tp is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
