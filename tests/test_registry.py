@@ -164,3 +164,65 @@ def test_a_registry_that_never_answers_fails_in_seconds_and_a_heartbeat_still_st
         await reg.close()
 
     uvloop.run(main())
+
+
+class _FlakyRegistry(InMemoryRegistry):
+    """An in-memory registry whose heartbeats fail `failures` times, then take `delay_s` each; it records whether a
+    heartbeat was cancelled mid-command."""
+
+    def __init__(self, failures: int = 0, delay_s: float = 0.0) -> None:
+        super().__init__(ttl_s=60)
+        self.failures, self.delay_s = failures, delay_s
+        self.beats = self.cancelled = 0
+        self.in_flight = asyncio.Event()
+
+    async def heartbeat(self, engine_id: str, load: float) -> bool:
+        self.in_flight.set()
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.failures:
+            self.failures -= 1
+            raise redis.exceptions.TimeoutError("Timeout reading from socket")
+        self.beats += 1
+        return await super().heartbeat(engine_id, load)
+
+
+def test_a_failed_heartbeat_is_logged_and_the_next_one_still_comes(caplog):
+    """A registry slow past its timeout once must not end the engine's heartbeats (until 2026-12-02 the exception
+    ended the heartbeat task, and the engine's entry expired while it served)."""
+    async def main():
+        reg = _FlakyRegistry(failures=2)
+        hb = Heartbeat(reg, engine("e"), lambda: 4.0, interval_s=0.02)
+        await hb.start()
+        await _until(lambda: _beats(reg, 2))
+        assert not hb._task.done()
+        assert (await reg.engines())[0].load == 4.0
+        await hb.stop()
+        assert await reg.engines() == []
+
+    uvloop.run(main())
+    assert sum("heartbeat of e failed (TimeoutError" in r.getMessage() for r in caplog.records) == 2
+
+
+async def _beats(reg: _FlakyRegistry, n: int) -> bool:
+    return reg.beats >= n
+
+
+def test_stopping_lets_a_heartbeat_in_flight_finish_before_deregistering():
+    """stop() during a heartbeat's command waits for it instead of cancelling it: redis-py's asyncio client cancelled
+    mid-command can leave its connection out of step with its replies (redis-py #2624), and the deregistration
+    behind it hung (the likely cause of a fresh-clone CI run whose launcher did not stop after a decode engine was
+    killed, its Redis entry still there)."""
+    async def main():
+        reg = _FlakyRegistry(delay_s=0.2)
+        hb = Heartbeat(reg, engine("e"), lambda: 0.0, interval_s=0.01)
+        await hb.start()
+        await reg.in_flight.wait()
+        await hb.stop()
+        assert (reg.cancelled, reg.beats) == (0, 1)
+        assert hb._task.done() and await reg.engines() == []
+
+    uvloop.run(main())

@@ -168,12 +168,15 @@ class RedisRegistry:
 
 class Heartbeat:
     """Keeps one engine registered: registers, then heartbeats with its current load every interval, and
-    registers again if its entry expired (e.g. after a network partition)."""
+    registers again if its entry expired (e.g. after a network partition). A heartbeat that fails (a registry slow
+    past REDIS_TIMEOUT_S, a lost connection) is logged and the next one tried: the engine leaves the registry only
+    when stopped, or when its process dies."""
 
     def __init__(self, registry: Registry, info: EngineInfo, load: Callable[[], float],
                  interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
         self.registry, self.info, self.load, self.interval_s = registry, info, load, interval_s
         self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
 
     async def start(self) -> None:
         await self.registry.register(self.info)
@@ -181,17 +184,31 @@ class Heartbeat:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
-            if not await self.registry.heartbeat(self.info.engine_id, self.load()):
-                log.warning("registry: %s had expired; registering again", self.info.engine_id)
-                await self.registry.register(msgspec.structs.replace(self.info, load=self.load()))
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.interval_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                if not await self.registry.heartbeat(self.info.engine_id, self.load()):
+                    log.warning("registry: %s had expired; registering again", self.info.engine_id)
+                    await self.registry.register(msgspec.structs.replace(self.info, load=self.load()))
+            except Exception as exc:  # the client's own errors, timeouts included (its sockets time out)
+                log.warning("registry: heartbeat of %s failed (%s: %s); trying again in %.1f s", self.info.engine_id,
+                            type(exc).__name__, exc, self.interval_s)
 
     async def stop(self) -> None:
-        """Stop heartbeating and leave the registry; a registry that does not answer within REDIS_TIMEOUT_S is
-        logged and left to expire the entry (the engine is gone from it within TTL_HEARTBEATS heartbeats)."""
+        """Stop heartbeating and leave the registry. A heartbeat in flight is let finish, not cancelled: redis-py's
+        asyncio client cancelled mid-command can leave its connection reading the wrong reply or none (redis-py
+        #2624, #2028), which would hang the deregistration behind it. A registry that does not answer within
+        REDIS_TIMEOUT_S is logged and left to expire the entry (the engine is gone from it within TTL_HEARTBEATS
+        heartbeats)."""
+        self._stop.set()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            _, pending = await asyncio.wait({self._task}, timeout=2 * REDIS_TIMEOUT_S + 1)
+            if pending:  # (the client's socket timeouts end a command first; this is the last resort)
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
         try:
             await asyncio.wait_for(self.registry.deregister(self.info.engine_id), REDIS_TIMEOUT_S)
         except Exception as exc:  # (TimeoutError or the client's own error): the TTL removes the entry
