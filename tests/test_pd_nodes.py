@@ -9,8 +9,10 @@ node b's decode engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,7 +154,7 @@ def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.
         time.sleep(0.1)
 
 
-def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, monkeypatch):
+def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, monkeypatch, tmp_path):
     """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
     every KV block of both is free afterwards. Then that front end dies mid-stream: the other node's engine aborts
@@ -162,8 +164,16 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
     monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")  # (c's engine gets it too: nothing of d's runs there)
-    c, d = start_servers((node_argv(model, url, "c", "both"), {"timeout": 180}),
-                         (node_argv(model, url, "d", "both"), {"timeout": 180}))
+    # the streams below must outlast the kill and the grace on a fast machine (180-token ones could end inside the
+    # grace: one CI run in many found nothing to abort), so c and d serve the same weights with 2,048 positions
+    # (the tiny model's 256 would end them at its RoPE table: 916694d's crash) and room for four 900-token streams
+    long = tmp_path / "m"
+    shutil.copytree(model, long)
+    config = json.loads((long / "config.json").read_text())
+    (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    extra = ["--max-model-len", "1024", "--kv-cache-blocks", "1024"]
+    c, d = start_servers(([*node_argv(long, url, "c", "both"), *extra], {"timeout": 180}),
+                         ([*node_argv(long, url, "d", "both"), *extra], {"timeout": 180}))
     try:
         pdh.wait_health(c.url, 200)
         reqs = pdh.requests(24, offset=50)
@@ -177,7 +187,7 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
         # load on d's would send every stream below to c's own engine, and the kill would find none to abort on d
         _wait_registry_loads_zero(url, ["c-engine-0", "d-engine-0"])
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=180, temperature=0,
+        streams = [client.completions.create(model="m", prompt=pdh.prompt(i), max_tokens=900, temperature=0,
                                              stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
         assert all(next(iter(s)).choices for s in streams)  # decoding, some on each engine (least loaded first)
         c.proc.kill()
