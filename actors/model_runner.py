@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, static_table_graphs_enabled
-from flotilla.actors.prefill_graphs import (PREFILL_GRAPH_BACKENDS, PREFILL_GRAPH_TOKENS, PrefillGraphs,
-                                            prefill_graphs_enabled)
+from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
@@ -202,9 +201,9 @@ class ModelRunner:
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                        device=self.device)
         self.prefill_graphs: PrefillGraphs | None = None
-        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS=0: off)."""
-        if (graphs_ok and static and self.spec is None and self.tp_size == 1 and prefill_graphs_enabled()
-                and self.model.attention_backend_name in PREFILL_GRAPH_BACKENDS
+        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS)."""
+        if (graphs_ok and static and self.spec is None and self.tp_size == 1
+                and self.model.attention_backend_name in prefill_graph_backends()
                 and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
                 and not (config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1)):
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,

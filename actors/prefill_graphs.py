@@ -17,7 +17,8 @@ all `size` rows; the runner takes the real ones' logits eagerly, as after an eag
 
 On by default since an H200 ran tests/test_prefill_graphs.py's GPU test and measured it (2026-12-02: DeepSeek-V3-4L's
 prefill steps at batch 1 from 10.7 to 3.7 ms, batch-1 decoding of 256-token answers from 678.1 to 706.0 tok/s with
-triton's MLA; docs/performance.md, sixteenth session); FLOTILLA_PREFILL_GRAPHS=0 turns them off.
+triton's MLA; docs/performance.md, sixteenth session); FLOTILLA_PREFILL_GRAPHS=0 turns them off. GQA models on the
+triton or flashinfer_triton backend get them with FLOTILLA_PREFILL_GRAPHS=all (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -38,12 +39,27 @@ PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 """The buckets a chunk is padded to (each costs a capture at start and its activations in the graphs' pool)."""
 
 PREFILL_GRAPH_BACKENDS = ("mla_triton", "mla_flash_mla")
-"""Attention backends whose prefill reads only device metadata (a model's attention_backend_name)."""
+"""Attention backends whose prefill reads only device metadata (a model's attention_backend_name), with graphs by
+default."""
+
+PREFILL_GRAPH_BACKENDS_OPT_IN = ("triton", "flashinfer_triton")
+"""The GQA backends whose prefill a graph can capture: triton's prefill kernel reads only device metadata, and
+flashinfer_triton sends a chunk without host metadata (a graph's) to it instead of FlashInfer, which plans on the
+host. Only with FLOTILLA_PREFILL_GRAPHS=all until an H200 has run their GPU test and measured them."""
 
 
 def prefill_graphs_enabled() -> bool:
     """On unless FLOTILLA_PREFILL_GRAPHS=0 (--enforce-eager turns every graph off)."""
     return os.environ.get("FLOTILLA_PREFILL_GRAPHS", "1") != "0"
+
+
+def prefill_graph_backends() -> tuple[str, ...]:
+    """The attention backends that get prefill graphs: none with FLOTILLA_PREFILL_GRAPHS=0, the MLA ones by default,
+    the GQA ones too with FLOTILLA_PREFILL_GRAPHS=all."""
+    if not prefill_graphs_enabled():
+        return ()
+    extra = PREFILL_GRAPH_BACKENDS_OPT_IN if os.environ.get("FLOTILLA_PREFILL_GRAPHS") == "all" else ()
+    return PREFILL_GRAPH_BACKENDS + extra
 
 
 class PrefillGraphs:

@@ -14,7 +14,8 @@
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
 #                variant in Q30_ATTN (default "auto"): an attention backend, with "+cublas" FLOTILLA_GEMV=0 (one-row
-#                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass); else the
+#                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass), "+pga"
+#                FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models); else the
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
@@ -127,6 +128,7 @@ gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cu
 tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "${FLOTILLA_MOE_TILES:-}"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
+pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
     FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
@@ -137,8 +139,8 @@ fi
 if want bench_q30; then
   for v in ${Q30_ATTN:-auto}; do
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
-    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 240)" \
-      python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
+    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
+      timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
       > "$R/bench_q30_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$(label_of "$v").log" | cut -c1-500

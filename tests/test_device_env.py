@@ -85,19 +85,21 @@ def test_device_h200_copies_the_carried_peer_parts_and_packs_its_results(tmp_pat
 
 
 def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwise() -> None:
-    """bench_q30's and profile_q30's variants ("backend[+cublas][+ds]"): a plain backend runs the engine's defaults
-    (the gemv kernel on; until 2026-12-02 every variant without "+gemv" turned it off, which is what moved
+    """bench_q30's and profile_q30's variants ("backend[+cublas][+ds][+pga]"): a plain backend runs the engine's
+    defaults (the gemv kernel on; until 2026-12-02 every variant without "+gemv" turned it off, which is what moved
     Qwen3-30B-A3B's batch-1 numbers of the twelfth and fourteenth sessions down), "+cublas" one-row linears on cuBLAS,
-    "+ds" the small experts' per-slot down pass; a variant's files are named without "+" (the device tool returns no
-    file with one in its name: the fifteenth session's ds_b1 results came back without their "+pg" runs)."""
+    "+ds" the small experts' per-slot down pass, "+pga" prefill graphs for GQA models; a variant's files are named
+    without "+" (the device tool returns no file with one in its name: the sixteenth session's ds_b1 results came
+    back without their "+pg" runs)."""
     script = (Path(__file__).resolve().parents[1] / "scripts" / "device_h200.sh").read_text()
-    names = ("gemv_of()", "tiles_of()", "backend_of()", "label_of()")
+    names = ("gemv_of()", "tiles_of()", "backend_of()", "label_of()", "pg_of()")
     helpers = "\n".join(line for line in script.splitlines() if line.startswith(names))
-    assert helpers.count("\n") == 3, helpers
+    assert helpers.count("\n") == 4, helpers
     calls = "; ".join(f"{fn} {v}" for fn, v in (("gemv_of", "auto"), ("gemv_of", "triton+cublas"), ("tiles_of", "auto"),
                                                   ("tiles_of", "triton+ds"), ("backend_of", "flashinfer+cublas+ds"),
-                                                  ("backend_of", "auto"), ("label_of", "triton+eg")))  # fmt: skip
+                                                  ("backend_of", "auto"), ("label_of", "triton+eg"),
+                                                  ("pg_of", "auto"), ("pg_of", "auto+pga+ds")))  # fmt: skip
     out = subprocess.run(["bash", "-c", f"{helpers}\n{calls}"], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "FLOTILLA_MOE_TILES": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:7] == ["1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg"]
+    assert out.stdout.split("\n")[:9] == ["1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all"]

@@ -1,6 +1,8 @@
 """CUDA graphs of one sequence's prompt chunks (actors/prefill_graphs.py): on a CPU the "graphs" rerun the forward
 eagerly over the same static buffers, padding rows and tables the CUDA graphs read, so a runner with them gives the
-tokens and logprobs of an eager runner without a GPU; the `gpu` test captures real graphs (triton's MLA prefill)."""
+tokens and logprobs of an eager runner without a GPU (DeepSeek-V3's MLA, and GQA models: a dense one and a
+Qwen3-MoE); the `gpu` tests capture real graphs (triton's MLA prefill; triton's GQA prefill under the triton and
+flashinfer_triton backends)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,23 @@ import torch
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
-from flotilla.actors.prefill_graphs import PrefillGraphs, prefill_graphs_enabled
+from flotilla.actors.prefill_graphs import PrefillGraphs, prefill_graph_backends, prefill_graphs_enabled
 from flotilla.config import SchedulerConfig
+from flotilla.kernels.attention import AttentionMetadata
 from helpers_spec import make_runner, requests
-from helpers_tiny_models import write_tiny_deepseek_model
+from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_model, write_tiny_moe_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_deepseek_model(tmp_path_factory.mktemp("prefill-graphs") / "m", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def gqa_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("prefill-graphs-gqa")
+    return {"qwen3_hd64": write_tiny_model(root / "qwen3", "qwen3_hd64"),
+            "qwen3_moe": write_tiny_moe_model(root / "moe", "qwen3_moe")}
 
 
 def one_at_a_time(runner: ModelRunner, budget: int) -> tuple[dict, dict]:
@@ -59,11 +69,13 @@ def count_runs(graphs: PrefillGraphs) -> list[tuple[int, int]]:
     return runs
 
 
-def check_against_eager(model_dir: Path, device: str, budget: int) -> list[tuple[int, int]]:
+def check_against_eager(model_dir: Path, device: str, budget: int, eager_options: dict | None = None,
+                        **options: object) -> list[tuple[int, int]]:
     """The tokens and logprobs of a runner whose single-sequence chunks replay prefill graphs against an eager
-    runner's; the chunks the graphs ran."""
-    eager = one_at_a_time(make_runner(model_dir, None, device=device, enforce_eager=True), budget)
-    runner = make_runner(model_dir, None, device=device)
+    runner's (both with `options`, the eager one's updated by `eager_options`); the chunks the graphs ran."""
+    eager = one_at_a_time(make_runner(model_dir, None, device=device, enforce_eager=True,
+                                      **{**options, **(eager_options or {})}), budget)  # fmt: skip
+    runner = make_runner(model_dir, None, device=device, **options)
     if device == "cpu":  # (a CUDA runner builds its own: they are on by default)
         runner.prefill_graphs = PrefillGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks,
                                               runner.max_model_len, budget, runner.device)  # fmt: skip
@@ -82,6 +94,15 @@ def test_prompt_chunks_of_one_sequence_replay_padded_graphs_and_give_the_eager_t
     runs = check_against_eager(model_dir, "cpu", budget=32)
     sizes = {16 if n <= 16 else 32 for _, n in runs}
     assert sizes == {16, 32} and any(cached > 0 for cached, _ in runs) and len(runs) >= len(requests())
+
+
+@pytest.mark.parametrize("name", ["qwen3_hd64", "qwen3_moe"])
+def test_gqa_models_prompt_chunks_in_padded_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path],
+                                                                          name: str) -> None:
+    """The same for GQA models (their K/V store per layer, RoPE, and for Qwen3-MoE the experts at 16 and 32 rows,
+    where the padding rows' tokens reach the routing too)."""
+    runs = check_against_eager(gqa_dirs[name], "cpu", budget=32)
+    assert {16 if n <= 16 else 32 for _, n in runs} == {16, 32} and len(runs) >= len(requests())
 
 
 def test_a_chunk_whose_padding_would_pass_max_model_len_is_left_to_the_eager_forward(model_dir: Path) -> None:
@@ -107,6 +128,24 @@ def test_prefill_cuda_graphs_give_the_eager_tokens(model_dir: Path, monkeypatch:
     assert len(runs) >= len(requests())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer_triton"])
+def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path], backend: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """GQA models under FLOTILLA_PREFILL_GRAPHS=all: the runner captures triton's prefill kernel. flashinfer_triton's
+    eager prefill is FlashInfer's, which takes no float32, so its graphs are held to the triton backend's eager
+    steps: the kernels its graphs run (triton's prefill and decode)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "flashinfer_triton":
+        pytest.importorskip("flashinfer")
+    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "all")
+    for name in ("qwen3_hd64", "qwen3_moe"):
+        runs = check_against_eager(gqa_dirs[name], "cuda", budget=32, eager_options={"attention_backend": "triton"},
+                                   attention_backend=backend)
+        assert len(runs) >= len(requests()), name
+
+
 def test_prefill_graphs_are_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """On by default since the H200 measured them; FLOTILLA_PREFILL_GRAPHS=0 is the way out."""
     monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
@@ -115,3 +154,47 @@ def test_prefill_graphs_are_on_unless_switched_off(monkeypatch: pytest.MonkeyPat
     assert prefill_graphs_enabled()
     monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "0")
     assert not prefill_graphs_enabled()
+
+
+def test_gqa_backends_get_prefill_graphs_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLOTILLA_PREFILL_GRAPHS=all adds triton and flashinfer_triton (GQA) to the MLA backends; 0 leaves none."""
+    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
+    assert prefill_graph_backends() == ("mla_triton", "mla_flash_mla")
+    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "all")
+    assert prefill_graph_backends() == ("mla_triton", "mla_flash_mla", "triton", "flashinfer_triton")
+    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "0")
+    assert prefill_graph_backends() == ()
+
+
+def test_flashinfer_triton_sends_only_a_prefill_graphs_chunk_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without host copies FlashInfer cannot plan a chunk, so a prefill graph's goes to triton's prefill kernel; an
+    eager chunk (host copies) stays on FlashInfer, and so does a decode graph's FlashInfer size, whose metadata has no
+    host copies either but is planned before each replay (sending it to triton would capture the wrong kernel)."""
+    pytest.importorskip("triton")
+    from flotilla.kernels import attention
+    from flotilla.kernels.attention import flashinfer_backend
+    from flotilla.kernels.triton import attention as triton_attention
+
+    calls: list[str] = []
+
+    class FakeFlashInfer:
+        store_kv = staticmethod(lambda *a, **k: None)
+
+        def forward(self, *args: object) -> str:
+            calls.append("flashinfer")
+            return "flashinfer"
+
+    monkeypatch.setattr(flashinfer_backend, "shared", FakeFlashInfer)
+    monkeypatch.setattr(triton_attention, "paged_prefill_attention", lambda *a, **k: calls.append("triton prefill"))
+    monkeypatch.setattr(triton_attention, "paged_decode_attention", lambda *a, **k: calls.append("triton decode"))
+    forward = attention._flashinfer_triton().forward
+
+    def meta(num_seqs: int, max_query_len: int, host: bool) -> AttentionMetadata:
+        m = AttentionMetadata.from_lists([0] * num_seqs, [max_query_len] * num_seqs, [[0]] * num_seqs, 16)
+        return m if host else AttentionMetadata(m.query_start_loc, m.seq_lens, m.block_tables, m.slot_mapping,
+                                                m.max_query_len, m.max_seq_len, m.block_size)  # fmt: skip
+
+    kv = torch.zeros(1, 2, 16, 1, 8)
+    for m in (meta(1, 16, host=False), meta(1, 16, host=True), meta(100, 1, host=False), meta(2, 1, host=False)):
+        forward(torch.zeros(m.num_tokens, 1, 8), kv, m, 1.0)
+    assert calls == ["triton prefill", "flashinfer", "flashinfer", "triton decode"]

@@ -144,10 +144,11 @@ def decodes_with_flashinfer(num_seqs: int) -> bool:
 
 def _flashinfer_triton() -> AttentionBackend:
     """FlashInfer for steps with a prefill chunk and for decode steps of more than FLASHINFER_DECODE_ABOVE sequences,
-    triton's decode kernel for smaller pure-decode steps, over the one cache layout they share. Decode graphs capture
-    the triton kernel over static tables (actors/cuda_graphs.py), with no host planning per step, and FlashInfer's
-    planned per step above the split. Triton's is faster at small and middle batches, at short and long contexts
-    (best_attention_backend has the H200's numbers), which is why "auto" picks this backend."""
+    triton's decode kernel for smaller pure-decode steps, over the one cache layout they share; triton's prefill
+    kernel for a chunk whose metadata has no host copies (a prefill graph's), which FlashInfer could not plan. Decode
+    graphs capture the triton kernel over static tables (actors/cuda_graphs.py), with no host planning per step, and
+    FlashInfer's planned per step above the split. Triton's is faster at small and middle batches, at short and long
+    contexts (best_attention_backend has the H200's numbers), which is why "auto" picks this backend."""
     from flotilla.kernels.triton import attention as triton_attention
 
     impl = flashinfer_backend.shared()
@@ -157,6 +158,10 @@ def _flashinfer_triton() -> AttentionBackend:
         if meta.max_query_len == 1 and not decodes_with_flashinfer(meta.num_seqs):
             return triton_attention.paged_decode_attention(query, kv_cache, meta, scale, k_scale=k_scale,
                                                            v_scale=v_scale)  # fmt: skip
+        if meta.max_query_len > 1 and meta.host is None:  # a prefill graph's (actors/prefill_graphs.py); a decode
+            # graph's FlashInfer sizes have no host copies either, but are planned before each replay (cuda_graphs.py)
+            return triton_attention.paged_prefill_attention(query, kv_cache, meta, scale, k_scale=k_scale,
+                                                            v_scale=v_scale)  # fmt: skip
         return impl.forward(query, kv_cache, meta, scale, k_scale, v_scale)
 
     return AttentionBackend(name="flashinfer_triton", store_kv=impl.store_kv, forward=forward)
