@@ -3,6 +3,8 @@ flotilla both load, with the same weights, logits and tokenization as the GGUF i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -76,13 +78,37 @@ def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield model_dir
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the GGUF three times (its config, its weights, its tokenizer) and builds gguf's tensor-name
+    map once per tensor: ~20 of the ~30 s this reference took on the CI machine. Within this block the first reader
+    of a file and the first map of an architecture are handed back again; what is read, and how, stays
+    transformers' and gguf's."""
+    import gguf
+
+    real_reader, readers = gguf.GGUFReader, {}
+
+    def reader(path: object, *args: object, **kwargs: object) -> object:
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def gguf_reference() -> tuple[torch.nn.Module, transformers.PreTrainedTokenizerBase]:
     """transformers' own reading of the GGUF: the model (dequantized, fp32) and its tokenizer."""
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with _gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32)  # fmt: skip
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval(), tokenizer
 
 
