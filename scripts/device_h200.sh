@@ -4,7 +4,8 @@
 #   peer         copy the vLLM peer's xz parts carried in this call (.vllm-peer/vllm.tar.xz.part-*) to /tmp/vp/, where
 #                device_compare.sh's install finds them: a part is 50-55 MiB, so calls 1 and 2 carry one each, with
 #                .gpu-lite (the bundle without flashinfer) beside it
-#   tests        the GPU tests in TESTS (default: the ones changed since the last device session)
+#   tests        the GPU tests in TESTS (default: the ones changed since the last device session), for at most TESTS_S
+#                seconds (default 200)
 #   dg_diag      the DeepGEMM FP8 experts' xfail test with -s: relative errors of the layer and of each grouped GEMM
 #   mtp          bench_mtp on DeepSeek-V3-4L with its MTP layer, 1-3 speculative tokens at forced acceptance (issue 9)
 #   kernels      bench_kernels --quick over fp8_gemm, moe, fp8_moe and routing, small sizes also in CUDA graphs, with
@@ -64,7 +65,8 @@ if want tests; then
 tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py tests/test_moe.py tests/test_fp8_moe.py tests/test_kernels_triton.py}
   stage "tests: $TESTS"
   # shellcheck disable=SC2086
-  timeout "$(cap 200)" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider > "$R/gpu-tests.log" 2>&1
+  timeout "$(cap "${TESTS_S:-200}")" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider \
+    > "$R/gpu-tests.log" 2>&1
   echo "exit $?"; grep -E "FAILED|ERROR|XPASS|passed|failed" "$R/gpu-tests.log" | tail -12
 fi
 
