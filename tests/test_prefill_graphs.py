@@ -6,6 +6,7 @@ flashinfer_triton backends)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -146,24 +147,17 @@ def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path]
         assert len(runs) >= len(requests()), name
 
 
-def test_prefill_graphs_are_on_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On by default since the H200 measured them; FLOTILLA_PREFILL_GRAPHS=0 is the way out."""
-    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
-    assert prefill_graphs_enabled()
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "1")
-    assert prefill_graphs_enabled()
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "0")
-    assert not prefill_graphs_enabled()
-
-
-def test_gqa_backends_get_prefill_graphs_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLOTILLA_PREFILL_GRAPHS=all adds triton and flashinfer_triton (GQA) to the MLA backends; 0 leaves none."""
-    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
-    assert prefill_graph_backends() == ("mla_triton", "mla_flash_mla")
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "all")
-    assert prefill_graph_backends() == ("mla_triton", "mla_flash_mla", "triton", "flashinfer_triton")
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "0")
-    assert prefill_graph_backends() == ()
+def test_prefill_graphs_are_on_for_mla_unless_switched_off_and_for_gqa_when_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On by default since the H200 measured them (the MLA backends); FLOTILLA_PREFILL_GRAPHS=all adds triton and
+    flashinfer_triton (GQA); FLOTILLA_PREFILL_GRAPHS=0 leaves none."""
+    mla = ("mla_triton", "mla_flash_mla")
+    for value, backends in ((None, mla), ("1", mla), ("all", (*mla, "triton", "flashinfer_triton")), ("0", ())):
+        if value is None:
+            monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", value)
+        assert prefill_graphs_enabled() == bool(backends) and prefill_graph_backends() == backends, value
 
 
 def test_flashinfer_triton_sends_only_a_prefill_graphs_chunk_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,8 +185,7 @@ def test_flashinfer_triton_sends_only_a_prefill_graphs_chunk_to_triton(monkeypat
 
     def meta(num_seqs: int, max_query_len: int, host: bool) -> AttentionMetadata:
         m = AttentionMetadata.from_lists([0] * num_seqs, [max_query_len] * num_seqs, [[0]] * num_seqs, 16)
-        return m if host else AttentionMetadata(m.query_start_loc, m.seq_lens, m.block_tables, m.slot_mapping,
-                                                m.max_query_len, m.max_seq_len, m.block_size)  # fmt: skip
+        return m if host else dataclasses.replace(m, host=None)
 
     kv = torch.zeros(1, 2, 16, 1, 8)
     for m in (meta(1, 16, host=False), meta(1, 16, host=True), meta(100, 1, host=False), meta(2, 1, host=False)):
