@@ -5,7 +5,8 @@
 #                device_compare.sh's install finds them: a part is 50-55 MiB, so calls 1 and 2 carry one each, with
 #                .gpu-lite (the bundle without flashinfer) beside it
 #   tests        the GPU tests in TESTS (default: the ones changed since the last device session), for at most TESTS_S
-#                seconds (default 200)
+#                seconds (default 200), with pytest's TESTS_ARGS ("-s" keeps the actors' stderr, and the stacks they
+#                print 15 s before the limit, in the log of a run the limit cuts)
 #   dg_diag      the DeepGEMM FP8 experts' xfail test with -s: relative errors of the layer and of each grouped GEMM
 #   mtp          bench_mtp on DeepSeek-V3-4L with its MTP layer, 1-3 speculative tokens at forced acceptance (issue 9)
 #   kernels      bench_kernels --quick over fp8_gemm, moe, fp8_moe and routing, small sizes also in CUDA graphs, with
@@ -19,6 +20,9 @@
 #                FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models); else the
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
+#   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
+#                auto+nofold"), Q30_REPEAT runs each (default 3); "+nofold" and "+lm" (any stage's variants):
+#                FLOTILLA_NORM_GEMV=0 and FLOTILLA_DECODE_MERGE=launch, the fusions of the seventeenth session undone
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
@@ -65,9 +69,15 @@ if want tests; then
 tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py tests/test_moe.py tests/test_fp8_moe.py tests/test_kernels_triton.py}
   stage "tests: $TESTS"
   # shellcheck disable=SC2086
-  timeout "$(cap "${TESTS_S:-200}")" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider \
+  limit=$(cap "${TESTS_S:-200}")
+  # 15 s before the limit, every flotilla actor process still up prints its threads' stacks (SIGUSR1: faulthandler,
+  # flotilla/__main__.py) into the log: a test that hangs says where
+  ( sleep $((limit > 30 ? limit - 15 : limit)); pkill -USR1 -f -- "-m flotilla .*actor" ) &
+  dumper=$!
+  timeout "$limit" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} \
     > "$R/gpu-tests.log" 2>&1
-  echo "exit $?"; grep -E "FAILED|ERROR|XPASS|passed|failed" "$R/gpu-tests.log" | tail -12
+  echo "exit $?"; kill "$dumper" 2>/dev/null
+  grep -E "FAILED|ERROR|XPASS|passed|failed|^[0-9.]+s (call|setup)" "$R/gpu-tests.log" | tail -24
 fi
 
 if want dg_diag; then
@@ -131,21 +141,42 @@ tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "$
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
+# "+nofold": FLOTILLA_NORM_GEMV=0 (each RMSNorm a launch of its own at batch 1); "+lm": FLOTILLA_DECODE_MERGE=launch
+# (the decode attention's splits merged in a second launch)
+fold_merge_of() {
+  echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+nofold* ]] && echo 0 || echo 1)" \
+    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+lm* ]] && echo launch || echo kernel)"
+}
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
-    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
-      profile "profile_q30_$(label_of "$v")" qwen3-30b-a3b \
-      --attention-backend "$(backend_of "$v")"
+    # shellcheck disable=SC2046
+    (export $(fold_merge_of "$v"); FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+      profile "profile_q30_$(label_of "$v")" qwen3-30b-a3b --attention-backend "$(backend_of "$v")")
   done
 fi
 if want bench_q30; then
   for v in ${Q30_ATTN:-auto}; do
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
-    FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
+    # shellcheck disable=SC2046
+    env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
       timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
       > "$R/bench_q30_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$(label_of "$v").log" | cut -c1-500
+  done
+fi
+
+if want q30_b1; then
+  for v in ${Q30_B1:-auto auto+nofold}; do
+    stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
+    # shellcheck disable=SC2046
+    env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
+      timeout "$(cap 120)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --workload decode1 \
+      --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
+      --json "$R/flotilla-q30-b1-$(label_of "$v").json" > "$R/q30_b1_$(label_of "$v").log" 2>&1
+    echo "exit $?"; tail -1 "$R/q30_b1_$(label_of "$v").log" | cut -c1-500
   done
 fi
 
@@ -172,7 +203,8 @@ if want ds_b1; then
     # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
     pg=$([[ $attn == *+eg* ]] && echo 0 || echo 1)
     f=$(label_of "$attn")
-    FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
+    # shellcheck disable=SC2046
+    env $(fold_merge_of "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
       timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1
