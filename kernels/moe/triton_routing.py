@@ -39,6 +39,33 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
+def softmax_topk(x, cols, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows of float32 logits x [R, BLOCK_E] (columns past E masked by col_ok) -> (weights float32, ids int32)
+    [R, BLOCK_K]: the float32 softmax's top TOP_K in descending weight, ties to the lowest id, lanes past TOP_K 0.
+    Also the fused norm + router kernel's last program (kernels/triton/norm_gemv.py)."""
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite: no NaN, never stored
+    row_max = tl.max(x, 1)
+    e = tl.exp(x - row_max[:, None])  # padded columns: exp(-inf) = 0
+    probs = e / tl.sum(e, 1)[:, None]
+    probs = tl.where(col_ok[None, :], probs, -1.0)  # below every probability: never chosen, as taken ones
+
+    ks = tl.arange(0, BLOCK_K)
+    top_w = tl.full((x.shape[0], BLOCK_K), 0.0, tl.float32)
+    top_id = tl.full((x.shape[0], BLOCK_K), 0, tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 1)
+        hit = tl.where(probs == best[:, None], cols[None, :], x.shape[1])
+        idx = tl.minimum(tl.min(hit, 1), E - 1)  # the clamp only matters for NaN rows
+        top_w = tl.where(ks[None, :] == j, best[:, None], top_w)
+        top_id = tl.where(ks[None, :] == j, idx[:, None], top_id)
+        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
+    if RENORMALIZE:  # lanes past TOP_K hold 0
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    return top_w, top_id
+
+
+@triton.jit
 def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -52,25 +79,8 @@ def _softmax_topk_kernel(
     col_ok = cols < E
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :]
     x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite: no NaN, never stored
-    row_max = tl.max(x, 1)
-    e = tl.exp(x - row_max[:, None])  # padded columns: exp(-inf) = 0
-    probs = e / tl.sum(e, 1)[:, None]
-    probs = tl.where(col_ok[None, :], probs, -1.0)  # below every probability: never chosen, as taken ones
-
+    top_w, top_id = softmax_topk(x, cols, col_ok, E, TOP_K, RENORMALIZE, BLOCK_K)
     ks = tl.arange(0, BLOCK_K)
-    top_w = tl.full((BLOCK_T, BLOCK_K), 0.0, tl.float32)
-    top_id = tl.full((BLOCK_T, BLOCK_K), 0, tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 1)
-        hit = tl.where(probs == best[:, None], cols[None, :], BLOCK_E)
-        idx = tl.minimum(tl.min(hit, 1), E - 1)  # the clamp only matters for NaN rows
-        top_w = tl.where(ks[None, :] == j, best[:, None], top_w)
-        top_id = tl.where(ks[None, :] == j, idx[:, None], top_id)
-        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
-    if RENORMALIZE:  # lanes past TOP_K hold 0
-        top_w = top_w / tl.sum(top_w, 1)[:, None]
-
     out = rows[:, None].to(tl.int64) * TOP_K + ks[None, :]
     out_mask = row_ok[:, None] & (ks[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=out_mask)
