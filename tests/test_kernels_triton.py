@@ -239,6 +239,69 @@ def test_decode_drops_the_never_written_partials_of_empty_splits(monkeypatch):
     _check_attention(seqs, 4, 4, 2, 16, torch.float32, seed=21, run=run)
 
 
+class _Launches:
+    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel):
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(("num_splits", "chunk"), [(1, None), (3, None), (8, None), (8, 3)])
+def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, num_splits, chunk):
+    """The last split of a (sequence, KV head) to finish merges the group's splits (arrival counters) with the same
+    bits as _decode_merge_kernel's second launch, whatever its chunk of splits per step (chunk: forced on the
+    in-kernel merge alone), and leaves the counters at 0. A padding sequence (seq_len 0: all splits empty, output 0),
+    contexts shorter than one split and ones filling most splits; a group of 3 (a masked merge row); scratch
+    buffers NaN, so a merge reading an empty split's partial, or a row left unwritten, would show."""
+    from flotilla.kernels.arrivals import arrival_counters
+
+    seqs = [(0, 1), (0, 1), (4, 1), (39, 1), (129, 1)]
+    meta, cache, q, k, v = _paged_case(seqs, 4, 3, 1, 16, torch.float32, seed=num_splits)
+    tri_attn.store_kv(k, v, cache, meta.slot_mapping)
+    want = torch_ref.paged_attention(q, cache, meta, 0.25)
+    meta.seq_lens[0] = 0  # the padding sequence of a CUDA graph's batch
+    for name in ("empty", "empty_like"):
+        monkeypatch.setattr(torch, name, lambda *a, real=getattr(torch, name), **kw: real(*a, **kw).fill_(float("nan")))
+    merge = _Launches(tri_attn._decode_merge_kernel)
+    monkeypatch.setattr(tri_attn, "_decode_merge_kernel", merge)
+    got = {}
+    for in_kernel in (False, True):
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        if in_kernel and chunk:
+            monkeypatch.setattr(tri_attn, "merge_chunk", lambda block_s, block_d: chunk)
+        got[in_kernel] = tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
+    assert merge.count == (num_splits > 1)  # the launch path's second launch, and none for the in-kernel merge
+    assert torch.equal(got[True], got[False])
+    assert not arrival_counters(DEVICE).any()
+    assert not got[True][0].any()
+    torch.testing.assert_close(got[True][1:], want[1:], atol=1e-5, rtol=1e-5)
+
+
+@gpu_test
+@pytest.mark.parametrize("batch", [1, 8])
+def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, batch):
+    """Qwen3-30B-A3B's heads (32 query, 4 KV, head_dim 128) in bf16 at a CUDA graph's 64 splits, contexts of 1 to
+    3,000: the in-kernel merge's bits are the second launch's on the GPU too, and the counters are left at 0."""
+    from flotilla.kernels.arrivals import arrival_counters
+
+    seqs = [(random.Random(batch + i).randint(0, 3000), 1) for i in range(batch)]
+    meta, cache, q, k, v = _paged_case(seqs, 16, 32, 4, 128, torch.bfloat16, seed=batch)
+    tri_attn.store_kv(k, v, cache, meta.slot_mapping)
+    got = {}
+    for in_kernel in (False, True):
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        got[in_kernel] = [tri_attn.paged_decode_attention(q, cache, meta, 0.088, num_splits=64) for _ in range(2)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, got[False][0]) for g in got[True] + got[False][1:])
+    assert not arrival_counters(DEVICE).any()
+    want = torch_ref.paged_attention(q.float(), cache.float(), meta, 0.088)
+    torch.testing.assert_close(got[True][0].float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_backend_dispatch_and_forward_picks_decode_or_prefill():
     backend = get_attention_backend("triton")
     assert backend.name == "triton" and backend.store_kv is tri_attn.store_kv and backend.forward is tri_attn.forward
@@ -373,6 +436,9 @@ def test_tiny_llama_with_triton_backend_matches_torch_backend(tmp_path):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+_DECODE_MERGE_OFF = dict(MERGE_LAST=False, MERGE_H=1, BLOCK_S=1, CHUNK_S=1)
+
+
 def _compile_specs() -> list:
     """(module, kernel, pointer element types, float args, constexprs, num_warps) at production shapes:
     bf16 Llama-3-8B heads (GQA 4, head_dim 128), a group of 3, head_dim 256; fp32 for the "ieee" dots."""
@@ -380,11 +446,13 @@ def _compile_specs() -> list:
     specs: list = []
     for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         paged = {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qsl_ptr": "*i32",
-                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
+                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                 "count_ptr": "*i32"}  # fmt: skip
         # fp32 only for the common shapes: its "ieee" dots take seconds each to compile
-        for direct in (True, False) if dt == "bf16" else (False,):
+        for direct, merge in ((True, False), (False, False)) if dt == "bf16" else ((False, True),):
             specs.append((att, "_decode_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
-                PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision
+                PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision,
+                **(dict(MERGE_LAST=True, MERGE_H=4, BLOCK_S=8, CHUNK_S=8) if merge else _DECODE_MERGE_OFF),
             ), 4))  # fmt: skip
         for group, block_d, block_n in ((4, 128, 64), (3, 128, 64), (3, 256, 32)) if dt == "bf16" else ((4, 128, 64),):
             specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
@@ -397,8 +465,10 @@ def _compile_specs() -> list:
                 part_lse_ptr="*fp32")  # fmt: skip
     # an FP8 (e4m3) KV cache under bf16 queries: quantizing stores, converting loads
     paged_fp8 = {**paged, "q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*fp8e4nv"}
+    # with Qwen3-30B-A3B's group of 8 and batch 1's in-kernel merge of 8 splits, 4 per step
     specs.append((att, "_decode_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
-        PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32"), 4))
+        PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32",
+        MERGE_LAST=True, MERGE_H=8, BLOCK_S=8, CHUNK_S=4), 4))
     specs.append((att, "_prefill_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
         PAGE_SIZE=16, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
     fp8 = {**bf16, "cache_ptr": "*fp8e4nv"}
