@@ -9,8 +9,8 @@ matched or beat cuBLAS in bench_kernels. Only rows on CUDA in bf16 / fp16 with m
 else (batches, float32, strided rows or weights, the LM head, which calls F.linear itself) is F.linear.
 
 `norm_linear` and `norm_route` fold a pre-norm block's RMSNorm into that one-row kernel (and a MoE router's softmax
-top-k after it: kernels/triton/norm_gemv.py), where the norm runs triton's kernels; FLOTILLA_NORM_GEMV=0 keeps the
-norm a launch of its own.
+top-k after it: kernels/triton/norm_gemv.py), where the norm runs triton's kernels, with FLOTILLA_NORM_GEMV=1 (off
+by default: slower so far, see NORM_GEMV).
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ import torch.nn.functional as F
 GEMV = os.environ.get("FLOTILLA_GEMV", "1") != "0"
 """Whether one-row products run the triton kernel (FLOTILLA_GEMV=0 at import: never; benchmarks flip it in place)."""
 
-NORM_GEMV = os.environ.get("FLOTILLA_NORM_GEMV", "1") != "0"
-"""Whether one-row products fold the RMSNorm before them into their launch (FLOTILLA_NORM_GEMV=0 at import: never)."""
+NORM_GEMV = os.environ.get("FLOTILLA_NORM_GEMV", "0") == "1"
+"""Whether one-row products fold the RMSNorm before them into their launch (FLOTILLA_NORM_GEMV=1 at import). Off by
+default: on an H200 the first form was slower (Qwen3-30B-A3B at batch 1: q/k/v with its norm 12.8 us against 5.8 +
+1.9 apart, the MoE block's norm + router + routing 7.3 us against 6.0, 281.3 against 293.5 tok/s; docs/performance.md,
+seventeenth session); the weight tile is now loaded before the statistics, not yet measured."""
 
 _HALF = (torch.bfloat16, torch.float16)
 

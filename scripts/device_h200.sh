@@ -21,8 +21,8 @@
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
-#                auto+nofold"), Q30_REPEAT runs each (default 3); "+nofold" and "+lm" (any stage's variants):
-#                FLOTILLA_NORM_GEMV=0 and FLOTILLA_DECODE_MERGE=launch, the fusions of the seventeenth session undone
+#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km" and "+kmall" (any stage's variants):
+#                FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, the seventeenth session's opt-in fusions
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
@@ -141,11 +141,11 @@ tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "$
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
-# "+nofold": FLOTILLA_NORM_GEMV=0 (each RMSNorm a launch of its own at batch 1); "+lm": FLOTILLA_DECODE_MERGE=launch
-# (the decode attention's splits merged in a second launch)
+# "+fold": FLOTILLA_NORM_GEMV=1 (each batch-1 RMSNorm inside the product after it); "+km": FLOTILLA_DECODE_MERGE=gqa
+# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); else the defaults
 fold_merge_of() {
-  echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+nofold* ]] && echo 0 || echo 1)" \
-    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+lm* ]] && echo launch || echo kernel)"
+  echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+fold* ]] && echo 1 || echo 0)" \
+    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
 }
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
@@ -168,7 +168,7 @@ if want bench_q30; then
 fi
 
 if want q30_b1; then
-  for v in ${Q30_B1:-auto auto+nofold}; do
+  for v in ${Q30_B1:-auto auto+km}; do
     stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
     # shellcheck disable=SC2046
     env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \

@@ -270,7 +270,7 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     monkeypatch.setattr(tri_attn, "_decode_merge_kernel", merge)
     got = {}
     for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
         if in_kernel and chunk:
             monkeypatch.setattr(tri_attn, "merge_chunk", lambda block_s, block_d: chunk)
         got[in_kernel] = tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
@@ -293,7 +293,7 @@ def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatc
     tri_attn.store_kv(k, v, cache, meta.slot_mapping)
     got = {}
     for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
         got[in_kernel] = [tri_attn.paged_decode_attention(q, cache, meta, 0.088, num_splits=64) for _ in range(2)]
     torch.cuda.synchronize()
     assert all(torch.equal(g, got[False][0]) for g in got[True] + got[False][1:])

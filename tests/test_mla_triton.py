@@ -176,7 +176,7 @@ def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatc
                                                 device=torch.device("cuda"))  # fmt: skip
     got = {}
     for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
         got[in_kernel] = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.1, num_splits=64)
     torch.cuda.synchronize()
     assert torch.equal(got[True], got[False])
@@ -255,7 +255,7 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     monkeypatch.setattr(triton_mla, "_decode_merge_kernel", merge)
     got = {}
     for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", in_kernel)
+        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
         got[in_kernel] = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, num_splits=num_splits,
                                                      block_n=16)
     assert merge.count == (num_splits > 1)  # the launch path's second launch, and none for the in-kernel merge

@@ -6,9 +6,9 @@ first kv_lora_rank entries (kernels/mla/torch_ref.py is the oracle). Flash-decod
 kernels/triton/attention.py: a program owns (sequence, tile of BLOCK_H query heads, split of the context), so
 each row of the context is read once per head tile; the score is q_latent . c_kv + q_pe . k_pe (two dots, no
 padding of 576 to 1024); long contexts are cut into splits merged by log-sum-exp as the GQA kernel's are: by
-the head tile's last split to finish, or in a second launch (FLOTILLA_DECODE_MERGE=launch, or no arrival
-counters; kernels/triton/attention.py says when), with the same bits. Tokens are gathered through the block
-table one by one (page = table[pos // block_size]), so any block size works with any tile. An FP8 (e4m3)
+the head tile's last split to finish (FLOTILLA_DECODE_MERGE=all), or in a second launch (the default: slower
+here on an H200; kernels/triton/attention.py has the numbers), with the same bits. Tokens are gathered through
+the block table one by one (page = table[pos // block_size]), so any block size works with any tile. An FP8 (e4m3)
 cache is converted on load, kv_scale folded into the softmax scale and the output.
 
 Prefill and mixed steps (several new tokens per sequence) run a causal flash-attention kernel whose rows are
@@ -233,7 +233,7 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     if splits > 1:
         part_o = torch.empty(num_seqs, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_latent.device)
-        counters = decode_merge_counters(q_latent.device, num_seqs * head_tiles)
+        counters = decode_merge_counters(q_latent.device, num_seqs * head_tiles, "mla")
     else:  # unused (DIRECT_OUT), but the kernel needs pointers
         part_o = part_lse = out
     kv_scale = float(kv_scale) if is_fp8(kv_cache.dtype) else 1.0

@@ -12,8 +12,9 @@ Two attention kernels, chosen by meta.max_query_len (a python int, so choosing c
   into splits so a small batch still fills the GPU, merged by their log-sum-exp: by the last program of
   a (sequence, KV head) to finish (a "last arriver", kernels/arrivals.py), or by a second kernel where
   the arrival counters are not available (a CUDA graph captured before their first use, more pieces
-  than counters) or FLOTILLA_DECODE_MERGE=launch (read at import; "kernel", the default, merges in the
-  decode kernel). Both merges run the same code (_merge_splits) and give the same bits; at batch 1
+  than counters) or FLOTILLA_DECODE_MERGE leaves it to the launch (read at import: "launch", the default
+  until the in-kernel merge's GPU tests have run; "gqa" merges here in the decode kernel; "all" in triton's
+  MLA decode kernel too). Both merges run the same code (_merge_splits) and give the same bits; at batch 1
   the second launch cost 2.9 us per layer and a ~0.46 us gap on an H200 (Qwen3-30B-A3B, 48 layers).
 - prefill / mixed (any number of new tokens per sequence): flash attention. A program owns one
   (sequence, tile of new tokens, KV head); its M rows are (token, query head of the group) pairs,
@@ -53,12 +54,18 @@ H100/H200), so batch-1 long-context decode is not limited to num_kv_heads SMs.""
 _DECODE_MIN_TOKENS_PER_SPLIT = 256
 """...but no split gets fewer context tokens than this: tiny splits cost more to merge than they save."""
 _DECODE_MAX_SPLITS = 64
-_DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "kernel")
-if _DECODE_MERGE not in ("kernel", "launch"):
-    raise ValueError(f"FLOTILLA_DECODE_MERGE is 'kernel' or 'launch', not {_DECODE_MERGE!r}")
-MERGE_IN_KERNEL = _DECODE_MERGE == "kernel"
-"""Split decodes (GQA and MLA) merge in the decode kernel where the arrival counters allow (FLOTILLA_DECODE_MERGE,
-read at import; tests set this instead), else in a second launch."""
+_DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "launch")
+_MERGE_FAMILIES = {"launch": frozenset(), "gqa": frozenset({"gqa"}), "all": frozenset({"gqa", "mla"})}
+if _DECODE_MERGE not in _MERGE_FAMILIES:
+    raise ValueError(f"FLOTILLA_DECODE_MERGE is one of {sorted(_MERGE_FAMILIES)}, not {_DECODE_MERGE!r}")
+MERGE_IN_KERNEL = _MERGE_FAMILIES[_DECODE_MERGE]
+"""The decode kernels ("gqa": this module's, "mla": kernels/mla/triton_mla.py's) whose splits merge in the decode
+kernel where the arrival counters allow (FLOTILLA_DECODE_MERGE, read at import; tests set this instead), the others'
+in a second launch. On an H200 (2026-12-02, seventeenth session) the in-kernel merge took Qwen3-30B-A3B's batch-1
+attention from 5.24 + 2.90 us per layer (and a gap between the launches) to 7.38 us, and slowed DeepSeek-V3-4L's
+(triton MLA, batch 1: 674.0 against 691.5 tok/s; one program merges 16 heads of 512 columns, a split at a time).
+Off by default until its GPU tests (the bits of both merges at the models' sizes, graphs against eager) have run:
+FLOTILLA_DECODE_MERGE=gqa is the measured gain."""
 
 
 @triton.jit
@@ -267,7 +274,7 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, query head): the head's splits merged (_merge_splits), where the decode kernel did not
-    merge them itself (FLOTILLA_DECODE_MERGE=launch, or no arrival counters)."""
+    merge them itself (MERGE_IN_KERNEL, or no arrival counters)."""
     seq = tl.program_id(0)
     token = tl.load(qsl_ptr + seq).to(tl.int64)
     one = tl.arange(0, 1)
@@ -291,11 +298,12 @@ def _merge_options(merge_last: bool, merge_h: int, block_s: int, block_d: int) -
     return dict(MERGE_LAST=True, MERGE_H=merge_h, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, merge_h * block_d))
 
 
-def decode_merge_counters(device: torch.device, num_pieces: int) -> torch.Tensor | None:
+def decode_merge_counters(device: torch.device, num_pieces: int, family: str) -> torch.Tensor | None:
     """The arrival counters a split decode of num_pieces (sequence, head group) pieces merges with in the kernel,
-    or None: merge in a second launch (FLOTILLA_DECODE_MERGE=launch, more pieces than counters, or a CUDA graph
+    or None: merge in a second launch (family, "gqa" or "mla", not in MERGE_IN_KERNEL, more pieces than counters, or
+    a CUDA graph
     captured before the counters' first use)."""
-    if not MERGE_IN_KERNEL or num_pieces > MAX_ARRIVAL_COUNTERS:
+    if family not in MERGE_IN_KERNEL or num_pieces > MAX_ARRIVAL_COUNTERS:
         return None
     return arrival_counters(device)
 
@@ -449,7 +457,7 @@ def paged_decode_attention(
     if splits > 1:
         part_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
-        counters = decode_merge_counters(query.device, num_seqs * num_kv_heads)
+        counters = decode_merge_counters(query.device, num_seqs * num_kv_heads, "gqa")
     else:  # unused by the kernel (DIRECT_OUT), but it needs pointers
         part_o = part_lse = out
     block_s, merge_h = triton.next_power_of_2(splits), triton.next_power_of_2(group)
