@@ -181,26 +181,18 @@ def test_gpu_norm_gemv_and_router_at_qwen3_30b_a3b_sizes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 def test_gpu_engine_with_the_norms_folded_gives_the_unfolded_greedy_tokens(tmp_path, monkeypatch):
-    """Batch-1 decode graphs capture the folded norms (q/k/v, the MoE block's router and routing, the dense layer's
-    gate_up) in a tiny Qwen3-MoE; its greedy tokens are those of the norms as launches of their own. (Its first run,
-    on the seventeenth session's H200, did not finish in the stage's 130 s, without max_num_seqs: unexplained.)"""
+    """A tiny Qwen3-MoE engine (worker processes, CUDA graphs) with FLOTILLA_NORM_GEMV=1 gives the greedy tokens of
+    the norms as launches of their own: its batches shrink to one sequence, whose decode graphs capture the folded
+    norms (q/k/v, the MoE block's router and routing, the dense layer's gate_up; the CPU test above checks that a
+    one-row step takes them). (The first form of this test, an inline engine without max_num_seqs, did not finish
+    in 130 s on the seventeenth session's H200: unexplained.)"""
+    from helpers_engine import greedy_on_cuda
     from helpers_tiny_models import write_tiny_moe_model
 
-    from flotilla import LLM, SamplingParams
-    from flotilla.kernels import linear as linear_module
-    from flotilla.kernels.triton import norm_gemv as norm_gemv_module
-
-    model = write_tiny_moe_model(tmp_path / "moe", "qwen3_moe_hd64")
-    calls = []
-    real = norm_gemv_module.norm_router_topk
-    monkeypatch.setattr(norm_gemv_module, "norm_router_topk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = str(write_tiny_moe_model(tmp_path / "moe", "qwen3_moe_hd64"))
     outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(linear_module, "NORM_GEMV", on)
-        with LLM(str(model), kv_cache_blocks=256, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=4,
-                 placement="inline", skip_tokenizer_init=True) as llm:  # fmt: skip (4: few graphs to capture)
-            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-            outs[on] = [list(llm.generate({"prompt_token_ids": [5 + i, 9, 17, 3 + i]}, params, use_tqdm=False)[0]
-                             .outputs[0].token_ids) for i in range(3)]  # one at a time: batch-1 decode steps
-        assert bool(calls) == on  # (captured in the graphs: called while capturing, not at each replay)
-    assert outs[True] == outs[False]
+    for on in ("0", "1"):
+        monkeypatch.setenv("FLOTILLA_NORM_GEMV", on)  # read at import by the worker processes
+        outs[on], detail = greedy_on_cuda(model)
+        assert detail["worker/0"]["cuda_graphs"] == "on"
+    assert outs["1"] == outs["0"]
