@@ -21,8 +21,9 @@
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
-#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km" and "+kmall" (any stage's variants):
-#                FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, the seventeenth session's opt-in fusions
+#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km", "+kmall" and "+pdl" (any stage's
+#                variants): FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=1, the seventeenth
+#                session's opt-in kernels
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
@@ -142,9 +143,11 @@ backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a vari
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 # "+fold": FLOTILLA_NORM_GEMV=1 (each batch-1 RMSNorm inside the product after it); "+km": FLOTILLA_DECODE_MERGE=gqa
-# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); else the defaults
+# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); "+pdl":
+# FLOTILLA_PDL=1 (programmatic dependent launch of the batch-1 kernels); else the defaults
 fold_merge_of() {
   echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+fold* ]] && echo 1 || echo 0)" \
+    "FLOTILLA_PDL=$([[ $1 == *+pdl* ]] && echo 1 || echo 0)" \
     "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
 }
 if want profile_q30_var; then

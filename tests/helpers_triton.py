@@ -22,6 +22,8 @@ from triton.compiler import ASTSource
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
 for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[2]):
     fn = getattr(importlib.import_module(module), name)
+    # constexprs the spec leaves out take their defaults (e.g. USE_GDC, kernels/triton/pdl.py)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
                  for a in fn.arg_names}
     triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.triton.gemv import row_products
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 SMALL_BATCH_MAX_TOKENS = 4
 """Batches of at most this many tokens take this path in triton_experts.fused_experts (bf16/fp16/fp32 weights);
@@ -55,9 +56,12 @@ gate_up pass 8 warps were faster than triton's 4 on an H200 (bench_kernels in CU
 def _small_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, stride_xm, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (slot, pid_n): out[slot, cols] = silu(x[token] @ gate[cols].T) * (x[token] @ up[cols].T) for the
     slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -93,12 +97,14 @@ def _small_gate_up_kernel(
 def _small_down_kernel(
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, stride_am, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (token, pid_n): out[token, cols] = sum over the token's slots of weight * (act[slot] @ w2[cols].T),
     cols = [pid_n * BLOCK_N, +BLOCK_N) of the hidden size N, K the intermediate size; masked slots add nothing.
     All TOP_K slots advance together along K (a [TOP_K, BLOCK_N, BLOCK_K] step): at one token the grid is only
     N / BLOCK_N programs, and one slot at a time would leave too few loads in flight to read at full bandwidth."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, TOP_K_P2)
@@ -131,12 +137,15 @@ def _small_down_kernel(
 def _small_down_slot_kernel(
     act_ptr, w_ptr, ids_ptr, weights_ptr, rows_ptr, out_ptr, count_ptr, stride_am, stride_we, stride_wn, stride_rm,
     stride_om, N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (slot, pid_n): the slot's weighted product rows[slot, cols] = round(weight * round(act[slot] @
     w2[cols].T)) (0 for a masked slot), cols = [pid_n * BLOCK_N, +BLOCK_N) of the hidden size N; the last of a
     token's TOP_K programs of those columns to finish (kernels/arrivals.py: count_ptr[token, pid_n]) sums the token's
     rows in slot order, in float32, into out[token] and sets the count back to 0. The same numbers as
     _small_down_kernel with TOP_K times the programs: at one token that kernel's grid is N / BLOCK_N programs."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = slot // TOP_K
@@ -187,7 +196,7 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
         hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
-        **{"num_warps": NUM_WARPS, **(launch or {})},
+        **{"num_warps": NUM_WARPS, **(launch or {})}, **pdl_options(hidden.device),
     )  # fmt: skip
     down = down or {}
     dn, dk = down.get("block_n", bn), down.get("block_k", bk)
@@ -202,12 +211,12 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         _small_down_slot_kernel[(ids.numel(), grid_n)](
             act, w2, ids, weights, rows, out, counters, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
             out.stride(0), N=hidden_size, K=inter, TOP_K=top_k, BLOCK_N=dn,
-            BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch,
+            BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch, **pdl_options(hidden.device),
         )  # fmt: skip
         return out
     _small_down_kernel[(num_tokens, grid_n)](
         act, w2, ids, weights, out, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         N=hidden_size, K=inter, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_N=dn,
-        BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch,
+        BLOCK_K=min(dk, triton.next_power_of_2(inter)), **down_launch, **pdl_options(hidden.device),
     )  # fmt: skip
     return out

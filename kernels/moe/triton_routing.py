@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
+
 MAX_EXPERTS = 1024
 """Largest E these kernels accept (a row lives in registers; 512 is the largest in use today)."""
 
@@ -69,9 +71,11 @@ def softmax_topk(x, cols, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, RENORMAL
 def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, stride_t,
     E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Rows [pid * BLOCK_T, +BLOCK_T): softmax over E columns, top TOP_K, stored [T, TOP_K]."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -212,6 +216,7 @@ def fused_select_experts(
         router_logits, weights, ids, num_tokens, router_logits.stride(0),
         E=num_experts, TOP_K=top_k, RENORMALIZE=bool(renormalize),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=num_warps,
+        **pdl_options(router_logits.device),
     )  # fmt: skip
     return weights, ids
 

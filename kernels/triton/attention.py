@@ -43,6 +43,7 @@ import triton.language as tl
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16
@@ -146,10 +147,13 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence b, KV head, split): the GQA group's queries over this split's share of the
     context. With one split it writes the output; otherwise a normalized partial output and its
     log2-sum-exp, which the group's last split to finish merges (MERGE_LAST) or _decode_merge_kernel does."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,10 +275,12 @@ def _merge_splits(
 @triton.jit
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits, num_heads, head_dim, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence, query head): the head's splits merged (_merge_splits), where the decode kernel did not
     merge them itself (MERGE_IN_KERNEL, or no arrival counters)."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     seq = tl.program_id(0)
     token = tl.load(qsl_ptr + seq).to(tl.int64)
     one = tl.arange(0, 1)
@@ -469,12 +475,12 @@ def paged_decode_attention(
         PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_N=max(_MIN_DOT, block_n or _default_block_n(head_dim)),
         BLOCK_D=block_d, DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(query.dtype),
-        **_merge_options(counters is not None, merge_h, block_s, block_d),
+        **_merge_options(counters is not None, merge_h, block_s, block_d), **pdl_options(query.device),
     )  # fmt: skip
     if splits > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, meta.query_start_loc, splits, num_heads, head_dim, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d),
+            BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d), **pdl_options(query.device),
         )  # fmt: skip
     return out
 

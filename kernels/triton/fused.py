@@ -21,6 +21,7 @@ from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.quant import attach_quantized
 from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3
 from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_DTYPE, FP8_MAX, FP8_MAX_INV
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 
 def _warps(block: int) -> int:
@@ -35,10 +36,13 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     q_ptr=None, s_ptr=None, stride_q=0, stride_s=0, QUANT_GROUP: tl.constexpr = 0,
     FP8_MAX: tl.constexpr = 448.0, FP8_MAX_INV: tl.constexpr = 1.0 / 448.0, MIN_AMAX: tl.constexpr = 1e-12,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row: (x + residual ->) float32 statistics -> normalize -> round -> * weight. QUANT_GROUP:
     also the output's e4m3 values and per-group scales, with fp8_quant_triton's operations on the rounded output
     (the same bits as quantizing it in a launch of its own)."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -101,7 +105,7 @@ def _norm(
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight.contiguous(), out2, res_out2,
             x2.stride(0), r2.stride(0), out2.stride(0), res_out2.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **quant,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **quant, **pdl_options(x.device),
         )  # fmt: skip
     return out, res_out
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
+
 BLOCK_N = 4
 BLOCK_K = 2048
 NUM_WARPS = 8
@@ -61,12 +63,26 @@ def row_products(x_ptr, w_ptr, offs_n, n_mask, K, k_end, stride_wn, BLOCK_N: tl.
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Program pid: out[rows] = x @ W[rows].T (+ b[rows]), rows = [pid * BLOCK_N, +BLOCK_N); x is one row of K."""
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_GDC: tl.constexpr = False, ONE_STEP: tl.constexpr = False):  # fmt: skip
+    """Program pid: out[rows] = x @ W[rows].T (+ b[rows]), rows = [pid * BLOCK_N, +BLOCK_N); x is one row of K.
+    USE_GDC (kernels/triton/pdl.py): launched with PDL, the weight tile (K in ONE_STEP) is read before the wait for
+    the kernel that wrote x, so that its read from memory overlaps that kernel's end (the same values)."""
     pid = tl.program_id(0)
+    launch_next(USE_GDC)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    y = row_products(x_ptr, w_ptr, offs_n, n_mask, K, K, stride_wn, BLOCK_N, BLOCK_K)
+    if USE_GDC and ONE_STEP:
+        offs_k = tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+        wait_prior(USE_GDC)
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    else:
+        wait_prior(USE_GDC)
+        y = row_products(x_ptr, w_ptr, offs_n, n_mask, K, K, stride_wn, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -88,6 +104,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bk = min(block_k or BLOCK_K, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, bn),)](
         row, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or NUM_WARPS,
+        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or NUM_WARPS, ONE_STEP=bk >= k,
+        **pdl_options(x.device),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX
 from flotilla.kernels.triton.fused import _cos_sin
 
@@ -58,8 +59,11 @@ def _qk_norm_rope_store_kernel(
     stride_t, stride_cos, stride_qo, stride_cb, stride_ckv, stride_cs, stride_ch,
     num_heads, num_kv_heads, half, head_dim, block_size, eps, k_scale, v_scale,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """One program per token of qkv [T, (Hq + 2 Hkv) * D]: q -> q_out [T, Hq, D]; k, v -> the cache slot."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, token, stride_cos, half, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -125,6 +129,6 @@ def qk_norm_rope_and_store_kv(
         qkv.stride(0), cos_sin_cache.stride(0), q_out.stride(0), *kv_cache.stride()[:4],
         num_heads, num_kv_heads, half, head_dim, kv_cache.shape[2], eps, float(k_scale), float(v_scale),
         BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=block_half, QUANT=quant,
-        num_warps=max(1, min(8, block_hq * block_half * 2 // 256)),
+        num_warps=max(1, min(8, block_hq * block_half * 2 // 256)), **pdl_options(qkv.device),
     )  # fmt: skip
     return q_out

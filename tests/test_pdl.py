@@ -1,0 +1,127 @@
+"""Programmatic dependent launch for the batch-1 kernels (kernels/triton/pdl.py, FLOTILLA_PDL=1): off unless asked
+for and on a device that has it; with it, every kernel waits for its predecessor before its first load of anything
+another kernel writes, and gemv reads its weights before that wait. Checked in the PTX each kernel compiles to for an
+H200 (sm_90, in a child process without TRITON_INTERPRET: the interpreter has no griddepcontrol)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
+
+_DRIVER = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+out = []
+for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module(module), name)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
+                 for a in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": num_warps}).asm["ptx"]
+    lines = ptx.splitlines()
+    def first(text):
+        return next((i for i, line in enumerate(lines) if text in line), -1)
+    out.append({"name": name, "wait": first("griddepcontrol.wait"), "launch": first("griddepcontrol.launch_dependents"),
+                "load": first("ld.global")})
+print(json.dumps(out))
+"""
+
+_BF16 = "*bf16"
+_ATT = "flotilla.kernels.triton.attention"
+_SPECS = [
+    ("flotilla.kernels.triton.gemv", "_gemv_kernel", {"x_ptr": _BF16, "w_ptr": _BF16, "b_ptr": _BF16, "out_ptr": _BF16},
+     [], dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=2048, ONE_STEP=True), 8),
+    ("flotilla.kernels.triton.gemv", "_gemv_kernel", {"x_ptr": _BF16, "w_ptr": _BF16, "b_ptr": _BF16, "out_ptr": _BF16},
+     [], dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=2048, ONE_STEP=False), 8),
+    ("flotilla.kernels.triton.fused", "_rms_norm_kernel",
+     {"x_ptr": _BF16, "res_ptr": _BF16, "w_ptr": _BF16, "out_ptr": _BF16, "res_out_ptr": _BF16}, ["eps"],
+     dict(HAS_RESIDUAL=True, BLOCK=2048, QUANT_GROUP=0), 8),
+    ("flotilla.kernels.triton.qk_norm_rope", "_qk_norm_rope_store_kernel",
+     {**{n: _BF16 for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "cache_ptr")}, "pos_ptr": "*i64",
+      "slot_ptr": "*i64", "cos_sin_ptr": "*fp32"}, ["eps", "k_scale", "v_scale"],
+     dict(BLOCK_HQ=32, BLOCK_HKV=4, BLOCK_HALF=64, QUANT=False), 8),
+    (_ATT, "_decode_kernel", {"q_ptr": _BF16, "cache_ptr": _BF16, "out_ptr": _BF16, "part_o_ptr": "*fp32",
+                              "part_lse_ptr": "*fp32", "count_ptr": "*i32", "qsl_ptr": "*i32",
+                              "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}, ["sm_scale_log2", "v_scale"],
+     dict(PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32",
+          MERGE_LAST=False, MERGE_H=1, BLOCK_S=1, CHUNK_S=1), 4),
+    (_ATT, "_decode_merge_kernel", {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": _BF16,
+                                    "qsl_ptr": "*i32"}, [], dict(BLOCK_S=64, BLOCK_D=128, CHUNK_S=32), 4),
+    ("flotilla.kernels.moe.triton_routing", "_softmax_topk_kernel",
+     {"logits_ptr": _BF16, "weights_ptr": "*fp32", "ids_ptr": "*i32"}, [],
+     dict(E=128, TOP_K=8, RENORMALIZE=True, BLOCK_T=1, BLOCK_E=128, BLOCK_K=8), 1),
+    ("flotilla.kernels.moe.triton_experts_small", "_small_gate_up_kernel",
+     {"x_ptr": _BF16, "w_ptr": _BF16, "ids_ptr": "*i32", "out_ptr": _BF16}, [],
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, N=768, K=2048), 8),
+    ("flotilla.kernels.moe.triton_experts_small", "_small_down_kernel",
+     {"act_ptr": _BF16, "w_ptr": _BF16, "ids_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": _BF16}, [],
+     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=128, N=2048, K=768, TOP_K_P2=8), 8),
+]
+"""The batch-1 step's triton kernels at Qwen3-30B-A3B's shapes."""
+
+
+def test_pdl_is_off_unless_asked_for_and_never_on_a_cpu(monkeypatch):
+    from flotilla.kernels.triton import pdl
+
+    assert pdl.PDL == (os.environ.get("FLOTILLA_PDL") == "1")
+    monkeypatch.setattr(pdl, "PDL", False)
+    assert pdl.pdl_options(torch.device("cpu")) == {"USE_GDC": False, "launch_pdl": False}
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert pdl.pdl_options(torch.device("cpu")) == {"USE_GDC": False, "launch_pdl": False}
+
+
+@pytest.mark.slow
+def test_with_pdl_each_kernel_waits_before_its_first_dependent_load(tmp_path):
+    """USE_GDC: every kernel lets the next one launch and waits for the one before it; the first global load comes
+    after the wait, except in gemv's one-step form, whose weight tile is loaded before it (without USE_GDC gemv has
+    neither instruction)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    specs = [(m, n, p, f, {**c, "USE_GDC": True}, w) for m, n, p, f, c, w in _SPECS]
+    specs.append((*_SPECS[0][:4], {**_SPECS[0][4], "USE_GDC": False}, _SPECS[0][5]))  # gemv without PDL
+    halves = [specs[0::2], specs[1::2]]  # two children: ptxas compiles one kernel at a time
+    children = [subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(h)], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for h in halves]  # fmt: skip
+    found: dict[int, dict] = {}
+    for half, child in enumerate(children):
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-4000:]
+        for i, k in enumerate(json.loads(out.strip().splitlines()[-1])):
+            found[2 * i + half] = k
+    assert found[len(_SPECS)]["wait"] == found[len(_SPECS)]["launch"] == -1, found[len(_SPECS)]
+    for i, (_, _, _, _, consts, _) in enumerate(_SPECS):
+        k = found[i]
+        assert k["wait"] >= 0 and k["launch"] >= 0 and k["load"] >= 0, k
+        if k["name"] == "_gemv_kernel" and consts["ONE_STEP"]:
+            assert k["load"] < k["wait"], k  # the weights read first
+        else:
+            assert k["wait"] < k["load"], k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA")
+@pytest.mark.parametrize("name", ["qwen3_hd64", "qwen3_moe_hd64"])
+def test_gpu_engine_with_pdl_gives_the_same_greedy_tokens(name, tmp_path, monkeypatch):
+    """Worker processes with FLOTILLA_PDL=1 (decode graphs capture the launches' programmatic edges) give the greedy
+    tokens of the same engine without it: PDL changes when kernels start, never what they compute."""
+    from helpers_engine import greedy_on_cuda
+    from helpers_tiny_models import write_tiny_model, write_tiny_moe_model
+
+    write = write_tiny_moe_model if "moe" in name else write_tiny_model
+    model = str(write(tmp_path / name, name))
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("FLOTILLA_PDL", on)  # read at import by the worker processes
+        outs[on], detail = greedy_on_cuda(model)
+        assert detail["worker/0"]["cuda_graphs"] == "on"
+    assert outs["1"] == outs["0"]
