@@ -46,6 +46,17 @@ def write_tiny_engine_model(model_dir: Path, name: str = "llama", seed: int = 0)
     return model_dir
 
 
+def greedy_on_cuda_switched(model: str, variable: str, monkeypatch) -> dict[str, list[list[int]]]:
+    """greedy_on_cuda's tokens with the environment variable `variable` at "0" and at "1" in the worker processes'
+    environment (an A/B switch read at import), keyed by its value; asserts both engines ran CUDA graphs."""
+    outs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv(variable, value)
+        outs[value], detail = greedy_on_cuda(model)
+        assert detail["worker/0"]["cuda_graphs"] == "on", detail
+    return outs
+
+
 def greedy_on_cuda(model: str, prompts: int = 10, **options) -> tuple[list[list[int]], dict]:
     """(greedy tokens, the engine's ready detail) of `prompts` random prompts with lengths 3-59 and max_tokens 3, 5,
     7, ... (batches shrink step by step, so several CUDA-graph sizes replay) on a bf16 CUDA engine with `options`."""

@@ -186,13 +186,9 @@ def test_gpu_engine_with_the_norms_folded_gives_the_unfolded_greedy_tokens(tmp_p
     norms (q/k/v, the MoE block's router and routing, the dense layer's gate_up; the CPU test above checks that a
     one-row step takes them). (The first form of this test, an inline engine without max_num_seqs, did not finish
     in 130 s on the seventeenth session's H200: unexplained.)"""
-    from helpers_engine import greedy_on_cuda
+    from helpers_engine import greedy_on_cuda_switched
     from helpers_tiny_models import write_tiny_moe_model
 
     model = str(write_tiny_moe_model(tmp_path / "moe", "qwen3_moe_hd64"))
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("FLOTILLA_NORM_GEMV", on)  # read at import by the worker processes
-        outs[on], detail = greedy_on_cuda(model)
-        assert detail["worker/0"]["cuda_graphs"] == "on"
+    outs = greedy_on_cuda_switched(model, "FLOTILLA_NORM_GEMV", monkeypatch)
     assert outs["1"] == outs["0"]

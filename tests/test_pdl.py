@@ -114,14 +114,10 @@ def test_with_pdl_each_kernel_waits_before_its_first_dependent_load(tmp_path):
 def test_gpu_engine_with_pdl_gives_the_same_greedy_tokens(name, tmp_path, monkeypatch):
     """Worker processes with FLOTILLA_PDL=1 (decode graphs capture the launches' programmatic edges) give the greedy
     tokens of the same engine without it: PDL changes when kernels start, never what they compute."""
-    from helpers_engine import greedy_on_cuda
+    from helpers_engine import greedy_on_cuda_switched
     from helpers_tiny_models import write_tiny_model, write_tiny_moe_model
 
     write = write_tiny_moe_model if "moe" in name else write_tiny_model
     model = str(write(tmp_path / name, name))
-    outs = {}
-    for on in ("0", "1"):
-        monkeypatch.setenv("FLOTILLA_PDL", on)  # read at import by the worker processes
-        outs[on], detail = greedy_on_cuda(model)
-        assert detail["worker/0"]["cuda_graphs"] == "on"
+    outs = greedy_on_cuda_switched(model, "FLOTILLA_PDL", monkeypatch)
     assert outs["1"] == outs["0"]
