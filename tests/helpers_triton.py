@@ -54,3 +54,35 @@ def compile_for_sm90(specs: Sequence[CompileSpec], cache_dir: Path, capability: 
         if child.returncode != 0:
             errors.append(err[-4000:])
     assert not errors, "\n".join(errors)
+
+
+class Launches:
+    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.count = kernel, 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.count += 1
+        return self.kernel[grid]
+
+
+def nan_scratch(monkeypatch: Any) -> None:
+    """torch.empty and torch.empty_like give NaN-filled tensors: a kernel that reads scratch it never wrote, or leaves
+    an output row unwritten, shows in the result."""
+    import torch
+
+    for name in ("empty", "empty_like"):
+        monkeypatch.setattr(torch, name, lambda *a, real=getattr(torch, name), **kw: real(*a, **kw).fill_(float("nan")))
+
+
+def with_both_merges(monkeypatch: Any, run: Any) -> dict[bool, Any]:
+    """{False: run(False), True: run(True)}: the decode kernels' splits merged by a second launch, then in the decode
+    kernel itself (kernels/triton/attention.py MERGE_IN_KERNEL, GQA and MLA)."""
+    from flotilla.kernels.triton import attention
+
+    got = {}
+    for in_kernel in (False, True):
+        monkeypatch.setattr(attention, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
+        got[in_kernel] = run(in_kernel)
+    return got

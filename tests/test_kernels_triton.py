@@ -96,7 +96,6 @@ def _repair_interpreter() -> None:
 if INTERPRET:
     _repair_interpreter()
 
-from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels import activation, norm, rope  # noqa: E402
 from flotilla.kernels.attention import (  # noqa: E402
     AttentionMetadata,
@@ -239,17 +238,6 @@ def test_decode_drops_the_never_written_partials_of_empty_splits(monkeypatch):
     _check_attention(seqs, 4, 4, 2, 16, torch.float32, seed=21, run=run)
 
 
-class _Launches:
-    """Stands in for a kernel and counts its launches (kernel[grid](...))."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize(("num_splits", "chunk"), [(1, None), (3, None), (8, None), (8, 3)])
 def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, num_splits, chunk):
     """The last split of a (sequence, KV head) to finish merges the group's splits (arrival counters) with the same
@@ -257,6 +245,8 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     in-kernel merge alone), and leaves the counters at 0. A padding sequence (seq_len 0: all splits empty, output 0),
     contexts shorter than one split and ones filling most splits; a group of 3 (a masked merge row); scratch
     buffers NaN, so a merge reading an empty split's partial, or a row left unwritten, would show."""
+    from helpers_triton import Launches, nan_scratch, with_both_merges
+
     from flotilla.kernels.arrivals import arrival_counters
 
     seqs = [(0, 1), (0, 1), (4, 1), (39, 1), (129, 1)]
@@ -264,16 +254,16 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     tri_attn.store_kv(k, v, cache, meta.slot_mapping)
     want = torch_ref.paged_attention(q, cache, meta, 0.25)
     meta.seq_lens[0] = 0  # the padding sequence of a CUDA graph's batch
-    for name in ("empty", "empty_like"):
-        monkeypatch.setattr(torch, name, lambda *a, real=getattr(torch, name), **kw: real(*a, **kw).fill_(float("nan")))
-    merge = _Launches(tri_attn._decode_merge_kernel)
+    nan_scratch(monkeypatch)
+    merge = Launches(tri_attn._decode_merge_kernel)
     monkeypatch.setattr(tri_attn, "_decode_merge_kernel", merge)
-    got = {}
-    for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
+
+    def run(in_kernel: bool) -> torch.Tensor:
         if in_kernel and chunk:
             monkeypatch.setattr(tri_attn, "merge_chunk", lambda block_s, block_d: chunk)
-        got[in_kernel] = tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
+        return tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
+
+    got = with_both_merges(monkeypatch, run)
     assert merge.count == (num_splits > 1)  # the launch path's second launch, and none for the in-kernel merge
     assert torch.equal(got[True], got[False])
     assert not arrival_counters(DEVICE).any()
@@ -286,15 +276,15 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
 def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, batch):
     """Qwen3-30B-A3B's heads (32 query, 4 KV, head_dim 128) in bf16 at a CUDA graph's 64 splits, contexts of 1 to
     3,000: the in-kernel merge's bits are the second launch's on the GPU too, and the counters are left at 0."""
+    from helpers_triton import with_both_merges
+
     from flotilla.kernels.arrivals import arrival_counters
 
     seqs = [(random.Random(batch + i).randint(0, 3000), 1) for i in range(batch)]
     meta, cache, q, k, v = _paged_case(seqs, 16, 32, 4, 128, torch.bfloat16, seed=batch)
     tri_attn.store_kv(k, v, cache, meta.slot_mapping)
-    got = {}
-    for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
-        got[in_kernel] = [tri_attn.paged_decode_attention(q, cache, meta, 0.088, num_splits=64) for _ in range(2)]
+    got = with_both_merges(monkeypatch, lambda _: [tri_attn.paged_decode_attention(q, cache, meta, 0.088,
+                                                                                   num_splits=64) for _ in range(2)])
     torch.cuda.synchronize()
     assert all(torch.equal(g, got[False][0]) for g in got[True] + got[False][1:])
     assert not arrival_counters(DEVICE).any()
@@ -436,74 +426,6 @@ def test_tiny_llama_with_triton_backend_matches_torch_backend(tmp_path):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-_DECODE_MERGE_OFF = dict(MERGE_LAST=False, MERGE_H=1, BLOCK_S=1, CHUNK_S=1)
-
-
-def _compile_specs() -> list:
-    """(module, kernel, pointer element types, float args, constexprs, num_warps) at production shapes:
-    bf16 Llama-3-8B heads (GQA 4, head_dim 128), a group of 3, head_dim 256; fp32 for the "ieee" dots."""
-    att, fused = "flotilla.kernels.triton.attention", "flotilla.kernels.triton.fused"
-    specs: list = []
-    for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
-        paged = {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qsl_ptr": "*i32",
-                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "count_ptr": "*i32"}  # fmt: skip
-        # fp32 only for the common shapes: its "ieee" dots take seconds each to compile
-        for direct, merge in ((True, False), (False, False)) if dt == "bf16" else ((False, True),):
-            specs.append((att, "_decode_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
-                PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision,
-                **(dict(MERGE_LAST=True, MERGE_H=4, BLOCK_S=8, CHUNK_S=8) if merge else _DECODE_MERGE_OFF),
-            ), 4))  # fmt: skip
-        for group, block_d, block_n in ((4, 128, 64), (3, 128, 64), (3, 256, 32)) if dt == "bf16" else ((4, 128, 64),):
-            specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
-                PAGE_SIZE=16, GROUP=group, BLOCK_Q=64 // group, BLOCK_M=64, BLOCK_N=block_n, BLOCK_D=block_d,
-                DOT_PRECISION=precision,
-            ), 4))  # fmt: skip
-    bf16 = {n: "*bf16" for n in ("key_ptr", "value_ptr", "cache_ptr", "q_ptr", "k_ptr", "v_ptr", "q_out_ptr",
-                                 "k_out_ptr", "x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}  # fmt: skip
-    bf16.update(slot_ptr="*i64", pos_ptr="*i64", cos_sin_ptr="*fp32", qsl_ptr="*i32", part_o_ptr="*fp32",
-                part_lse_ptr="*fp32")  # fmt: skip
-    # an FP8 (e4m3) KV cache under bf16 queries: quantizing stores, converting loads
-    paged_fp8 = {**paged, "q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*fp8e4nv"}
-    # with Qwen3-30B-A3B's group of 8 and batch 1's in-kernel merge of 8 splits, 4 per step
-    specs.append((att, "_decode_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
-        PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32",
-        MERGE_LAST=True, MERGE_H=8, BLOCK_S=8, CHUNK_S=4), 4))
-    specs.append((att, "_prefill_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
-        PAGE_SIZE=16, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
-    fp8 = {**bf16, "cache_ptr": "*fp8e4nv"}
-    quant = dict(QUANT=True, FP8_MAX=448.0)
-    specs += [
-        (att, "_store_kv_kernel", fp8, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **quant), 4),
-        (fused, "_rope_kernel", fp8, ["k_scale", "v_scale"],
-         dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **quant), 16),
-    ]
-    no_quant = dict(QUANT=False, FP8_MAX=448.0)
-    specs += [
-        (att, "_store_kv_kernel", bf16, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **no_quant), 4),
-        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128, CHUNK_S=8), 4),
-        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=512, CHUNK_S=8), 4),
-        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096, QUANT_GROUP=0), 16),
-        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, QUANT_GROUP=0), 16),
-        # DeepSeek-V3's norms before FP8 GEMMs: 7168 columns (a block of 8192) quantized in groups of 128
-        (fused, "_rms_norm_kernel", {**bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ["eps"],
-         dict(HAS_RESIDUAL=True, BLOCK=8192, QUANT_GROUP=128), 16),
-        (fused, "_silu_and_mul_kernel", bf16, [], dict(BLOCK=1024), 4),
-        (fused, "_rope_kernel", bf16, ["k_scale", "v_scale"],
-         dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **no_quant), 16),
-        (fused, "_rope_kernel", bf16, ["k_scale", "v_scale"],
-         dict(STORE_KV=False, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **no_quant), 16),
-    ]
-    return specs
-
-
-@pytest.mark.slow
-def test_every_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The interpreter runs kernels as numpy and checks little of the language's typing, so compile each
-    kernel for an H100/H200 (sm_90, ptxas bundled with triton) in a child without TRITON_INTERPRET."""
-    compile_for_sm90(_compile_specs(), tmp_path)
-
-
 # ---- realistic sizes on the GPU (bf16, Llama-3-8B-like heads, block_size 16) ----
 
 
@@ -631,17 +553,6 @@ def test_qk_norm_rope_refuses_a_qkv_that_does_not_match_the_heads():
     with pytest.raises(ValueError, match="qkv"):
         tri_qk.qk_norm_rope_and_store_kv(qkv, torch.zeros(3, dtype=torch.long, device=DEVICE), w, w, 1e-6, table,
                                          cache, torch.zeros(3, dtype=torch.long, device=DEVICE), 4, 2)
-
-
-@pytest.mark.slow
-def test_qk_norm_rope_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    ptrs = {n: "*bf16" for n in ("qkv_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "cache_ptr")}
-    ptrs.update(pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32")
-    specs = [("flotilla.kernels.triton.qk_norm_rope", "_qk_norm_rope_store_kernel",
-              {**ptrs, "cache_ptr": cache}, ["eps", "k_scale", "v_scale"],
-              dict(BLOCK_HQ=hq, BLOCK_HKV=8, BLOCK_HALF=64, QUANT=cache == "*fp8e4nv"), warps)
-             for cache in ("*bf16", "*fp8e4nv") for hq, warps in ((16, 8), (32, 8))]
-    compile_for_sm90(specs, tmp_path)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")

@@ -168,16 +168,15 @@ def test_gpu_decode_kernel_at_deepseek_v3_sizes(batch):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, batch):
     """DeepSeek-V3's 128 heads at 64 splits: the in-kernel merge's bits are the second launch's, counters back at 0."""
+    from helpers_triton import with_both_merges
+
     from flotilla.kernels.arrivals import arrival_counters
-    from flotilla.kernels.triton import attention as tri_attn
 
     lens = [random.Random(batch + 7).randint(1, 3000) for _ in range(batch)]
     q_latent, q_pe, cache, meta = _decode_batch(lens, 512, 64, 128, 64, torch.bfloat16, seed=batch,
                                                 device=torch.device("cuda"))  # fmt: skip
-    got = {}
-    for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
-        got[in_kernel] = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.1, num_splits=64)
+    got = with_both_merges(monkeypatch, lambda _: triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.1,
+                                                                              num_splits=64))  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(got[True], got[False])
     assert not arrival_counters(torch.device("cuda")).any()
@@ -242,22 +241,18 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     launch (_decode_merge_kernel) and leaves the counters at 0: a padding sequence (seq_len 0), a context shorter
     than one split, one filling 10 of 16 splits (two chunks of 8 at 16 heads); 5 heads in a tile of 16 (masked merge
     rows). Scratch buffers and the output start as NaN: a read of an empty split or an unwritten row would show."""
+    from helpers_triton import Launches, nan_scratch, with_both_merges
+
     from flotilla.kernels.arrivals import arrival_counters
-    from flotilla.kernels.triton import attention as tri_attn
-    from test_kernels_triton import _Launches
 
     q_latent, q_pe, cache, meta = _decode_batch([1, 5, 150], 32, 8, 5, 4, torch.float32, seed=num_splits)
     want = torch_ref.paged_mla(q_latent, q_pe, cache, meta, scale=0.2)
     meta.seq_lens[0] = 0  # the padding sequence of a CUDA graph's batch
-    for name in ("empty", "empty_like"):
-        monkeypatch.setattr(torch, name, lambda *a, real=getattr(torch, name), **kw: real(*a, **kw).fill_(float("nan")))
-    merge = _Launches(triton_mla._decode_merge_kernel)
+    nan_scratch(monkeypatch)
+    merge = Launches(triton_mla._decode_merge_kernel)
     monkeypatch.setattr(triton_mla, "_decode_merge_kernel", merge)
-    got = {}
-    for in_kernel in (False, True):
-        monkeypatch.setattr(tri_attn, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
-        got[in_kernel] = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.2, num_splits=num_splits,
-                                                     block_n=16)
+    got = with_both_merges(monkeypatch, lambda _: triton_mla.paged_mla_decode(
+        q_latent, q_pe, cache, meta, scale=0.2, num_splits=num_splits, block_n=16))  # fmt: skip
     assert merge.count == (num_splits > 1)  # the launch path's second launch, and none for the in-kernel merge
     assert torch.equal(got[True], got[False])
     assert not arrival_counters(DEVICE).any()
