@@ -16,6 +16,9 @@ import time
 from flotilla.transport.messages import StepPlan
 
 
+BATCH_BUCKETS = (192, 128, 64, 32, 16, 8, 4, 2, 1)
+
+
 class StepTrace:
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (closed by close())
@@ -65,6 +68,16 @@ def summarize(path: str) -> dict:
             wall += r["done"] - (before["done"] if before else r["arrived"])
         out[kind] = {"steps": len(sel), "tokens": sum(r["tokens"] for r in sel), "seqs": sum(r["seqs"] for r in sel),
                      "wall_s": round(wall, 3), "ms_per_step": round(1000 * wall / max(1, len(sel)), 3)}
+    # decode steps by batch size: where a large-batch workload (nano) spends its decode time as its batch drains
+    by_batch: dict[str, list[float]] = {}
+    prev = {r["step"]: r for r in rows}
+    for r in rows:
+        before = prev.get(r["step"] - 1)
+        if r["decode"] and before is not None:
+            lo = next(b for b in BATCH_BUCKETS if r["seqs"] >= b)
+            by_batch.setdefault(f">={lo}", []).append(r["done"] - before["done"])
+    out["decode_by_batch"] = {k: {"steps": len(v), "wall_s": round(sum(v), 3), "ms_per_step": round(1000 * sum(v) / len(v), 3)}
+                              for k, v in sorted(by_batch.items(), key=lambda kv: -int(kv[0][2:]))}
     out["plan_wait_s"] = round(sum(r["gap_ms"] for r in rows) / 1000, 3)
     if rows:
         out["span_s"] = round(rows[-1]["done"] - rows[0]["arrived"], 3)

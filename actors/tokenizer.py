@@ -57,7 +57,11 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer  # (imports torch)
 
-    return AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if len(tok) <= 1:  # a folder without tokenizer files: transformers builds an empty one of the config's class
+        raise ValueError(f"{path} has no tokenizer (an empty {type(tok).__name__} came back): add its tokenizer files, "
+                         "or pass --skip-tokenizer-init and send prompt token ids")
+    return tok
 
 
 def _generic_fast_tokenizer(path: Path) -> bool:

@@ -14,7 +14,9 @@
 #   profile_ds   profile_step --torch-profile on DeepSeek-V3-4L at batch 1 and 64 (FlashMLA, graphs)
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
-#   bench_q30    bench_offline on Qwen3-30B-A3B (the nano workload and batch-1 decode; needs flashinfer), once per
+#   bench_q30    bench_offline on Qwen3-30B-A3B (Q30_WORKLOAD, default both: the nano workload and batch-1 decode,
+#                Q30_NANO_REPEAT runs, default 1;
+#                the worker's step trace summed up by batch size), once per
 #                variant in Q30_ATTN (default "auto"): an attention backend, with "+cublas" FLOTILLA_GEMV=0 (one-row
 #                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass), "+pga"
 #                FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models); else the
@@ -161,12 +163,15 @@ if want bench_q30; then
   for v in ${Q30_ATTN:-auto}; do
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
     # shellcheck disable=SC2046
+    # the worker's step trace (both workloads, every repeat): decode ms per step by batch size, the prompt steps
     env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
-      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
-      timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_REPEAT:-1}" \
+      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
+      timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
+      --workload "${Q30_WORKLOAD:-both}" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
       > "$R/bench_q30_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$(label_of "$v").log" | cut -c1-500
+    python3 -m flotilla.actors.step_trace "$R/bench_q30_$(label_of "$v").trace.jsonl" | cut -c1-1500
   done
 fi
 
@@ -241,4 +246,6 @@ stage "pack"
 tar -czf "$OUT/h200.tgz" -C "$OUT" h200
 # for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 [ -d ~/.triton/cache ] && tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."
+# and FlashInfer's:  cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar  (setup.sh restores it; SAVE_FI=0: not)
+[ "${SAVE_FI:-1}" = 1 ] && [ -d ~/.cache/flashinfer ] && tar -czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fic."
 exit 0

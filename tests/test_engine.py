@@ -340,6 +340,10 @@ def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path, monkeyp
     assert s["prefill_or_mixed"]["steps"] >= 4 and s["decode"]["steps"] >= 4
     assert s["prefill_or_mixed"]["tokens"] + s["decode"]["tokens"] == sum(r["tokens"] for r in rows)
     assert s["decode"]["tokens"] == s["decode"]["seqs"]
+    # the decode steps by batch size: 6 rows drain to 1 (buckets >=4, >=2, >=1); together no more than all decodes
+    buckets = s["decode_by_batch"]
+    assert set(buckets) <= {">=4", ">=2", ">=1"} and ">=4" in buckets
+    assert sum(b["steps"] for b in buckets.values()) <= s["decode"]["steps"]
 
 
 def test_a_stopped_inline_engine_drops_its_model_and_kv_cache(tiny):
