@@ -23,9 +23,10 @@
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
-#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km", "+kmall" and "+pdl" (any stage's
-#                variants): FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=1, the seventeenth
-#                session's opt-in kernels
+#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km", "+kmall" and "+nopdl" (any stage's
+#                variants): FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=0
+#   q30_tiles    q30_b1's runs once per FLOTILLA_MOE_TILES value in Q30_TILES (space-separated; "-" the defaults) and
+#                per FLOTILLA_GEMV_BLOCK_K value in GEMV_K (default none), files numbered in that order
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
@@ -145,11 +146,12 @@ backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a vari
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 # "+fold": FLOTILLA_NORM_GEMV=1 (each batch-1 RMSNorm inside the product after it); "+km": FLOTILLA_DECODE_MERGE=gqa
-# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); "+pdl":
-# FLOTILLA_PDL=1 (programmatic dependent launch of the batch-1 kernels); else the defaults
+# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); "+nopdl":
+# FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth session; "+pdl" is the default
+# now); else the defaults
 fold_merge_of() {
   echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+fold* ]] && echo 1 || echo 0)" \
-    "FLOTILLA_PDL=$([[ $1 == *+pdl* ]] && echo 1 || echo 0)" \
+    "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
     "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
 }
 if want profile_q30_var; then
@@ -185,6 +187,23 @@ if want q30_b1; then
       --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
       --json "$R/flotilla-q30-b1-$(label_of "$v").json" > "$R/q30_b1_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_b1_$(label_of "$v").log" | cut -c1-500
+  done
+fi
+
+if want q30_tiles; then
+  i=0
+  for t in ${Q30_TILES:--}; do
+    i=$((i + 1)); [ "$t" = - ] && t=""
+    stage "q30_tiles $i: bench_offline qwen3-30b-a3b --workload decode1, FLOTILLA_MOE_TILES=$t"
+    FLOTILLA_MOE_TILES=$t timeout "$(cap 90)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
+      --workload decode1 --repeat "${Q30_REPEAT:-3}" --json "$R/flotilla-q30-tiles-$i.json" > "$R/q30_tiles_$i.log" 2>&1
+    echo "exit $?"; tail -1 "$R/q30_tiles_$i.log" | grep -o '"b1_decode_tok_per_s_runs": \[[^]]*\]'
+  done
+  for k in ${GEMV_K:-}; do
+    stage "q30_tiles: bench_offline qwen3-30b-a3b --workload decode1, FLOTILLA_GEMV_BLOCK_K=$k"
+    FLOTILLA_GEMV_BLOCK_K=$k timeout "$(cap 90)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
+      --workload decode1 --repeat "${Q30_REPEAT:-3}" --json "$R/flotilla-q30-gemvk-$k.json" > "$R/q30_gemvk_$k.log" 2>&1
+    echo "exit $?"; tail -1 "$R/q30_gemvk_$k.log" | grep -o '"b1_decode_tok_per_s_runs": \[[^]]*\]'
   done
 fi
 

@@ -225,11 +225,16 @@ def device_gaps(prof, steps: int, top: int = 8) -> dict[str, Any]:
     if not spans:
         return {}
     idle: dict[tuple[str, str], list[float]] = {}
+    # the time each activity moved the timeline's end forward (its end past every earlier end, from its start or
+    # from that end): with programmatic dependent launch kernels overlap, and their own durations (which include
+    # their wait for the kernel before) add up to more than the span; these add up to the span less the idle time
+    advance: dict[str, float] = {spans[0][2]: spans[0][1] - spans[0][0]}
     end, last = spans[0][1], spans[0][2]
     for start, stop, name in spans[1:]:
         if start > end:
             idle.setdefault((last[:40], name[:40]), []).append(start - end)
         if stop >= end:
+            advance[name] = advance.get(name, 0.0) + stop - max(start, end)
             end, last = stop, name
     pairs = sorted(idle.items(), key=lambda kv: -sum(kv[1]))
     copies = sum(stop - start for start, stop, name in spans if name.startswith("Memcpy") or name.startswith("Memset"))
@@ -237,7 +242,9 @@ def device_gaps(prof, steps: int, top: int = 8) -> dict[str, Any]:
             "idle_ms": round(sum(map(sum, idle.values())) / steps / 1000, 3),
             "copies_ms": round(copies / steps / 1000, 3),
             "idle_by_pair": [{"after": a, "before": b, "us_per_step": round(sum(g) / steps, 1),
-                              "per_step": round(len(g) / steps, 1)} for (a, b), g in pairs[:top]]}
+                              "per_step": round(len(g) / steps, 1)} for (a, b), g in pairs[:top]],
+            "span_by_kernel": [{"name": k[:60], "us_per_step": round(t / steps, 1)}
+                               for k, t in sorted(advance.items(), key=lambda kv: -kv[1])[:2 * top]]}
 
 
 def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str, Any]:

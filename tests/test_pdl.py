@@ -1,5 +1,5 @@
-"""Programmatic dependent launch for the batch-1 kernels (kernels/triton/pdl.py, FLOTILLA_PDL=1): off unless asked
-for and on a device that has it; with it, every kernel waits for its predecessor before its first load of anything
+"""Programmatic dependent launch for the batch-1 kernels (kernels/triton/pdl.py): on by default where the device has
+it, off with FLOTILLA_PDL=0; with it, every kernel waits for its predecessor before its first load of anything
 another kernel writes, and gemv reads its weights before that wait. Checked in the PTX each kernel compiles to for an
 H200 (sm_90, in a child process without TRITON_INTERPRET: the interpreter has no griddepcontrol)."""
 
@@ -62,10 +62,10 @@ _SPECS = [
 top of their bodies: the q/k norm + RoPE + store, the decode merge, the small experts' down passes)."""
 
 
-def test_pdl_is_off_unless_asked_for_and_never_on_a_cpu(monkeypatch):
+def test_pdl_is_on_unless_turned_off_and_never_on_a_cpu(monkeypatch):
     from flotilla.kernels.triton import pdl
 
-    assert pdl.PDL == (os.environ.get("FLOTILLA_PDL") == "1")
+    assert pdl.PDL == (os.environ.get("FLOTILLA_PDL") != "0")
     monkeypatch.setattr(pdl, "PDL", False)
     assert pdl.pdl_options(torch.device("cpu")) == {"USE_GDC": False, "launch_pdl": False}
     monkeypatch.setattr(pdl, "PDL", True)

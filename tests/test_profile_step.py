@@ -104,3 +104,20 @@ def test_device_gaps_sums_the_idle_time_between_activities_by_the_pair_around_it
         ("a", "c"): 10.0, ("c", "Memcpy HtoD"): 5.0, ("Memcpy HtoD", "a"): 3.0}
     assert out["idle_ms"] == round((13 + 13 + 10) / 2 / 1000, 3) and out["copies_ms"] == round(5 / 1000, 3)
     assert out["device_span_ms"] == round(190 / 2 / 1000, 3)
+
+
+def test_device_gaps_gives_each_kernel_the_span_it_added_when_kernels_overlap():
+    """Kernels that overlap (programmatic dependent launch: x starts before w ends): each is given only the time by
+    which it moved the timeline's end; the shares and the idle time add up to the span."""
+    from types import SimpleNamespace
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(start, end, name):
+        return SimpleNamespace(device_type=cuda, time_range=SimpleNamespace(start=start, end=end), name=name)
+
+    events = [ev(0, 10, "w"), ev(4, 16, "x"), ev(6, 12, "inside"), ev(20, 30, "w")]
+    out = profile_step.device_gaps(SimpleNamespace(events=lambda: events), steps=1)
+    shares = {k["name"]: k["us_per_step"] for k in out["span_by_kernel"]}
+    assert shares == {"w": 20.0, "x": 6.0}  # "inside" ended before x: it added nothing
+    assert sum(shares.values()) + out["idle_ms"] * 1000 == out["device_span_ms"] * 1000 == 30
