@@ -28,6 +28,7 @@ from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, 
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
+from flotilla.kernels import jit_log
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
@@ -121,6 +122,8 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
+        jit_log.install_from_env()  # FLOTILLA_LOG_JIT=1: a line per triton compile, with the step that needed it
+        jit_log.context = "engine start"
         self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
         if self.device.type == "cuda" and self.device.index is not None:
             # this thread's current device: triton launches on it, so a worker on cuda:1 (an engine of a fleet, a TP
@@ -362,6 +365,8 @@ class ModelRunner:
             return
         seqs = [self.seqs[rid] for rid in plan.rids]
         num_new = plan.num_new_tokens.tolist()
+        if jit_log.ON:
+            jit_log.context = f"step {plan.step}: {len(seqs)} sequences, {sum(num_new)} tokens"
         if plan.new_block_ids is not None and len(plan.new_block_ids):
             counts = plan.new_block_counts
             ends = np.cumsum(counts)

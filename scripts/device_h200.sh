@@ -16,7 +16,7 @@
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (Q30_WORKLOAD, default both: the nano workload and batch-1 decode,
 #                Q30_NANO_REPEAT runs, default 1;
-#                the worker's step trace summed up by batch size), once per
+#                the worker's step trace summed up by batch size; FLOTILLA_LOG_JIT=1: triton compiles logged), once per
 #                variant in Q30_ATTN (default "auto"): an attention backend, with "+cublas" FLOTILLA_GEMV=0 (one-row
 #                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass), "+pga"
 #                FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models); else the
@@ -167,7 +167,8 @@ if want bench_q30; then
     # shellcheck disable=SC2046
     # the worker's step trace (both workloads, every repeat): decode ms per step by batch size, the prompt steps
     env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
-      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
+      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_LOG_JIT=1 \
+      FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
       timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
       --workload "${Q30_WORKLOAD:-both}" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \

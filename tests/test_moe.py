@@ -226,6 +226,32 @@ def test_the_per_slot_down_pass_gives_the_token_major_bits_masked_slots_included
 
 
 @needs_triton
+def test_one_token_takes_the_per_slot_down_pass_by_default_with_the_same_bits(monkeypatch):
+    """At one token fused_experts' down pass is a program per (slot, 32 columns) unless a down tile is given ("ds=0":
+    the token-major pass); two tokens keep the token-major pass. Same bits either way."""
+    from flotilla.kernels.moe import triton_experts, triton_experts_small
+
+    launched = []
+    kernel = triton_experts_small._small_down_slot_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_experts_small, "_small_down_slot_kernel", Spy())
+    monkeypatch.delenv("FLOTILLA_MOE_TILES", raising=False)
+    x, w13, w2, weights, ids = _case(2, 80, 40, 6, 4, torch.float32, seed=7)
+    got = triton_experts.fused_experts(x[:1], w13, w2, weights[:1], ids[:1], small_block_k=16)
+    assert launched == [(4, -(-80 // triton_experts_small.ONE_TOKEN_DOWN["block_n"]))]
+    token_major = triton_experts.fused_experts(x[:1], w13, w2, weights[:1], ids[:1], small_block_k=16,
+                                               small_down_per_slot=0)  # fmt: skip
+    both = triton_experts.fused_experts(x, w13, w2, weights, ids, small_block_k=16)
+    assert len(launched) == 1
+    assert torch.equal(got, token_major) and torch.equal(got, both[:1])
+
+
+@needs_triton
 def test_small_batches_take_the_token_major_path_and_larger_ones_the_sorted_gemms(monkeypatch):
     """fused_experts sends batches of up to SMALL_BATCH_MAX_TOKENS tokens (or the caller's / FLOTILLA_MOE_TILES'
     small_tokens, t=N) to the small-batch kernels, the rest to the sorted GEMMs; both give the reference's numbers."""

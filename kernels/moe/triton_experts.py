@@ -141,7 +141,8 @@ TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "
 """FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
 small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles; dn, dk and
 dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps), ds=1 its down pass with a
-program per slot."""
+program per slot (at one token the default is triton_experts_small.ONE_TOKEN_DOWN; any down tile given replaces
+it, "ds=0" for the token-major pass)."""
 
 
 @functools.cache
@@ -262,6 +263,8 @@ def fused_experts(
     if 0 < hidden.shape[0] <= limit:
         down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
                 if f"small_down_{key}" in t}
+        if hidden.shape[0] == 1 and not down:  # one token: a program per slot (ONE_TOKEN_DOWN; "ds=0" says no)
+            down = dict(small.ONE_TOKEN_DOWN)
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
@@ -271,7 +274,7 @@ def fused_experts(
 
 def _tiles(**given: int | None) -> dict[str, int]:
     """The caller's tiles and launch options over FLOTILLA_MOE_TILES's (None: not given)."""
-    return {**env_tiles(), **{k: v for k, v in given.items() if v}}
+    return {**env_tiles(), **{k: v for k, v in given.items() if v is not None}}
 
 
 def _launch(tiles: dict[str, int]) -> dict[str, int]:

@@ -43,6 +43,13 @@ SMALL_BATCH_MAX_TOKENS = 4
 """Batches of at most this many tokens take this path in triton_experts.fused_experts (bf16/fp16/fp32 weights);
 the `small_tokens` tile (FLOTILLA_MOE_TILES "t=N", 0 to turn it off) overrides it for tuning sweeps."""
 
+ONE_TOKEN_DOWN = {"per_slot": 1, "block_n": 32}
+"""The down pass of a one-token batch (triton_experts.fused_experts' default there): a program per (slot, 32 columns),
+512 programs at Qwen3-30B-A3B's 2,048 columns and top-8, where the token-major pass has 128. On an H200 with
+programmatic dependent launch, Qwen3-30B-A3B's batch-1 decode went from 338.9 / 338.8 / 335.0 to 350.9 / 347.5 /
+348.3 tok/s (the same call; docs/performance.md, eighteenth session); without PDL bench_kernels had the whole MoE at
+one token 27.6 -> 25.0 us. Two to four tokens keep the token-major pass (no faster per slot there)."""
+
 DEFAULT_BLOCK_N = 16
 DEFAULT_BLOCK_K = 128
 NUM_WARPS = 8
@@ -206,6 +213,9 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     grid_n = triton.cdiv(hidden_size, dn)
     counters = arrival_counters(hidden.device) \
         if down.get("per_slot") and num_tokens * grid_n <= MAX_ARRIVAL_COUNTERS else None  # fmt: skip
+    if counters is None and down.get("per_slot"):  # no counters (a first capture): token-major, its own tiles
+        dn = bn
+        grid_n = triton.cdiv(hidden_size, dn)
     if counters is not None:  # a program per slot, the last of a token's adding its rows (the arrival counters)
         rows = torch.empty(ids.numel(), hidden_size, dtype=hidden.dtype, device=hidden.device)
         _small_down_slot_kernel[(ids.numel(), grid_n)](
