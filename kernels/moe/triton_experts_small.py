@@ -11,11 +11,12 @@ computation is two launches that need no grouping:
   expert id (expert parallelism's masked routing) write nothing.
 - down: one program per (token, BLOCK_N columns of the hidden size); it steps along K through all of the token's
   top-k slots at once, rounds and weights each slot's product as the reference does, and sums them in float32 in
-  registers, so the token's output is written once, already combined. Opt-in (FLOTILLA_MOE_TILES "ds=1", for a
-  measurement on the GPU): one program per (slot, BLOCK_N columns), top-k times the programs, each writing its
-  slot's weighted row; the last of a token's programs of those columns to finish (kernels/arrivals.py) sums the
-  rows in slot order. At one token the token-major down pass is only hidden / BLOCK_N programs (128 at
-  Qwen3-30B-A3B's 2,048), and it read its 25 MB at 2.1 TB/s against the gate_up pass's 3.3 (an H200, 2026-12-01).
+  registers, so the token's output is written once, already combined. Or (the default at one token,
+  ONE_TOKEN_DOWN; FLOTILLA_MOE_TILES "ds=1" at any size): one program per (slot, BLOCK_N columns), top-k times the
+  programs, each writing its slot's weighted row; the last of a token's programs of those columns to finish
+  (kernels/arrivals.py) sums the rows in slot order. At one token the token-major down pass is only hidden /
+  BLOCK_N programs (128 at Qwen3-30B-A3B's 2,048), and it read its 25 MB at 2.1 TB/s against the gate_up pass's 3.3
+  (an H200, 2026-12-01).
 
 Both are matrix-vector products: the weights are multiplied elementwise and summed along K in float32 (a
 [BLOCK_N, BLOCK_K] accumulator reduced once at the end), with no tl.dot, whose 16-row minimum would waste 15/16
