@@ -8,9 +8,9 @@ cuBLAS, 290 against 260 tok/s (profile_step, docs/performance.md, 2026-12-01); a
 matched or beat cuBLAS in bench_kernels. Only rows on CUDA in bf16 / fp16 with matching weights take it; everything
 else (batches, float32, strided rows or weights, the LM head, which calls F.linear itself) is F.linear.
 
-`norm_linear` and `norm_route` fold a pre-norm block's RMSNorm into that one-row kernel (and a MoE router's softmax
-top-k after it: kernels/triton/norm_gemv.py), where the norm runs triton's kernels, with FLOTILLA_NORM_GEMV=1 (off
-by default: slower so far, see NORM_GEMV).
+(A pre-norm block's RMSNorm folded into the one-row kernel after it was tried in the seventeenth and eighteenth
+sessions and removed: slower both times, 281.3 against 293.5 and 309.9 against 329.8 tok/s for Qwen3-30B-A3B at
+batch 1 on an H200, since every program waited for the row's statistics; docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ import torch.nn.functional as F
 GEMV = os.environ.get("FLOTILLA_GEMV", "1") != "0"
 """Whether one-row products run the triton kernel (FLOTILLA_GEMV=0 at import: never; benchmarks flip it in place)."""
 
-NORM_GEMV = os.environ.get("FLOTILLA_NORM_GEMV", "0") == "1"
-"""Whether one-row products fold the RMSNorm before them into their launch (FLOTILLA_NORM_GEMV=1 at import). Off by
-default: on an H200 the first form was slower (Qwen3-30B-A3B at batch 1: q/k/v with its norm 12.8 us against 5.8 +
-1.9 apart, the MoE block's norm + router + routing 7.3 us against 6.0, 281.3 against 293.5 tok/s; docs/performance.md,
-seventeenth session); the weight tile is now loaded before the statistics, not yet measured."""
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -57,31 +52,3 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return gemv(x, weight, out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
-
-
-def _folds_norm(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: torch.Tensor) -> bool:
-    """Whether norm (a models.llama.RMSNorm) may run inside the one-row product of its output x with weight."""
-    return (NORM_GEMV and _one_row_on_cuda(x, weight) and x.dtype in _HALF and weight.dtype == x.dtype
-            and norm.weight.dtype == x.dtype and norm.fp8_group == 0 and norm.ops.name == "triton"
-            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous())))  # fmt: skip
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """(linear(norm(x, residual)), the new residual) in one launch for a row _folds_norm allows, else None."""
-    if not _folds_norm(x, residual, norm, weight):
-        return None
-    from flotilla.kernels.triton.norm_gemv import norm_gemv  # imports triton: CUDA only here
-
-    return norm_gemv(x, residual, norm.weight, norm.eps, weight, bias)
-
-
-def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm, router_weight: torch.Tensor, top_k: int,
-               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """(norm(x, residual), the new residual, routing weights, expert ids) as the norm, a MoE router's linear layer
-    and routing.select_experts give them, in one launch for a row _folds_norm allows, else None."""
-    if not _folds_norm(x, residual, norm, router_weight):
-        return None
-    from flotilla.kernels.triton.norm_gemv import norm_router_topk  # imports triton: CUDA only here
-
-    return norm_router_topk(x, residual, norm.weight, norm.eps, router_weight, top_k, renormalize)

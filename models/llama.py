@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_shape
-from flotilla.kernels.linear import linear, norm_linear
+from flotilla.kernels.linear import linear
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
 from flotilla.kernels.rope import rope_cos_sin_cache
 from flotilla.models.hf_config import HFModelConfig
@@ -135,19 +135,6 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         return self.attend(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, meta)
 
-    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                           positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
-                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """(forward(norm(hidden, residual)), the new residual) with the norm inside the q/k/v product's launch, for a
-        batch-1 row on CUDA (kernels/linear.py norm_linear); None where that does not apply."""
-        if type(self.qkv_proj) is not QKVParallelLinear:  # (an FP8 layer is another class)
-            return None
-        folded = norm_linear(hidden, residual, norm, self.qkv_proj.weight, self.qkv_proj.bias)
-        if folded is None:
-            return None
-        qkv, residual = folded
-        return self.attend(qkv, positions, cos_sin_cache, kv_cache, meta), residual
-
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
         """Everything after the q/k/v product: qkv [T, (Hq + 2 Hkv) * D] -> o_proj's output [T, hidden]."""
@@ -190,18 +177,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
-    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """(forward(norm(hidden, residual)), the new residual) with the norm inside gate_up's launch, for a batch-1
-        row on CUDA (kernels/linear.py norm_linear); None where that does not apply."""
-        if type(self.gate_up_proj) is not MergedColumnParallelLinear:
-            return None
-        folded = norm_linear(hidden, residual, norm, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        if folded is None:
-            return None
-        gate_up, residual = folded
-        return self.down_proj(self.ops.silu_and_mul(gate_up)), residual
-
 
 class PreNormDecoderLayer(nn.Module):
     """Pre-norm block around any attention and MLP; the residual travels beside the hidden state so each
@@ -223,22 +198,12 @@ class PreNormDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # at batch 1 on CUDA the attention and the MLP may take the norm into their first launch (forward_after_norm)
-        attend = getattr(self.self_attn, "forward_after_norm", None)
-        folded = attend and attend(hidden, residual, self.input_layernorm, positions, cos_sin_cache, kv_cache, meta)
-        if folded is not None:
-            hidden, residual = folded
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
         else:
-            if residual is None:
-                residual = hidden
-                hidden = self.input_layernorm(hidden)
-            else:
-                hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
-        mlp = getattr(self.mlp, "forward_after_norm", None)
-        folded = mlp and mlp(hidden, residual, self.post_attention_layernorm)
-        if folded is not None:
-            return folded
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

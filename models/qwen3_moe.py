@@ -40,13 +40,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flotilla.kernels.linear import norm_route
 from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
 from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts
-from flotilla.kernels.moe.routing import _fused_routing
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement, SharedTokenExperts
 from flotilla.models.hf_config import HFModelConfig, MoEConfig
-from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP, RMSNorm
+from flotilla.models.llama import Linear, LlamaForCausalLM, LlamaMLP
 from flotilla.models.parallel import (
     ParallelGroup,
     all_reduce,
@@ -251,18 +249,6 @@ class Qwen3MoeSparseBlock(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
         # under TP each rank's partial sum (its slice of every expert, or under TP x EP its whole experts): summed
         return all_reduce(self.experts(hidden, topk_weights, topk_ids))
-
-    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor,
-                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """(forward(norm(hidden, residual)), the new residual) with the norm, the router and the routing in one
-        launch, for a batch-1 row on CUDA (kernels/linear.py norm_route); None where that does not apply."""
-        if self.gate.bias is not None or not _fused_routing(hidden):
-            return None
-        folded = norm_route(hidden, residual, norm, self.gate.weight, self.top_k, self.renormalize)
-        if folded is None:
-            return None
-        normed, residual, topk_weights, topk_ids = folded
-        return all_reduce(self.experts(normed, topk_weights, topk_ids)), residual
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -23,8 +23,8 @@
 #                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
 #                kernel off, though the engine's default since 6f4da57)
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
-#                auto+km"), Q30_REPEAT runs each (default 3); "+fold", "+km", "+kmall" and "+nopdl" (any stage's
-#                variants): FLOTILLA_NORM_GEMV=1, FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=0
+#                auto+km"), Q30_REPEAT runs each (default 3); "+km", "+kmall" and "+nopdl" (any stage's variants):
+#                FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=0
 #   q30_tiles    q30_b1's runs once per FLOTILLA_MOE_TILES value in Q30_TILES (space-separated; "-" the defaults) and
 #                per FLOTILLA_GEMV_BLOCK_K value in GEMV_K (default none), files numbered in that order
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
@@ -145,19 +145,17 @@ tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "$
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
-# "+fold": FLOTILLA_NORM_GEMV=1 (each batch-1 RMSNorm inside the product after it); "+km": FLOTILLA_DECODE_MERGE=gqa
-# (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's MLA decode too); "+nopdl":
-# FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth session; "+pdl" is the default
-# now); else the defaults
-fold_merge_of() {
-  echo "FLOTILLA_NORM_GEMV=$([[ $1 == *+fold* ]] && echo 1 || echo 0)" \
-    "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
+# "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
+# MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth
+# session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
+pdl_merge_of() {
+  echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
     "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
 }
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
     # shellcheck disable=SC2046
-    (export $(fold_merge_of "$v"); FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    (export $(pdl_merge_of "$v"); FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       profile "profile_q30_$(label_of "$v")" qwen3-30b-a3b --attention-backend "$(backend_of "$v")")
   done
 fi
@@ -166,7 +164,7 @@ if want bench_q30; then
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
     # shellcheck disable=SC2046
     # the worker's step trace (both workloads, every repeat): decode ms per step by batch size, the prompt steps
-    env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    env $(pdl_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_LOG_JIT=1 \
       FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
       timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
@@ -182,7 +180,7 @@ if want q30_b1; then
   for v in ${Q30_B1:-auto auto+km}; do
     stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
     # shellcheck disable=SC2046
-    env $(fold_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    env $(pdl_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
       timeout "$(cap 120)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --workload decode1 \
       --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
@@ -232,7 +230,7 @@ if want ds_b1; then
     pg=$([[ $attn == *+eg* ]] && echo 0 || echo 1)
     f=$(label_of "$attn")
     # shellcheck disable=SC2046
-    env $(fold_merge_of "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
+    env $(pdl_merge_of "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
       timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1

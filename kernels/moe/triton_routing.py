@@ -44,8 +44,7 @@ MAX_EXPERTS = 1024
 def softmax_topk(x, cols, col_ok, E: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                  BLOCK_K: tl.constexpr):  # fmt: skip
     """Rows of float32 logits x [R, BLOCK_E] (columns past E masked by col_ok) -> (weights float32, ids int32)
-    [R, BLOCK_K]: the float32 softmax's top TOP_K in descending weight, ties to the lowest id, lanes past TOP_K 0.
-    Also the fused norm + router kernel's last program (kernels/triton/norm_gemv.py)."""
+    [R, BLOCK_K]: the float32 softmax's top TOP_K in descending weight, ties to the lowest id, lanes past TOP_K 0."""
     x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite: no NaN, never stored
     row_max = tl.max(x, 1)
     e = tl.exp(x - row_max[:, None])  # padded columns: exp(-inf) = 0
