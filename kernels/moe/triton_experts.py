@@ -137,12 +137,15 @@ def _expert_gemm_kernel(
 
 TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
              "sn": "small_block_n", "sk": "small_block_k", "dn": "small_down_block_n", "dk": "small_down_block_k",
-             "dw": "small_down_warps", "ds": "small_down_per_slot"}
+             "dw": "small_down_warps", "ds": "small_down_per_slot", "c": "sorted_combine"}
 """FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
 small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles; dn, dk and
 dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps), ds=1 its down pass with a
 program per slot (at one token the default is triton_experts_small.ONE_TOKEN_DOWN; any down tile given replaces
-it, "ds=0" for the token-major pass)."""
+it, "ds=0" for the token-major pass); c=1 has the sorted GEMMs' down pass sum each token's top-k rows itself (the
+last of its programs to finish, arrival counters) instead of a torch reduction after it, as batches of up to
+SLOT_BLOCKS_MAX_TOKENS tokens always do: opt-in until measured (the reduction took 0.25 ms of a 17.6 ms
+Qwen3-30B-A3B step at batch 64 on an H200, docs/performance.md, eighteenth session)."""
 
 
 @functools.cache
@@ -247,6 +250,7 @@ def fused_experts(
     small_down_block_k: int | None = None,
     small_down_warps: int | None = None,
     small_down_per_slot: int | None = None,
+    sorted_combine: int | None = None,
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
@@ -258,7 +262,7 @@ def fused_experts(
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                small_block_n=small_block_n, small_block_k=small_block_k, small_down_block_n=small_down_block_n,
                small_down_block_k=small_down_block_k, small_down_warps=small_down_warps,
-               small_down_per_slot=small_down_per_slot)
+               small_down_per_slot=small_down_per_slot, sorted_combine=sorted_combine)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
         down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
@@ -268,8 +272,9 @@ def fused_experts(
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
+    combine = True if t.get("sorted_combine") else None  # (c=1; else the default: only in slot blocks)
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
-                       launch=_launch(t), masked=masked)  # fmt: skip
+                       launch=_launch(t), masked=masked, combine=combine)  # fmt: skip
 
 
 def _tiles(**given: int | None) -> dict[str, int]:
