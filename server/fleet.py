@@ -50,7 +50,7 @@ from flotilla.server.engine_client import (
 from flotilla.server.dp_coordinator import sum_stats
 from flotilla.server.remote_engine import RemoteEngine
 from flotilla.server.router import NoEngineError, Router
-from flotilla.transport.channels import Inbox, Outbox
+from flotilla.transport.channels import Inbox, Outbox, end_context
 from flotilla.transport.messages import (
     AbortCmd,
     ActorFailedEvent,
@@ -188,6 +188,7 @@ class Fleet:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(c.stop() for c in self.clients.values()), return_exceptions=True)
+            self._end_replies()
             raise failed[0]
         for name, client in self.clients.items():
             client.runtime.on_failure.append(lambda ev, name=name: self._engine_failed(name, ev))
@@ -239,11 +240,18 @@ class Fleet:
         for remote in self.remote.values():
             remote.close()
         await asyncio.gather(*(c.stop() for c in self.clients.values()), return_exceptions=True)
+        self._end_replies()
+        await self.registry.close()
+
+    def _end_replies(self) -> None:
+        """Close the shared reply inbox and end its context (end_context: a context left open, or ended with a plain
+        term() while a socket is open, blocks whichever thread finalizes or terminates it); idempotent."""
         if self._reply_inbox is not None:
             self._reply_inbox.close()
+            self._reply_inbox = None
         if self._zmq is not None:
-            self._zmq.term()
-        await self.registry.close()
+            end_context(self._zmq)
+            self._zmq = None
 
     def engine_info(self, name: str) -> EngineInfo:
         client = self.clients[name]
