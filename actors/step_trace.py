@@ -59,25 +59,25 @@ def summarize(path: str) -> dict:
     """Where a traced run's time went: per kind of step (pure decode, or with prompt tokens), how many steps,
     their tokens, and the wall time between consecutive results; plus the time the worker waited for plans."""
     rows = [json.loads(line) for line in open(path)]
+    done = {r["step"]: r["done"] for r in rows}
+
+    def wall(r: dict) -> float:  # since the previous step's results (or, with none, since this plan arrived)
+        return r["done"] - done.get(r["step"] - 1, r["arrived"])
+
     out: dict = {"steps": len(rows)}
-    for kind, sel in (("decode", [r for r in rows if r["decode"]]), ("prefill_or_mixed", [r for r in rows if not r["decode"]])):
-        prev = {r["step"]: r for r in rows}
-        wall = 0.0
-        for r in sel:
-            before = prev.get(r["step"] - 1)
-            wall += r["done"] - (before["done"] if before else r["arrived"])
+    for kind, sel in (("decode", [r for r in rows if r["decode"]]),
+                      ("prefill_or_mixed", [r for r in rows if not r["decode"]])):
+        total = sum(map(wall, sel))
         out[kind] = {"steps": len(sel), "tokens": sum(r["tokens"] for r in sel), "seqs": sum(r["seqs"] for r in sel),
-                     "wall_s": round(wall, 3), "ms_per_step": round(1000 * wall / max(1, len(sel)), 3)}
-    # decode steps by batch size: where a large-batch workload (nano) spends its decode time as its batch drains
-    by_batch: dict[str, list[float]] = {}
-    prev = {r["step"]: r for r in rows}
+                     "wall_s": round(total, 3), "ms_per_step": round(1000 * total / max(1, len(sel)), 3)}
+    # decode steps by batch size (those after another step): where a draining batch (nano) spends its decode time
+    by_batch: dict[int, list[float]] = {}
     for r in rows:
-        before = prev.get(r["step"] - 1)
-        if r["decode"] and before is not None:
-            lo = next(b for b in BATCH_BUCKETS if r["seqs"] >= b)
-            by_batch.setdefault(f">={lo}", []).append(r["done"] - before["done"])
-    out["decode_by_batch"] = {k: {"steps": len(v), "wall_s": round(sum(v), 3), "ms_per_step": round(1000 * sum(v) / len(v), 3)}
-                              for k, v in sorted(by_batch.items(), key=lambda kv: -int(kv[0][2:]))}
+        if r["decode"] and r["step"] - 1 in done:
+            by_batch.setdefault(next(b for b in BATCH_BUCKETS if r["seqs"] >= b), []).append(wall(r))
+    out["decode_by_batch"] = {f">={lo}": {"steps": len(v), "wall_s": round(sum(v), 3),
+                                          "ms_per_step": round(1000 * sum(v) / len(v), 3)}
+                              for lo, v in sorted(by_batch.items(), reverse=True)}
     out["plan_wait_s"] = round(sum(r["gap_ms"] for r in rows) / 1000, 3)
     if rows:
         out["span_s"] = round(rows[-1]["done"] - rows[0]["arrived"], 3)

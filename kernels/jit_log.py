@@ -28,10 +28,21 @@ _installed = False
 
 
 def _describe(fn, compile: dict) -> str:
-    constants = ", ".join(f"{k}={v}" for k, v in (compile.get("constants") or {}).items())
+    """kernel(constexprs; other arguments' types) warps, stages. triton keys the constants by their argument's path
+    (a tuple of indices into the signature's order; a name in older releases): named here."""
     signature = compile.get("signature") or {}
+    names = list(signature)
+
+    def name(path) -> str:
+        if not isinstance(path, tuple):
+            return str(path)
+        head = names[path[0]] if path and path[0] < len(names) else str(path)
+        return head + "".join(f"[{i}]" for i in path[1:])
+
+    constants = ", ".join(f"{name(k)}={v}" for k, v in (compile.get("constants") or {}).items())
     args = ", ".join(f"{k}: {v}" for k, v in signature.items() if v != "constexpr")
-    text = f"{fn.module}.{fn.name}({constants}; {args}) warps={compile.get('num_warps')} stages={compile.get('num_stages')}"
+    launch = f"warps={compile.get('num_warps')} stages={compile.get('num_stages')}"
+    text = f"{fn.module}.{fn.name}({constants}; {args}) {launch}"
     return text if len(text) <= 600 else text[:597] + "..."
 
 

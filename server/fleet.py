@@ -50,7 +50,7 @@ from flotilla.server.engine_client import (
 from flotilla.server.dp_coordinator import sum_stats
 from flotilla.server.remote_engine import RemoteEngine
 from flotilla.server.router import NoEngineError, Router
-from flotilla.transport.channels import Inbox, Outbox, end_context
+from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.messages import (
     AbortCmd,
     ActorFailedEvent,
@@ -181,7 +181,7 @@ class Fleet:
     async def start(self) -> None:
         await self._check_registry()  # before loading any model
         if self.shared:
-            self._zmq = zmq.asyncio.Context()
+            self._zmq = new_context()
             self._reply_inbox = Inbox(self._zmq, f"tcp://{self.engine_host}:0", (TextDelta, RequestFailedEvent))
             self.reply_address = self._reply_inbox.address
         results = await asyncio.gather(*(c.start() for c in self.clients.values()), return_exceptions=True)

@@ -26,8 +26,9 @@ def jit_log(monkeypatch):
 
 def _call(hook, key):
     fn = SimpleNamespace(module="flotilla.kernels.moe.triton_experts", name="_expert_gemm_kernel")
+    # as triton 3.6-3.9 pass them: the signature by name in the kernel's order, the constants by argument path
     compile = {"key": key, "signature": {"a_ptr": "*bf16", "num_slots": "i32", "BLOCK_M": "constexpr"},
-               "constants": {"BLOCK_M": 64}, "num_warps": 8, "num_stages": 4}
+               "constants": {(2,): 64}, "num_warps": 8, "num_stages": 4}
     return hook(key=key, repr="r", fn=fn, compile=compile, is_manual_warmup=False, already_compiled=False)
 
 
