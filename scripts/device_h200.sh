@@ -30,6 +30,9 @@
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
 #   profile_q30_var   profile_q30 once per variant in Q30_PROFILE (default "auto"), the same notation
 #   profile_q30_long  profile_q30 at 2,048-token prompts, once per variant in Q30_ATTN
+#   profile_q30_big  profile_step on Qwen3-30B-A3B at the nano workload's large decode batches (BIG_BATCH, default
+#                192, at BIG_LEN context, default 800) and one eager 8,192-token prompt step, per variant in
+#                Q30_PROFILE
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto";
 #                "+eg": FLOTILLA_PREFILL_GRAPHS=0, eager prefill), with the worker's step trace summarized (ms per step,
@@ -141,16 +144,20 @@ fi
 want profile_q30 && profile profile_q30 qwen3-30b-a3b
 want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
 gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cublas][+ds]" -> FLOTILLA_GEMV
-tiles_of() { [[ $1 == *+ds* ]] && echo "ds=1,${FLOTILLA_MOE_TILES:-}" || echo "${FLOTILLA_MOE_TILES:-}"; }
+tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; [[ $1 == *+c1* ]] && t="c=1,$t"; echo "$t"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 # "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
 # MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth
 # session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
+# "+fN": FLOTILLA_DECODE_MIN_SPLIT=N (the GQA decode's split floor, N context positions; else the engine's); "+c1":
+# the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1)
 pdl_merge_of() {
+  local floor; floor=$(grep -o '+f[0-9]*' <<< "$1" | tr -d '+f')
   echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
-    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
+    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })" \
+    ${floor:+FLOTILLA_DECODE_MIN_SPLIT=$floor}
 }
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
@@ -203,6 +210,19 @@ if want q30_tiles; then
     FLOTILLA_GEMV_BLOCK_K=$k timeout "$(cap 90)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
       --workload decode1 --repeat "${Q30_REPEAT:-3}" --json "$R/flotilla-q30-gemvk-$k.json" > "$R/q30_gemvk_$k.log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_gemvk_$k.log" | grep -o '"b1_decode_tok_per_s_runs": \[[^]]*\]'
+  done
+fi
+
+if want profile_q30_big; then  # the nano workload's large decode batches at long contexts, and one prompt step
+  for v in ${Q30_PROFILE:-auto}; do
+    # shellcheck disable=SC2046
+    (export $(pdl_merge_of "$v"); f="profile_q30_big_$(label_of "$v")"
+     stage "$f: profile_step qwen3-30b-a3b --batch ${BIG_BATCH:-192} --prompt-len ${BIG_LEN:-800} --prefill 8192x512"
+     FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 200)" \
+       python3 -m flotilla.scripts.profile_step --model qwen3-30b-a3b --batch "${BIG_BATCH:-192}" \
+       --prompt-len "${BIG_LEN:-800}" --steps 10 --torch-profile --prefill 8192x512 \
+       --attention-backend "$(backend_of "$v")" > "$R/$f.log" 2>&1
+     echo "exit $?"; grep '^{' "$R/$f.log" | cut -c1-900)
   done
 fi
 

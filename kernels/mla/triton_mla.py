@@ -101,7 +101,7 @@ def _mla_decode_kernel(
     seq = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
-    token, start, end = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N, 0)
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
@@ -127,7 +127,7 @@ def _mla_decode_kernel(
 
     _finish_decode(acc, m_i, l_i, kv_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads,
                    mask_h, offs_l, mask_l, kv_lora_rank, num_heads, num_splits, stride_ot, stride_oh,
-                   head_tile * BLOCK_H, num_heads - head_tile * BLOCK_H,
+                   head_tile * BLOCK_H, num_heads - head_tile * BLOCK_H, single,
                    DIRECT_OUT, MERGE_LAST, MERGE_H, BLOCK_S, BLOCK_L, CHUNK_S)  # fmt: skip
 
 
@@ -249,8 +249,9 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     )  # fmt: skip
     if splits > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_o, part_lse, out, meta.query_start_loc, splits, num_heads, kv_lora_rank, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_D=block_l, CHUNK_S=merge_chunk(block_s, block_l),
+            part_o, part_lse, out, meta.query_start_loc, meta.seq_lens, splits, num_heads, kv_lora_rank, out.stride(0),
+            out.stride(1), BLOCK_S=block_s, BLOCK_D=block_l, CHUNK_S=merge_chunk(block_s, block_l),
+            BLOCK_N=max(_MIN_DOT, block_n),
         )  # fmt: skip
     return out
 

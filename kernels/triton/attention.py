@@ -55,6 +55,12 @@ H100/H200), so batch-1 long-context decode is not limited to num_kv_heads SMs.""
 _DECODE_MIN_TOKENS_PER_SPLIT = 256
 """...but no split gets fewer context tokens than this: tiny splits cost more to merge than they save."""
 _DECODE_MAX_SPLITS = 64
+DECODE_MIN_SPLIT = int(os.environ.get("FLOTILLA_DECODE_MIN_SPLIT", "0"))
+"""Fewest context positions a GQA decode split takes (rounded up to whole tiles), decided in the kernel from each
+sequence's own length (FLOTILLA_DECODE_MIN_SPLIT, read at import; 0: no floor). A CUDA graph fixes its split count
+for the longest context it may meet (64 at batch 1), so a short context is cut into one-tile splits and merged in
+a second pass; with a floor, a context of at most that many positions is one split that writes the output itself,
+and the merge does nothing."""
 _DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "launch")
 _MERGE_FAMILIES = {"launch": frozenset(), "gqa": frozenset({"gqa"}), "all": frozenset({"gqa", "mla"})}
 if _DECODE_MERGE not in _MERGE_FAMILIES:
@@ -128,14 +134,26 @@ def _attend_tile(
 
 
 @triton.jit
-def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
-    """A decode program's (query token, first and end context position) for its split of sequence `seq`.
-    Splits are whole tiles, so only the last tile of the last non-empty split is partial."""
+def _per_split(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Context positions each split of a `seq_len`-token context takes: whole tiles, at least MIN_SPLIT (0: no
+    floor). The decode kernels and _decode_merge_kernel compute it alike, so they agree on which splits hold keys."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if MIN_SPLIT > 0:
+        per_split = tl.maximum(per_split, MIN_SPLIT)
+    return per_split
+
+
+@triton.jit
+def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """A decode program's (query token, first and end context position, whether split 0 holds the whole context)
+    for its split of sequence `seq`. Splits are whole tiles, so only the last tile of the last non-empty split is
+    partial. With the whole context in split 0 ("single") that split writes the output itself and nothing is
+    merged: the same bits as a merge of one split (its float32 partial, weight exp2(0) = 1)."""
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(qsl_ptr + seq).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = _per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     start = split * per_split
-    return token, start, tl.minimum(start + per_split, seq_len)
+    return token, start, tl.minimum(start + per_split, seq_len), seq_len <= per_split
 
 
 @triton.jit
@@ -147,17 +165,18 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (sequence b, KV head, split): the GQA group's queries over this split's share of the
-    context. With one split it writes the output; otherwise a normalized partial output and its
-    log2-sum-exp, which the group's last split to finish merges (MERGE_LAST) or _decode_merge_kernel does."""
+    context (at least MIN_SPLIT positions). With one split, or a context that fits in split 0, it writes the
+    output; otherwise a normalized partial output and its log2-sum-exp, which the group's last split to finish
+    merges (MERGE_LAST) or _decode_merge_kernel does."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_prior(USE_GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    token, start, end = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
@@ -185,28 +204,33 @@ def _decode_kernel(
 
     _finish_decode(acc, m_i, l_i, v_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads,
                    mask_h, offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, kv_head * GROUP,
-                   GROUP, DIRECT_OUT, MERGE_LAST, MERGE_H, BLOCK_S, BLOCK_D, CHUNK_S)  # fmt: skip
+                   GROUP, single, DIRECT_OUT, MERGE_LAST, MERGE_H, BLOCK_S, BLOCK_D, CHUNK_S)  # fmt: skip
 
 
 @triton.jit
 def _finish_decode(
     acc, m_i, l_i, out_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads, mask_h,
-    offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, first_head, group_heads,
+    offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, first_head, group_heads, single,
     DIRECT_OUT: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
-    """A decode program's epilogue (GQA and MLA kernels alike): with one split, the normalized output of its heads;
-    otherwise the split's normalized partial output and log2-sum-exp. An empty split (or a padding sequence with
-    seq_len 0) has l_i == 0: output 0, lse -inf. MERGE_LAST: the program then counts itself in count_ptr[seq,
-    program_id(1)] (kernels/arrivals.py), and the last of the piece's num_splits programs merges the splits of the
-    piece's heads (group_heads heads from first_head, MERGE_H >= group_heads rows) and sets the count back to 0;
-    without it _decode_merge_kernel merges them in a second launch, with the same code and so the same bits."""
+    """A decode program's epilogue (GQA and MLA kernels alike): with one split, or a context wholly in split 0
+    (`single`, _split_range: then split 0 writes and the others, empty, write nothing, and no merge runs), the
+    normalized output of its heads; otherwise the split's normalized partial output and log2-sum-exp. An empty split
+    (or a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf. MERGE_LAST: the program then counts
+    itself in count_ptr[seq, program_id(1)] (kernels/arrivals.py), and the last of the piece's num_splits programs
+    merges the splits of the piece's heads (group_heads heads from first_head, MERGE_H >= group_heads rows) and sets
+    the count back to 0; without it _decode_merge_kernel merges them in a second launch, with the same code and so
+    the same bits."""
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * out_scale
     out_mask = mask_h[:, None] & mask_d[None, :]
+    dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     if DIRECT_OUT:
-        dst = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif single:  # the whole context was split 0's
+        if split == 0:
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # an empty split writes its lse alone: the merge reads no partial output of a split with lse -inf
         row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # part_* are [B, Hq, S(, D)]
         tl.store(part_o_ptr + row[:, None] * head_dim + offs_d[None, :], out, mask=out_mask & ~empty[:, None])
@@ -274,14 +298,19 @@ def _merge_splits(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_splits, num_heads, head_dim, stride_ot, stride_oh,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr, USE_GDC: tl.constexpr = False,
+    part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr, num_splits, num_heads, head_dim, stride_ot, stride_oh,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_GDC: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (sequence, query head): the head's splits merged (_merge_splits), where the decode kernel did not
-    merge them itself (MERGE_IN_KERNEL, or no arrival counters)."""
+    merge them itself (MERGE_IN_KERNEL, or no arrival counters), and did not write the output itself (a context
+    wholly in split 0: BLOCK_N and MIN_SPLIT are the decode kernel's, so both see the same splits)."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_prior(USE_GDC)
+    wait_prior(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
     seq = tl.program_id(0)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if seq_len <= _per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT):
+        return
     token = tl.load(qsl_ptr + seq).to(tl.int64)
     one = tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -467,20 +496,23 @@ def paged_decode_attention(
     else:  # unused by the kernel (DIRECT_OUT), but it needs pointers
         part_o = part_lse = out
     block_s, merge_h = triton.next_power_of_2(splits), triton.next_power_of_2(group)
+    block_n = max(_MIN_DOT, block_n or _default_block_n(head_dim))
+    min_split = triton.cdiv(DECODE_MIN_SPLIT, block_n) * block_n
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache, out, part_o, part_lse, counters, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * k_scale * _LOG2E, v_scale, splits, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *kv_cache.stride()[:4],
-        PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)),
-        BLOCK_N=max(_MIN_DOT, block_n or _default_block_n(head_dim)),
+        PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(query.dtype),
         **_merge_options(counters is not None, merge_h, block_s, block_d), **pdl_options(query.device),
+        MIN_SPLIT=min_split,
     )  # fmt: skip
     if splits > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_o, part_lse, out, meta.query_start_loc, splits, num_heads, head_dim, out.stride(0), out.stride(1),
-            BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d), **pdl_options(query.device),
+            part_o, part_lse, out, meta.query_start_loc, meta.seq_lens, splits, num_heads, head_dim, out.stride(0),
+            out.stride(1), BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d), BLOCK_N=block_n,
+            **pdl_options(query.device), MIN_SPLIT=min_split,
         )  # fmt: skip
     return out
 
