@@ -73,9 +73,16 @@ def test_the_grouping_check_allows_any_order_within_an_expert_run_and_nothing_el
     (200, 256, 8, 32, True),     # DeepSeek-V3's expert count, skewed
     (0, 16, 2, 16, False),       # empty batch: only padding
 ])  # fmt: skip
-def test_one_launch_grouping_matches_the_torch_version(tokens, experts, top_k, block_m, skew) -> None:
+@pytest.mark.parametrize("kernel", ["small", "large"])
+def test_one_launch_grouping_matches_the_torch_version(tokens, experts, top_k, block_m, skew, kernel,
+                                                       monkeypatch) -> None:  # fmt: skip
+    """Both kernels: _align_small_kernel (all slots in registers, the default up to SMALL_MAX_SLOTS) and
+    _align_kernel (forced here by a limit of 0)."""
+    from flotilla.kernels.moe import triton_align
     from flotilla.kernels.moe.triton_align import align_by_expert
 
+    if kernel == "large":
+        monkeypatch.setattr(triton_align, "SMALL_MAX_SLOTS", 0)
     ids = _ids(tokens, experts, top_k, seed=tokens + experts, skew=skew)
     got = align_by_expert(ids, experts, block_m)
     want = routing.sort_by_expert(ids, experts, block_m)  # CPU tensors: the torch version
@@ -85,13 +92,33 @@ def test_one_launch_grouping_matches_the_torch_version(tokens, experts, top_k, b
     assert torch.equal(slots.sort().values, torch.arange(tokens * top_k, dtype=torch.int32))
 
 
-def test_int64_ids_and_a_strided_view_give_the_same_grouping() -> None:
+@pytest.mark.parametrize("limit", [None, 0])
+def test_int64_ids_and_a_strided_view_give_the_same_grouping(limit, monkeypatch) -> None:
+    from flotilla.kernels.moe import triton_align
     from flotilla.kernels.moe.triton_align import align_by_expert
 
+    if limit is not None:
+        monkeypatch.setattr(triton_align, "SMALL_MAX_SLOTS", limit)
     ids = _ids(20, 16, 4, seed=3)
     wide = torch.zeros(20, 8, dtype=torch.int64)
     wide[:, ::2] = ids
     _check_same_grouping(align_by_expert(wide[:, ::2], 16, 16), routing.sort_by_expert(ids, 16, 16))
+
+
+@pytest.mark.parametrize(("tokens", "experts", "block_m"), [(5, 16, 16), (64, 128, 16), (300, 60, 32)])
+def test_the_small_kernel_leaves_negative_ids_out_of_every_run(tokens, experts, block_m) -> None:
+    """Masked routing (expert parallelism: another rank's experts are -1): the histogram counts those slots in bin 0
+    and takes them out again, so expert 0's run and every other hold the torch version's slots, -1s in none."""
+    from flotilla.kernels.moe.triton_align import align_by_expert
+
+    ids = _ids(tokens, experts, 4, seed=tokens)
+    ids[ids % 3 == 0] = -1  # expert 0 among them: its real slots must survive the correction
+    ids[0, 0] = 0
+    want = routing.sort_by_expert(ids, experts, block_m, masked=True)
+    got = align_by_expert(ids, experts, block_m)
+    _check_same_grouping(got, want)
+    placed = got.sorted_slots[got.sorted_slots < got.num_slots].sort().values
+    assert torch.equal(placed, (ids.flatten() >= 0).nonzero().flatten().to(torch.int32))
 
 
 @pytest.mark.gpu
@@ -108,7 +135,8 @@ def test_on_cuda_the_one_launch_grouping_at_16384_slots_and_beyond_matches_the_t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize(("tokens", "experts", "block_m"), [(1, 128, 16), (256, 128, 16), (64, 256, 16)])
+@pytest.mark.parametrize(("tokens", "experts", "block_m"), [(1, 128, 16), (256, 128, 16), (64, 256, 16), (192, 128, 32),
+                                                          (600, 128, 64)])  # fmt: skip
 def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(tokens, experts, block_m,
                                                                              monkeypatch) -> None:  # fmt: skip
     from flotilla.kernels.moe import triton_experts
@@ -141,6 +169,10 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
               dict(NUM_EXPERTS=e, E_P2=triton.next_power_of_2(e), BLOCK_M=bm, CHUNK=1024, BLOCK_CHUNK=32, SLOTS_BOUND=2048,
                    ROWS_BOUND=4096, BLOCKS_BOUND=256), 4)
              for ids, e, bm in (("*i32", 128, 16), ("*i64", 256, 64), ("*i32", 60, 32))]  # fmt: skip
+    specs += [("flotilla.kernels.moe.triton_align", "_align_small_kernel", {**ptrs, "ids_ptr": ids}, [],
+               dict(NUM_EXPERTS=e, E_P2=triton.next_power_of_2(e), BLOCK_M=bm, CHUNK=1024, SLOTS_P2=slots,
+                    ROWS_BOUND=8192, BLOCKS_BOUND=256, USE_GDC=True), 8)
+              for ids, e, bm, slots in (("*i32", 128, 32, 2048), ("*i64", 256, 16, 4096), ("*i32", 60, 16, 16))]
     compile_for_sm90(specs, tmp_path)
 
 

@@ -19,11 +19,14 @@ that order. `tl.debug_barrier` orders the phases: one program (one CTA) does all
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from flotilla.kernels.moe.routing import ExpertBlocks, padded_rows
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 CHUNK = 1024
 """Slots (and rows) one loop step of the kernel handles."""
@@ -77,6 +80,56 @@ def _align_kernel(
         tl.store(block_experts_ptr + blocks, tl.minimum(expert, NUM_EXPERTS - 1), mask=blocks < num_blocks)
 
 
+@triton.jit
+def _align_small_kernel(
+    ids_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr, cursor_ptr, num_slots, max_rows, num_blocks,
+    NUM_EXPERTS: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    SLOTS_P2: tl.constexpr, ROWS_BOUND: tl.constexpr, BLOCKS_BOUND: tl.constexpr, USE_GDC: tl.constexpr = False,
+):  # fmt: skip
+    """_align_kernel's result for a decode-sized batch (all slots in registers: SLOTS_P2 >= num_slots), with one
+    atomic round trip instead of three: the counts are a histogram of the ids held in registers (no counter zeroing,
+    counting atomics or read-back), the prefix sums stay in registers, and each expert stores its own blocks' id
+    instead of every block searching the run ends. Only the placing of slots at their expert's cursor takes atomics."""
+    launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
+    wait_prior(USE_GDC)
+    slots = tl.arange(0, SLOTS_P2)
+    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
+    valid = ids >= 0  # past the batch, or a negative id (a masked slot): in no run
+    for r in range(0, ROWS_BOUND, CHUNK):  # the padding sentinel, before any slot is placed (barrier below)
+        rows = r + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + rows, tl.full([CHUNK], 0, tl.int32) + num_slots, mask=rows < max_rows)
+    experts = tl.arange(0, E_P2)
+    # the slots in no run are counted in bin 0, then taken out of it
+    counts = tl.histogram(tl.where(valid, ids, 0), E_P2).to(tl.int32)
+    counts -= tl.where(experts == 0, SLOTS_P2 - tl.sum(valid.to(tl.int32), 0), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    used = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, used)
+    tl.store(cursor_ptr + experts, starts)
+    # each expert's blocks are named after it; blocks past the rows in use after the last expert (sort_by_expert's)
+    first_block = starts // BLOCK_M
+    run_blocks = padded // BLOCK_M
+    for j in range(0, tl.max(run_blocks, 0)):
+        tl.store(block_experts_ptr + first_block + j, experts, mask=j < run_blocks)
+    for b in range(0, BLOCKS_BOUND, CHUNK):
+        blocks = b + tl.arange(0, CHUNK)
+        tl.store(block_experts_ptr + blocks, tl.full([CHUNK], NUM_EXPERTS - 1, tl.int32),
+                 mask=(blocks >= used // BLOCK_M) & (blocks < num_blocks))  # fmt: skip
+    tl.debug_barrier()  # the cursors and the sentinel rows stored before any slot is placed
+    rows = tl.atomic_add(cursor_ptr + ids, tl.full([SLOTS_P2], 1, tl.int32), mask=valid, sem="relaxed")
+    tl.store(sorted_ptr + rows, slots, mask=valid)
+
+
+SMALL_MAX_SLOTS = int(os.environ.get("FLOTILLA_MOE_ALIGN_SMALL", "4096"))
+"""Batches of at most this many slots (FLOTILLA_MOE_ALIGN_SMALL, read at import; 0: none, for A/B runs) (512 tokens at top-8: every decode step of the engine's default batch) group
+in _align_small_kernel, larger ones in _align_kernel. On an H200 _align_kernel took 11.9 us per MoE layer at 512
+slots and 22.1 us at 1,536 (Qwen3-30B-A3B at batch 64 and 192, profile_step, docs/performance.md, 2026-12-02),
+~1 ms of a 23 ms decode step at batch 192."""
+SMALL_NUM_WARPS = 8
+
+
 def _bound(n: int) -> int:
     """n rounded up to a power of two (0 for 0): a loop bound that compiles one variant per octave."""
     return triton.next_power_of_2(n) if n else 0
@@ -96,6 +149,15 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     cursors = torch.empty(triton.next_power_of_2(num_experts), dtype=torch.int32, device=device)
+    if num_slots <= SMALL_MAX_SLOTS:
+        _align_small_kernel[(1,)](
+            flat, sorted_slots, block_experts, num_padded, cursors, num_slots, max_rows, num_blocks,
+            NUM_EXPERTS=num_experts, E_P2=cursors.numel(), BLOCK_M=block_m, CHUNK=CHUNK,
+            SLOTS_P2=max(16, triton.next_power_of_2(num_slots)), ROWS_BOUND=_bound(max_rows),
+            BLOCKS_BOUND=_bound(num_blocks), num_warps=SMALL_NUM_WARPS, **pdl_options(device),
+        )  # fmt: skip
+        return ExpertBlocks(sorted_slots=sorted_slots, block_experts=block_experts, num_padded=num_padded,
+                            num_slots=num_slots, block_m=block_m)  # fmt: skip
     _align_kernel[(1,)](
         flat, sorted_slots, block_experts, num_padded, cursors, num_slots, max_rows, num_blocks,
         NUM_EXPERTS=num_experts, E_P2=cursors.numel(), BLOCK_M=block_m, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK,

@@ -43,7 +43,7 @@ import triton.language as tl
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_after_metadata, wait_before_metadata
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16
@@ -104,17 +104,22 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _pages(bt_row_ptr, pos, mask, PAGE_SIZE: tl.constexpr):
+    """The KV block of each context position pos [N] (0 where masked), from the sequence's block-table row."""
+    return tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, load_mask, score_mask,
+    q, acc, m_i, l_i, cache_ptr, page, pos, load_mask, score_mask,
     offs_d, mask_d, kv_head, sm_scale_log2,
     stride_cb, stride_ckv, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step of q [M, D] over the keys at context positions pos [N]: gathers each
-    key's page through the block table, masks scores by score_mask [M, N], returns (acc, m_i, l_i).
+    """One online-softmax step of q [M, D] over the keys at context positions pos [N] in blocks page [N]
+    (_pages): masks scores by score_mask [M, N], returns (acc, m_i, l_i).
     Callers make every row see at least one key of its first tile (decode: the split's first key;
     prefill: key 0), so the running max is finite from then on and exp2(m_i - m_new) never computes
     -inf - (-inf)."""
-    page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=load_mask, other=0).to(tl.int64)
     slot_off = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs + kv_head * stride_ch
     # K is loaded transposed ([D, N]) so the score product needs no in-register transpose.
     k = tl.load(cache_ptr + slot_off[None, :] + offs_d[:, None], mask=mask_d[:, None] & load_mask[None, :], other=0.0)
@@ -172,11 +177,17 @@ def _decode_kernel(
     output; otherwise a normalized partial output and its log2-sum-exp, which the group's last split to finish
     merges (MERGE_LAST) or _decode_merge_kernel does."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_prior(USE_GDC)
+    wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # the step's metadata (context lengths, block tables) is written before the step's first kernel, by the host or a
+    # kernel that finished before this chain began (pdl.py): read before the wait, the first tile's pages too
     token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    page = _pages(bt_row_ptr, start + offs_n, start + offs_n < end, PAGE_SIZE)
+    wait_after_metadata(USE_GDC)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
@@ -191,16 +202,17 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         in_range = pos < end
+        ahead = pos + BLOCK_N
+        page_ahead = _pages(bt_row_ptr, ahead, ahead < end, PAGE_SIZE)  # the next tile's, a step ahead
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, in_range, in_range[None, :],
+            q, acc, m_i, l_i, cache_ptr, page, pos, in_range, in_range[None, :],
             offs_d, mask_d, kv_head, sm_scale_log2,
             stride_cb, stride_ckv, stride_cs, stride_ch, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
+        page = page_ahead
 
     _finish_decode(acc, m_i, l_i, v_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads,
                    mask_h, offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, kv_head * GROUP,
@@ -306,12 +318,13 @@ def _decode_merge_kernel(
     merge them itself (MERGE_IN_KERNEL, or no arrival counters), and did not write the output itself (a context
     wholly in split 0: BLOCK_N and MIN_SPLIT are the decode kernel's, so both see the same splits)."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_prior(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
+    wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata: before the wait, as in _decode_kernel
+    token = tl.load(qsl_ptr + seq).to(tl.int64)
+    wait_after_metadata(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
     if seq_len <= _per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT):
         return
-    token = tl.load(qsl_ptr + seq).to(tl.int64)
     one = tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
     _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, token, tl.program_id(1) + one, one < 1, offs_d,
@@ -389,7 +402,7 @@ def _prefill_kernel(
         in_range = pos < kv_end
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, cache_ptr, bt_row_ptr, pos, in_range, visible,
+            q, acc, m_i, l_i, cache_ptr, _pages(bt_row_ptr, pos, in_range, PAGE_SIZE), pos, in_range, visible,
             offs_d, mask_d, kv_head, sm_scale_log2,
             stride_cb, stride_ckv, stride_cs, stride_ch, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip

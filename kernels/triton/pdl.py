@@ -11,9 +11,13 @@ successor launch as soon as they start (griddepcontrol.launch_dependents: the su
 finish before reading their output).
 
 The rules every kernel launched with `launch_pdl` keeps (else it races): every program waits (`wait_prior`) before
-its first load of anything another kernel writes (activations, caches, counters, routing) and before its first
-store (the caching allocator may hand it memory its predecessor still reads); only weights are read before the wait.
-A kernel that never waits would let the next one overtake its predecessor, so the wait is unconditional.
+its first load of anything another kernel of the step writes (activations, caches, counters, routing) and before its
+first store (the caching allocator may hand it memory its predecessor still reads). Read before the wait are only
+what no kernel of the chain writes: weights, constant tables (RoPE's cos/sin), and the step's metadata (positions,
+KV slots, context lengths, block tables), which is in place before the chain's first kernel starts: the host copies
+it (a graph's static inputs) or a kernel without PDL writes it, and a kernel that does not trigger its dependents
+lets the next launch only once it has finished, so no kernel of the chain starts before then. A kernel that never
+waits would let the next one overtake its predecessor, so the wait is unconditional.
 
 Measured on an H200 (docs/performance.md, eighteenth session): Qwen3-30B-A3B's batch-1 decode 292.8 -> 329.8 tok/s
 (three runs each, the same call), its nano workload's decode steps unchanged; DeepSeek-V3-4L's batch 1 unchanged
@@ -58,4 +62,24 @@ def launch_next(USE_GDC: tl.constexpr):
 def wait_prior(USE_GDC: tl.constexpr):
     """Wait for the kernel before this one to finish and its memory to be visible (a no-op without PDL)."""
     if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+METADATA_BEFORE_WAIT = tl.constexpr(os.environ.get("FLOTILLA_PDL_METADATA", "1") != "0")
+"""Whether the kernels that read the step's metadata (kernels/triton/attention.py's decode and merge, the q/k norm +
+RoPE + store) read it before their wait (FLOTILLA_PDL_METADATA=0 at import: after it, as before 2026-12-02; for A/B
+runs)."""
+
+
+@triton.jit
+def wait_before_metadata(USE_GDC: tl.constexpr):
+    """A kernel's wait where it reads the step's metadata after it (FLOTILLA_PDL_METADATA=0)."""
+    if USE_GDC and not METADATA_BEFORE_WAIT:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def wait_after_metadata(USE_GDC: tl.constexpr):
+    """A kernel's wait where it reads the step's metadata before it (the default): call both, metadata between."""
+    if USE_GDC and METADATA_BEFORE_WAIT:
         tl.extra.cuda.gdc_wait()
