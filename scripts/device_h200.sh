@@ -5,7 +5,8 @@
 #                device_compare.sh's install finds them: a part is 50-55 MiB, so calls 1 and 2 carry one each, with
 #                .gpu-lite (the bundle without flashinfer) beside it
 #   tests        the GPU tests in TESTS (default: the ones changed since the last device session), for at most TESTS_S
-#                seconds (default 200), with pytest's TESTS_ARGS ("-s" keeps the actors' stderr, and the stacks they
+#                seconds (default 200), those matching TESTS_K (pytest -k, spaces allowed), with pytest's TESTS_ARGS
+#                ("-s" keeps the actors' stderr, and the stacks they
 #                print 15 s before the limit, in the log of a run the limit cuts)
 #   dg_diag      the DeepGEMM FP8 experts' xfail test with -s: relative errors of the layer and of each grouped GEMM
 #   mtp          bench_mtp on DeepSeek-V3-4L with its MTP layer, 1-3 speculative tokens at forced acceptance (issue 9)
@@ -82,6 +83,7 @@ tests/test_deep_gemm_fp8_experts.py tests/test_fp8.py tests/test_moe.py tests/te
   ( sleep $((limit > 30 ? limit - 15 : limit)); pkill -USR1 -f -- "-m flotilla .*actor" ) &
   dumper=$!
   timeout "$limit" python3 -m pytest -m gpu $TESTS -v -rfEX -p no:cacheprovider --durations=15 ${TESTS_ARGS:-} \
+    ${TESTS_K:+-k "$TESTS_K"} \
     > "$R/gpu-tests.log" 2>&1
   echo "exit $?"; kill "$dumper" 2>/dev/null
   grep -E "FAILED|ERROR|XPASS|passed|failed|^[0-9.]+s (call|setup)" "$R/gpu-tests.log" | tail -24

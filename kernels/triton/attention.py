@@ -60,7 +60,9 @@ DECODE_MIN_SPLIT = int(os.environ.get("FLOTILLA_DECODE_MIN_SPLIT", "0"))
 sequence's own length (FLOTILLA_DECODE_MIN_SPLIT, read at import; 0: no floor). A CUDA graph fixes its split count
 for the longest context it may meet (64 at batch 1), so a short context is cut into one-tile splits and merged in
 a second pass; with a floor, a context of at most that many positions is one split that writes the output itself,
-and the merge does nothing."""
+and the merge does nothing. Measured slower, so off: on an H200 (2026-12-02, nineteenth session, the same call)
+Qwen3-30B-A3B's batch-1 decode (contexts of 128-384) went 336.5 -> 324.6 tok/s with a floor of 256 and 319.7 with
+512: one program walking a few tiles takes longer than a program per tile and the merge."""
 _DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "launch")
 _MERGE_FAMILIES = {"launch": frozenset(), "gqa": frozenset({"gqa"}), "all": frozenset({"gqa", "mla"})}
 if _DECODE_MERGE not in _MERGE_FAMILIES:

@@ -68,7 +68,8 @@ def wait_prior(USE_GDC: tl.constexpr):
 METADATA_BEFORE_WAIT = tl.constexpr(os.environ.get("FLOTILLA_PDL_METADATA", "1") != "0")
 """Whether the kernels that read the step's metadata (kernels/triton/attention.py's decode and merge, the q/k norm +
 RoPE + store) read it before their wait (FLOTILLA_PDL_METADATA=0 at import: after it, as before 2026-12-02; for A/B
-runs)."""
+runs). On an H200 (nineteenth session) Qwen3-30B-A3B's batch-1 decode: 353.4 tok/s after the wait against 356.7 and
+358.1 before it (four runs each, interleaved in one call); 346.1 against 351.6 in the call before (three runs)."""
 
 
 @triton.jit
