@@ -246,13 +246,8 @@ class Qwen3MoeSparseBlock(nn.Module):
                                       expert_parallel=True, top_k=moe.num_experts_per_tok)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(hidden)
+        topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
         # under TP each rank's partial sum (its slice of every expert, or under TP x EP its whole experts): summed
-        routed = self.experts.backend.fused_routed_experts
-        if routed is not None and self.experts.ep_experts is None:  # routing and experts in one go (small batches)
-            return all_reduce(routed(hidden, logits, self.experts.gate_up_proj, self.experts.down_proj, self.top_k,
-                                     self.renormalize))  # fmt: skip
-        topk_weights, topk_ids = select_experts(logits, self.top_k, self.renormalize)
         return all_reduce(self.experts(hidden, topk_weights, topk_ids))
 
 

@@ -54,21 +54,14 @@ FusedExpertsFp8 = Callable[..., torch.Tensor]
 block_size) -> [T, H] in hidden's dtype (torch_ref.fused_experts_fp8)."""
 
 
-FusedRoutedExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], torch.Tensor]
-"""(hidden [T, H], router_logits [T, E], w13, w2, top_k, renormalize) -> [T, H]: select_experts then fused_experts,
-in one go."""
-
-
 @dataclass(frozen=True, slots=True)
 class MoEBackend:
     """One implementation of the experts: fused_experts(hidden, w13, w2, topk_weights, topk_ids), and its
-    fused_experts_fp8 for e4m3 block-scaled weights (None: this backend has no FP8 experts); fused_routed_experts
-    routes by softmax top-k and runs the experts with fewer launches where it can (None: route first)."""
+    fused_experts_fp8 for e4m3 block-scaled weights (None: this backend has no FP8 experts)."""
 
     name: str
     fused_experts: FusedExperts
     fused_experts_fp8: FusedExpertsFp8 | None = None
-    fused_routed_experts: FusedRoutedExperts | None = None
 
 
 _BACKENDS: dict[str, MoEBackend] = {
@@ -142,8 +135,7 @@ def _backend(name: str) -> MoEBackend:
         from flotilla.kernels.moe import triton_experts
 
         _BACKENDS[name] = MoEBackend(name=name, fused_experts=triton_experts.fused_experts,
-                                     fused_experts_fp8=triton_experts.fused_experts_fp8,
-                                     fused_routed_experts=triton_experts.fused_routed_experts)
+                                     fused_experts_fp8=triton_experts.fused_experts_fp8)
     if name == "deep_gemm" and name not in _BACKENDS:
         if not deep_gemm_usable():
             raise ValueError("MoE backend 'deep_gemm' needs the deep_gemm package and a CUDA GPU of compute "

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.moe import triton_experts_small as small
-from flotilla.kernels.moe.routing import ExpertBlocks, select_experts, sort_by_expert
+from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
 from flotilla.kernels.quant import attached_quantized
 from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
@@ -265,40 +265,16 @@ def fused_experts(
                small_down_per_slot=small_down_per_slot, sorted_combine=sorted_combine)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
+        down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
+                if f"small_down_{key}" in t}
+        if hidden.shape[0] == 1 and not down:  # one token: a program per slot (ONE_TOKEN_DOWN; "ds=0" says no)
+            down = dict(small.ONE_TOKEN_DOWN)
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
-                                         t.get("small_block_k"), _launch(t), down=_small_down(t, hidden.shape[0]))
+                                         t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
     combine = True if t.get("sorted_combine") else None  # (c=1; else the default: only in slot blocks)
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
                        launch=_launch(t), masked=masked, combine=combine)  # fmt: skip
-
-
-FUSED_ROUTE = os.environ.get("FLOTILLA_MOE_FUSED_ROUTE", "1") != "0"
-"""Whether fused_routed_experts routes inside the small path's gate_up pass (FLOTILLA_MOE_FUSED_ROUTE=0 at import:
-the routing kernel first, for A/B runs)."""
-
-
-def fused_routed_experts(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         top_k: int, renormalize: bool) -> torch.Tensor:
-    """routing.select_experts(router_logits, top_k, renormalize) then fused_experts, with the same result: a batch
-    of the small path's size (SMALL_BATCH_MAX_TOKENS, or FLOTILLA_MOE_TILES' t) routes inside its gate_up pass
-    (triton_experts_small.fused_routed_experts_small: one launch fewer per MoE layer), any other the two apart."""
-    t = env_tiles()
-    if FUSED_ROUTE and 0 < hidden.shape[0] <= t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS):
-        out, _, _ = small.fused_routed_experts_small(hidden, router_logits, w13, w2, top_k, renormalize,
-                                                     t.get("small_block_n"), t.get("small_block_k"), _launch(t),
-                                                     down=_small_down(t, hidden.shape[0]))  # fmt: skip
-        return out
-    topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
-    return fused_experts(hidden, w13, w2, topk_weights, topk_ids)
-
-
-def _small_down(tiles: dict[str, int], num_tokens: int) -> dict[str, int]:
-    """The small path's down-pass options: FLOTILLA_MOE_TILES' dn / dk / dw / ds, else at one token a program per
-    slot (ONE_TOKEN_DOWN; "ds=0" says no)."""
-    down = {key: tiles[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
-            if f"small_down_{key}" in tiles}
-    return down if down or num_tokens != 1 else dict(small.ONE_TOKEN_DOWN)
 
 
 def _tiles(**given: int | None) -> dict[str, int]:

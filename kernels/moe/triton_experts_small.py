@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
-from flotilla.kernels.moe.triton_routing import softmax_topk
 from flotilla.kernels.triton.gemv import row_products
 from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
@@ -65,33 +64,18 @@ gate_up pass 8 warps were faster than triton's 4 on an H200 (bench_kernels in CU
 def _small_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, stride_xm, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False, logits_ptr=None, weights_ptr=None, stride_lt=0, ROUTE: tl.constexpr = False,
-    E: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (slot, pid_n): out[slot, cols] = silu(x[token] @ gate[cols].T) * (x[token] @ up[cols].T) for the
-    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's.
-    ROUTE: the slot's expert is not read from ids_ptr but chosen here, from the token's router logits [E] (float32
-    softmax top-k, triton_routing.softmax_topk: the routing kernel's own code, so its ids and weights), and the
-    programs of the first column tile store the slot's id and weight (ids_ptr, weights_ptr) for the down pass."""
+    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_prior(USE_GDC)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    token = slot // TOP_K
-    if ROUTE:
-        cols = tl.arange(0, BLOCK_E)
-        col_ok = cols < E
-        logits = tl.load(logits_ptr + token * stride_lt + cols, mask=col_ok, other=0.0).to(tl.float32)
-        top_w, top_id = softmax_topk(logits[None, :], cols, col_ok, E, TOP_K, RENORMALIZE, BLOCK_TK)
-        mine = tl.arange(0, BLOCK_TK)[None, :] == slot % TOP_K
-        expert = tl.sum(tl.where(mine, top_id, 0)).to(tl.int64)
-        if pid_n == 0:
-            tl.store(ids_ptr + slot, expert.to(tl.int32))
-            tl.store(weights_ptr + slot, tl.sum(tl.where(mine, top_w, 0.0)))
-    else:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
     if expert < 0:
         return  # a masked slot: the down pass skips it
+    token = slot // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -205,52 +189,22 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     ({"block_n", "block_k", "warps"}, any subset) tiles the down pass otherwise (tuning sweeps); down["per_slot"]
     runs the down pass with a program per slot (_small_down_slot_kernel: the same numbers) where the device's
     arrival counters allow."""
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    return _passes(hidden, w13, w2, ids, weights, topk_ids.shape[1], block_n, block_k, launch, down, {})
-
-
-def fused_routed_experts_small(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                               w2: torch.Tensor, top_k: int, renormalize: bool, block_n: int | None = None,
-                               block_k: int | None = None, launch: dict | None = None,
-                               down: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """routing.select_experts(router_logits [T, E], top_k, renormalize) and fused_experts_small in the same two
-    launches: the gate_up pass picks each slot's expert from its token's logits (ROUTE) and stores the routing for
-    the down pass, so the routing kernel's launch is gone (one per MoE layer of a batch-1 step). -> (out [T, H],
-    topk_weights float32 [T, k], topk_ids int32 [T, k]): the routing kernel's ids and weights, and so the same
-    output bits as routing with it first."""
-    if router_logits.dim() != 2 or router_logits.shape[0] != hidden.shape[0] or router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits must be [T, E] with a contiguous row, got {tuple(router_logits.shape)}")
-    num_experts = router_logits.shape[1]
-    if not 1 <= top_k <= num_experts or num_experts > w13.shape[0]:
-        raise ValueError(f"top_k {top_k} of {num_experts} router columns does not fit {w13.shape[0]} experts")
-    weights = torch.empty(hidden.shape[0], top_k, dtype=torch.float32, device=hidden.device)
-    ids = torch.empty(hidden.shape[0], top_k, dtype=torch.int32, device=hidden.device)
-    route = dict(logits_ptr=router_logits, weights_ptr=weights, stride_lt=router_logits.stride(0), ROUTE=True,
-                 E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts),
-                 BLOCK_TK=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize))  # fmt: skip
-    out = _passes(hidden, w13, w2, ids.view(-1), weights.view(-1), top_k, block_n, block_k, launch, down, route)
-    return out, weights, ids
-
-
-def _passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            top_k: int, block_n: int | None, block_k: int | None, launch: dict | None, down: dict | None,
-            route: dict) -> torch.Tensor:  # fmt: skip
-    """The gate_up and down launches over flat ids [T * k] and float32 weights [T * k] (`route`: the gate_up
-    pass's ROUTE arguments, which fill both first)."""
     num_tokens, hidden_size = hidden.shape
     inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
     if hidden.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_experts needs a contiguous last dimension in activations and weights")
     bn, bk = block_n or DEFAULT_BLOCK_N, block_k or DEFAULT_BLOCK_K
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(ids.numel(), inter, dtype=hidden.dtype, device=hidden.device)
     _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, bn))](
         hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
-        **{"num_warps": NUM_WARPS, **(launch or {})}, **pdl_options(hidden.device), **route,
+        **{"num_warps": NUM_WARPS, **(launch or {})}, **pdl_options(hidden.device),
     )  # fmt: skip
     down = down or {}
     dn, dk = down.get("block_n", bn), down.get("block_k", bk)
