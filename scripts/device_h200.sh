@@ -155,11 +155,13 @@ pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFIL
 # session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
 # "+fN": FLOTILLA_DECODE_MIN_SPLIT=N (the GQA decode's split floor, N context positions; else the engine's); "+c1":
 # the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
-# metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel)
+# metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel);
+# "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N (flashinfer_triton's decode on triton's kernel up to N sequences)
 pdl_merge_of() {
-  local floor; floor=$(grep -o '+f[0-9]*' <<< "$1" | tr -d '+f')
+  local floor fi; floor=$(grep -o '+f[0-9]*' <<< "$1" | tr -d '+f'); fi=$(grep -o '+fi[0-9]*' <<< "$1" | tr -d '+fi')
   [[ $1 == *+late* ]] && echo FLOTILLA_PDL_METADATA=0
   [[ $1 == *+bigalign* ]] && echo FLOTILLA_MOE_ALIGN_SMALL=0
+  [ -n "$fi" ] && echo "FLOTILLA_FLASHINFER_DECODE_ABOVE=$fi"
   echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
     "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })" \
     ${floor:+FLOTILLA_DECODE_MIN_SPLIT=$floor}

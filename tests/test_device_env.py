@@ -101,14 +101,15 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
                                                   ("pg_of", "auto"), ("pg_of", "auto+pga+ds"),
                                                   ("tiles_of", "auto+c1+ds"), ("pdl_merge_of", "auto"),
                                                   ("pdl_merge_of", "auto+km+f512+nopdl"),
-                                                  ("pdl_merge_of", "auto+late+bigalign")))  # fmt: skip
+                                                  ("pdl_merge_of", "auto+late+bigalign+fi256")))  # fmt: skip
     pdl_merge = script[script.index("pdl_merge_of() {"):]
     helpers += "\n" + pdl_merge[: pdl_merge.index("\n}\n") + 2]
     out = subprocess.run(["bash", "-c", f"{helpers}\n{calls}"], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "FLOTILLA_MOE_TILES": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert " ".join(out.stdout.split("\n")[12:15]) == ("FLOTILLA_PDL_METADATA=0 FLOTILLA_MOE_ALIGN_SMALL=0 "
-                                                      "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch")
+    assert " ".join(out.stdout.split("\n")[12:16]) == (  # "+fi256" is no "+f" split floor
+        "FLOTILLA_PDL_METADATA=0 FLOTILLA_MOE_ALIGN_SMALL=0 FLOTILLA_FLASHINFER_DECODE_ABOVE=256 "
+        "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch")
     assert out.stdout.split("\n")[:12] == [
         "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "c=1,ds=1,",
         "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch",  # the engine's split floor
