@@ -150,6 +150,7 @@ tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; 
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
+# variant_env: the environment variables a variant's suffixes set (any stage's variants).
 # "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
 # MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth
 # session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
@@ -157,7 +158,7 @@ pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFIL
 # the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
 # metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel);
 # "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N (flashinfer_triton's decode on triton's kernel up to N sequences)
-pdl_merge_of() {
+variant_env() {
   local floor fi; floor=$(grep -o '+f[0-9]*' <<< "$1" | tr -d '+f'); fi=$(grep -o '+fi[0-9]*' <<< "$1" | tr -d '+fi')
   [[ $1 == *+late* ]] && echo FLOTILLA_PDL_METADATA=0
   [[ $1 == *+bigalign* ]] && echo FLOTILLA_MOE_ALIGN_SMALL=0
@@ -169,7 +170,7 @@ pdl_merge_of() {
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
     # shellcheck disable=SC2046
-    (export $(pdl_merge_of "$v"); FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    (export $(variant_env "$v"); FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       profile "profile_q30_$(label_of "$v")" qwen3-30b-a3b --attention-backend "$(backend_of "$v")")
   done
 fi
@@ -178,7 +179,7 @@ if want bench_q30; then
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
     # shellcheck disable=SC2046
     # the worker's step trace (both workloads, every repeat): decode ms per step by batch size, the prompt steps
-    env $(pdl_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_LOG_JIT=1 \
       FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
       timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
@@ -194,7 +195,7 @@ if want q30_b1; then
   for v in ${Q30_B1:-auto auto+km}; do
     stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
     # shellcheck disable=SC2046
-    env $(pdl_merge_of "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
+    env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
       timeout "$(cap 120)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --workload decode1 \
       --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
@@ -223,7 +224,7 @@ fi
 if want profile_q30_big; then  # the nano workload's large decode batches at long contexts, and one prompt step
   for v in ${Q30_PROFILE:-auto}; do
     # shellcheck disable=SC2046
-    (export $(pdl_merge_of "$v"); f="profile_q30_big_$(label_of "$v")"
+    (export $(variant_env "$v"); f="profile_q30_big_$(label_of "$v")"
      stage "$f: profile_step qwen3-30b-a3b --batch ${BIG_BATCH:-192} --prompt-len ${BIG_LEN:-800} --prefill 8192x512"
      FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 200)" \
        python3 -m flotilla.scripts.profile_step --model qwen3-30b-a3b --batch "${BIG_BATCH:-192}" \
@@ -257,7 +258,7 @@ if want ds_b1; then
     pg=$([[ $attn == *+eg* ]] && echo 0 || echo 1)
     f=$(label_of "$attn")
     # shellcheck disable=SC2046
-    env $(pdl_merge_of "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
+    env $(variant_env "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
       timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1

@@ -99,11 +99,11 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
                                                   ("tiles_of", "triton+ds"), ("backend_of", "flashinfer+cublas+ds"),
                                                   ("backend_of", "auto"), ("label_of", "triton+eg"),
                                                   ("pg_of", "auto"), ("pg_of", "auto+pga+ds"),
-                                                  ("tiles_of", "auto+c1+ds"), ("pdl_merge_of", "auto"),
-                                                  ("pdl_merge_of", "auto+km+f512+nopdl"),
-                                                  ("pdl_merge_of", "auto+late+bigalign+fi256")))  # fmt: skip
-    pdl_merge = script[script.index("pdl_merge_of() {"):]
-    helpers += "\n" + pdl_merge[: pdl_merge.index("\n}\n") + 2]
+                                                  ("tiles_of", "auto+c1+ds"), ("variant_env", "auto"),
+                                                  ("variant_env", "auto+km+f512+nopdl"),
+                                                  ("variant_env", "auto+late+bigalign+fi256")))  # fmt: skip
+    variant = script[script.index("variant_env() {"):]
+    helpers += "\n" + variant[: variant.index("\n}\n") + 2]
     out = subprocess.run(["bash", "-c", f"{helpers}\n{calls}"], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "FLOTILLA_MOE_TILES": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr

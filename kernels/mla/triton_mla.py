@@ -31,6 +31,7 @@ from flotilla.kernels.triton.attention import (
     _dot_precision,
     _finish_decode,
     _merge_options,
+    _pages,
     _split_range,
     decode_merge_counters,
     merge_chunk,
@@ -68,7 +69,7 @@ def _mla_tile(
     """One online-softmax step of the query rows (qn [M, L], qp [M, R]) over the cache rows at context positions
     pos [N] (gathered through the block table), scores masked by score_mask [M, N]; returns (acc, m_i, l_i).
     Callers make every row see a key in its first tile, so the running max is finite from then on."""
-    page = tl.load(bt_row_ptr + pos // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
+    page = _pages(bt_row_ptr, pos, in_range, PAGE_SIZE)
     row = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
     # keys transposed ([D, N]) for the score dots; the latent part again as [N, D] for the value dot
     kl = tl.load(cache_ptr + row[None, :] + offs_l[:, None], mask=mask_l[:, None] & in_range[None, :], other=0.0)
