@@ -271,10 +271,10 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     torch.testing.assert_close(got[True][1:], want[1:], atol=1e-5, rtol=1e-5)
 
 
-def _split_floor_case(monkeypatch, seqs, num_heads, num_kv_heads, head_dim, dtype, num_splits, min_split, block_n):
+def _single_split_case(monkeypatch, seqs, num_heads, num_kv_heads, head_dim, dtype, num_splits, block_n):
     """(got by merge path {False: second launch, True: in the kernel}, the one-split output, the reference, seq_lens)
-    of a decode over fixed `num_splits` (a CUDA graph's) with the split floor DECODE_MIN_SPLIT = min_split, scratch
-    NaN: a merge that wrote a sequence the decode kernel wrote itself would show."""
+    of a decode over fixed `num_splits` (a CUDA graph's), scratch NaN: a merge that wrote a sequence the decode
+    kernel wrote itself would show."""
     from helpers_triton import nan_scratch, with_both_merges
 
     meta, cache, q, k, v = _paged_case(seqs, 16, num_heads, num_kv_heads, head_dim, dtype, seed=len(seqs))
@@ -283,30 +283,26 @@ def _split_floor_case(monkeypatch, seqs, num_heads, num_kv_heads, head_dim, dtyp
     want = torch_ref.paged_attention(q.float(), cache.float(), meta, scale)
     one_split = tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=1, block_n=block_n)
     nan_scratch(monkeypatch)
-    monkeypatch.setattr(tri_attn, "DECODE_MIN_SPLIT", min_split)
     got = with_both_merges(monkeypatch, lambda _: tri_attn.paged_decode_attention(
         q, cache, meta, scale, num_splits=num_splits, block_n=block_n))  # fmt: skip
     return got, one_split, want, meta.seq_lens.cpu()
 
 
-@pytest.mark.parametrize("min_split", [0, 20, 48])
-def test_decode_split_floor_writes_short_contexts_in_one_split_and_merges_the_rest(monkeypatch, min_split):
-    """DECODE_MIN_SPLIT (rounded up to whole tiles of 16 here: 20 -> 32) gives every split at least that many
-    positions, decided in the kernel from the sequence's own length: a context that fits in split 0 is written by
-    it, with the bits of a one-split decode, and the merge (either) leaves it alone; longer ones are merged from
-    fewer, longer splits. Both merges give the same bits, and every sequence matches the reference."""
+def test_decode_writes_a_context_within_split_0_itself_and_merges_the_rest(monkeypatch):
+    """Splits are whole tiles, so a context within split 0's share is written by split 0, with the bits of a one-split
+    decode, and the merge (either) leaves it alone; longer ones are merged. Both merges give the same bits, and every
+    sequence matches the reference."""
     from flotilla.kernels.arrivals import arrival_counters
 
-    seqs = [(c, 1) for c in (0, 14, 31, 32, 47, 90, 200)]  # seq_len 1 ... 201: at, below and above each floor
-    got, one_split, want, seq_lens = _split_floor_case(monkeypatch, seqs, 6, 2, 16, torch.float32, num_splits=8,
-                                                       min_split=min_split, block_n=16)  # fmt: skip
+    seqs = [(c, 1) for c in (0, 14, 15, 31, 90, 200)]  # seq_len 1 ... 201
+    got, one_split, want, seq_lens = _single_split_case(monkeypatch, seqs, 6, 2, 16, torch.float32, num_splits=8,
+                                                        block_n=16)  # fmt: skip
     assert torch.equal(got[True], got[False])
     assert not arrival_counters(DEVICE).any()
     torch.testing.assert_close(got[False], want, atol=1e-5, rtol=1e-5)
-    floor = -(-min_split // 16) * 16
-    single = (seq_lens <= torch.clamp((-(-seq_lens // 8) + 15) // 16 * 16, min=floor)).tolist()
-    # seq_lens 1, 15, 32, 33, 48, 91, 201; eight splits of whole tiles take 16 positions each (32 at 201)
-    assert sum(single) == {0: 2, 20: 3, 48: 5}[min_split] and single == sorted(single, reverse=True)
+    single = (seq_lens <= (-(-seq_lens // 8) + 15) // 16 * 16).tolist()
+    # seq_lens 1, 15, 16, 32, 91, 201; eight splits of whole tiles take 16 positions each (32 at 201)
+    assert single == [True, True, True, False, False, False]
     for i, one in enumerate(single):
         if one:  # one split wrote it: exactly the one-split decode's numbers
             assert torch.equal(got[False][i], one_split[i]), i
@@ -314,18 +310,18 @@ def test_decode_split_floor_writes_short_contexts_in_one_split_and_merges_the_re
 
 @gpu_test
 @pytest.mark.parametrize("batch", [1, 8])
-def test_gpu_decode_split_floor_at_qwen3_30b_a3b_sizes(monkeypatch, batch):
-    """Qwen3-30B-A3B's heads in bf16 at a CUDA graph's 64 splits with a 512-position floor, contexts of 1 to 3,000:
-    both merges give the same bits, each sequence the reference's numbers, and the contexts of at most 512 positions
-    the one-split decode's bits."""
-    seqs = [(random.Random(batch + i).randint(0, 3000 if i % 2 else 500), 1) for i in range(batch)]
-    got, one_split, want, seq_lens = _split_floor_case(monkeypatch, seqs, 32, 4, 128, torch.bfloat16, num_splits=64,
-                                                       min_split=512, block_n=None)  # fmt: skip
+def test_gpu_decode_single_split_at_qwen3_30b_a3b_sizes(monkeypatch, batch):
+    """Qwen3-30B-A3B's heads in bf16 at a CUDA graph's 64 splits, contexts of 1 to 3,000: both merges give the same
+    bits, each sequence the reference's numbers, and the contexts within one tile (64 positions) the one-split
+    decode's bits."""
+    seqs = [(random.Random(batch + i).randint(0, 3000 if i % 2 else 63), 1) for i in range(batch)]
+    got, one_split, want, seq_lens = _single_split_case(monkeypatch, seqs, 32, 4, 128, torch.bfloat16, num_splits=64,
+                                                        block_n=None)  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(got[True], got[False])
     torch.testing.assert_close(got[False].float(), want, atol=2e-2, rtol=2e-2)
-    short = (seq_lens <= 512).nonzero().flatten().tolist()
-    assert short, "no context within the floor"
+    short = (seq_lens <= 64).nonzero().flatten().tolist()
+    assert short, "no context within one tile"
     assert torch.equal(got[False][short], one_split[short])
 
 

@@ -42,7 +42,7 @@ def _compile_specs() -> list:
     # with Qwen3-30B-A3B's group of 8 and batch 1's in-kernel merge of 8 splits, 4 per step
     specs.append((att, "_decode_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
         PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32",
-        MERGE_LAST=True, MERGE_H=8, BLOCK_S=8, CHUNK_S=4, MIN_SPLIT=256), 4))
+        MERGE_LAST=True, MERGE_H=8, BLOCK_S=8, CHUNK_S=4), 4))
     specs.append((att, "_prefill_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
         PAGE_SIZE=16, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
     fp8 = {**bf16, "cache_ptr": "*fp8e4nv"}
@@ -57,7 +57,7 @@ def _compile_specs() -> list:
         (att, "_store_kv_kernel", bf16, ["k_scale", "v_scale"], dict(BLOCK_H=8, BLOCK_D=128, **no_quant), 4),
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128, CHUNK_S=8, BLOCK_N=64), 4),
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=512, CHUNK_S=8, BLOCK_N=32), 4),
-        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=128, CHUNK_S=32, BLOCK_N=64, MIN_SPLIT=512), 4),
+        (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=128, CHUNK_S=32, BLOCK_N=64), 4),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096, QUANT_GROUP=0), 16),
         (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, QUANT_GROUP=0), 16),
         # DeepSeek-V3's norms before FP8 GEMMs: 7168 columns (a block of 8192) quantized in groups of 128

@@ -102,7 +102,7 @@ def _mla_decode_kernel(
     seq = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
-    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N, 0)
+    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads

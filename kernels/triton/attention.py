@@ -55,14 +55,6 @@ H100/H200), so batch-1 long-context decode is not limited to num_kv_heads SMs.""
 _DECODE_MIN_TOKENS_PER_SPLIT = 256
 """...but no split gets fewer context tokens than this: tiny splits cost more to merge than they save."""
 _DECODE_MAX_SPLITS = 64
-DECODE_MIN_SPLIT = int(os.environ.get("FLOTILLA_DECODE_MIN_SPLIT", "0"))
-"""Fewest context positions a GQA decode split takes (rounded up to whole tiles), decided in the kernel from each
-sequence's own length (FLOTILLA_DECODE_MIN_SPLIT, read at import; 0: no floor). A CUDA graph fixes its split count
-for the longest context it may meet (64 at batch 1), so a short context is cut into one-tile splits and merged in
-a second pass; with a floor, a context of at most that many positions is one split that writes the output itself,
-and the merge does nothing. Measured slower, so off: on an H200 (2026-12-02, nineteenth session, the same call)
-Qwen3-30B-A3B's batch-1 decode (contexts of 128-384) went 336.5 -> 324.6 tok/s with a floor of 256 and 319.7 with
-512: one program walking a few tiles takes longer than a program per tile and the merge."""
 _DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "launch")
 _MERGE_FAMILIES = {"launch": frozenset(), "gqa": frozenset({"gqa"}), "all": frozenset({"gqa", "mla"})}
 if _DECODE_MERGE not in _MERGE_FAMILIES:
@@ -141,24 +133,21 @@ def _attend_tile(
 
 
 @triton.jit
-def _per_split(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Context positions each split of a `seq_len`-token context takes: whole tiles, at least MIN_SPLIT (0: no
-    floor). The decode kernels and _decode_merge_kernel compute it alike, so they agree on which splits hold keys."""
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    if MIN_SPLIT > 0:
-        per_split = tl.maximum(per_split, MIN_SPLIT)
-    return per_split
+def _per_split(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Context positions each split of a `seq_len`-token context takes: whole tiles. The decode kernels and
+    _decode_merge_kernel compute it alike, so they agree on which splits hold keys."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
-def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
     """A decode program's (query token, first and end context position, whether split 0 holds the whole context)
     for its split of sequence `seq`. Splits are whole tiles, so only the last tile of the last non-empty split is
     partial. With the whole context in split 0 ("single") that split writes the output itself and nothing is
     merged: the same bits as a merge of one split (its float32 partial, weight exp2(0) = 1)."""
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(qsl_ptr + seq).to(tl.int64)
-    per_split = _per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    per_split = _per_split(seq_len, num_splits, BLOCK_N)
     start = split * per_split
     return token, start, tl.minimum(start + per_split, seq_len), seq_len <= per_split
 
@@ -172,10 +161,10 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    USE_GDC: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence b, KV head, split): the GQA group's queries over this split's share of the
-    context (at least MIN_SPLIT positions). With one split, or a context that fits in split 0, it writes the
+    context. With one split, or a context that fits in split 0, it writes the
     output; otherwise a normalized partial output and its log2-sum-exp, which the group's last split to finish
     merges (MERGE_LAST) or _decode_merge_kernel does."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
@@ -185,7 +174,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     # the step's metadata (context lengths, block tables) is written before the step's first kernel, by the host or a
     # kernel that finished before this chain began (pdl.py): read before the wait, the first tile's pages too
-    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
+    token, start, end, single = _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     page = _pages(bt_row_ptr, start + offs_n, start + offs_n < end, PAGE_SIZE)
@@ -314,18 +303,18 @@ def _merge_splits(
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr, num_splits, num_heads, head_dim, stride_ot, stride_oh,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_GDC: tl.constexpr = False, MIN_SPLIT: tl.constexpr = 0,
+    USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence, query head): the head's splits merged (_merge_splits), where the decode kernel did not
     merge them itself (MERGE_IN_KERNEL, or no arrival counters), and did not write the output itself (a context
-    wholly in split 0: BLOCK_N and MIN_SPLIT are the decode kernel's, so both see the same splits)."""
+    wholly in split 0: BLOCK_N is the decode kernel's, so both see the same splits)."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata: before the wait, as in _decode_kernel
     token = tl.load(qsl_ptr + seq).to(tl.int64)
     wait_after_metadata(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
-    if seq_len <= _per_split(seq_len, num_splits, BLOCK_N, MIN_SPLIT):
+    if seq_len <= _per_split(seq_len, num_splits, BLOCK_N):
         return
     one = tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -512,7 +501,6 @@ def paged_decode_attention(
         part_o = part_lse = out
     block_s, merge_h = triton.next_power_of_2(splits), triton.next_power_of_2(group)
     block_n = max(_MIN_DOT, block_n or _default_block_n(head_dim))
-    min_split = triton.cdiv(DECODE_MIN_SPLIT, block_n) * block_n
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, kv_cache, out, part_o, part_lse, counters, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * k_scale * _LOG2E, v_scale, splits, num_heads, head_dim,
@@ -521,13 +509,12 @@ def paged_decode_attention(
         PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(query.dtype),
         **_merge_options(counters is not None, merge_h, block_s, block_d), **pdl_options(query.device),
-        MIN_SPLIT=min_split,
     )  # fmt: skip
     if splits > 1 and counters is None:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, meta.query_start_loc, meta.seq_lens, splits, num_heads, head_dim, out.stride(0),
             out.stride(1), BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d), BLOCK_N=block_n,
-            **pdl_options(query.device), MIN_SPLIT=min_split,
+            **pdl_options(query.device),
         )  # fmt: skip
     return out
 
