@@ -395,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-tiles", default="",
                    help="extra triton expert-kernel variants for moe / fp8_moe, ';'-separated, each like "
                         "FLOTILLA_MOE_TILES: m=BLOCK_M,n=BLOCK_N,k=BLOCK_K,w=num_warps,s=num_stages (any subset), "
+                        "the sorted down pass's own pn=BLOCK_N,pk=BLOCK_K,pw=num_warps,ps=num_stages, "
                         "and the small-batch path's t=most tokens (0: off),sn=BLOCK_N,sk=BLOCK_K, "
-                        "e.g. 'n=128,k=128,s=4;t=0;sn=8,sk=256'")  # fmt: skip
+                        "e.g. 'n=128,k=128,s=4;pn=256,pk=64;t=0;sn=8,sk=256'")  # fmt: skip
     p.add_argument("--moe-tokens", default=None,
                    help="moe's batch sizes, comma-separated (default: %s; with --quick %s)" % (
                        ",".join(map(str, GPU_SIZES.moe_tokens)), ",".join(map(str, QUICK["moe_tokens"]))))  # fmt: skip

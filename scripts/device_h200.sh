@@ -45,8 +45,9 @@
 #                step (launch_host_ms) and the functions it goes to
 #   moe_small    bench_kernels' moe bench at 1-16 tokens: the small-batch experts against the sorted ones (t=0) and
 #                the small path's tile variants in SMALL_TILES
-#   moe_large    the same bench at 64-4,096 tokens over the sorted GEMMs' tile variants in LARGE_TILES (after vLLM's
-#                tuned H200 configs for E=128, N=768: BLOCK_N halved, since our gate_up programs hold gate and up)
+#   moe_large    the same bench at LARGE_TOKENS (default 64-8,192 tokens) over the sorted GEMMs' tile variants in
+#                LARGE_TILES (after vLLM's tuned H200 configs for E=128, N=768: BLOCK_N halved, since our gate_up
+#                programs hold gate and up; pn/pk/pw/ps tile the down pass on its own)
 # Stages run in this file's order whatever SETUPS's order (tests and kernel benches first, the larger sweeps last).
 # Carry ".gpu-bundle", or ".gpu-lite" beside one of the vLLM peer's parts; docs/performance.md ("The next device
 # session, in order") has the calls the next session makes.
@@ -154,18 +155,16 @@ pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFIL
 # "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
 # MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth
 # session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
-# "+fN": FLOTILLA_DECODE_MIN_SPLIT=N (the GQA decode's split floor, N context positions; else the engine's); "+c1":
-# the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
+# "+c1": the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
 # metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel);
 # "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N (flashinfer_triton's decode on triton's kernel up to N sequences)
 variant_env() {
-  local floor fi; floor=$(grep -o '+f[0-9]*' <<< "$1" | tr -d '+f'); fi=$(grep -o '+fi[0-9]*' <<< "$1" | tr -d '+fi')
+  local fi; fi=$(grep -o '+fi[0-9]*' <<< "$1" | tr -d '+fi')
   [[ $1 == *+late* ]] && echo FLOTILLA_PDL_METADATA=0
   [[ $1 == *+bigalign* ]] && echo FLOTILLA_MOE_ALIGN_SMALL=0
   [ -n "$fi" ] && echo "FLOTILLA_FLASHINFER_DECODE_ABOVE=$fi"
   echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
-    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })" \
-    ${floor:+FLOTILLA_DECODE_MIN_SPLIT=$floor}
+    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
 }
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
@@ -244,8 +243,8 @@ if want profile_q30_long; then
 fi
 
 if want moe_large; then
-  stage "moe_large: bench_kernels --only moe at 64-4,096 tokens"
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 64,128,256,512,1024,4096 --target-s 0.05 \
+  stage "moe_large: bench_kernels --only moe at ${LARGE_TOKENS:=64,128,256,512,1024,2048,4096,8192} tokens"
+  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens "$LARGE_TOKENS" --target-s 0.05 \
     --moe-tiles "${LARGE_TILES:-m=32,n=128,k=128,w=4,s=2;m=64,n=128,k=64,w=4,s=3;m=128,n=128,k=64,w=8,s=4;m=64,n=128,k=64,w=8,s=4;m=16,n=128,k=128,w=4,s=3}" \
     --json "$R/moe-large.json" > "$R/moe-large.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/moe-large.log"

@@ -324,6 +324,10 @@ def test_moe_tiles_from_the_environment_reach_the_kernel_and_bad_ones_are_refuse
     assert seen[-1] == (32, 16, 32, {"num_warps": 2, "num_stages": 2})
     _check_fused(lambda *a: triton_experts.fused_experts(*a, block_n=32), 5, 48, 24, 8, 2, torch.float32, seed=3)
     assert seen[-1][2] == 32  # the caller's block_n over the environment's
+    monkeypatch.setenv("FLOTILLA_MOE_TILES", "m=32,n=16,k=32,w=2,s=2,pn=32,pk=16,pw=4")  # the down pass on its own
+    seen.clear()
+    _check_fused(triton_experts.fused_experts, 5, 48, 24, 8, 2, torch.float32, seed=5)
+    assert seen == [(32, 16, 32, {"num_warps": 2, "num_stages": 2}), (32, 32, 16, {"num_warps": 4, "num_stages": 2})]
     monkeypatch.setenv("FLOTILLA_MOE_TILES", "m=32,q=1")
     with pytest.raises(ValueError, match="FLOTILLA_MOE_TILES: 'q=1'"):
         _check_fused(triton_experts.fused_experts, 5, 48, 24, 8, 2, torch.float32, seed=3)
