@@ -99,7 +99,7 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
                                                   ("tiles_of", "triton+ds"), ("backend_of", "flashinfer+cublas+ds"),
                                                   ("backend_of", "auto"), ("label_of", "triton+eg"),
                                                   ("pg_of", "auto"), ("pg_of", "auto+pga+ds"),
-                                                  ("tiles_of", "auto+c1+ds"), ("variant_env", "auto"),
+                                                  ("tiles_of", "auto+c1+ds+pn128"), ("variant_env", "auto"),
                                                   ("variant_env", "auto+km+nopdl"),
                                                   ("variant_env", "auto+late+bigalign+fi256")))  # fmt: skip
     variant = script[script.index("variant_env() {"):]
@@ -111,6 +111,6 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
         "FLOTILLA_PDL_METADATA=0 FLOTILLA_MOE_ALIGN_SMALL=0 FLOTILLA_FLASHINFER_DECODE_ABOVE=256 "
         "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch")
     assert out.stdout.split("\n")[:12] == [
-        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "c=1,ds=1,",
+        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "pn=128,c=1,ds=1,",
         "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch",
         "FLOTILLA_PDL=0 FLOTILLA_DECODE_MERGE=gqa"]  # fmt: skip

@@ -180,7 +180,7 @@ SORTED_TILES = (
     (8, dict(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)),
     (16, dict(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=2)),
     (32, dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
-    (None, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)),
+    (None, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=256, down_block_k=64)),
 )
 """(most slots per expert, tiles) of the bf16 sorted GEMMs, by the batch's mean slots per expert. Measured on an H200
 at Qwen3-30B-A3B's experts (E=128, top-8; bench_kernels, docs/performance.md 2026-12-01), each against the earlier
@@ -188,7 +188,10 @@ fixed 64 x 64 tiles: 64 tokens 300.8 against 312.5 us (CUDA graph), 256 tokens 3
 tokens 396.4 against 409.8, 1,024 tokens 487.9 against 561.7 and 4,096 tokens 1,071.5 against 1,308.7 (eager).
 A block of rows should hold a whole expert's share where it can: every extra block of an expert reads its weights
 again. The choices follow vLLM's tuned H200 configs for E=128, N=768, with BLOCK_N halved, since each gate_up program
-here holds gate's and up's columns side by side."""
+here holds gate's and up's columns side by side. The top tier's down pass takes 256-column tiles (N 2,048 x K 768:
+the gate_up pass's 128 would be 16 column tiles, each rereading its rows for a 12-step K loop): bench_kernels on an
+H200 (2026-12-03, two calls, docs/performance.md) gave the layer at 1,024-8,192 tokens 4-12% faster (8,192 tokens:
+1.777 / 1.732 -> 1.584 / 1.571 ms), while at 64-512 tokens (the lower tiers) it was 1-3% slower, so they keep 128."""
 
 
 def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
