@@ -342,11 +342,12 @@ def test_default_tiles_follow_the_slots_per_expert_and_match_the_reference(monke
     seen = []
     real = triton_experts._two_passes
     monkeypatch.setattr(triton_experts, "_two_passes",
-                        lambda *a, **kw: seen.append((a[5], kw["launch"])) or real(*a, **kw))  # fmt: skip
+                        lambda *a, **kw: seen.append((a[5], kw["launch"], kw["down"])) or real(*a, **kw))  # fmt: skip
     for tokens in (12, 30, 60, 100):  # 4 experts, top-2: 6, 15, 30 and 50 slots per expert
         _check_fused(triton_experts.fused_experts, tokens, 32, 16, 4, 2, torch.float32, seed=tokens)
-    assert [m for m, _ in seen] == [16, 32, 64, 128]
+    assert [m for m, _, _ in seen] == [16, 32, 64, 128]
     assert seen[-1][1] == {"num_warps": 8, "num_stages": 4}
+    assert [d for _, _, d in seen] == [{}, {}, {}, {"block_n": 256, "block_k": 64}]  # the top tier's own down tiles
 
 
 @pytest.mark.parametrize(("tokens", "alignment", "dtype"), [(1, 8, torch.float32), (11, 4, torch.float32),
