@@ -1,5 +1,19 @@
 """flotilla: an LLM inference engine over msgspec/ZeroMQ actors."""
 
+import os as _os
+import sys as _sys
+
+
+def _keep_checkout_root_off_sys_path() -> None:
+    # The repository root is this package, so its folders (kernels, models, server, ...) are never top-level
+    # modules. `python -m ...` started in the root puts the root on sys.path, where `kernels/` would shadow
+    # Hugging Face's `kernels` package that transformers imports: drop that entry before anything imports it.
+    root = _os.path.realpath(_os.path.dirname(__file__))
+    _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != root]
+
+
+_keep_checkout_root_off_sys_path()
+
 __version__ = "0.1.0"
 
 from flotilla.sampling_params import SamplingParams  # noqa: E402

@@ -1,4 +1,4 @@
-"""Make tests/ importable so tests can share helper modules (`from helpers_tiny_models import ...`), and,
+"""Keep the checkout root off sys.path, make tests/ importable so tests can share helper modules (`from helpers_tiny_models import ...`), and,
 without CUDA, run triton kernels under triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before any module that defines a triton kernel is imported (a kernel
@@ -10,6 +10,9 @@ import os
 import sys
 from pathlib import Path
 
+# First: importing flotilla drops the checkout root that `python -m pytest` put on sys.path, before any test
+# imports transformers (whose `kernels` import the root's kernels/ would otherwise shadow).
+import flotilla  # noqa: F401
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
