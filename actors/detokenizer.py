@@ -18,7 +18,7 @@ import logging
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.front_end_watch import FrontEndWatch
 from flotilla.actors.incremental_detokenizer import IncrementalDetokenizer, TokenizerInfo
-from flotilla.actors.tokenizer import load_tokenizer, model_dir
+from flotilla.models.model_folder import load_tokenizer, model_dir
 from flotilla.config import EngineConfig
 from flotilla.transport.channels import Outbox
 from flotilla.transport.messages import AbortCmd, SeqText, SeqTokens, TextDelta, TokenDelta

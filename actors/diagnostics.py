@@ -1,8 +1,8 @@
 """Diagnostic actors: an echo and a relay, to check a topology's wiring and measure the transport.
 
-``flotilla launch`` of a topology made of these (see scripts/topologies/pingpong.toml) is the smallest
+``flotilla launch`` of a topology made of these (see examples/topologies/pingpong.toml) is the smallest
 real deployment: a client sends PingRequest to a relay, which adds one to the payload and forwards it
-to an echo, which answers the client directly. Tests and scripts/bench_transport.py use them.
+to an echo, which answers the client directly. Tests and scripts/dev/bench_transport.py use them.
 """
 
 from __future__ import annotations

@@ -9,18 +9,16 @@ and never reaches the scheduler.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import jinja2
 import msgspec
 import numpy as np
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.config import EngineConfig
-from flotilla.models.default_model import default_model_dir
+from flotilla.models.model_folder import eos_token_ids, load_tokenizer, max_model_len_of, model_dir, vocab_size_of
 from flotilla.transport.messages import AbortCmd, GenerateRequest, Message, RequestFailedEvent, TokenizedRequest
 
 log = logging.getLogger(__name__)
@@ -32,72 +30,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
-
-
-def model_dir(config: EngineConfig) -> Path:
-    """The model folder (the embedded default model is converted on first use)."""
-    return Path(config.model.model) if config.model.model else default_model_dir()
-
-
-# Model types for which transformers' AutoTokenizer, given a folder whose tokenizer_config.json names the generic fast
-# tokenizer, returns that generic class (tests/test_tokenizer_loading.py checks it against the installed transformers).
-GENERIC_FAST_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "deepseek_v3"})
-GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-
-
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The model folder's tokenizer, as transformers' AutoTokenizer loads it.
-
-    AutoTokenizer resolves the class through the model's config, which imports torch and much of transformers'
-    modelling code: about 3 s of CPU in each process that loads a tokenizer (the tokenizer, the detokenizer and the
-    front end). Where the answer is known without it (a folder whose tokenizer_config.json names the generic fast
-    tokenizer, no remote code, a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES) that class is loaded directly;
-    everything else goes through AutoTokenizer."""
-    if _generic_fast_tokenizer(path):
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer  # (imports torch)
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if len(tok) <= 1:  # a folder without tokenizer files: transformers builds an empty one of the config's class
-        raise ValueError(f"{path} has no tokenizer (an empty {type(tok).__name__} came back): add its tokenizer files, "
-                         "or pass --skip-tokenizer-init and send prompt token ids")
-    return tok
-
-
-def _generic_fast_tokenizer(path: Path) -> bool:
-    try:
-        tok_config = json.loads((path / "tokenizer_config.json").read_text())
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return (isinstance(tok_config, dict) and tok_config.get("tokenizer_class") in GENERIC_FAST_TOKENIZER_CLASSES
-            and "auto_map" not in tok_config and (path / "tokenizer.json").is_file()
-            and model_type in GENERIC_FAST_TOKENIZER_MODEL_TYPES)
-
-
-def max_model_len_of(config: EngineConfig, path: Path) -> int:
-    """max_model_len from the engine options, else the model's max_position_embeddings."""
-    if config.model.max_model_len is not None:
-        return config.model.max_model_len
-    hf = json.loads((path / "config.json").read_text())
-    return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list[int]:
-    """EOS ids from generation_config.json or config.json (either may hold a list) plus the tokenizer's own."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        if (path / name).exists():
-            eos = json.loads((path / name).read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-            break
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
-def vocab_size_of(path: Path) -> int:
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 class RequestTokenizer:

@@ -130,18 +130,36 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return [(a, i) for a in self.actors for i in range(a.count)]
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read a TOML topology file; a clear error naming the file on any problem."""
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "topologies"
+"""The topology and deployment files shipped with the package (`flotilla launch pingpong` finds pingpong.toml)."""
+
+
+def topology_path(path: str | Path) -> Path:
+    """A file path as given, or, for a bare name that is no file, the shipped example of that name."""
     path = Path(path)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    example = EXAMPLES / (path.name if path.suffix else f"{path.name}.toml")
+    return example if example.exists() else path
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read a TOML topology file (or a shipped example by name); a clear error naming the file on any problem."""
+    path = topology_path(path)
     try:
         text = path.read_text()
         if path.suffix == ".json":
             return msgspec.json.decode(text, type=Topology)
         return msgspec.convert(tomllib.loads(text), Topology)
     except FileNotFoundError:
-        raise ValueError(f"topology file not found: {path}") from None
+        raise ValueError(f"topology file not found: {path} (shipped examples: {examples()})") from None
     except (tomllib.TOMLDecodeError, msgspec.DecodeError, ValueError) as e:
         raise ValueError(f"invalid topology {path}: {e}") from None
+
+
+def examples() -> str:
+    """The shipped examples' names, for error messages and --help."""
+    return ", ".join(sorted(p.stem for p in EXAMPLES.glob("*.toml")))
 
 
 def resolve(topo: Topology, run_id: str, run_dir: Path | None = None) -> ep.Endpoints:

@@ -5,7 +5,7 @@ prints where each actor listens, then supervises: Ctrl-C or SIGTERM stops every 
 actor that dies or hangs tears the whole topology down and the launcher exits non-zero. No process is
 left behind, also when a child dies at start or the launcher itself is killed (children die with it).
 
-A file with an `engines` list is a served deployment instead (scripts/topologies/pd-1p1d.toml): the
+A file with an `engines` list is a served deployment instead (examples/topologies/pd-1p1d.toml): the
 launcher becomes the OpenAI front end and router (`flotilla serve --engines ...`) in front of those
 engines, each engine's actors in their own processes under their own supervisor, so one engine's death
 is not the others'. `--model` and `--port` fill in or override the file's.
@@ -26,13 +26,13 @@ import msgspec
 import uvloop
 
 from flotilla.actors.runtime import ActorFailure, Runtime
-from flotilla.actors.topology import Topology, load_topology
+from flotilla.actors.topology import Topology, examples, load_topology, topology_path
 
 log = logging.getLogger("flotilla.launch")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("topology", help="topology file (TOML; see scripts/topologies/ for examples)")
+    p.add_argument("topology", help="topology file (TOML), or the name of a shipped example (" + examples() + ")")
     p.add_argument("--host", default=None,
                    help="start only the actors whose `host` is this (multi-host tcp topologies: run the launcher "
                         "once per host); default: every actor")
@@ -69,11 +69,11 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 def load_deployment(path: str | Path) -> Deployment | None:
     """The deployment a file describes, or None when it is an actor topology."""
-    path = Path(path)
+    path = topology_path(path)
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise ValueError(f"topology file not found: {path}") from None
+        raise ValueError(f"topology file not found: {path} (shipped examples: {examples()})") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"invalid topology {path}: {e}") from None
     if "engines" not in data:

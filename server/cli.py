@@ -143,7 +143,7 @@ def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
     if spec is None:
         if config.disagg.role != "both" and not shared:
             raise ValueError(f"a {config.disagg.role} engine alone cannot serve requests: start the pair with "
-                             "--engines prefill,decode (or `flotilla launch scripts/topologies/pd-1p1d.toml`), or "
+                             "--engines prefill,decode (or `flotilla launch examples/topologies/pd-1p1d.toml`), or "
                              "share a redis:// --registry with another node's engines")
         if registry is None:
             return None

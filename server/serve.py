@@ -22,7 +22,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
-from flotilla.actors.tokenizer import load_tokenizer, max_model_len_of, model_dir
+from flotilla.models.model_folder import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines

@@ -275,7 +275,7 @@ def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_t
     reply_to (another node's front end) has its text sent there; the others' go to the engine's front end."""
     from flotilla.actors.base import ActorContext
     from flotilla.actors.detokenizer import DetokenizerActor
-    from flotilla.actors.tokenizer import load_tokenizer
+    from flotilla.models.model_folder import load_tokenizer
     from flotilla.config import EngineConfig
     from flotilla.sampling_params import SamplingParams
     from flotilla.transport.messages import AbortCmd, SeqTokens, TextDelta, TokenDelta

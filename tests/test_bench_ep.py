@@ -1,4 +1,4 @@
-"""scripts/bench_ep.py at toy size on CPU (gloo): 2 and 3 real rank processes run dispatch + identity experts +
+"""scripts/dev/bench_ep.py at toy size on CPU (gloo): 2 and 3 real rank processes run dispatch + identity experts +
 combine (and the all-gather layer's gather + reduce) for each token count (0 included: empty batches still join every all-to-all), the records say what moved
 and how unbalanced it was, hot experts show up as imbalance, and a wrong row, a failing rank or a hung rank makes
 the run exit 1 instead of passing or hanging."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from flotilla.scripts import bench_ep as be
+from flotilla.scripts.dev import bench_ep as be
 
 TOY = ["--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "32", "--dtype", "float32",
        "--iters", "2", "--warmup", "1"]
@@ -93,7 +93,7 @@ def test_check_identity_tolerance_follows_the_dtype():
 
 
 def test_help_and_argument_checks():
-    out = subprocess.run([sys.executable, "-m", "flotilla.scripts.bench_ep", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flotilla.scripts.dev.bench_ep", "--help"], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 0
     for flag in ("--device", "--world-size", "--experts", "--top-k", "--hidden", "--dtype", "--tokens", "--skew",

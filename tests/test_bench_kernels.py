@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py's plumbing on CPU (--cpu-smoke: tiny sizes, torch references, DeepGEMM's expert layouts
+"""scripts/dev/bench_kernels.py's plumbing on CPU (--cpu-smoke: tiny sizes, torch references, DeepGEMM's expert layouts
 over their torch GEMM stand-ins): every bench emits well-formed records, stdout and --json agree, --only filters,
 and a failing point is an error record while the run goes on."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from flotilla.scripts import bench_kernels as bk
+from flotilla.scripts.dev import bench_kernels as bk
 
 
 def _lines(capsys) -> list[dict]:

@@ -1,4 +1,4 @@
-"""scripts/bench_migration.py at toy size on CPU (gloo): every path runs, the JSON says what moved, the decode
+"""scripts/dev/bench_migration.py at toy size on CPU (gloo): every path runs, the JSON says what moved, the decode
 cache really holds the source blocks bit for bit afterwards, and a wrong byte is caught."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import uvloop
 
-from flotilla.scripts import bench_migration as bm
+from flotilla.scripts.dev import bench_migration as bm
 from flotilla.transport import kv_transfer
 
 TOY = ["--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4",
@@ -62,12 +62,12 @@ def test_the_actor_path_lands_every_block_and_touches_nothing_else():
 
 
 def test_help_explains_every_flag():
-    out = subprocess.run([sys.executable, "-m", "flotilla.scripts.bench_migration", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flotilla.scripts.dev.bench_migration", "--help"], capture_output=True,
                          text=True, timeout=60, check=False)
     assert out.returncode == 0
     for flag in ("--device", "--src-device", "--layers", "--round-blocks", "--paths", "--prompts", "--json"):
         assert flag in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "flotilla.scripts.bench_migration", "--paths", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "flotilla.scripts.dev.bench_migration", "--paths", "nope"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "paths are actor, engine, raw, copy" in bad.stderr
 

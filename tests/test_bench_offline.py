@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flotilla import LLM, SamplingParams
-from flotilla.scripts import bench_offline
+from flotilla.scripts.dev import bench_offline
 from flotilla.server.engine_client import RequestFailed
 
 from helpers_engine import write_tiny_engine_model
@@ -63,7 +63,7 @@ def test_bench_offline_repeats_report_the_median_run_and_every_run(tmp_path):
 def test_the_fixed_workload_under_expert_parallelism_reports_per_gpu_rates_and_imbalance(tmp_path):
     """--workload fixed (the wide-EP run's: equal prompts and outputs, the decode's own rate, per GPU) on a tiny
     MoE at DP2 x EP2 (gloo): two GPUs' worth of ranks, and the experts' and ranks' load imbalance (at least 1)."""
-    from flotilla.scripts.bench_shapes import shape_config
+    from flotilla.scripts.dev.bench_shapes import shape_config
     from helpers_tiny_models import write_tiny_moe_model
 
     model = write_tiny_moe_model(tmp_path / "moe")

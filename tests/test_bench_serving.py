@@ -14,9 +14,9 @@ import statistics
 import httpx
 import pytest
 
-from flotilla.scripts import bench_serving
-from flotilla.scripts.bench_metrics import RequestResult, format_report, latency_stats, meets_slo, summarize
-from flotilla.scripts.bench_workload import arrival_offsets, length_bounds, nano_workload, random_workload
+from flotilla.scripts.dev import bench_serving
+from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, latency_stats, meets_slo, summarize
+from flotilla.scripts.dev.bench_workload import arrival_offsets, length_bounds, nano_workload, random_workload
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 

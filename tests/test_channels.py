@@ -67,7 +67,7 @@ def test_a_full_peer_makes_senders_wait_rather_than_lose_messages():
 
 
 def test_bench_transports_send_recv_rows_time_both_paths():
-    from flotilla.scripts import bench_transport
+    from flotilla.scripts.dev import bench_transport
 
     rows = uvloop.run(bench_transport._send_recv_costs(50, reps=3))
     assert [r["message"] for r in rows] == ["StepResult, 1 token", "StepPlan, 256 sequences"]

@@ -1,4 +1,4 @@
-"""scripts/device_env.sh, which the device scripts source in place of the GPU bundle's setup.sh: after the bundle's
+"""scripts/dev/device_env.sh, which the device scripts source in place of the GPU bundle's setup.sh: after the bundle's
 setup it dates the installed packages back, so that ninja (which flashinfer runs before loading any JIT module) finds
 the carried JIT cache's objects newer than the freshly installed headers and rebuilds nothing."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_env.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "device_env.sh"
 
 
 def _source(checkout: Path, site: Path) -> None:
@@ -66,17 +66,17 @@ def test_ninja_rebuilds_nothing_after_a_fresh_setup(tmp_path: Path) -> None:
 
 
 def test_device_h200_copies_the_carried_peer_parts_and_packs_its_results(tmp_path: Path) -> None:
-    """scripts/device_h200.sh's `peer` stage (the only one that needs no GPU): the vLLM bundle's parts carried in this
+    """scripts/dev/device_h200.sh's `peer` stage (the only one that needs no GPU): the vLLM bundle's parts carried in this
     call go where device_compare.sh's install looks for them, and the call's results are packed."""
     root = Path(__file__).resolve().parents[1]
     checkout = tmp_path / "checkout"
-    (checkout / "scripts").mkdir(parents=True)
+    (checkout / "scripts" / "dev").mkdir(parents=True)
     for name in ("device_h200.sh", "device_common.sh", "device_env.sh"):
-        shutil.copy(root / "scripts" / name, checkout / "scripts" / name)
+        shutil.copy(root / "scripts" / "dev" / name, checkout / "scripts" / "dev" / name)
     (checkout / ".vllm-peer").mkdir()
     (checkout / ".vllm-peer" / "vllm.tar.xz.part-zz").write_bytes(b"part")
     out, vp = tmp_path / "out", tmp_path / "vp"
-    run = subprocess.run(["bash", "scripts/device_h200.sh"], cwd=checkout, capture_output=True, text=True, timeout=60,
+    run = subprocess.run(["bash", "scripts/dev/device_h200.sh"], cwd=checkout, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "NO_BUNDLE": "1", "SETUPS": "peer", "OUT": str(out), "VP_DIR": str(vp),
                               "HOME": str(tmp_path)})  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
@@ -91,7 +91,7 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
     "+ds" the small experts' per-slot down pass, "+pga" prefill graphs for GQA models; a variant's files are named
     without "+" (the device tool returns no file with one in its name: the sixteenth session's ds_b1 results came
     back without their "+pg" runs)."""
-    script = (Path(__file__).resolve().parents[1] / "scripts" / "device_h200.sh").read_text()
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "dev" / "device_h200.sh").read_text()
     names = ("gemv_of()", "tiles_of()", "backend_of()", "label_of()", "pg_of()")
     helpers = "\n".join(line for line in script.splitlines() if line.startswith(names))
     assert helpers.count("\n") == 4, helpers

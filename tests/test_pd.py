@@ -59,7 +59,7 @@ def servers(model, redis_url, tmp_path_factory):
 
 
 def test_the_shipped_1p1d_deployment_describes_one_prefill_and_one_decode_engine():
-    dep = load_deployment(Path(__file__).parent.parent / "scripts/topologies/pd-1p1d.toml")
+    dep = load_deployment(Path(__file__).parent.parent / "examples/topologies/pd-1p1d.toml")
     assert dep is not None and dep.engines == ["prefill", "decode"]
     argv = serve_argv(dep, "/models/x", 9000, trace=False)
     assert argv[:1] == ["/models/x"] and argv[argv.index("--port") + 1] == "9000"

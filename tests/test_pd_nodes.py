@@ -49,7 +49,7 @@ def model(tmp_path_factory):
 
 
 def test_the_shipped_two_node_deployment_names_its_node_and_engine_host():
-    dep = load_deployment(Path(__file__).parent.parent / "scripts/topologies/pd-two-nodes.toml")
+    dep = load_deployment(Path(__file__).parent.parent / "examples/topologies/pd-two-nodes.toml")
     assert dep is not None and dep.engines == ["prefill"] and dep.registry.startswith("redis://")
     argv = serve_argv(dep, "/models/x", None, trace=False)
     assert argv[argv.index("--node-name") + 1] == "nodeA" and argv[argv.index("--engine-host") + 1] == "10.0.0.1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flotilla.scripts import plot_serving
+from flotilla.scripts.dev import plot_serving
 
 
 def _report(scale: float) -> dict:

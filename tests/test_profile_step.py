@@ -1,4 +1,4 @@
-"""scripts/profile_step.py's mixed-step profile on CPU: its plans are what the scheduler would send, and each of its
+"""scripts/dev/profile_step.py's mixed-step profile on CPU: its plans are what the scheduler would send, and each of its
 three steps (mixed, decode half, prefill half) really runs the rows it claims (timings are only read on the GPU)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
-from flotilla.scripts import profile_step
+from flotilla.scripts.dev import profile_step
 
 from helpers_tiny_models import write_tiny_model
 

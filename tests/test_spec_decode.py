@@ -322,9 +322,9 @@ def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(m
 
 def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(model_dir: Path,
                                                                                 tmp_path: Path) -> None:  # fmt: skip
-    """scripts/bench_mtp.py at toy size: every forced draft is accepted, so a verify step yields about N + 1
+    """scripts/dev/bench_mtp.py at toy size: every forced draft is accepted, so a verify step yields about N + 1
     tokens (fewer only where max_tokens cuts the last drafts), and the output stayed plain decoding's."""
-    from flotilla.scripts import bench_mtp
+    from flotilla.scripts.dev import bench_mtp
 
     out = tmp_path / "mtp.json"
     assert bench_mtp.main(["--model", str(model_dir), "--num-speculative-tokens", "1,2", "--decode-in", "12",
@@ -345,7 +345,7 @@ def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(
 def test_bench_mtps_oracle_leaves_a_departed_sequence_its_own_drafts() -> None:
     """Where a verify step's rounding flips a token (bfloat16 on a GPU), the oracle has nothing to force: the
     model's drafts go on, and the record's first_difference says where the outputs parted."""
-    from flotilla.scripts.bench_mtp import first_difference, oracle
+    from flotilla.scripts.dev.bench_mtp import first_difference, oracle
 
     hook = oracle([1, 2], [3, 4, 5])
     assert hook(np.array([1, 2]), [9, 9]) == [3, 4]

@@ -2,7 +2,7 @@
 
 Every engine loads its tokenizer in three processes (tokenizer, detokenizer, front end); AutoTokenizer imports torch
 and much of transformers' modelling code to resolve the class, about 3 s of CPU each. load_tokenizer skips that for
-folders whose answer is known (actors/tokenizer.py); these tests hold it to AutoTokenizer's answer on the installed
+folders whose answer is known (models/model_folder.py); these tests hold it to AutoTokenizer's answer on the installed
 transformers, so a transformers release that resolves those folders differently fails here.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from helpers_engine import write_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from flotilla.actors.tokenizer import GENERIC_FAST_TOKENIZER_MODEL_TYPES, load_tokenizer
+from flotilla.models.model_folder import GENERIC_FAST_TOKENIZER_MODEL_TYPES, load_tokenizer
 
 TEXTS = ["The quick brown fox.", "日本語 🙂 12345", "  spaces  and\ttabs\n", "<|im_start|>user\nhi<|im_end|>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -80,7 +80,7 @@ def test_other_folders_go_through_autotokenizer(tmp_path, monkeypatch, model_typ
 def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_path):
     d = _folder(tmp_path, "llama")
     code = ("import sys\nfrom pathlib import Path\nimport flotilla.actors.detokenizer, flotilla.server.serve\n"
-            "from flotilla.actors.tokenizer import load_tokenizer\n"
+            "from flotilla.models.model_folder import load_tokenizer\n"
             f"load_tokenizer(Path({str(d)!r}))\nprint(sorted(m for m in ('torch', 'transformers.configuration_utils')"
             " if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -32,7 +32,7 @@ def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     rows of one tile) or its CUDA-core decode kernel. Tensor cores, for every group size, until the CUDA-core
     path is validated on the GPU; FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES=0/1 forces one (for measuring).
 
-    Measured on the H200 (scripts/bench_attention.py, bf16, block 16): with 32:8 heads (Qwen3-8B) the CUDA-core
+    Measured on the H200 (scripts/dev/bench_attention.py, bf16, block 16): with 32:8 heads (Qwen3-8B) the CUDA-core
     kernel reaches only ~2.8 TB/s at batch 64-256 x 1-4k context against ~4.3 TB/s with tensor cores; with 16:8
     heads (Qwen3-0.6B) the two tie from 1k context on and the CUDA-core kernel is faster on short contexts
     (41 vs 61 us at 256 x 128), so groups below 4 could take it. That rule was tried and reverted: with it the

@@ -12,7 +12,7 @@ kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
   a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA where FlashMLA cannot run.
 - "flash_mla": DeepSeek's FlashMLA for decode steps (flash_mla_backend.py; block size 64, bf16 cache, Hopper),
   the triton kernels for prefill and the store. "auto" on a Hopper GPU for DeepSeek-V3's latent (kv_lora_rank
-  512, rope 64) in bfloat16: on an H200 (2026-11-30, scripts/bench_kernels.py) a decode layer at batch 64 and a
+  512, rope 64) in bfloat16: on an H200 (2026-11-30, scripts/dev/bench_kernels.py) a decode layer at batch 64 and a
   4,096-token context took 0.14 ms against triton's 0.95 ms (2,182 against 320 GB/s). The engine then pages the
   cache in blocks of 64 (DeepseekV3ForCausalLM.settle_kv_layout); an FP8 cache or another forced block size
   makes "auto" fall back to triton.

@@ -165,7 +165,7 @@ def parse_tiles(text: str) -> dict[str, int]:
 
 def env_tiles() -> dict[str, int]:
     """The expert kernel's tiles and launch options forced by FLOTILLA_MOE_TILES (for tuning sweeps,
-    scripts/bench_kernels.py --moe-tiles); empty when unset."""
+    scripts/dev/bench_kernels.py --moe-tiles); empty when unset."""
     return parse_tiles(os.environ.get("FLOTILLA_MOE_TILES", ""))
 
 

@@ -19,7 +19,7 @@ partial sums, and the last of a tile's splits to finish adds them up, with the b
 arrivals counted with an atomic per tile, so no second launch: DeepSeek-V3-4L's batch-1 step lost its 19
 _split_k_sum_kernel launches, 30.7 us of device time, docs/performance.md, fourteenth session). The sum runs in
 split order, so the bits are the second launch's, which `r=0` still takes. FLOTILLA_FP8_TILES forces tiles for a
-sweep (`m=16,n=64,sk=4,w=4,s=3,r=1`, any subset; scripts/bench_kernels.py --fp8-tiles).
+sweep (`m=16,n=64,sk=4,w=4,s=3,r=1`, any subset; scripts/dev/bench_kernels.py --fp8-tiles).
 """
 
 from __future__ import annotations

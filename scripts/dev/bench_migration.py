@@ -22,9 +22,9 @@ bytes (KV of every layer of every prompt). Both ends run in this one process (tw
 for the packs and unpacks), where a deployment runs them in two: the rounds, packs and waits are the same code.
 
     # on a machine with two GPUs (Qwen3-8B, 16 prompts x 4096 tokens = 9.7 GB per repetition)
-    python -m flotilla.scripts.bench_migration --round-blocks 64,256 --json migration.json
+    python -m flotilla.scripts.dev.bench_migration --round-blocks 64,256 --json migration.json
     # a CPU smoke run (gloo)
-    python -m flotilla.scripts.bench_migration --device cpu --layers 2 --blocks 64 --json /tmp/m.json
+    python -m flotilla.scripts.dev.bench_migration --device cpu --layers 2 --blocks 64 --json /tmp/m.json
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import DEFAULT_BLOCK_SIZE, DisaggConfig, EngineConfig
 from flotilla.kernels.attention import kv_cache_shape
-from flotilla.scripts.bench_shapes import SHAPES
+from flotilla.scripts.dev.bench_shapes import SHAPES
 from flotilla.transport import kv_transfer, kv_transfer_torch
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.kv_transfer import create_kv_transfer_engine, kv_block_bytes

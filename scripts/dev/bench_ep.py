@@ -35,11 +35,11 @@ FLOTILLA_BENCH_EP_FAULT=RANK:raise|hang|corrupt makes that rank fail or hang bef
 hand combine a wrong row (for tests of those failures).
 
     # 8 GPUs of one host, DeepSeek-V3's MoE shape (256 experts, top-8, hidden 7168, bf16)
-    python -m flotilla.scripts.bench_ep --world-size 8 --json ep.json
+    python -m flotilla.scripts.dev.bench_ep --world-size 8 --json ep.json
     # with hot experts
-    python -m flotilla.scripts.bench_ep --world-size 8 --skew 4 --json ep_skew.json
+    python -m flotilla.scripts.dev.bench_ep --world-size 8 --skew 4 --json ep_skew.json
     # a CPU smoke run (gloo)
-    python -m flotilla.scripts.bench_ep --device cpu --world-size 2 --experts 8 --top-k 2 --hidden 32 \\
+    python -m flotilla.scripts.dev.bench_ep --device cpu --world-size 2 --experts 8 --top-k 2 --hidden 32 \\
         --dtype float32 --tokens 0,1,5 --iters 3
 """
 

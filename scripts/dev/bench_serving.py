@@ -6,7 +6,7 @@ hand and reports, per rate, throughput and TTFT / TPOT / ITL / E2E latency (mean
 goodput under an SLO. flotilla and vLLM both accept this request, so one command measures either:
 
     flotilla serve /models/Qwen3-8B --port 8000            # or: vllm serve /models/Qwen3-8B --port 8000
-    python -m flotilla.scripts.bench_serving --base-url http://127.0.0.1:8000 \\
+    python -m flotilla.scripts.dev.bench_serving --base-url http://127.0.0.1:8000 \\
         --num-prompts 1000 --input-len 1024 --output-len 256 --request-rate 1,2,4,8,inf --json qwen3.json
 
     # nano-vllm's workload (256 prompts, lengths uniform in [100, 1024], seed 0), all at once
@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from flotilla.scripts.bench_metrics import RequestResult, format_report, summarize
-from flotilla.scripts.bench_workload import Workload, arrival_offsets, nano_workload, random_workload
+from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, summarize
+from flotilla.scripts.dev.bench_workload import Workload, arrival_offsets, nano_workload, random_workload
 
 _decode = msgspec.json.decode
 

@@ -10,8 +10,8 @@ launch_host_ms, the host time to stage and launch one step; when it is below the
 the device never waits for the host. Optionally one eager prefill step (--prefill) and one chunked-prefill
 step against its decode and prefill halves (--mixed: the nano workloads' prompt steps are such steps).
 
-    python -m flotilla.scripts.profile_step --model qwen3-8b --batch 1,64 --steps 50
-    python -m flotilla.scripts.profile_step --model qwen3-0.6b --batch 256 --mixed 256x1000+8192x512
+    python -m flotilla.scripts.dev.profile_step --model qwen3-8b --batch 1,64 --steps 50
+    python -m flotilla.scripts.dev.profile_step --model qwen3-0.6b --batch 256 --mixed 256x1000+8192x512
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.scripts.bench_shapes import SHAPES, shape_dir
+from flotilla.scripts.dev.bench_shapes import SHAPES, shape_dir
 from flotilla.transport.messages import NewSequence, StepPlan
 
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Prefill-decode disaggregation on a machine with two GPUs (issue 7), in one device call:
 #   1. the two-GPU tests of the torch_dist KV backend (NCCL), of the KV-migration actors and of TP=2 decode graphs;
-#   2. KV migration bandwidth cuda:0 -> cuda:1 at Qwen3-8B's KV shape (scripts/bench_migration.py: the actors'
+#   2. KV migration bandwidth cuda:0 -> cuda:1 at Qwen3-8B's KV shape (scripts/dev/bench_migration.py: the actors'
 #      path, the engine's send/recv, raw NCCL and a plain peer copy);
 #   3. serving on the Qwen3-8B shape (random weights, token-id prompts): 1P1D (`--engines prefill,decode`,
 #      torch_dist KV over NCCL; the fleet gives engine k GPU k) against two colocated engines (`--engines both,both`,
 #      the router balancing them), the same bench_serving requests and rates against each.
-#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/device_pd.sh
+#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_pd.sh
 #   afterwards, here: tar -xzf FILES_AT/pd.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 #   and cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar (setup.sh restores both)
 # Every stage runs under its own timeout, each capped by what is left of BUDGET (default 560 s) so the call ends in
@@ -20,13 +20,13 @@
 #     write_tiny_engine_model as w; w(Path('/tmp/tiny'))"
 #   NO_BUNDLE=1 MODEL_DIR=/tmp/tiny DTYPE=float32 PROMPTS=4 RATES=inf INPUT_LEN=24 OUTPUT_LEN=8 VOCAB=300 MAX_LEN=128 \
 #     MIG_ARGS="--device cpu --layers 2 --blocks 64 --poll-caps 0.0001" SERVE_ARGS="--block-size 4 --kv-cache-blocks 160" \
-#     bash scripts/device_pd.sh
+#     bash scripts/dev/device_pd.sh
 # Results in $OUT/pd.tgz: gpu-tests.log, migration.{json,log}, serve-{pd,dp}.json, bench-*.log, server-*.log,
 # metrics-*.txt (the servers' /metrics after the run: KV bytes migrated, requests routed per engine).
 set -uo pipefail
 RESULTS=pd
 PACK_S=25
-source scripts/device_common.sh
+source scripts/dev/device_common.sh
 STAGES=${STAGES:-tests migration pd dp}
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -34,7 +34,7 @@ want() { [[ " $STAGES " == *" $1 "* ]]; }
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader \
   && nvidia-smi topo -m > "$R/topo.txt" 2>&1
 M=${MODEL:-qwen3-8b}
-DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.bench_shapes import shape_dir; print(shape_dir('$M'))")}
+DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.dev.bench_shapes import shape_dir; print(shape_dir('$M'))")}
 
 if want tests; then
   stage "two-GPU tests"
@@ -46,7 +46,7 @@ fi
 if want migration; then
   stage "KV migration bandwidth"
   # shellcheck disable=SC2086
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_migration ${MIG_ARGS:---round-blocks 64,256 --poll-caps 0.0001} \
+  timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_migration ${MIG_ARGS:---round-blocks 64,256 --poll-caps 0.0001} \
     --json "$R/migration.json" > "$R/migration.log" 2>&1
   echo "exit $?"; tail -12 "$R/migration.log"
 fi
@@ -83,7 +83,7 @@ print("".join(l + "\n" for l in text.splitlines()
 PY
 }
 
-BENCH=(python3 -m flotilla.scripts.bench_serving --input-len "${INPUT_LEN:-3072}" --output-len "${OUTPUT_LEN:-96}"
+BENCH=(python3 -m flotilla.scripts.dev.bench_serving --input-len "${INPUT_LEN:-3072}" --output-len "${OUTPUT_LEN:-96}"
        --range-ratio "${RANGE:-0.33}" --vocab-size "${VOCAB:-10000}" --request-timeout 120)
 
 serve() {  # label, port, engines: start `flotilla serve`, warm it up, benchmark it, stop it

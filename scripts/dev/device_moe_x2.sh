@@ -4,7 +4,7 @@
 # DP2 x EP2 (attention data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with
 # --all2all-backend allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs,
 # FLOTILLA_EP_GRAPHS=1, if tests/test_ep_graphs.py passes first).
-#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/device_moe_x2.sh
+#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_moe_x2.sh
 #   afterwards, here: tar -xzf FILES_AT/moe-x2.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 # Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the call ends in time and
 # still packs its results. Adjust with: MODEL (default qwen3-30b-a3b), MODEL_DIR (a folder instead of the shape),
@@ -16,11 +16,11 @@
 #     w('/tmp/tinymoe')"
 #   NO_BUNDLE=1 MODEL_DIR=/tmp/tinymoe SETUPS="1gpu dp2ep2 tp2" ARGS="--device cpu --dtype float32 --num-requests 8 \
 #     --min-len 8 --max-len 24 --decode-in 8 --decode-out 8 --vocab 200 --kv-cache-blocks 200 --skip-tokenizer-init" \
-#     bash scripts/device_moe_x2.sh
+#     bash scripts/dev/device_moe_x2.sh
 # Results in $OUT/moe-x2.tgz: flotilla-SETUP.json and .log per setup, gpu-tests.log, summary.txt.
 set -uo pipefail
 RESULTS=moe-x2
-source scripts/device_common.sh
+source scripts/dev/device_common.sh
 SETUPS=${SETUPS:-tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g}
 M=${MODEL:-qwen3-30b-a3b}
 MODEL_ARG=${MODEL_DIR:-$M}   # bench_offline takes a built-in shape's name or a folder
@@ -42,7 +42,7 @@ run() {  # label, extra bench_offline flags...
   local label=$1; shift
   stage "$label: $*"
   # shellcheck disable=SC2086
-  timeout "$(cap 200)" python3 -m flotilla.scripts.bench_offline --model "$MODEL_ARG" --repeat 1 "$@" ${ARGS:-} \
+  timeout "$(cap 200)" python3 -m flotilla.scripts.dev.bench_offline --model "$MODEL_ARG" --repeat 1 "$@" ${ARGS:-} \
     --json "$R/flotilla-$label.json" > "$R/flotilla-$label.log" 2>&1
   echo "exit $?"; tail -1 "$R/flotilla-$label.log" | cut -c1-400
 }
@@ -50,7 +50,7 @@ run() {  # label, extra bench_offline flags...
 if want a2a; then  # the MoE layer's token exchange alone, Qwen3-30B-A3B's shape, both ways
   for how in all_to_all allgather_reducescatter; do
     stage "bench_ep, world size 2, $how"
-    timeout "$(cap 60)" python3 -m flotilla.scripts.bench_ep --world-size 2 --experts 128 --top-k 8 --hidden 2048 \
+    timeout "$(cap 60)" python3 -m flotilla.scripts.dev.bench_ep --world-size 2 --experts 128 --top-k 8 --hidden 2048 \
       --tokens 1,16,64,256,1024 --all2all-backend $how ${EP_ARGS:-} --json "$R/ep-$how.json" > "$R/ep-$how.log" 2>&1
     echo "exit $?"; grep '"ep_all_to_all"' "$R/ep-$how.log" | cut -c1-260
   done

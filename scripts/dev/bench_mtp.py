@@ -15,7 +15,7 @@ One request, `--decode-in` random prompt tokens, `--decode-out` greedy output to
 timed on the second of two identical runs. Models: a folder with an MTP layer, or the built-in
 `deepseek-v3-4l-mtp` (DeepSeek-V3's shapes, 4 layers and its MTP layer, FP8 random weights, on the device).
 
-    python -m flotilla.scripts.bench_mtp --model deepseek-v3-4l-mtp --num-speculative-tokens 1,2,3 --json $OUT/mtp.json
+    python -m flotilla.scripts.dev.bench_mtp --model deepseek-v3-4l-mtp --num-speculative-tokens 1,2,3 --json $OUT/mtp.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from flotilla import LLM, SamplingParams
-from flotilla.scripts.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
+from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 
 
 def engine_options(args: argparse.Namespace, num_spec: int | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Plot serving latency against request rate from bench_serving's JSON files, one line per engine.
 
-    python -m flotilla.scripts.plot_serving flotilla=serve-flotilla.json vllm=serve-vllm.json serving.png
+    python -m flotilla.scripts.dev.plot_serving flotilla=serve-flotilla.json vllm=serve-vllm.json serving.png
 
 Each argument LABEL=FILE is one engine's `bench_serving --json` report (every rate of one run); the last argument
 is the PNG to write. Panels: TTFT and TPOT (p50 solid, p99 dashed) and output throughput, each against the

@@ -52,10 +52,10 @@
 # Carry ".gpu-bundle", or ".gpu-lite" beside one of the vLLM peer's parts; docs/performance.md ("The next device
 # session, in order") has the calls the next session makes.
 # Each stage has its own timeout, capped by what is left of BUDGET (default 560 s). Results in $OUT/h200.tgz.
-# CPU smoke run (stages that need no GPU model): NO_BUNDLE=1 SETUPS="peer" bash scripts/device_h200.sh
+# CPU smoke run (stages that need no GPU model): NO_BUNDLE=1 SETUPS="peer" bash scripts/dev/device_h200.sh
 set -uo pipefail
 RESULTS=h200
-source scripts/device_common.sh
+source scripts/dev/device_common.sh
 SETUPS=${SETUPS:-peer tests mtp kernels profile_ds}
 want() { [[ " $SETUPS " == *" $1 "* ]]; }
 # triton's JIT cache from an earlier call (a call's tc.* parts, joined): kernels unchanged since compile no more
@@ -99,14 +99,14 @@ fi
 
 if want mtp; then
   stage "mtp: bench_mtp deepseek-v3-4l-mtp"
-  timeout "$(cap 240)" python3 -m flotilla.scripts.bench_mtp --model deepseek-v3-4l-mtp --num-speculative-tokens 1,2,3 \
+  timeout "$(cap 240)" python3 -m flotilla.scripts.dev.bench_mtp --model deepseek-v3-4l-mtp --num-speculative-tokens 1,2,3 \
     --json "$R/mtp.json" > "$R/mtp.log" 2>&1
   echo "exit $?"; grep -E '^\{|warning' "$R/mtp.log" | cut -c1-400
 fi
 
 if want kernels; then
   stage "kernels: bench_kernels --quick"
-  timeout "$(cap 300)" python3 -m flotilla.scripts.bench_kernels --only fp8_gemm,moe,fp8_moe,routing --quick \
+  timeout "$(cap 300)" python3 -m flotilla.scripts.dev.bench_kernels --only fp8_gemm,moe,fp8_moe,routing --quick \
     --fp8-tiles "${FP8_TILES:-q=1;n=128,sk=1;q=1,n=128,sk=1}" \
     --moe-tiles "${MOE_TILES:-k=128;n=32,k=128;n=32,k=128,s=4;n=128,k=128,w=8}" \
     --json "$R/kernels.json" > "$R/kernels.log" 2>&1
@@ -115,14 +115,14 @@ fi
 
 if want gemv; then
   stage "gemv: bench_kernels --only gemv"
-  timeout "$(cap 90)" python3 -m flotilla.scripts.bench_kernels --only gemv --target-s 0.05 \
+  timeout "$(cap 90)" python3 -m flotilla.scripts.dev.bench_kernels --only gemv --target-s 0.05 \
     --gemv-tiles "${GEMV_TILES:-n=4,k=2048;n=16,k=512;n=8,k=2048;n=8,k=512,w=4}" --json "$R/gemv.json" > "$R/gemv.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/gemv.log"
 fi
 
 if want moe_small; then
   stage "moe_small: bench_kernels --only moe at 1-16 tokens"
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens 1,2,4,8,16 --target-s 0.05 \
+  timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_kernels --only moe --moe-tokens 1,2,4,8,16 --target-s 0.05 \
     --moe-tiles "${SMALL_TILES:-t=0;t=16;sn=8;sn=32;sk=256;sn=8,sk=256;w=8}" --json "$R/moe-small.json" \
     > "$R/moe-small.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/moe-small.log"
@@ -130,7 +130,7 @@ fi
 
 profile() {  # label, model, more profile_step options
   stage "$1: profile_step --model $2 ${*:3}"
-  timeout "$(cap 180)" python3 -m flotilla.scripts.profile_step --model "$2" --batch 1,64 --steps 30 --torch-profile \
+  timeout "$(cap 180)" python3 -m flotilla.scripts.dev.profile_step --model "$2" --batch 1,64 --steps 30 --torch-profile \
     "${@:3}" > "$R/$1.log" 2>&1
   echo "exit $?"; grep '^{' "$R/$1.log" | cut -c1-600
 }
@@ -140,7 +140,7 @@ if want profile_ds_var; then
 fi
 if want host_ds; then
   stage "host_ds: profile_step --model deepseek-v3-4l --batch 1 --cprofile (no torch profiler)"
-  timeout "$(cap 120)" python3 -m flotilla.scripts.profile_step --model deepseek-v3-4l --batch 1 --steps 60 --cprofile \
+  timeout "$(cap 120)" python3 -m flotilla.scripts.dev.profile_step --model deepseek-v3-4l --batch 1 --steps 60 --cprofile \
     > "$R/host_ds.log" 2>&1
   echo "exit $?"; grep '^{' "$R/host_ds.log" | cut -c1-600
 fi
@@ -182,7 +182,7 @@ if want bench_q30; then
     env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_LOG_JIT=1 \
       FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
-      timeout "$(cap 240)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
+      timeout "$(cap 240)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
       --workload "${Q30_WORKLOAD:-both}" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
       > "$R/bench_q30_$(label_of "$v").log" 2>&1
@@ -197,7 +197,7 @@ if want q30_b1; then
     # shellcheck disable=SC2046
     env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
       FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
-      timeout "$(cap 120)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b --workload decode1 \
+      timeout "$(cap 120)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b --workload decode1 \
       --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
       --json "$R/flotilla-q30-b1-$(label_of "$v").json" > "$R/q30_b1_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_b1_$(label_of "$v").log" | cut -c1-500
@@ -209,13 +209,13 @@ if want q30_tiles; then
   for t in ${Q30_TILES:--}; do
     i=$((i + 1)); [ "$t" = - ] && t=""
     stage "q30_tiles $i: bench_offline qwen3-30b-a3b --workload decode1, FLOTILLA_MOE_TILES=$t"
-    FLOTILLA_MOE_TILES=$t timeout "$(cap 90)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
+    FLOTILLA_MOE_TILES=$t timeout "$(cap 90)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b \
       --workload decode1 --repeat "${Q30_REPEAT:-3}" --json "$R/flotilla-q30-tiles-$i.json" > "$R/q30_tiles_$i.log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_tiles_$i.log" | grep -o '"b1_decode_tok_per_s_runs": \[[^]]*\]'
   done
   for k in ${GEMV_K:-}; do
     stage "q30_tiles: bench_offline qwen3-30b-a3b --workload decode1, FLOTILLA_GEMV_BLOCK_K=$k"
-    FLOTILLA_GEMV_BLOCK_K=$k timeout "$(cap 90)" python3 -m flotilla.scripts.bench_offline --model qwen3-30b-a3b \
+    FLOTILLA_GEMV_BLOCK_K=$k timeout "$(cap 90)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b \
       --workload decode1 --repeat "${Q30_REPEAT:-3}" --json "$R/flotilla-q30-gemvk-$k.json" > "$R/q30_gemvk_$k.log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_gemvk_$k.log" | grep -o '"b1_decode_tok_per_s_runs": \[[^]]*\]'
   done
@@ -227,7 +227,7 @@ if want profile_q30_big; then  # the nano workload's large decode batches at lon
     (export $(variant_env "$v"); f="profile_q30_big_$(label_of "$v")"
      stage "$f: profile_step qwen3-30b-a3b --batch ${BIG_BATCH:-192} --prompt-len ${BIG_LEN:-800} --prefill 8192x512"
      FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") timeout "$(cap 200)" \
-       python3 -m flotilla.scripts.profile_step --model qwen3-30b-a3b --batch "${BIG_BATCH:-192}" \
+       python3 -m flotilla.scripts.dev.profile_step --model qwen3-30b-a3b --batch "${BIG_BATCH:-192}" \
        --prompt-len "${BIG_LEN:-800}" --steps 10 --torch-profile --prefill 8192x512 \
        --attention-backend "$(backend_of "$v")" > "$R/$f.log" 2>&1
      echo "exit $?"; grep '^{' "$R/$f.log" | cut -c1-900)
@@ -245,7 +245,7 @@ fi
 
 if want moe_large; then
   stage "moe_large: bench_kernels --only moe at ${LARGE_TOKENS:=64,128,256,512,1024,2048,4096,8192} tokens"
-  timeout "$(cap 150)" python3 -m flotilla.scripts.bench_kernels --only moe --moe-tokens "$LARGE_TOKENS" --target-s 0.05 \
+  timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_kernels --only moe --moe-tokens "$LARGE_TOKENS" --target-s 0.05 \
     --moe-tiles "${LARGE_TILES:-m=32,n=128,k=128,w=4,s=2;m=64,n=128,k=64,w=4,s=3;m=128,n=128,k=64,w=8,s=4;m=64,n=128,k=64,w=8,s=4;m=16,n=128,k=128,w=4,s=3}" \
     --json "$R/moe-large.json" > "$R/moe-large.log" 2>&1
   echo "exit $?"; grep '"summary"' "$R/moe-large.log"
@@ -259,7 +259,7 @@ if want ds_b1; then
     f=$(label_of "$attn")
     # shellcheck disable=SC2046
     env $(variant_env "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
-      timeout "$(cap 150)" python3 -m flotilla.scripts.bench_offline \
+      timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$f.log" | cut -c1-400
@@ -275,7 +275,7 @@ if want mla_split; then
   for n in 8 0; do
     stage "mla_split: bench_offline deepseek-v3-4l, FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n"
     FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n FLOTILLA_STEP_TRACE="$R/mla_split_$n.trace.jsonl" timeout "$(cap 200)" \
-      python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --workload both --repeat "${DS_REPEAT:-2}" \
+      python3 -m flotilla.scripts.dev.bench_offline --model deepseek-v3-4l --workload both --repeat "${DS_REPEAT:-2}" \
       --json "$R/flotilla-ds-mla-split-$n.json" > "$R/mla_split_$n.log" 2>&1
     echo "exit $?"; tail -1 "$R/mla_split_$n.log" | cut -c1-600
   done
@@ -283,7 +283,7 @@ fi
 
 if want ds_deepgemm; then
   stage "ds_deepgemm: bench_offline deepseek-v3-4l --fp8-backend deep_gemm"
-  timeout "$(cap 200)" python3 -m flotilla.scripts.bench_offline --model deepseek-v3-4l --repeat 1 --fp8-backend deep_gemm \
+  timeout "$(cap 200)" python3 -m flotilla.scripts.dev.bench_offline --model deepseek-v3-4l --repeat 1 --fp8-backend deep_gemm \
     --json "$R/flotilla-deepseek-v3-4l-deepgemm.json" > "$R/ds_deepgemm.log" 2>&1
   echo "exit $?"; tail -1 "$R/ds_deepgemm.log" | cut -c1-500
 fi

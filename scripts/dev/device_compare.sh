@@ -4,11 +4,11 @@
 # machine, no more than 30 s apart). This call installs vLLM there, then runs, per model, vLLM's peer_bench.py and
 # flotilla's bench_offline on the same workloads (the nano-vllm recipe with random.seed(0), and batch-1 decode):
 #   device run, carry [".vllm-peer/wheels", ".vllm-peer/install.sh", ".vllm-peer/peer_bench.py", ".gpu-bundle"],
-#   timeout 600:  bash scripts/device_compare.sh
+#   timeout 600:  bash scripts/dev/device_compare.sh
 # The carried paths must stay under the 64 MiB limit: move py-spy and triton-cache.tar out of .gpu-bundle for this
 # call (the wheels are 19 MiB, the rest of the bundle 37 MiB; a warm machine keeps ~/.triton from earlier calls).
 # MODELS (default "qwen3-0.6b qwen3-8b") and REPEAT (flotilla's --repeat, default 2) adjust it; the JSON lands in
-# $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.plot_performance reads them).
+# $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.dev.plot_performance reads them).
 # A later call on the same warm machine skips the install (/tmp/vp/site stays); TESTS="tests/a.py ..." first runs
 # those GPU tests (pytest -m gpu).
 set -uo pipefail
@@ -22,7 +22,7 @@ if [ ! -f /tmp/vp/env.sh ] || [ ! -d /tmp/vp/site/vllm ]; then
   bash /tmp/vp/install.sh /tmp/vp/site > "$R/vllm-install.log" 2>&1 || { tail -20 "$R/vllm-install.log"; exit 1; }
 fi
 if [ -n "${TESTS:-}" ]; then
-  (source scripts/device_env.sh && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu $TESTS -p no:cacheprovider -q) \
+  (source scripts/dev/device_env.sh && timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu $TESTS -p no:cacheprovider -q) \
     > "$R/gpu-tests.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$R/gpu-tests.log" | tail -15
 fi
@@ -32,7 +32,7 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout "${PEER_TIMEOUT:-300}" python3 .vllm-peer/peer_bench.py "$m") \
     > "$R/peer-$m.log" 2>&1
   tail -2 "$R/peer-$m.log"
-  (source scripts/device_env.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.bench_offline --model "$m" \
+  (source scripts/dev/device_env.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.dev.bench_offline --model "$m" \
     --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
   tail -1 "$R/flotilla-$m.log"
 done

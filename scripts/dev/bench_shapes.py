@@ -45,7 +45,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 SHAPES["deepseek-v3-4l-mtp"] = {**SHAPES["deepseek-v3-4l"], "num_nextn_predict_layers": 1}
-"""deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/bench_mtp.py); the peer's shape has none."""
+"""deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/dev/bench_mtp.py); the peer's shape has none."""
 
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
 

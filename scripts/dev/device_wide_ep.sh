@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wide expert parallelism on 4 or 8 GPUs (issue 10), in one device call:
-#   1. the expert all-to-all of one DeepSeek-V3 MoE layer at world size GPUS (scripts/bench_ep.py: dispatch and
+#   1. the expert all-to-all of one DeepSeek-V3 MoE layer at world size GPUS (scripts/dev/bench_ep.py: dispatch and
 #      combine over NCCL, per layer, at several tokens per rank; deep_ep is not built, so NCCL it is), and the same
 #      layer's all-gather / reduce-scatter (--all2all-backend allgather_reducescatter);
 #   2. a DeepSeek-V3-shaped model (FP8 random weights, all 256 routed experts, LAYERS layers) through bench_offline's
@@ -8,7 +8,7 @@
 #      and the experts' and ranks' load imbalance, at DP=GPUS x EP (attention data-parallel, experts split) and at
 #      TP=GPUS on the same GPUs; then DP x EP again with allgather_reducescatter (stage dpep-gather), if time is left.
 #   device run, kind nvidia-h200-x8 (or -x4 with GPUS=4), carry [".gpu-bundle"], timeout 600:
-#     bash scripts/device_wide_ep.sh
+#     bash scripts/dev/device_wide_ep.sh
 #   afterwards, here: tar -xzf FILES_AT/wide-ep.tgz
 # Every stage runs under its own timeout, capped by what is left of BUDGET (default 560 s). Adjust with: GPUS
 # (default: as many as nvidia-smi lists), LAYERS (default 5 per GPU: with EP each GPU holds 1/GPUS of each layer's
@@ -20,11 +20,11 @@
 #     w('/tmp/tinymoe')"
 #   NO_BUNDLE=1 GPUS=2 MODEL_DIR=/tmp/tinymoe REQUESTS=6 FIXED_IN=20 FIXED_OUT=6 EP_TOKENS=0,4 \
 #     EP_ARGS="--device cpu --experts 8 --top-k 2 --hidden 32 --dtype float32 --iters 3" \
-#     ARGS="--device cpu --dtype float32 --vocab 200 --kv-cache-blocks 200 --skip-tokenizer-init" bash scripts/device_wide_ep.sh
+#     ARGS="--device cpu --dtype float32 --vocab 200 --kv-cache-blocks 200 --skip-tokenizer-init" bash scripts/dev/device_wide_ep.sh
 # Results in $OUT/wide-ep.tgz: ep-<backend>.json / .log, flotilla-dpep.json, flotilla-dpep-gather.json, flotilla-tp.json and their logs, summary.txt.
 set -uo pipefail
 RESULTS=wide-ep
-source scripts/device_common.sh
+source scripts/dev/device_common.sh
 STAGES=${STAGES:-a2a dpep tp dpep-gather}
 GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)}
 [ "$GPUS" -ge 2 ] 2>/dev/null || { echo "GPUS=$GPUS: wide EP needs at least two"; exit 1; }
@@ -40,7 +40,7 @@ if want a2a; then
   # shellcheck disable=SC2086
   for how in all_to_all allgather_reducescatter; do
     # shellcheck disable=SC2086
-    timeout "$(cap 90)" python3 -m flotilla.scripts.bench_ep --world-size "$GPUS" --tokens "${EP_TOKENS:-16,64,256}" \
+    timeout "$(cap 90)" python3 -m flotilla.scripts.dev.bench_ep --world-size "$GPUS" --tokens "${EP_TOKENS:-16,64,256}" \
       --all2all-backend $how ${EP_ARGS:-} --json "$R/ep-$how.json" > "$R/ep-$how.log" 2>&1
     echo "$how: exit $?"; grep '"ep_all_to_all"' "$R/ep-$how.log" | cut -c1-300
   done
@@ -50,7 +50,7 @@ run() {  # label, extra bench_offline flags...
   local label=$1; shift
   stage "$label: $MODEL_ARG, $REQUESTS x ${FIXED_IN:-2000} in / ${FIXED_OUT:-256} out, $*"
   # shellcheck disable=SC2086
-  timeout "$(cap 260)" python3 -m flotilla.scripts.bench_offline --model "$MODEL_ARG" --workload fixed \
+  timeout "$(cap 260)" python3 -m flotilla.scripts.dev.bench_offline --model "$MODEL_ARG" --workload fixed \
     --num-requests "$REQUESTS" --fixed-in "${FIXED_IN:-2000}" --fixed-out "${FIXED_OUT:-256}" "$@" ${ARGS:-} \
     --json "$R/flotilla-$label.json" > "$R/flotilla-$label.log" 2>&1
   echo "exit $?"; tail -1 "$R/flotilla-$label.log" | cut -c1-500

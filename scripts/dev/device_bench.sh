@@ -3,7 +3,7 @@
 # workload REPEAT times on one engine, with the worker's step timeline), optionally a py-spy profile of every
 # engine process; everything in $OUT/results.tgz (the device returns at most 8 files per call), and FlashInfer's JIT
 # cache in $OUT/fic.* (gzip, split at 15 MB) for the next call:
-#   device run, carry [".gpu-bundle"], timeout 600:  bash scripts/device_bench.sh
+#   device run, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_bench.sh
 #   afterwards, here:  cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar   (setup.sh restores it)
 # MODELS (default "qwen3-0.6b qwen3-8b"), BENCH_ARGS (extra bench_offline flags), REPEAT (default 3), TESTS=0 (skip
 # the GPU tests: without a JIT cache they spend minutes compiling kernels), PROFILE=0 (skip the step profiles) and
@@ -11,7 +11,7 @@
 # TESTS="tests/a.py tests/b.py" runs only those GPU test files; with TEST_GPU=N (a machine of several GPUs) they run
 # on GPU N alongside the benchmarks (which then keep to CUDA_VISIBLE_DEVICES as given, e.g. 0), TESTS_TIMEOUT seconds.
 set -uo pipefail
-source scripts/device_env.sh
+source scripts/dev/device_env.sh
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/results
 mkdir -p "$R"
@@ -35,19 +35,19 @@ first=1
 for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   if [ "${PROFILE:-1}" = 1 ]; then
     # kernels (torch.profiler) and host functions (cProfile) in separate runs: each profiler slows the other side
-    timeout 240 python3 -m flotilla.scripts.profile_step --model "$m" --batch 1,64,256 --steps 30 --torch-profile \
+    timeout 240 python3 -m flotilla.scripts.dev.profile_step --model "$m" --batch 1,64,256 --steps 30 --torch-profile \
       --prefill 8192x512 --mixed 256x1000+8192x512 > "$R/profile-$m.log" 2>&1
-    timeout 150 python3 -m flotilla.scripts.profile_step --model "$m" --batch 1,256 --steps 30 --cprofile \
+    timeout 150 python3 -m flotilla.scripts.dev.profile_step --model "$m" --batch 1,256 --steps 30 --cprofile \
       > "$R/cprofile-$m.log" 2>&1
     grep '^{' "$R/profile-$m.log" | cut -c1-300 || tail -3 "$R/profile-$m.log"
   fi
-  FLOTILLA_STEP_TRACE="$R/trace-$m.jsonl" timeout 300 python3 -m flotilla.scripts.bench_offline --model "$m" \
+  FLOTILLA_STEP_TRACE="$R/trace-$m.jsonl" timeout 300 python3 -m flotilla.scripts.dev.bench_offline --model "$m" \
     --workload both --repeat "${REPEAT:-3}" ${BENCH_ARGS:-} --json "$R/flotilla-$m.json" > "$R/bench-$m.log" 2>&1
   tail -1 "$R/bench-$m.log"
   python3 -m flotilla.actors.step_trace "$R/trace-$m.jsonl"
   if [ "${SPY:-0}" = 1 ] && [ "$first" = 1 ] && [ -x .gpu-bundle/py-spy ]; then
     timeout 120 .gpu-bundle/py-spy record --nonblocking --subprocesses --threads -r 250 --format raw -o "$R/spy-$m.txt" \
-      -- python3 -m flotilla.scripts.bench_offline --model "$m" --workload nano ${BENCH_ARGS:-} > "$R/spy-$m.log" 2>&1
+      -- python3 -m flotilla.scripts.dev.bench_offline --model "$m" --workload nano ${BENCH_ARGS:-} > "$R/spy-$m.log" 2>&1
     gzip -f "$R/spy-$m.txt"
   fi
   first=0

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Serving curves on the GPU machine: `flotilla serve` on a built-in shape (random bf16 weights, no tokenizer: the
 # prompts are token ids), then bench_serving at several Poisson request rates; with VLLM=1 (after the vLLM peer's
-# install, scripts/device_compare.sh) `vllm serve` on the same shape and the same requests. One PNG per model:
+# install, scripts/dev/device_compare.sh) `vllm serve` on the same shape and the same requests. One PNG per model:
 #   device run, carry [".gpu-bundle"] (and the vLLM peer's paths for VLLM=1), timeout 600:
-#     bash scripts/device_serving.sh
+#     bash scripts/dev/device_serving.sh
 # `vllm serve` needs prometheus_fastapi_instrumentator, which the peer's bundle (make.sh) lacks: before the peer's
 # third call, `pip download --no-deps -d .vllm-peer/wheels/cli prometheus-fastapi-instrumentator==8.1.0
 # prometheus-client==0.26.0` (its install.sh installs wheels/cli/*). Without it vLLM's API server dies at start.
@@ -11,15 +11,15 @@
 # (default 1024 / 128), MODEL_DIR (a model folder instead of the shape; a CPU smoke run: NO_BUNDLE=1 MODEL_DIR=tiny
 # DTYPE=float32 PROMPTS=4 RATES=inf INPUT_LEN=16 OUTPUT_LEN=8 VOCAB=300). Results in $OUT/serving.tgz: serve-flotilla.json, serve-vllm.json, serving-MODEL.png.
 set -uo pipefail
-[ -n "${NO_BUNDLE:-}" ] || source scripts/device_env.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
+[ -n "${NO_BUNDLE:-}" ] || source scripts/dev/device_env.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/serving
 mkdir -p "$R"
 # triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
 [ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 M=${MODEL:-qwen3-8b}
-DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.bench_shapes import shape_dir; print(shape_dir('$M'))")}
-BENCH=(python3 -m flotilla.scripts.bench_serving --num-prompts "${PROMPTS:-200}" --input-len "${INPUT_LEN:-1024}"
+DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.dev.bench_shapes import shape_dir; print(shape_dir('$M'))")}
+BENCH=(python3 -m flotilla.scripts.dev.bench_serving --num-prompts "${PROMPTS:-200}" --input-len "${INPUT_LEN:-1024}"
        --output-len "${OUTPUT_LEN:-128}" --request-rate "${RATES:-1,2,4,8,16,inf}" --request-timeout 300 --vocab-size "${VOCAB:-10000}")
 
 wait_ready() {  # until GET $1/health answers 200, at most 300 s
@@ -62,7 +62,7 @@ if [ "${VLLM:-0}" = 1 ] && [ -f /tmp/vp/env.sh ]; then
     --max-model-len "${MAX_LEN:-4096}" --no-enable-prefix-caching
   [ -f "$R/serve-vllm.json" ] && plots+=("vLLM 0.26.0=$R/serve-vllm.json")
 fi
-[ -f "$R/serve-flotilla.json" ] && python3 -m flotilla.scripts.plot_serving "${plots[@]}" "$R/serving-$M.png"
+[ -f "$R/serve-flotilla.json" ] && python3 -m flotilla.scripts.dev.plot_serving "${plots[@]}" "$R/serving-$M.png"
 tar -czf "$OUT/serving.tgz" -C "$OUT" serving
 # for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
 tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."

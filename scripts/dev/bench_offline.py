@@ -10,8 +10,8 @@ Models: an HF folder, the embedded default model (no --model), or a built-in rea
 weights built on the device (`--model qwen3-8b`, `qwen3-0.6b`, `qwen3-30b-a3b`, `deepseek-v3-4l`: the vLLM peer's
 configs, load_format=dummy, no tokenizer).
 
-    python -m flotilla.scripts.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
-    python -m flotilla.scripts.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
+    python -m flotilla.scripts.dev.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
+    python -m flotilla.scripts.dev.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
-from flotilla.scripts.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
+from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
 
 def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,

@@ -1,4 +1,4 @@
-"""The harness of scripts/bench_kernels.py: the sizes every bench runs at, and Bench, which times a point as plain
+"""The harness of scripts/dev/bench_kernels.py: the sizes every bench runs at, and Bench, which times a point as plain
 launches and, for decode-sized points on CUDA, replayed from a CUDA graph, and prints and keeps its JSON records.
 The benches themselves are in bench_kernels.py."""
 
@@ -93,7 +93,7 @@ class Bench:
             for _ in range(2):
                 fn()
             return (time.perf_counter() - t0) * 1e3 / 2, first_ms, 2
-        from flotilla.scripts.bench_attention import _time  # CUDA events, 3 warm-up calls, us per call
+        from flotilla.scripts.dev.bench_attention import _time  # CUDA events, 3 warm-up calls, us per call
 
         estimate_us = _time(fn, 3)
         iters = int(min(max(self.target_s * 1e6 / max(estimate_us, 1.0), 5), 20000))

@@ -4,7 +4,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$(date +%s)
 BUDGET=${BUDGET:-560}
-[ -n "${NO_BUNDLE:-}" ] || source scripts/device_env.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
+[ -n "${NO_BUNDLE:-}" ] || source scripts/dev/device_env.sh   # NO_BUNDLE=1: a machine with flotilla installed (CPU smoke runs)
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/$RESULTS
 mkdir -p "$R"

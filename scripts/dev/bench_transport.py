@@ -64,7 +64,7 @@ async def _measure(scheme: str, n_messages: int, n_round_trips: int) -> dict[str
     if scheme == "inproc":
         peer_ctx_task = asyncio.create_task(_peer_inproc(ctx, peer_in, mine))
     else:
-        proc = subprocess.Popen([sys.executable, "-m", "flotilla.scripts.bench_transport", "--peer", peer_in, mine])
+        proc = subprocess.Popen([sys.executable, "-m", "flotilla.scripts.dev.bench_transport", "--peer", peer_in, mine])
     out = Outbox(ctx, peer_in)
     plans = [step_plan(i) for i in range(16)]
     payload_bytes = sum(len(memoryview(f).cast("B")) for f in out.encoder.encode(plans[0]))

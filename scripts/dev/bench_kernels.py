@@ -33,8 +33,8 @@ plain launches ("mode": "eager") and, up to --graph-tokens tokens, also replayed
 ("mode": "graph", ms per call): a decode step runs them in a graph, and eager timing of a point of a few tens of
 microseconds measures the host's launch cost (a triton launch is ~20-40 us of Python) more than the kernel.
 
-    python -m flotilla.scripts.bench_kernels --json /tmp/kernels.json
-    python -m flotilla.scripts.bench_kernels --only moe,fp8_moe --quick
+    python -m flotilla.scripts.dev.bench_kernels --json /tmp/kernels.json
+    python -m flotilla.scripts.dev.bench_kernels --only moe,fp8_moe --quick
 
 --cpu-smoke runs every bench at tiny sizes without CUDA through the torch references and DeepGEMM's expert layouts
 over their torch GEMM stand-ins (triton, DeepGEMM's dense GEMM and FlashMLA skipped), to test the plumbing only.
@@ -59,7 +59,7 @@ import torch
 
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.moe.routing import select_experts, select_experts_grouped, sort_by_expert
-from flotilla.scripts.kernel_bench import (  # the harness; GRAPH_REPS and Bench are also this module's for tests
+from flotilla.scripts.dev.kernel_bench import (  # the harness; GRAPH_REPS and Bench are also this module's for tests
     GPU_SIZES,
     GRAPH_REPS,  # noqa: F401 - tests read it here
     QUICK,

@@ -1,0 +1,44 @@
+"""The wheel ships every package of the tree and the example topologies, and nothing of the developer tools."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from flotilla.actors.topology import EXAMPLES, load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory) -> set[str]:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = out.glob("flotilla-*.whl")
+    return set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_the_wheel_holds_every_package_of_the_tree(wheel_files):
+    shipped = {str(Path("flotilla") / p.parent.relative_to(ROOT) / p.name) for p in ROOT.rglob("__init__.py")
+               if not {"tests", "dev", "build", ".git"} & set(p.relative_to(ROOT).parts)}
+    assert "flotilla/kernels/quant/__init__.py" in shipped and "flotilla/__init__.py" in shipped
+    assert shipped <= wheel_files, sorted(shipped - wheel_files)
+    for p in ROOT.glob("kernels/**/*.py"):
+        assert f"flotilla/{p.relative_to(ROOT)}" in wheel_files
+
+
+def test_the_wheel_ships_the_example_topologies_and_no_developer_tools(wheel_files):
+    for toml in EXAMPLES.glob("*.toml"):
+        assert f"flotilla/examples/topologies/{toml.name}" in wheel_files
+    assert not [f for f in wheel_files if f.startswith(("flotilla/scripts/dev/", "flotilla/tests/"))
+                or f in ("flotilla/setup.py", "flotilla/conftest.py")]
+    assert "flotilla/scripts/launch.py" in wheel_files
+
+
+def test_a_shipped_example_loads_by_name():
+    assert load_topology("pingpong").name == "pingpong"
+    with pytest.raises(ValueError, match="shipped examples: .*pingpong"):
+        load_topology("no-such-topology")
