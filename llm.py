@@ -8,8 +8,11 @@ calls here are plain synchronous functions.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,9 @@ from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.engine_client import EngineClient
 from flotilla.transport.messages import GenerateRequest
+
+STOP_TIMEOUT_S = 60.0
+"""Longest wait for the engine's actors to stop in shutdown(), seconds (each has its own grace period first)."""
 
 Prompt = str | dict[str, Any]
 """A text prompt, or {"prompt_token_ids": [...]} / {"prompt": "..."}."""
@@ -92,6 +98,10 @@ class LLM:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self._closed = False
+        # A script that never calls shutdown() stops the engine when the interpreter exits, before concurrent.futures
+        # refuses new work (its exit hook runs first among threading's, before atexit's: the worker's steps would
+        # fail and the stop would hang). threading._register_atexit is how concurrent.futures registers that hook.
+        getattr(threading, "_register_atexit", atexit.register)(_shutdown_at_exit, weakref.ref(self))
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -113,13 +123,15 @@ class LLM:
         return self._run_all(reqs, [None] * len(reqs), use_tqdm)
 
     def shutdown(self) -> None:
-        """Stop every engine actor (also on interpreter exit via __del__)."""
+        """Stop every engine actor; also done when the LLM is collected or the interpreter exits."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self._run(self.client.stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        try:
+            self._run(self.client.stop(), timeout=STOP_TIMEOUT_S)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
 
     def __enter__(self) -> LLM:
         return self
@@ -128,15 +140,17 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # too late to stop cleanly; the exit hook above already has
+            return
         try:
             self.shutdown()
-        except Exception:  # interpreter teardown: nothing left to report to
+        except Exception:  # collected while failing: nothing left to report to
             pass
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     @staticmethod
     def _params(params: SamplingParams | Sequence[SamplingParams] | None, i: int) -> SamplingParams:
@@ -187,3 +201,9 @@ class LLM:
                 out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         out.text = "".join(text)
         return out, usage
+
+
+def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:
+    llm = ref()
+    if llm is not None:
+        llm.shutdown()

@@ -66,6 +66,26 @@ def test_a_full_peer_makes_senders_wait_rather_than_lose_messages():
     uvloop.run(main())
 
 
+def test_a_message_whose_wake_up_was_consumed_is_still_received():
+    """ZeroMQ's notification descriptor is edge-triggered: a read of the socket's events outside zmq.asyncio (as the
+    plain socket's reads do) consumes the edge that a waiting receive needs. The receive must find the message
+    anyway, not wait for the next one."""
+    async def main():
+        ctx = new_context()
+        inbox = Inbox(ctx, "inproc://edge", (AbortCmd,))
+        out = Outbox(ctx, "inproc://edge")
+        waiting = asyncio.ensure_future(inbox.recv())
+        await asyncio.sleep(0.05)  # the receive is waiting on the descriptor
+        assert out.send_nowait(AbortCmd(rid="only"))
+        assert inbox._plain_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the edge is consumed here
+        assert (await asyncio.wait_for(waiting, 5)).rid == "only"
+        inbox.close()
+        out.close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
 def test_bench_transports_send_recv_rows_time_both_paths():
     from flotilla.scripts.dev import bench_transport
 

@@ -25,3 +25,18 @@ def test_flotilla_generate_prints_completions(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("--- 'The quick'") == 1 and r.stdout.count("--- 'brown fox'") == 1
     assert r.stdout.count(" tokens, finish_reason=") == 2
+
+
+README_EXAMPLE = """\
+from flotilla import LLM, SamplingParams
+llm = LLM(kv_cache_blocks=64)
+out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0))
+print(out[0].outputs[0].text)
+"""
+
+
+def test_the_readme_example_ends_by_itself_without_shutdown():
+    r = subprocess.run([sys.executable, "-c", README_EXAMPLE], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Paris" in r.stdout
+    assert "Traceback" not in r.stderr and "failed" not in r.stderr, r.stderr[-3000:]

@@ -34,6 +34,8 @@ RECV_HWM = 10_000
 """Messages queued per incoming pipe before the sender's send awaits."""
 LINGER_MS = 500
 """How long close() may flush unsent messages, milliseconds."""
+RECHECK_MS = 100
+"""Longest wait for a wake-up before a receiving socket is read again, milliseconds (see _recv_frames)."""
 
 
 class ChannelOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,11 +109,16 @@ class _Receiving(_Channel):
 
     async def _recv_frames(self) -> list[Any]:
         """The next frame set: taken at once if one has arrived, else awaited. (One reader per socket: an actor's
-        receive loop.)"""
-        try:
-            return self._plain_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return await self.sock.recv_multipart(copy=False)
+        receive loop.)
+
+        The wait is bounded by RECHECK_MS, then the socket is read again: ZeroMQ's notification descriptor is
+        edge-triggered, and the plain socket's reads can consume the edge zmq.asyncio waits for, which left a
+        message sitting unread in an idle inbox (a StopCmd, the last StepPlan of a burst)."""
+        while True:
+            try:
+                return self._plain_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self.sock.poll(RECHECK_MS, zmq.POLLIN)
 
     def _decode(self, frames: Sequence[Any]) -> Message | None:
         try:
