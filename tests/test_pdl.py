@@ -36,7 +36,7 @@ for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv
     # (addptr, splat, broadcast, ...: their first operand) to a kernel argument, in the TTIR
     defs, before = {}, set()
     for line in asm["ttir"].splitlines():
-        if "tt.grid_dependency_wait" in line:
+        if "tt.grid_dependency_wait" in line or "griddepcontrol.wait" in line:  # triton 3.9+ / before: inline asm
             break
         m = re.match(r"\s*(%[\w.]+)(?::\d+)? = ([\w.]+) (%[\w.]+)", line)
         if m:
