@@ -330,8 +330,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the model, the KV cache, the graphs and every other tensor this runner holds, and hand the memory
         back to the device: a later engine in the same process (an inline LLM after another, as bench_mtp runs
-        them) then finds it free. On an H200 the second inline engine failed with CUDA out of memory without this:
-        the first one's 135 GiB stayed reachable through the stopped actors. The runner is unusable afterwards."""
+        them) then finds it free, where otherwise the first engine's memory would stay reachable through the
+        stopped actors and the second would run out of device memory. The runner is unusable afterwards."""
         device = self.device
         if self.__dict__.get("spec") is not None:  # a speculator (and its graphs) someone still holds lets go too
             self.spec.close()

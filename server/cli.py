@@ -229,7 +229,7 @@ def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
 def _own_gpus(engines: list[tuple[str, EngineConfig]]) -> list[tuple[str, EngineConfig]]:
     """Give each engine of a fleet its own GPUs when the machine has enough: engine k starts at GPU
     first + k x (tensor_parallel_size x data_parallel_size). Otherwise (CPU, or too few GPUs) they share the
-    device they were given, as before. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
+    device they were given. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
     import torch
 
     config = engines[0][1]
