@@ -195,7 +195,7 @@ def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refu
 
 def test_without_chunked_prefill_a_prompt_beyond_the_step_budget_is_refused_not_left_waiting(tiny):
     """Without chunked prefill a prompt runs whole in one step of at most max_num_batched_tokens, and so does any
-    recompute after preemption: a longer one waited for good. The engine's max_model_len comes down to the budget."""
+    recompute after preemption: a longer one would wait for good. The engine's max_model_len comes down to the budget."""
     with LLM(tiny, kv_cache_blocks=64, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16) as llm:
         with pytest.raises(RequestFailed, match="at most 16 tokens .without chunked prefill a step takes 16 tokens"):
             llm.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
