@@ -183,8 +183,8 @@ class ModelRunner:
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
-        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1) until its GPU
-        # test (tests/test_tp_graphs.py) has passed; never with the expert all-to-all, whose dispatch reads counts
+        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1; its GPU
+        # test is tests/test_tp_graphs.py); never with the expert all-to-all, whose dispatch reads counts
         # back (an expert-parallel worker is eager unless data_parallel_worker.ep_graphs_enabled)
         tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
                                       and (not config.parallel.enable_expert_parallel
