@@ -12,7 +12,13 @@ from pathlib import Path
 
 from flotilla import __version__
 from flotilla.sampling_params import SamplingParams
-from flotilla.server.cli import SERVE_DESCRIPTION, add_engine_arguments, add_serve_arguments, engine_config_from_args
+from flotilla.server.cli import (
+    SERVE_DESCRIPTION,
+    HelpFormatter,
+    add_engine_arguments,
+    add_serve_arguments,
+    engine_config_from_args,
+)
 from flotilla.actors.standalone import endpoints_for, run_actor
 from flotilla.actors.topology import load_topology
 from flotilla.scripts import launch
@@ -20,23 +26,12 @@ from flotilla.scripts import launch
 DESCRIPTION = """\
 flotilla: an LLM inference engine with an OpenAI-compatible streaming server over msgspec/ZeroMQ actors.
 
-commands:
-  serve     start the OpenAI-compatible HTTP server and its engine
-  generate  run prompts offline and print the completions
-  actor     run one actor in the foreground (debugging: --trace prints every message)
-  launch    start every process of a topology file and supervise them
-  bench     benchmarks (transport, offline throughput, serving)
-
 `flotilla COMMAND --help` explains each command's flags.
 """
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the descriptions' line breaks and show every default."""
-
-
 def _add_actor(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("actor", formatter_class=_Formatter, help="run one actor in the foreground",
+    p = sub.add_parser("actor", formatter_class=HelpFormatter, help="run one actor in the foreground, for debugging",
                        description="""\
 Run one actor of a topology in the foreground, for debugging.
 
@@ -56,7 +51,7 @@ Run one actor of a topology in the foreground, for debugging.
     p.add_argument("--script", type=Path, default=None,
                    help="JSON-lines file of messages to feed the actor; peers are replaced by printing sinks")
     p.add_argument("--idle", type=float, default=1.0,
-                   help="with --script: stop after this many seconds without output, seconds")
+                   help="with --script: stop after this many seconds without output")
 
 
 def _run_actor(args: argparse.Namespace) -> int:
@@ -73,7 +68,7 @@ def _run_actor(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", formatter_class=_Formatter, help="run prompts offline and print the completions",
+    p = sub.add_parser("generate", formatter_class=HelpFormatter, help="run prompts offline and print the completions",
                        description="""\
 Run prompts through the engine offline (the same actors as `serve`, no HTTP) and print the completions.
 
@@ -113,7 +108,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", formatter_class=_Formatter, help="start and supervise every process of a topology",
+    p = sub.add_parser("launch", formatter_class=HelpFormatter,
+                       help="start every process of a topology file and supervise them",
                        description=launch.__doc__)
     launch.add_arguments(p)
 
@@ -123,7 +119,8 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", formatter_class=_Formatter, help="benchmarks",
+    p = sub.add_parser("bench", formatter_class=HelpFormatter,
+                       help="benchmarks (transport, offline throughput, serving)",
                        description="Benchmarks: `flotilla bench transport` (control plane), `flotilla bench offline` "
                                    "(throughput through the engine), `flotilla bench serving` (TTFT / TPOT / ITL / "
                                    "throughput of a running OpenAI-compatible server, flotilla or vLLM, over HTTP "
@@ -146,13 +143,14 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION, formatter_class=_Formatter)
+    parser = argparse.ArgumentParser(prog="flotilla", description=DESCRIPTION, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"flotilla {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="logging verbosity")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     sub.required = True
-    p = sub.add_parser("serve", formatter_class=_Formatter, help="start the OpenAI-compatible server",
+    p = sub.add_parser("serve", formatter_class=HelpFormatter,
+                       help="start the OpenAI-compatible HTTP server and its engine",
                        description=SERVE_DESCRIPTION)
     add_serve_arguments(p)
     _add_generate(sub)

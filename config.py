@@ -19,17 +19,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Which model, in which dtype, how long a sequence may be."""
 
     model: str | None = None
-    """HF folder (config.json + safetensors); None = the embedded default model (SmolLM2-135M-Instruct)."""
+    """Hugging Face model folder (config.json + safetensors); default: the embedded SmolLM2-135M-Instruct."""
     dtype: str = "auto"
     """Weights and activations: auto (the checkpoint's dtype), float32, bfloat16, float16."""
     max_model_len: int | None = None
-    """Longest prompt + output in tokens; None = the model's max_position_embeddings."""
+    """Longest prompt + output, in tokens; default: the model's max_position_embeddings."""
     served_model_name: str | None = None
     """Name clients use in the `model` field; default: the folder name."""
     seed: int = 0
-    """Seed of the default generator used by requests without their own seed."""
+    """Seed for sampling in requests that carry no seed of their own."""
     load_format: Literal["auto", "dummy"] = "auto"
-    """auto: read the safetensors; dummy: only config.json, random weights (benchmarks at real shapes)."""
+    """auto: read the safetensors; dummy: read only config.json and use random weights (benchmarks at real
+    shapes)."""
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: requests must be token ids, outputs are token ids (no text, no stop strings)."""
 
@@ -44,13 +45,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """The paged KV cache."""
 
     block_size: int | None = None
-    """Tokens per KV block; unset: 16, or 64 for a DeepSeek-style (MLA) model on FlashMLA, whose kernel pages 64."""
+    """Tokens per KV block, a power of two; default: 16, or 64 for an MLA model (DeepSeek-style) on FlashMLA, whose
+    kernel pages 64 tokens."""
     kv_cache_blocks: int | None = None
-    """Number of KV blocks; overrides sizing from memory."""
+    """Number of KV blocks; default: as many as gpu_memory_utilization (GPU) or cpu_kv_cache_gib (CPU) allows."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use (weights + activations + KV) when sizing the KV cache."""
     cpu_kv_cache_gib: float = 1.0
-    """KV cache size on CPU, GiB (when kv_cache_blocks is not given)."""
+    """KV cache size on CPU, in GiB, when kv_cache_blocks is not given."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
@@ -83,7 +85,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Continuous batching limits and policy."""
 
     max_num_seqs: int = 256
-    """Most sequences running in one step."""
+    """Most sequences in one step (the largest running batch)."""
     max_num_batched_tokens: int = 8192
     """Token budget of one step (prefill chunks + decodes)."""
     enable_chunked_prefill: bool = True
@@ -93,14 +95,12 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_waiting_requests: int = 4096
     """Requests queued beyond this are refused (HTTP 429) instead of growing memory without bound."""
     max_steps_in_flight: int = 3
-    """Steps planned ahead of their results: 1 waits for each result before planning the next step; 2 lets the
-    scheduler plan step N+1 while the worker runs step N (vLLM's async scheduling); 3 (default) also gives the
-    round trip result -> scheduler -> plan -> launch a second step's time, so a small model's short steps never
-    wait for it. H200, Qwen3-0.6B, one process per actor: nano workload 19,845 / 21,982 / 21,307 out tok/s and
-    batch-1 decode 394 / 512 / 418 tok/s at 2 / 3 / 4 (docs/performance.md, 2026-11-30 fourth session)."""
+    """Steps planned ahead of their results: 1 waits for each result before planning the next step; 2 plans step
+    N+1 while the worker runs step N (vLLM's async scheduling); 3 also hides the round trip result -> scheduler ->
+    plan -> launch behind a second step, so the short steps of a small model do not wait for the scheduler."""
     speculative_config: SpeculativeConfig | None = None
-    """Speculative decoding (JSON on the command line, e.g. '{"method": "mtp", "num_speculative_tokens": 1}'):
-    decodes verify drafted tokens; steps then run one at a time (max_steps_in_flight is taken as 1)."""
+    """Speculative decoding, as JSON on the command line (e.g. '{"method": "mtp", "num_speculative_tokens": 1}'):
+    decodes verify drafted tokens, and steps run one at a time (max_steps_in_flight is taken as 1); default: off."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -113,14 +113,14 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Where and how the model runs."""
 
     device: str = "auto"
-    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    """Device the model runs on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     attention_backend: str = "auto"
-    """Attention kernels: auto picks the best importable backend; or force one by name: torch, triton, flashinfer,
-    flashinfer_triton (FlashInfer for prefill steps, triton's decode kernel in CUDA graphs); an MLA model takes
-    torch, triton, flash_mla or flashinfer (auto: flash_mla on Hopper; triton decodes a lone sequence ~8% faster on
-    an H200 and large batches ~4% slower, docs/performance.md)."""
+    """Attention kernels: auto picks the fastest usable backend (on CUDA flashinfer_triton where FlashInfer is
+    installed, else triton; torch on CPU; for an MLA model flash_mla on Hopper, else triton). Force one by name:
+    torch, triton, flashinfer or flashinfer_triton (FlashInfer for prefill, triton's decode kernel in CUDA graphs);
+    an MLA model takes torch, triton, flash_mla or flashinfer."""
     enforce_eager: bool = False
-    """Never capture CUDA graphs."""
+    """Run every step eagerly, without CUDA graphs (for debugging and profiling)."""
     fused_ops: Literal["auto", "torch", "triton"] = "auto"
     """Elementwise kernels of each layer (RMSNorm, SiLU-and-mul, RoPE + KV store): auto (triton on CUDA,
     torch elsewhere), triton, or torch (the references)."""
@@ -137,31 +137,23 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """How one engine's model is spread over devices."""
 
     tensor_parallel_size: int = 1
-    """Worker ranks that each hold a slice of every layer (attention heads, MLP and experts' intermediate dim,
-    vocabulary; whole experts instead under enable_expert_parallel) and all-reduce; one process per rank (gloo on
-    CPU, nccl on CUDA: cuda:RANK)."""
+    """Worker ranks that each hold a slice of every layer (attention heads, MLP and expert intermediate dims,
+    vocabulary) and all-reduce its output; one process per rank, on cuda:RANK with NCCL (gloo on CPU)."""
     data_parallel_size: int = 1
-    """Data-parallel ranks: each has its own scheduler, KV cache and worker process(es) with a whole copy of the
-    attention and dense layers; the front end gives each new request to the least loaded rank (GPUs: rank d
-    uses cuda:d*tensor_parallel_size onwards)."""
+    """Data-parallel ranks, each with its own scheduler, KV cache and workers holding a whole copy of the attention
+    and dense layers; each new request goes to the least loaded rank. Rank d uses the GPUs from
+    cuda:d*tensor_parallel_size on."""
     enable_expert_parallel: bool = False
-    """Spread a MoE model's routed experts over the engine's ranks instead of slicing each one (vLLM's): each rank
-    keeps num_experts / expert_parallel_size whole experts. Over the data-parallel ranks (tensor_parallel_size 1,
-    wide EP) tokens go to their experts' ranks by all-to-all and come back, and the ranks step in lockstep, an idle
-    one running an empty batch. Over the tensor-parallel ranks (data_parallel_size 1) every rank routes the same
-    tokens and computes only its own experts' share, which the MoE output's all-reduce sums: no all-to-all;
-    attention, dense layers and shared experts stay tensor-parallel. With both, over all data_parallel_size x
-    tensor_parallel_size ranks: each TP rank sends a 1/tensor_parallel_size share of its data-parallel rank's tokens
-    by all-to-all and the TP all-reduce restores the rest; the data-parallel ranks step in lockstep. Needs a MoE
-    model."""
+    """Spread a MoE model's routed experts, whole, over all data_parallel_size x tensor_parallel_size ranks instead
+    of slicing every expert (vLLM's flag). Across data-parallel ranks (wide EP) tokens travel to their experts'
+    ranks and back (all2all_backend) and the ranks step in lockstep; across tensor-parallel ranks each rank computes
+    its own experts' share and the all-reduce sums them. Attention, dense layers and shared experts are unchanged.
+    Needs a MoE model."""
     all2all_backend: Literal["auto", "all_to_all", "allgather_reducescatter"] = "auto"
-    """How wide EP (data_parallel_size > 1, tensor_parallel_size 1) moves tokens to their experts and back (vLLM's
-    name): all_to_all sends each (token, expert) slot to its expert's rank and back (uneven all-to-alls whose sizes
-    are read back to the host every layer); allgather_reducescatter gathers every rank's tokens on every rank,
-    computes this rank's experts' share of each and reduce-scatters the sums back (static shapes, no host sync per
-    layer; the ranks agree on each step's rows first; with tensor_parallel_size > 1 each TP rank exchanges its share
-    of its data-parallel rank's tokens). auto: all_to_all. Without data parallelism (TP x EP) there is no exchange:
-    the setting does nothing."""
+    """How wide EP (enable_expert_parallel with data_parallel_size > 1) moves tokens to their experts and back
+    (vLLM's flag): all_to_all sends each (token, expert) pair to its expert's rank (uneven sizes, read back to the
+    host every layer); allgather_reducescatter gathers every rank's tokens on every rank and reduce-scatters the
+    results (static shapes, no host sync per layer). auto: all_to_all. Does nothing without data parallelism."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -186,25 +178,23 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill-decode disaggregation: the engine's role and how its KV blocks move."""
 
     role: Literal["both", "prefill", "decode"] = "both"
-    """both: a colocated engine (prompt and generation here); prefill: runs prompts, samples the first token and
-    hands the prompt's KV to a decode engine; decode: pulls that KV and generates (vLLM/SGLang call it the
-    disaggregation mode)."""
+    """Prefill-decode disaggregation role: both runs prompts and generation here; prefill runs prompts, samples the
+    first token and hands the prompt's KV to a decode engine; decode pulls that KV and generates."""
     kv_transfer_backend: Literal["dlslime_tcp", "torch_dist", "local"] = "dlslime_tcp"
-    """How KV blocks move between engines: dlslime_tcp (one-sided reads over TCP, between processes or hosts; a
-    GPU KV cache goes through host staging buffers); torch_dist (send/recv over a 2-rank torch.distributed group
-    per prefill/decode rank pair: NCCL straight between GPU KV caches, e.g. over NVLink within a host, gloo on
-    CPU); local (both engines in one process: a tensor copy)."""
+    """How KV blocks move between engines: dlslime_tcp (one-sided reads over TCP, between processes or hosts; a GPU
+    KV cache goes through host staging buffers); torch_dist (NCCL send/recv straight between GPU KV caches, e.g.
+    over NVLink within a host; gloo on CPU); local (both engines in one process: a tensor copy)."""
     kv_host: str = "127.0.0.1"
-    """Interface the KV data plane serves this engine's blocks on (torch_dist: its pairs' rendezvous store and
-    gloo sockets); never a wildcard (dlslime checks no access)."""
+    """Address the KV data plane serves this engine's blocks on (torch_dist: its rendezvous store and gloo
+    sockets); never a wildcard, since dlslime checks no access."""
     kv_transfer_timeout_s: float = 30.0
-    """A KV migration (or the peer's endpoint exchange) not done after this long fails its request, seconds."""
+    """Seconds a KV migration (or the peers' endpoint exchange) may take before its request fails."""
     kv_staging: Literal["auto", "always", "never"] = "auto"
     """Move KV blocks through host staging buffers: auto (when the KV cache is on a GPU and the backend reads host
-    memory only, i.e. dlslime_tcp), always (also on CPU: the GPU path's protocol, testable anywhere), never."""
+    memory only, i.e. dlslime_tcp), always (also on CPU, to test the GPU path anywhere), or never."""
     kv_staging_blocks: int = 64
-    """Size of a staging buffer, in blocks per layer (a migration moves at most this many blocks per round);
-    torch_dist: the blocks of one send (its buffer, in the KV cache's memory, holds them for every layer)."""
+    """Size of a staging buffer in blocks per layer: a migration moves at most this many blocks per round
+    (torch_dist: per send)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout_s <= 0:

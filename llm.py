@@ -75,8 +75,7 @@ class LLM:
         placement: inline (every actor in this process) or process (one each); default process on a GPU (and with
         tensor_parallel_size or data_parallel_size > 1: one process per rank), inline on CPU. On a GPU the host work
         of a step (scheduling, launching, detokenizing) is what limits a small model, and one process per actor
-        spreads it over cores instead of sharing one interpreter lock: H200, Qwen3-0.6B nano workload, 21,982
-        out tok/s with one process each against 16,239 inline (docs/performance.md, 2026-11-30 fourth session)."""
+        spreads it over cores instead of sharing one interpreter lock."""
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
         self.config = config or EngineConfig.from_options(model=model, **engine_options)

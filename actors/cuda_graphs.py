@@ -7,10 +7,8 @@ rows read and write a scratch KV block that the scheduler never hands out, and t
 
 What is captured is `model(input_ids, positions, kv_caches, meta)` over static input buffers, then the logits of
 every row (into one float32 buffer that all sizes share) and their argmax: a greedy step samples nothing outside the
-graph. At batch 1 the host was the bottleneck of a DeepSeek-V3-shaped model's step on an H200: outside the graph the
-LM head's launch took 0.11 ms of host time and triton's two-launch argmax 0.16 ms, of a launch of 0.98 ms against the
-device's 1.4 ms (profile_step --host-breakdown, docs/performance.md). Sampling other than greedy runs on the logits
-after the replay. How attention gets its batch depends on the backend:
+graph. At batch 1 even a large model's step is bound by the host, so the LM head's launch and the argmax's two
+launches belong inside the graph too. Sampling other than greedy runs on the logits after the replay. How attention gets its batch depends on the backend:
 
 - flashinfer: planned on the host before each replay into fixed page-table buffers the graph reads (also
   flashinfer_triton's sizes above its split, kernels/attention.FLASHINFER_DECODE_ABOVE).
@@ -47,9 +45,8 @@ captures them over static tables; flashinfer is planned on the host instead."""
 
 
 def static_table_graphs_enabled() -> bool:
-    """Whether the static-table backends get decode graphs: yes unless FLOTILLA_STATIC_TABLE_GRAPHS=0 (their
-    graph-against-eager tests, tests/test_cuda_graphs_static.py and tests/test_mla_flash.py, pass on an H200; the
-    switch is there to rule the graphs out when a run looks wrong; --enforce-eager turns every graph off)."""
+    """Whether the static-table backends get decode graphs: yes unless FLOTILLA_STATIC_TABLE_GRAPHS=0, which rules
+    the graphs out when a run looks wrong (--enforce-eager turns every graph off)."""
     return os.environ.get("FLOTILLA_STATIC_TABLE_GRAPHS", "1") != "0"
 
 
@@ -188,8 +185,8 @@ class DecodeGraphs:
         indptr, indices, last = self.page_tables(size, seq_lens, tables)
         # The page indices go straight into the buffer the graph reads, queued from pinned memory. Handing
         # FlashInfer's plan() host indices instead makes it copy them with non_blocking=False (flashinfer 0.6
-        # decode.py), a copy that waits until the device has finished the step in flight: the host could then
-        # never run ahead of the device, and every decode step paid its whole launch time on top.
+        # decode.py), a copy that waits until the device has finished the step in flight: the host would then
+        # never run ahead of the device, and every decode step would pay its whole launch time on top.
         on_device = self.kv_indices[:len(indices)]
         on_device.copy_(pinned(indices), non_blocking=True)
         self.attn.plan_graph(self.wrappers[size], self.metas[size], indptr, on_device, last, **self.heads)

@@ -37,8 +37,8 @@ def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
 def ep_graphs_enabled(config: EngineConfig) -> bool:
     """Whether an expert-parallel engine's ranks capture decode graphs: not with the all-to-all, which reads its
     split sizes on the host; when the experts gather tokens (static shapes) with FLOTILLA_EP_GRAPHS=1, and under
-    TP x EP (masked routing over shared tokens, no collective of its own) with FLOTILLA_TP_GRAPHS=1: opt-in until
-    tests/test_ep_graphs.py and tests/test_tp_graphs.py have passed on two GPUs."""
+    TP x EP (masked routing over shared tokens, no collective of its own) with FLOTILLA_TP_GRAPHS=1, both opt-in
+    (their GPU tests are tests/test_ep_graphs.py and tests/test_tp_graphs.py, on two GPUs)."""
     par = config.parallel
     if par.gathers_tokens:
         return os.environ.get("FLOTILLA_EP_GRAPHS") == "1"

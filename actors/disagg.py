@@ -13,11 +13,10 @@ already hold; on MigrationDoneEvent it starts the sequence with the prompt compu
 token as its first output. Every path ends with exactly one BlocksReleasedEvent to the prefill side, aborts
 included, and blocks being written by a migration are not freed before it reports.
 
-Why the reservation waits for KVReady: reserved when the request arrived (as the design first had it), decode
-blocks held for prompts not yet computed and prefill blocks pinned for prompts with nowhere to go could wait on
-each other for good once both caches were full (tests/test_disagg.py: a third of tight-cache runs hung). Now a
-decode block is only ever held by a prompt that is already computed, so the decode side always progresses,
-and the prefill side's pins with it.
+Why the reservation waits for KVReady: reserved when the request arrives, decode blocks held for prompts not yet
+computed and prefill blocks pinned for prompts with nowhere to go can wait on each other for good once both caches
+are full. Reserved at KVReady, a decode block is only ever held by a prompt that is already computed, so the decode
+side always progresses, and the prefill side's pins with it.
 """
 
 from __future__ import annotations

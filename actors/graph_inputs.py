@@ -3,10 +3,10 @@ a function over such buffers captured as a CUDA graph (on a CPU, rerun eagerly).
 
 A CUDA graph reads its inputs from fixed device tensors: the token ids, positions and KV slots of its rows, and for
 the attention kernels that read device metadata (actors/cuda_graphs.py STATIC_TABLE_BACKENDS) each sequence's
-context length and block table. Filled one by one, a batch-1 DeepSeek-V3-4L step spent ~0.1 ms of an H200's time
-idle around eight small copies (an upload, three device copies out of it, seq_lens, the block table and its
-device-side scatter into the table's columns, the result; profile_step's gap table, docs/performance.md). Here they
-are views of one int64 buffer laid out so that a step's part of it is one contiguous prefix:
+context length and block table. Filled one by one they take eight small copies per step (an upload, three device
+copies out of it, seq_lens, the block table and its device-side scatter into the table's columns, the result), and
+at batch 1 the device idles around them. Here they are views of one int64 buffer laid out so that a step's part of
+it is one contiguous prefix:
 
     ids [rows] | positions [rows] | slots [rows] | seq_lens int32 [seqs] | block tables int32 [seqs, max_blocks]
 

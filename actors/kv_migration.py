@@ -24,9 +24,9 @@ forces it, so the protocol runs and is tested on CPU too). A migration then goes
 which are contiguous, into its own host buffer when its cache needs staging too, and copies them into
 its KV blocks. The prefill side's copy runs after the step that computed the blocks returned its
 sampled token (so the device finished writing them); the decode side's copy into the device finishes
-before MigrationDone, so no step reads the blocks earlier. Not yet run on a GPU: staging there uses
-pinned host buffers and plain device copies, and it is unmeasured (CUDA IPC / NCCL within a host and
-dlslime RDMA across hosts would avoid the host hop; torch_dist below does within a host).
+before MigrationDone, so no step reads the blocks earlier. On a GPU staging uses pinned host buffers and plain
+device copies (CUDA IPC / NCCL within a host and dlslime RDMA across hosts would avoid the host hop; torch_dist
+below does within a host).
 
 torch_dist (transport/kv_transfer_torch.py) is two-sided: the KVEndpointRequest makes the prefill rank
 announce a 2-rank process group for this requester alone (a TCPStore on its kv_host and a free port), which

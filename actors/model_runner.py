@@ -183,8 +183,8 @@ class ModelRunner:
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
-        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1) until its GPU
-        # test (tests/test_tp_graphs.py) has passed; never with the expert all-to-all, whose dispatch reads counts
+        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1; its GPU
+        # test is tests/test_tp_graphs.py); never with the expert all-to-all, whose dispatch reads counts
         # back (an expert-parallel worker is eager unless data_parallel_worker.ep_graphs_enabled)
         tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
                                       and (not config.parallel.enable_expert_parallel
@@ -330,8 +330,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the model, the KV cache, the graphs and every other tensor this runner holds, and hand the memory
         back to the device: a later engine in the same process (an inline LLM after another, as bench_mtp runs
-        them) then finds it free. On an H200 the second inline engine failed with CUDA out of memory without this:
-        the first one's 135 GiB stayed reachable through the stopped actors. The runner is unusable afterwards."""
+        them) then finds it free, where otherwise the first engine's memory would stay reachable through the
+        stopped actors and the second would run out of device memory. The runner is unusable afterwards."""
         device = self.device
         if self.__dict__.get("spec") is not None:  # a speculator (and its graphs) someone still holds lets go too
             self.spec.close()

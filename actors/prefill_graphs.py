@@ -1,9 +1,8 @@
 """CUDA graphs for one sequence's prompt chunk: a prefill of up to 512 tokens replayed instead of launched.
 
-Eager, a prefill is bound by the host: on an H200, DeepSeek-V3-4L's 128-token prefill took 19.8 ms (profiled) for
-3.5 ms of device work, the device idle between launches that cost 35-90 us of host time each (the FP8 linears'
-quantization and GEMM, the MoE's routing and grouping; docs/performance.md, fourteenth session). At batch-1 decoding
-of 256 tokens that is ~0.04 ms of every token; for a server at low load it is the time to first token. vLLM covers
+Eager, a short prefill is bound by the host: the device idles between launches that cost tens of microseconds of
+host time each (the FP8 linears' quantization and GEMM, the MoE's routing and grouping), so the prefill takes
+several times its device work; for a server at low load that is the time to first token. vLLM covers
 prefill with piecewise graphs (attention outside them); here the whole forward is captured, for the attention
 backends that read only device metadata at any query length (the MLA kernels: triton's prefill kernel, which
 FlashMLA's backend also sends multi-token queries to; actors/spec_graphs.py's verify pass captures it the same way).
@@ -15,10 +14,8 @@ which later tokens overwrite before anything reads it, and the scratch block pas
 attention of the real rows reads only keys written before or by this pass. The graph returns the hidden states of
 all `size` rows; the runner takes the real ones' logits eagerly, as after an eager forward.
 
-On by default since an H200 ran tests/test_prefill_graphs.py's GPU test and measured it (2026-12-02: DeepSeek-V3-4L's
-prefill steps at batch 1 from 10.7 to 3.7 ms, batch-1 decoding of 256-token answers from 678.1 to 706.0 tok/s with
-triton's MLA; docs/performance.md, sixteenth session); FLOTILLA_PREFILL_GRAPHS=0 turns them off. GQA models on the
-triton or flashinfer_triton backend get them with FLOTILLA_PREFILL_GRAPHS=all (not yet run on a GPU).
+On by default for the MLA backends; FLOTILLA_PREFILL_GRAPHS=0 turns them off. GQA models on the triton or
+flashinfer_triton backend get them with FLOTILLA_PREFILL_GRAPHS=all.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ default."""
 PREFILL_GRAPH_BACKENDS_OPT_IN = ("triton", "flashinfer_triton")
 """The GQA backends whose prefill a graph can capture: triton's prefill kernel reads only device metadata, and
 flashinfer_triton sends a chunk without host metadata (a graph's) to it instead of FlashInfer, which plans on the
-host. Only with FLOTILLA_PREFILL_GRAPHS=all until an H200 has run their GPU test and measured them."""
+host. Opt-in, with FLOTILLA_PREFILL_GRAPHS=all."""
 
 
 def prefill_graphs_enabled() -> bool:

@@ -40,8 +40,8 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent() -> None:
     """Have the kernel SIGTERM us when the runtime that spawned us dies (Linux), so no orphan survives: in a
     spawned actor a signal asks the actors to stop and arms an alarm (SIGALRM, whose default action ends the
-    process) for stop_grace_s later, in case stopping hangs where no Python code runs (seen once in a while under
-    a loaded CI: blocked in a zmq call). getppid() cannot tell the death signal from another: it may still name
+    process) for stop_grace_s later, in case stopping hangs where no Python code runs (on a loaded machine it can
+    block in a zmq call). getppid() cannot tell the death signal from another: it may still name
     the dying runtime when the signal is handled (the kernel hands the children to its last threads first)."""
     parent = os.environ.get("FLOTILLA_PARENT_PID")
     if not parent or not sys.platform.startswith("linux"):

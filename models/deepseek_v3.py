@@ -93,9 +93,8 @@ gate/up always, the latent projections when DeepseekV3Attention fused them."""
 
 FP8_NORM_QUANT = os.environ.get("FLOTILLA_FP8_NORM_QUANT", "0") == "1"
 """Let the RMSNorms before FP8 GEMMs quantize their output in their own launch (kernels/triton/fused.py) instead
-of a quantization launch per GEMM. Off: on an H200 at DeepSeek-V3-4L's batch-1 step it saved 15 of 26 quantization
-launches (36.4 -> 16.6 us) but the 17 norms went from 34.7 to 63.9 us (one program per row quantizing 56 groups
-of 128 through reshapes), a net loss (docs/performance.md, fourteenth session)."""
+of a quantization launch per GEMM. Off by default: it saves most quantization launches, but the norms that
+quantize (one program per row quantizing 56 groups of 128 through reshapes) take longer than the launches saved."""
 
 
 def _present(params: dict[str, nn.Parameter], candidate: str) -> str | None:

@@ -27,6 +27,7 @@ import uvloop
 
 from flotilla.actors.runtime import ActorFailure, Runtime
 from flotilla.actors.topology import Topology, examples, load_topology, topology_path
+from flotilla.server.cli import HelpFormatter
 
 log = logging.getLogger("flotilla.launch")
 
@@ -195,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="launch.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main(parser.parse_args()))

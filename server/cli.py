@@ -1,7 +1,8 @@
 """Engine options as command-line flags: every EngineConfig field becomes one flag, 1:1, with its doc.
 
 `--max-num-seqs 8` sets SchedulerConfig.max_num_seqs; the help text is the field's docstring, so
-`flotilla serve --help` and `flotilla generate --help` explain every option without a second copy.
+`flotilla serve --help`, `flotilla generate --help` and docs/engine-args.md explain every option without a
+second copy. `python3 -m flotilla.server.cli --markdown > docs/engine-args.md` regenerates that page.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import ast
 import inspect
 import json
-import os
+import sys
 import typing
 from typing import Any
 
@@ -32,6 +33,29 @@ _GROUPS: dict[str, type[msgspec.Struct]] = {
     "parallel": ParallelConfig, "disaggregation": DisaggConfig,
 }
 _SKIP = {"model"}  # the model is a positional argument of serve / an option of generate
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks and shows each flag's default once: appended as "(default: X)" unless
+    the help already says "default: ...", or the default is unset (None), empty or an off switch, which the help
+    explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if _states_default(action) or not _shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _states_default(action: argparse.Action) -> bool:
+    return "default:" in (action.help or "") or "%(default)" in (action.help or "")
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """Whether the default is worth printing: a value, not None, [], "" or SUPPRESS, nor a store_true switch's False."""
+    d = action.default
+    return (bool(action.option_strings) and d is not None and d is not argparse.SUPPRESS and d != [] and d != ""
+            and not isinstance(action, argparse._StoreTrueAction))
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -98,9 +122,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--api-key", default=os.environ.get("FLOTILLA_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1 routes (also from $FLOTILLA_API_KEY); "
-                        "default: no key")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 routes; default: $FLOTILLA_API_KEY, else no key")
     p.add_argument("--single-process", action="store_true",
                    help="run every engine actor inside the server process (debugging); default: one process each")
     p.add_argument("--max-in-flight", type=int, default=None,
@@ -125,8 +148,47 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "127.0.0.1 serves the front ends of one machine")
     p.add_argument("--node-name", default=None, metavar="NAME",
                    help="with a redis:// registry: prefix of this node's engine ids (NAME-prefill-0, ...), which must "
-                        "be unique among the front ends sharing the registry; none: prefill-0, ...")
+                        "be unique among the front ends sharing the registry; default: none (prefill-0, ...)")
     add_engine_arguments(p)
+
+
+def engine_args_markdown() -> str:
+    """docs/engine-args.md: every `flotilla serve` flag with its type, default and help, read from the same parser
+    (and so the same config.py docstrings) as `flotilla serve --help`."""
+    parser = argparse.ArgumentParser(prog="flotilla serve")
+    add_serve_arguments(parser)
+    lines = ["# Engine arguments", "",
+             "<!-- Generated from config.py and server/cli.py by "
+             "`python3 -m flotilla.server.cli --markdown > docs/engine-args.md`; do not edit by hand. -->", "",
+             "Every flag of `flotilla serve`, as `flotilla serve --help` prints them. The engine options (every "
+             "group after the server's) are also flags of `flotilla generate` and `flotilla bench offline`, and "
+             "keyword arguments of the offline API with `_` for `-`: `--max-num-seqs 8` is `LLM(max_num_seqs=8)`.",
+             ""]
+    groups: dict[str, list[argparse.Action]] = {}
+    for group in parser._action_groups:
+        title = "server options" if group.title in ("options", "positional arguments") else group.title
+        groups.setdefault(title, []).extend(a for a in group._group_actions if a.dest != "help")
+    for title, actions in groups.items():
+        lines += [f"## {title}", "", "| flag | type | default | meaning |", "|---|---|---|---|"]
+        for a in actions:
+            flag = " / ".join(f"`{o}`" for o in a.option_strings) or f"`{a.dest.upper()}`"
+            default = f"`{a.default}`" if _shows_default(a) else "unset" if a.default is None else "off"
+            help_text = (a.help or "").replace("%%", "%").replace("|", "\\|")
+            lines.append(f"| {flag} | {_type_name(a)} | {default} | {help_text} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _type_name(a: argparse.Action) -> str:
+    if isinstance(a, argparse.BooleanOptionalAction):
+        return "bool"
+    if isinstance(a, argparse._StoreTrueAction):
+        return "switch"
+    if a.choices:
+        return " \\| ".join(f"`{c}`" for c in a.choices)
+    if a.type is json.loads:
+        return "JSON"
+    return getattr(a.type, "__name__", "str")
 
 
 def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
@@ -167,7 +229,7 @@ def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
 def _own_gpus(engines: list[tuple[str, EngineConfig]]) -> list[tuple[str, EngineConfig]]:
     """Give each engine of a fleet its own GPUs when the machine has enough: engine k starts at GPU
     first + k x (tensor_parallel_size x data_parallel_size). Otherwise (CPU, or too few GPUs) they share the
-    device they were given, as before. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
+    device they were given. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
     import torch
 
     config = engines[0][1]
@@ -183,3 +245,17 @@ def _own_gpus(engines: list[tuple[str, EngineConfig]]) -> list[tuple[str, Engine
     return [(name, msgspec.structs.replace(cfg, worker=msgspec.structs.replace(cfg.worker,
                                                                               device=f"cuda:{first + k * per}")))
             for k, (name, cfg) in enumerate(engines)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m flotilla.server.cli",
+                                description="Print docs/engine-args.md: `python3 -m flotilla.server.cli --markdown "
+                                            "> docs/engine-args.md`.")
+    p.add_argument("--markdown", action="store_true", required=True, help="print the engine-arguments page")
+    p.parse_args(argv)
+    sys.stdout.write(engine_args_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

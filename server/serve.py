@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -100,7 +101,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(path)
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
-            token_texts=TokenTexts(lambda i: tokenizer.decode([i])), api_key=args.api_key,
+            token_texts=TokenTexts(lambda i: tokenizer.decode([i])),
+            api_key=args.api_key if args.api_key is not None else os.environ.get("FLOTILLA_API_KEY"),
             max_body_bytes=args.max_body_bytes,
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests)
         server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",

@@ -66,7 +66,7 @@ def greedy_on_cuda(model: str, prompts: int = 10, **options) -> tuple[list[list[
     ids = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 60))] for _ in range(prompts)]
     params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(prompts)]
     # token ids in and out (skip_tokenizer_init): helpers_tiny_models' folders have no tokenizer, and without one
-    # the tokenizer actor's vocabulary was 1 token on the H200 ("prompt token ids must be in [0, 1)")
+    # the tokenizer actor's vocabulary would be 1 token ("prompt token ids must be in [0, 1)")
     options.setdefault("skip_tokenizer_init", True)
     with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
              **options) as engine:  # fmt: skip

@@ -129,7 +129,7 @@ def oracle(plain_tokens: dict, corrupt: bool):
 def check_all_accepted(rows: list[tuple[str, int, int]], want_tokens: dict) -> None:
     """Every verify row at forced acceptance yields its drafts plus one token, except the stop-token request's last:
     past its stop token the oracle has no tokens left to hand, so its last drafts are the model's own, rejected (with
-    three drafts the stop token fell inside such a row)."""
+    three drafts the stop token falls inside such a row)."""
     assert rows
     short = [(i, rid) for i, (rid, k, n) in enumerate(rows) if n != k + 1]
     last = {rid: i for i, (rid, _, _) in enumerate(rows)}

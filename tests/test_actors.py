@@ -270,8 +270,8 @@ def test_a_request_that_leaves_the_rank_to_the_engine_goes_to_the_data_parallel_
 
 
 def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_the_request_asked(tmp_path):
-    """A stop string in a sequence of data-parallel rank 1: the AbortCmd goes to rank 1's scheduler (it went to
-    rank 0's, which does not know the sequence, so rank 1 computed on). A sequence whose first delta names a
+    """A stop string in a sequence of data-parallel rank 1: the AbortCmd goes to rank 1's scheduler (not rank
+    0's, which does not know the sequence: rank 1 would compute on). A sequence whose first delta names a
     reply_to (another node's front end) has its text sent there; the others' go to the engine's front end."""
     from flotilla.actors.base import ActorContext
     from flotilla.actors.detokenizer import DetokenizerActor
@@ -343,7 +343,7 @@ async def _watched_front_end(ctx, watch) -> tuple[str, Inbox, Outbox]:
 
 async def _bind_again(ctx, address: str) -> Inbox:
     """An inbox at the address a closed one held: ZeroMQ releases a closed socket's port from its I/O thread, a
-    moment later, so an immediate bind may meet EADDRINUSE (a fresh-clone CI run did); retried for up to 5 s."""
+    moment later, so an immediate bind may meet EADDRINUSE; retried for up to 5 s."""
     import zmq
 
     from flotilla.transport.messages import AbortCmd
@@ -377,8 +377,8 @@ def test_a_front_end_that_returns_within_the_grace_is_never_reported_gone():
             front_end.close()
             front_end = await _bind_again(ctx, address)  # back at once
             # a PUSH socket that has not yet noticed its peer's disconnect queues to the dead pipe, and ZeroMQ drops
-            # that message with the pipe (a fresh-clone CI run under load lost the only one in 10 s): resend until one
-            # arrives over the new connection
+            # that message with the pipe (under load the only one sent can be lost so): resend until one arrives over
+            # the new connection
             for attempt in range(20):
                 await out.send(AbortCmd(rid=f"b{attempt}"))
                 try:

@@ -2,7 +2,7 @@
 across the ranges a row is cut into and within a lane over several steps; and the sampler's dispatch to it.
 
 Without CUDA the kernel runs under triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 first); a child
-process compiles it for an H200 (sm_90)."""
+process compiles it for Hopper (sm_90)."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def test_a_sequence_that_stops_with_a_step_in_flight_keeps_its_blocks_until_that
     """A stop token in step N's result ends a sequence that step N+1, launched already, still computes: the worker
     writes that step's KV into the sequence's blocks, so they must not return to the pool before it is back. On a
     decode engine a KV migration writes a block it was given at once, out of the worker's step order, and the late
-    write then lands in the migrated prompt (one PD test under CI load got a wrong third token that way)."""
+    write would then land in the migrated prompt."""
     from flotilla.transport.messages import StepResult
 
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_steps_in_flight=2)

@@ -71,7 +71,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _load(model_dir: Path, fused: bool = True, dtype: str = "float32", **kwargs: object) -> torch.nn.Module:
     """The model of a checkpoint folder, every parameter loaded (load_model checks); fused=False builds the two
-    separate latent projections even where they could fuse (the path every model took before the fusion)."""
+    separate latent projections even where they could fuse (the unfused path)."""
     with pytest.MonkeyPatch.context() as mp:
         if not fused:
             mp.setattr(Linears, "can_fuse", lambda self, part_sizes: False)

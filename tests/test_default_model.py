@@ -81,7 +81,7 @@ def converted_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @contextlib.contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
     """transformers parses the GGUF three times (its config, its weights, its tokenizer) and builds gguf's tensor-name
-    map once per tensor: ~20 of the ~30 s this reference took on the CI machine. Within this block the first reader
+    map once per tensor: most of this reference's time. Within this block the first reader
     of a file and the first map of an architecture are handed back again; what is read, and how, stays
     transformers' and gguf's."""
     import gguf

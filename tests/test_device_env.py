@@ -66,8 +66,8 @@ def test_ninja_rebuilds_nothing_after_a_fresh_setup(tmp_path: Path) -> None:
 
 
 def test_device_h200_copies_the_carried_peer_parts_and_packs_its_results(tmp_path: Path) -> None:
-    """scripts/dev/device_h200.sh's `peer` stage (the only one that needs no GPU): the vLLM bundle's parts carried in this
-    call go where device_compare.sh's install looks for them, and the call's results are packed."""
+    """scripts/dev/device_h200.sh's `peer` stage (the only one that needs no GPU): the vLLM bundle's parts carried with
+    the checkout go where device_compare.sh's install looks for them, and the run's results are packed."""
     root = Path(__file__).resolve().parents[1]
     checkout = tmp_path / "checkout"
     (checkout / "scripts" / "dev").mkdir(parents=True)
@@ -86,11 +86,9 @@ def test_device_h200_copies_the_carried_peer_parts_and_packs_its_results(tmp_pat
 
 def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwise() -> None:
     """bench_q30's and profile_q30's variants ("backend[+cublas][+ds][+pga]"): a plain backend runs the engine's
-    defaults (the gemv kernel on; until 2026-12-02 every variant without "+gemv" turned it off, which is what moved
-    Qwen3-30B-A3B's batch-1 numbers of the twelfth and fourteenth sessions down), "+cublas" one-row linears on cuBLAS,
-    "+ds" the small experts' per-slot down pass, "+pga" prefill graphs for GQA models; a variant's files are named
-    without "+" (the device tool returns no file with one in its name: the sixteenth session's ds_b1 results came
-    back without their "+pg" runs)."""
+    defaults (the gemv kernel on), "+cublas" one-row linears on cuBLAS, "+ds" the small experts' per-slot down pass,
+    "+pga" prefill graphs for GQA models; a variant's files are named without "+" (result files with one in their
+    names do not come back from the GPU machine)."""
     script = (Path(__file__).resolve().parents[1] / "scripts" / "dev" / "device_h200.sh").read_text()
     names = ("gemv_of()", "tiles_of()", "backend_of()", "label_of()", "pg_of()")
     helpers = "\n".join(line for line in script.splitlines() if line.startswith(names))

@@ -132,8 +132,8 @@ def test_disaggregated_outputs_equal_the_reference(depth, p_blocks, d_blocks):
 def test_migrations_into_blocks_that_ended_sequences_still_had_in_flight_read_no_stale_kv(seed):
     """Three steps in flight and a tight decode cache: a sequence that ends on a stop token is still in the steps
     launched after the one that sampled it, and those write its KV. Its blocks go to a migration only when they are
-    back; a migration writes at once, out of the worker's step order, so a block given earlier took that late write
-    into the migrated prompt (6 of these 20 seeds read a wrong KV so; a PD test got a wrong token under CI load)."""
+    back; a migration writes at once, out of the worker's step order, so a block given earlier would take that late
+    write into the migrated prompt."""
     reqs = workload(n=24, seed=seed)
     outputs, _, _ = run(reqs, p_blocks=200, d_blocks=24, depth=3, seed=seed)
     assert outputs == {rid: reference(prompt, max_tokens) for rid, prompt, max_tokens in reqs}
@@ -144,10 +144,10 @@ def test_migrations_into_blocks_that_ended_sequences_still_had_in_flight_read_no
     (3, 40, 24, 20, 3), (4, 40, 30, 24, 1), (5, 40, 24, 20, 2),
 ])  # fmt: skip
 def test_both_caches_full_still_drains_every_request(seed, n, p_blocks, d_blocks, depth):
-    """Many requests, tight caches on both sides. When the decode side reserved a prompt's blocks as its request
-    arrived, decode blocks held for prompts not yet computed and prefill blocks pinned for computed prompts with no
-    reservation waited on each other for good (each of these runs hung so, as did a third of 800 such runs). The
-    reservation now waits for KVReady, so every decode block belongs to a computed prompt and both sides drain."""
+    """Many requests, tight caches on both sides. Were the decode side to reserve a prompt's blocks as its request
+    arrives, decode blocks held for prompts not yet computed and prefill blocks pinned for computed prompts with no
+    reservation would wait on each other for good (these runs hang so). The reservation waits for KVReady, so every
+    decode block belongs to a computed prompt and both sides drain."""
     reqs = workload(n=n, seed=seed)
     outputs, _, _ = run(reqs, p_blocks, d_blocks, depth, seed=seed)
     assert outputs == {rid: reference(prompt, max_tokens) for rid, prompt, max_tokens in reqs}

@@ -43,7 +43,7 @@ from helpers_tiny_models import (
 )
 from safetensors.torch import load_file
 
-# chunked prefill (16-token budget), mixed prefill + decode steps, two steps in flight (the default)
+# chunked prefill (16-token budget), mixed prefill + decode steps, steps in flight (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

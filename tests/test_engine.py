@@ -179,9 +179,9 @@ def test_requests_that_cannot_run_fail_clearly_and_the_engine_keeps_serving(llm)
 
 
 def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refuses_longer_prompts(tiny):
-    """16 KV tokens (4 blocks of 4) under max_model_len 256: a sequence that reached the cache's size could never be
-    scheduled again and waited for good. Now it ends there ("length"), a prompt that fills the cache is refused with
-    a 400-style error, and the engine keeps serving."""
+    """16 KV tokens (4 blocks of 4) under max_model_len 256: a sequence that reaches the cache's size can never be
+    scheduled again, so it ends there ("length") instead of waiting for good; a prompt that fills the cache is refused
+    with a 400-style error, and the engine keeps serving."""
     with LLM(tiny, kv_cache_blocks=4, block_size=4) as small:
         (out,) = small.generate([{"prompt_token_ids": list(range(5, 11))}],
                                 SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)  # fmt: skip
@@ -195,7 +195,7 @@ def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refu
 
 def test_without_chunked_prefill_a_prompt_beyond_the_step_budget_is_refused_not_left_waiting(tiny):
     """Without chunked prefill a prompt runs whole in one step of at most max_num_batched_tokens, and so does any
-    recompute after preemption: a longer one waited for good. The engine's max_model_len comes down to the budget."""
+    recompute after preemption: a longer one would wait for good. The engine's max_model_len comes down to the budget."""
     with LLM(tiny, kv_cache_blocks=64, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16) as llm:
         with pytest.raises(RequestFailed, match="at most 16 tokens .without chunked prefill a step takes 16 tokens"):
             llm.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -348,7 +348,7 @@ def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path, monkeyp
 
 def test_a_stopped_inline_engine_drops_its_model_and_kv_cache(tiny):
     """An inline engine's worker lets go of its model and KV cache when it stops, so a second engine in the same
-    process finds the device memory free (on an H200 bench_mtp's second inline engine ran out of memory before)."""
+    process finds the device memory free (as bench_mtp's second inline engine needs)."""
     import gc
     import weakref
 

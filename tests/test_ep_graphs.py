@@ -1,5 +1,5 @@
 """CUDA-graph decode under data parallelism x expert parallelism when the experts gather tokens (all2all_backend
-allgather_reducescatter; opt-in FLOTILLA_EP_GRAPHS=1 until this test has passed on two GPUs): each rank captures
+allgather_reducescatter; opt-in, FLOTILLA_EP_GRAPHS=1): each rank captures
 its decode forwards with the MoE layers' NCCL all-gathers and reduce-scatters inside, the ranks agree on each
 step's rows (actors/data_parallel_worker.py step_rows), and a busy rank replays the agreed size while an idle one
 runs its empty steps eager. On two GPUs the engine must give the greedy tokens of the same engine eager, with

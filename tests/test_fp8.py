@@ -219,8 +219,9 @@ def test_triton_fp8_linear_with_k_split_matches_the_w8a8_reference(tokens, shape
 
 @needs_triton
 def test_small_batches_split_k_until_the_sms_are_busy() -> None:
-    """pick_tiles at DeepSeek-V3's shapes on an H200's 132 SMs: at batch-1 decode q_a+kv_a (N 2112, K 7168) was 17
-    tiles of 128 columns; now 33 of 64 with K split 8 ways. Wide outputs and prefill batches do not split."""
+    """pick_tiles at DeepSeek-V3's shapes on 132 SMs: at batch-1 decode q_a+kv_a (N 2112, K 7168) takes 33 tiles of
+    64 columns with K split 8 ways, not 17 tiles of 128 that would leave most SMs idle. Wide outputs and prefill
+    batches do not split."""
     from flotilla.kernels.quant.fp8_triton import parse_tiles, pick_tiles
 
     def tiles(m: int, n: int, k: int, forced: str = "") -> tuple[int, int, int]:
@@ -276,7 +277,7 @@ def test_quantizing_the_activations_inside_the_gemm_gives_the_separate_launchs_r
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.slow
 def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None:
-    """The interpreter checks little of the language's typing (fp8 dots included): compile for an H200
+    """The interpreter checks little of the language's typing (fp8 dots included): compile for Hopper
     (sm_90) at DeepSeek-V3's o_proj shape (K 16384 -> N 7168, 128x128 blocks), bf16 out, with a bias."""
     pointers = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
                 "bias_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
@@ -357,7 +358,7 @@ def test_gpu_triton_fp8_linear_at_deepseek_v3_sizes(tokens: int, shape: tuple[in
     x = x.bfloat16()
     got = fp8_block_linear(x, q, s, None, (128, 128), backend="triton")
     # the reference quantizes the same bf16 activations: from the fp32 ones, a value that bf16 rounding moves
-    # across an e4m3 rounding boundary lands one e4m3 step (6-12%) away, which failed 0.01-0.4% of the outputs
+    # across an e4m3 rounding boundary lands one e4m3 step (6-12%) away, which would fail 0.01-0.4% of the outputs
     want = fp8_ref.fp8_block_linear_w8a8(x.float(), q, s, None, (128, 128))
     torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
@@ -367,8 +368,8 @@ def test_gpu_triton_fp8_linear_at_deepseek_v3_sizes(tokens: int, shape: tuple[in
 @pytest.mark.parametrize("tokens", [1, 16, 257, 4096])
 @pytest.mark.parametrize("shape", [(7168, 16384), (24576, 1536), (2112, 7168)])  # o_proj, q_b, q_a+kv_a
 def test_gpu_deep_gemm_fp8_linear_at_deepseek_v3_sizes(tokens: int, shape: tuple[int, int]) -> None:
-    """DeepGEMM's fp8_gemm_nt behind the "deep_gemm" backend (1.2-1.7x triton's TFLOP/s at prefill sizes on an
-    H200, docs/performance.md): "auto" may pick it (DEEP_GEMM_IN_AUTO) once this has passed on a GPU."""
+    """DeepGEMM's fp8_gemm_nt behind the "deep_gemm" backend against the W8A8 reference: what letting "auto" pick it
+    (DEEP_GEMM_IN_AUTO) rests on."""
     n, k = shape
     q, s = block_quantize(_weights(shape, seed=n, device=DEVICE) * 0.01, (128, 128))
     x = torch.randn(tokens, k, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(tokens))
@@ -444,8 +445,7 @@ def test_fp8_checkpoint_on_the_triton_gemm(fp8_dirs: tuple[Path, Path]) -> None:
     output for the input it really got, and the model stays near the dequantized float model.
 
     (Layer by layer, not the whole model against a w8a8 model: a float32 difference of 1e-6 upstream can move an
-    activation across an e4m3 rounding midpoint, one e4m3 step, 6% of that value. Under triton 3.9's interpreter
-    that happened in the third layer's attention and moved the logits by 0.02.)"""
+    activation across an e4m3 rounding midpoint, one e4m3 step, 6% of that value, and move the logits visibly.)"""
     fp8_dir, float_dir = fp8_dirs
     kwargs = {"attention_backend": "torch", "fp8_backend": "triton"}
     model = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module

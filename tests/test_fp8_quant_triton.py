@@ -20,9 +20,7 @@ ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1
 def _check_identical(x: torch.Tensor, group: int) -> None:
     """Identical scales and e4m3 bytes, except that zeros compare by value: the kernel's float8 cast writes a
     negative value that rounds to zero as +0 where torch writes -0, under triton's CPU interpreter and on CUDA alike.
-    (On an H200, 2026-12-01, every one of the 79 bytes that differed among DeepSeek-V3 sizes' 44M values at 4,096
-    tokens was such a zero; the sixth session had read the same failure as float32 division rounding at e4m3
-    midpoints. -0 and +0 weigh the same in every GEMM.)"""
+    -0 and +0 weigh the same in every GEMM."""
     from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
     want_q, want_s = fp8_ref.per_token_group_quantize(x, group)
@@ -86,7 +84,7 @@ def test_on_cuda_at_deepseek_v3_sizes(tokens) -> None:
 
 @pytest.mark.slow
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
-    """Compiled for an H200 (sm_90) in a child without the interpreter, for bf16 and float32 activations."""
+    """Compiled for Hopper (sm_90) in a child without the interpreter, for bf16 and float32 activations."""
     from helpers_triton import compile_for_sm90
 
     specs = [("flotilla.kernels.quant.fp8_quant_triton", "_quant_kernel",

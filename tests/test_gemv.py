@@ -1,7 +1,7 @@
 """The one-row linear kernel (kernels/triton/gemv.py) against F.linear, and its dispatch (kernels/linear.py).
 
 Without CUDA the kernel runs under triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1 first); a
-child process compiles it for an H200 (sm_90), and `gpu` tests add real shapes.
+child process compiles it for Hopper (sm_90), and `gpu` tests add real shapes.
 """
 
 from __future__ import annotations

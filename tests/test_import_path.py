@@ -15,7 +15,7 @@ def test_the_checkout_root_is_not_on_sys_path_while_tests_run():
 
 
 def test_python_started_in_the_checkout_root_imports_transformers_model_code():
-    # transformers.activations imports Hugging Face's `kernels`, the name the root's kernels/ used to shadow.
+    # transformers.activations imports Hugging Face's `kernels`, the name the root's kernels/ would shadow.
     pytest.importorskip("kernels")
     pytest.importorskip("transformers")
     code = ("import flotilla, kernels, transformers.activations, sys\n"

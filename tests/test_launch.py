@@ -198,9 +198,8 @@ def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
     sup, relay, echo = free_tcp_port(), free_tcp_port(), free_tcp_port()
     while echo + 1 in (sup, relay):
         echo = free_tcp_port()
-    # heartbeat timeout 20 s: in the fresh-clone CI of 68e1cec (the 2-core VM, the suite at 909 s) an echo actor of
-    # the second launcher was silent 5.6 s after it was ready and the old 5 s ended the run; the test is about two
-    # launchers, not about how fast a loaded machine schedules a heartbeat
+    # heartbeat timeout 20 s: on a loaded machine an echo actor of the second launcher can be silent for seconds
+    # after it is ready; the test is about two launchers, not about how fast a loaded machine schedules a heartbeat
     topo = tmp_path / "two-hosts.toml"
     topo.write_text(f"""
 name = "two"

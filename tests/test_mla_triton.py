@@ -156,8 +156,8 @@ def test_gpu_decode_kernel_at_deepseek_v3_sizes(batch):
     q_latent, q_pe, cache, meta = _decode_batch(lens, 512, 64, 128, 64, torch.bfloat16, seed=batch,
                                                 device=torch.device("cuda"))
     # The reference in float32 on the same bf16 inputs: the bf16 torch reference rounds its 576-wide scores to bf16
-    # and is itself up to 0.032 off the exact result here (measured on CPU, 186 of 4.2M elements above 0.02), which
-    # failed this test on the H200 by one element (0.0244) although the kernel is within 0.008 of exact (interpreter).
+    # and is itself up to 0.032 off the exact result here (a few elements in 100,000 above 0.02), more than the
+    # kernel, which stays within 0.008 of exact.
     want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.1)
     got = triton_mla.paged_mla_decode(q_latent, q_pe, cache, meta, scale=0.1)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

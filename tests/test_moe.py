@@ -409,7 +409,7 @@ def test_tiny_qwen3_moe_with_triton_experts_matches_torch_experts(tmp_path):
 @needs_triton
 @pytest.mark.slow
 def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The interpreter checks little of the language's typing: compile both passes for an H200 (sm_90) at
+    """The interpreter checks little of the language's typing: compile both passes for Hopper (sm_90) at
     Qwen3-30B-A3B's shapes (bf16, H 2048, I 768, top-8), and in the FP8 mode at DeepSeek-V3's (e4m3 with 128x128
     block scales, bf16 activations, H 7168, I 2048, top-8), in a child without TRITON_INTERPRET."""
     pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_slots_ptr": "*i32",

@@ -33,8 +33,8 @@ def _ids(tokens: int, experts: int, top_k: int, seed: int, device: str = "cpu", 
 def _check_same_grouping(got: routing.ExpertBlocks, want: routing.ExpertBlocks) -> None:
     """Same sizes, padding rows and block experts, and every expert's run holds the same slots. Not the same slots
     per block: an expert with more than block_m slots spreads them over several blocks, and which block a slot
-    lands in follows the order within the run, which the kernel's atomics choose (on an H200 they did, 2026-11-30;
-    triton's CPU interpreter serves them in order)."""
+    lands in follows the order within the run, which the kernel's atomics choose on a GPU (triton's CPU interpreter
+    serves them in order)."""
     assert got.num_slots == want.num_slots and got.block_m == want.block_m
     assert got.sorted_slots.shape == want.sorted_slots.shape
     assert torch.equal(got.num_padded.cpu(), want.num_padded.cpu())
@@ -160,7 +160,7 @@ def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(
 
 @pytest.mark.slow
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path) -> None:
-    """Compiled for an H200 (sm_90) in a child without the interpreter: the atomics, barriers and cumsum."""
+    """Compiled for Hopper (sm_90) in a child without the interpreter: the atomics, barriers and cumsum."""
     import triton
     from helpers_triton import compile_for_sm90
 

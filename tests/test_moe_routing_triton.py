@@ -200,12 +200,12 @@ def test_a_mutated_kernel_fails_the_check(mutation: str, tmp_path: Path) -> None
         _mutation_check(mutated)
 
 
-# ---- compiled for an H200 without one ----
+# ---- compiled for Hopper (sm_90) without a GPU ----
 
 
 @pytest.mark.slow
 def test_routing_kernels_compile_for_sm90_without_a_gpu(tmp_path):
-    """The interpreter checks little of the language's typing: compile both kernels for an H200 (sm_90) at the
+    """The interpreter checks little of the language's typing: compile both kernels for Hopper (sm_90) at the
     shapes in use (Qwen3-30B-A3B's 128 experts top-8 in bf16, decode and prefill; Qwen3-Next's 512 top-10;
     60 top-4 in fp32; DeepSeek-V3's 256 experts in 8 groups, top-4 groups, top-8, with and without a bias),
     in a child without TRITON_INTERPRET."""

@@ -135,7 +135,7 @@ def test_launching_a_graph_decode_step_does_not_wait_for_the_device(cuda_runner_
         sched.update(runner.finish_oldest())
     plan = sched.schedule()
     assert len(plan.rids) == sum(plan.num_new_tokens.tolist()) == 4  # a pure decode step: the graph path
-    torch.cuda._sleep(2_000_000_000)  # about a second of device time at H200 clocks
+    torch.cuda._sleep(2_000_000_000)  # 2e9 cycles: about a second of device time at a datacenter GPU's clock
     busy = torch.cuda.Event()
     busy.record()
     runner.launch(plan)

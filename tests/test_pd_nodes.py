@@ -159,14 +159,14 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
     every KV block of both is free afterwards. Then that front end dies mid-stream: the other node's engine aborts
     the sequences nobody reads any more (FLOTILLA_FRONTEND_GRACE_S=1 there) and keeps serving. (With a grace of 0,
-    one CI run on a loaded 2-core machine had d's engine call c's front end unreachable while c served, so the kill
-    later found nothing left to abort.)"""
+    on a loaded machine d's engine may call c's front end unreachable while c serves, and the kill then finds nothing
+    left to abort.)"""
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
     monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")  # (c's engine gets it too: nothing of d's runs there)
-    # the streams below must outlast the kill and the grace on a fast machine (180-token ones could end inside the
-    # grace: one CI run in many found nothing to abort), so c and d serve the same weights with 2,048 positions
-    # (the tiny model's 256 would end them at its RoPE table: 916694d's crash) and room for four 900-token streams
+    # the streams below must outlast the kill and the grace on a fast machine (180-token ones can end inside the
+    # grace, leaving nothing to abort), so c and d serve the same weights with 2,048 positions (the tiny model's 256
+    # would end them at its RoPE table) and room for four 900-token streams
     long = tmp_path / "m"
     shutil.copytree(model, long)
     config = json.loads((long / "config.json").read_text())

@@ -58,9 +58,9 @@ def test_greedy_outputs_match_a_colocated_engine_and_kv_moves_over_torch_dist(se
 
 def test_tight_caches_on_both_sides_still_serve_every_request(servers, tmp_path):
     """Its own deployment, 1 prefill + 1 decode engine of 28 KV blocks of 4 tokens each, and 32 requests at once.
-    When the decode side reserved a prompt's blocks as its request arrived, blocks reserved for prompts not yet
-    computed and prefill blocks pinned for prompts with no decode room waited on each other: 19 of these 32
-    requests hung until the client's timeout. Every one gets the colocated engine's output now."""
+    Were the decode side to reserve a prompt's blocks as its request arrives, blocks reserved for prompts not yet
+    computed and prefill blocks pinned for prompts with no decode room would wait on each other and most of these
+    requests would hang. Every one gets the colocated engine's output."""
     _, colocated = servers
     model = write_tiny_engine_model(tmp_path / "m")  # the module's model: the same seed, the same weights
     toml = tmp_path / "pd-tight.toml"

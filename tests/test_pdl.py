@@ -1,7 +1,7 @@
 """Programmatic dependent launch for the batch-1 kernels (kernels/triton/pdl.py): on by default where the device has
 it, off with FLOTILLA_PDL=0; with it, every kernel waits for its predecessor before its first load of anything
 another kernel writes, and reads before that wait only weights and the step's metadata (READ_BEFORE_THE_WAIT). Checked
-in the TTIR and PTX each kernel compiles to for an H200 (sm_90, in a child process without TRITON_INTERPRET: the
+in the TTIR and PTX each kernel compiles to for Hopper (sm_90, in a child process without TRITON_INTERPRET: the
 interpreter has no griddepcontrol)."""
 
 from __future__ import annotations

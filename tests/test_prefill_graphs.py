@@ -149,7 +149,7 @@ def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path]
 
 def test_prefill_graphs_are_on_for_mla_unless_switched_off_and_for_gqa_when_asked(
         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """On by default since the H200 measured them (the MLA backends); FLOTILLA_PREFILL_GRAPHS=all adds triton and
+    """On by default for the MLA backends; FLOTILLA_PREFILL_GRAPHS=all adds triton and
     flashinfer_triton (GQA); FLOTILLA_PREFILL_GRAPHS=0 leaves none."""
     mla = ("mla_triton", "mla_flash_mla")
     for value, backends in ((None, mla), ("1", mla), ("all", (*mla, "triton", "flashinfer_triton")), ("0", ())):

@@ -191,8 +191,8 @@ class _FlakyRegistry(InMemoryRegistry):
 
 
 def test_a_failed_heartbeat_is_logged_and_the_next_one_still_comes(caplog):
-    """A registry slow past its timeout once must not end the engine's heartbeats (until 2026-12-02 the exception
-    ended the heartbeat task, and the engine's entry expired while it served)."""
+    """A registry slow past its timeout once must not end the engine's heartbeats (an exception that ended the
+    heartbeat task would let the engine's entry expire while it serves)."""
     async def main():
         reg = _FlakyRegistry(failures=2)
         hb = Heartbeat(reg, engine("e"), lambda: 4.0, interval_s=0.02)
@@ -214,8 +214,7 @@ async def _beats(reg: _FlakyRegistry, n: int) -> bool:
 def test_stopping_lets_a_heartbeat_in_flight_finish_before_deregistering():
     """stop() during a heartbeat's command waits for it instead of cancelling it: redis-py's asyncio client cancelled
     mid-command can leave its connection out of step with its replies (redis-py #2624), and the deregistration
-    behind it hung (the likely cause of a fresh-clone CI run whose launcher did not stop after a decode engine was
-    killed, its Redis entry still there)."""
+    behind it would hang, leaving a stopped engine's entry in Redis."""
     async def main():
         reg = _FlakyRegistry(delay_s=0.2)
         hb = Heartbeat(reg, engine("e"), lambda: 0.0, interval_s=0.01)

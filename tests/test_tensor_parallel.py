@@ -20,7 +20,7 @@ from flotilla.server.engine_client import EngineDeadError, RequestFailed
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
 from helpers_tiny_models import _COMMON, TINY_CONFIGS, write_tiny_moe_model
 
-# chunked prefill (16-token budget) and mixed prefill + decode steps, with pipelined steps (the default 2)
+# chunked prefill (16-token budget) and mixed prefill + decode steps, with pipelined steps (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
 
 

@@ -89,9 +89,9 @@ def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_p
 
 
 def test_a_folder_without_tokenizer_files_is_refused_with_a_way_out(tmp_path):
-    """transformers builds an empty tokenizer of the config's class for a folder with no tokenizer files (on the
-    H200 an engine on such a folder then refused every prompt: "prompt token ids must be in [0, 1)"); loading says
-    what is missing and what to pass instead."""
+    """transformers builds an empty tokenizer of the config's class for a folder with no tokenizer files (an engine
+    on such a folder would refuse every prompt: "prompt token ids must be in [0, 1)"); loading says what is missing
+    and what to pass instead."""
     d = tmp_path / "bare"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 320}))

@@ -8,9 +8,8 @@ bound. Linger is bounded so a stop flushes the last messages but a dead peer can
 
 Sends and receives first try the socket without waiting, through a plain socket over the same ZeroMQ socket,
 and only await zmq.asyncio's future when the peer's queue is full or nothing has arrived: pyzmq's asyncio path
-makes a future and checks the socket's events for every message, which took about half of the control plane's
-time per message (bench_transport, docs/performance.md). A send waits behind any earlier send still waiting, so
-messages keep their order.
+makes a future and checks the socket's events for every message, a large share of the control plane's time per
+message. A send waits behind any earlier send still waiting, so messages keep their order.
 """
 
 from __future__ import annotations

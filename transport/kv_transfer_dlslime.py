@@ -1,6 +1,6 @@
 """DlslimeTCPEngine: the KV data plane over dlslime's TCP transport (CPU memory; tests and RDMA-less hosts).
 
-Facts about dlslime 0.1.23 this backend is built around (measured, and read in its csrc/engine/tcp):
+Facts about dlslime 0.1.23 this backend is built around (its behaviour, and its csrc/engine/tcp):
 
 - `import dlslime` needs libibverbs1 even for TCP; this module is imported only when the backend is chosen.
 - A `TcpEndpoint` has one peer: `connect` sets the single host:port its reads go to. So this engine keeps one

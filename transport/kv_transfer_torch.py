@@ -30,7 +30,7 @@ On a GPU, packs, unpacks and the handshake run on a side stream of the engine's 
 it when a send or recv is posted), not on the legacy default stream, which would serialize with the
 worker's streams; the decode side synchronizes it before a migration is reported done. The prefill side
 reads blocks the step that computed them finished writing (its first token reached the host first).
-Not yet run on GPUs: the NCCL tests are marked gpu.
+The NCCL tests are marked gpu.
 """
 
 from __future__ import annotations

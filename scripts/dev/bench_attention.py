@@ -2,7 +2,7 @@
 
 One new token per sequence over a paged bf16 cache (block 16, blocks shuffled as a running engine leaves
 them); every kernel reads the whole context once, so GB/s = the KV bytes of the batch over the kernel's time
-(H200: ~4.3 TB/s reachable). Backends: flashinfer's decode wrapper with and without tensor cores (its
+(compare it with the GPU's memory bandwidth). Backends: flashinfer's decode wrapper with and without tensor cores (its
 use_tensor_cores), and flotilla's triton split-K decode kernel. Prints one JSON line per point.
 
     python -m flotilla.scripts.dev.bench_attention --heads 16:8,32:8 --batch 1,64,256 --ctx 128,1024,4096

@@ -68,6 +68,7 @@ from flotilla.kernels.moe.expert_parallel import (
     combine,
     dispatch,
 )
+from flotilla.server.cli import HelpFormatter
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.float16: (2e-3, 1e-4), torch.bfloat16: (1.6e-2, 1e-3)}
@@ -372,13 +373,9 @@ def _csv_counts(text: str) -> list[int]:
     return values
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the description's line breaks and show every default."""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="bench_ep", description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog="bench_ep", description=__doc__, formatter_class=HelpFormatter)
     where = p.add_argument_group("ranks")
     where.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if cuda else "cpu",
                        help="cuda: rank r on cuda:r over NCCL; cpu: every rank in host memory over gloo")

@@ -20,7 +20,7 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
             ("flash_mla_first": metadata made in the call); gbps = batch*ctx*576*2 bytes / time.
 - gemv:     one-row bf16 linear layers (batch-1 decode) at Qwen3-30B-A3B's attention and router shapes and
             Qwen3-8B's: cuBLAS (F.linear) vs kernels/triton/gemv.py and its --gemv-tiles variants;
-            gbps = the weight's 2*N*K bytes / time (a graph's 10 calls reread a weight that fits the 50 MB L2).
+            gbps = the weight's 2*N*K bytes / time (a graph's 10 calls reread a weight that fits in L2).
 - routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
             with FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused": the
             one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain

@@ -58,6 +58,7 @@ from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import DEFAULT_BLOCK_SIZE, DisaggConfig, EngineConfig
 from flotilla.kernels.attention import kv_cache_shape
 from flotilla.scripts.dev.bench_shapes import SHAPES
+from flotilla.server.cli import HelpFormatter
 from flotilla.transport import kv_transfer, kv_transfer_torch
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.kv_transfer import create_kv_transfer_engine, kv_block_bytes
@@ -389,13 +390,9 @@ def _paths(text: str) -> list[str]:
     return paths
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the description's line breaks and show every default."""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     qwen = SHAPES["qwen3-8b"]
-    p = argparse.ArgumentParser(prog="bench_migration", description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog="bench_migration", description=__doc__, formatter_class=HelpFormatter)
     where = p.add_argument_group("devices")
     where.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                        help="cuda: prefill cache on cuda:0, decode cache on cuda:1, NCCL; cpu: both in host memory, "

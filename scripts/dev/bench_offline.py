@@ -29,7 +29,7 @@ from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
 from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
-from flotilla.server.cli import add_engine_arguments, engine_config_from_args
+from flotilla.server.cli import HelpFormatter, add_engine_arguments, engine_config_from_args
 
 def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
                   vocab: int = 10000) -> tuple[list[list[int]], list[int]]:
@@ -148,7 +148,7 @@ def _parallel(config: EngineConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_offline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None,
                    help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")

@@ -45,6 +45,7 @@ import msgspec
 
 from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, summarize
 from flotilla.scripts.dev.bench_workload import Workload, arrival_offsets, nano_workload, random_workload
+from flotilla.server.cli import HelpFormatter
 
 _decode = msgspec.json.decode
 
@@ -230,10 +231,6 @@ async def benchmark(args: argparse.Namespace, rates: list[float]) -> dict[str, A
     }
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keep the usage examples' line breaks and show every default."""
-
-
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -246,9 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     server.add_argument("--endpoint", default="/v1/completions", help="the completions route under --base-url")
-    server.add_argument("--model", default=None, help="model name to send; None: the first in GET /v1/models")
+    server.add_argument("--model", default=None, help="model name to send; default: the first in GET /v1/models")
     server.add_argument("--api-key", default=None,
-                        help="sent as `Authorization: Bearer KEY`; None: $FLOTILLA_API_KEY, then $OPENAI_API_KEY, "
+                        help="sent as `Authorization: Bearer KEY`; default: $FLOTILLA_API_KEY, then $OPENAI_API_KEY, "
                              "then no key")
     work = p.add_argument_group("workload")
     work.add_argument("--dataset", choices=["random", "nano"], default="random",
@@ -276,8 +273,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--warmup", type=int, default=1,
                       help="short requests sent one by one before measuring (they also check the server works)")
     out = p.add_argument_group("metrics and output")
-    out.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO: time to first token at most, ms")
-    out.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO: time per output token at most, ms")
+    out.add_argument("--slo-ttft-ms", type=float, default=None,
+                     help="goodput SLO: time to first token at most, ms; default: none")
+    out.add_argument("--slo-tpot-ms", type=float, default=None,
+                     help="goodput SLO: time per output token at most, ms; default: none")
     out.add_argument("--json", default=None, help="write the command, server answer and every row to this file")
     out.add_argument("--save-detailed", action="store_true",
                      help="also write each request's TTFT, TPOT, ITLs and E2E (ms) to the JSON")
@@ -285,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="bench_serving", description=__doc__, formatter_class=_Formatter)
+    p = argparse.ArgumentParser(prog="bench_serving", description=__doc__, formatter_class=HelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
     args.argv = argv

@@ -22,6 +22,7 @@ import numpy as np
 import uvloop
 
 from flotilla.sampling_params import SamplingParams
+from flotilla.server.cli import HelpFormatter
 from flotilla.transport import endpoints as ep
 from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.messages import NewSequence, StepPlan, StepResult
@@ -152,7 +153,7 @@ async def _send_recv_costs(n: int, reps: int = 7) -> list[dict[str, float | str]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flotilla bench transport", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--messages", type=int, default=20_000, help="StepPlans sent for the throughput figure")
     p.add_argument("--round-trips", type=int, default=2_000, help="round trips for the latency figure")
     p.add_argument("--transports", default="inproc,ipc,tcp", help="comma-separated: inproc, ipc, tcp")

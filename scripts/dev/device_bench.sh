@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the GPU tests, step profiles, then the offline benchmarks at real shapes (each
-# workload REPEAT times on one engine, with the worker's step timeline), optionally a py-spy profile of every
-# engine process; everything in $OUT/results.tgz (the device returns at most 8 files per call), and FlashInfer's JIT
-# cache in $OUT/fic.* (gzip, split at 15 MB) for the next call:
-#   device run, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_bench.sh
-#   afterwards, here:  cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar   (setup.sh restores it)
+# On the GPU machine: the GPU tests, step profiles, then the offline benchmarks at real shapes (each workload REPEAT
+# times on one engine, with the worker's step timeline), optionally a py-spy profile of every engine process;
+# everything in $OUT/results.tgz, and FlashInfer's JIT cache in $OUT/fic.* (gzip, split at 15 MB) for the next run:
+#   from the checkout root, with .gpu-bundle/:  bash scripts/dev/device_bench.sh
+#   afterwards:  cat fic.* > .gpu-bundle/flashinfer-cache.tar   (setup.sh restores it)
 # MODELS (default "qwen3-0.6b qwen3-8b"), BENCH_ARGS (extra bench_offline flags), REPEAT (default 3), TESTS=0 (skip
 # the GPU tests: without a JIT cache they spend minutes compiling kernels), PROFILE=0 (skip the step profiles) and
 # SPY=1 (py-spy the first model's nano run; needs the static py-spy binary copied to .gpu-bundle/py-spy) adjust it.
@@ -15,7 +14,7 @@ source scripts/dev/device_env.sh
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/results
 mkdir -p "$R"
-# triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
+# triton's JIT cache from an earlier run (minutes of compiling on a bare machine): .gpu-bundle/triton-cache.tar
 [ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 tests=${TESTS:-1}
@@ -58,5 +57,5 @@ if [ -n "$test_pid" ]; then
 fi
 tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$R"
 tar -czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fic."
-# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+# for the next run:  cat tc.* > .gpu-bundle/triton-cache.tar
 tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."

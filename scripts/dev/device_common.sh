@@ -1,5 +1,5 @@
-# What the one-call device scripts (device_pd.sh, device_moe_x2.sh, device_wide_ep.sh) share; each sources it after
-# setting RESULTS (its results folder under $OUT) and, if it needs more than 20 s to pack them, PACK_S.
+# What the staged GPU-machine scripts (device_pd.sh, device_moe_x2.sh, device_wide_ep.sh) share; each sources it
+# after setting RESULTS (its results folder under $OUT) and, if it needs more than 20 s to pack them, PACK_S.
 # Sets T0, BUDGET (default 560 s), OUT, R (= $OUT/$RESULTS, created); defines stage (a timestamped heading) and cap.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 T0=$(date +%s)

@@ -4,11 +4,11 @@
 #
 # Why: flashinfer runs ninja before it loads any JIT module, and ninja rebuilds a module when one of its inputs is
 # newer than its outputs. pip gives the headers and sources it installs (flashinfer's csrc and include, tvm_ffi's)
-# the time of the install, which is newer than every object in the carried cache, so each fresh machine, and each
-# later `source` of setup.sh on the same machine, compiled every flashinfer module again: about 70 s of an engine's
-# start (docs/performance.md, 2026-12-01). Touching the cache's objects instead would not do: ninja then finds its
-# dependency log older than the objects and rebuilds as well.
-# The bundle: FLOTILLA_BUNDLE, else .gpu-bundle, else the slim .gpu-lite (no flashinfer) that a call carrying one of
+# the time of the install, which is newer than every object in the carried cache, so on each fresh machine, and at
+# each later `source` of setup.sh on the same machine, flashinfer would compile every module again, over a minute of
+# an engine's start. Touching the cache's objects instead would not do: ninja then finds its dependency log older
+# than the objects and rebuilds as well.
+# The bundle: FLOTILLA_BUNDLE, else .gpu-bundle, else the slim .gpu-lite (no flashinfer) that a run carrying one of
 # the vLLM peer's parts takes instead
 _bundle=${FLOTILLA_BUNDLE:-$([ -f .gpu-bundle/setup.sh ] || [ ! -f .gpu-lite/setup.sh ] && echo .gpu-bundle || echo .gpu-lite)}
 source "$_bundle/setup.sh"

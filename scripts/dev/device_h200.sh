@@ -1,28 +1,26 @@
 #!/usr/bin/env bash
-# One-GPU measurements that are not flotilla-against-vLLM comparisons (device_compare.sh and device_serving.sh do
-# those), as stages of one device call, named in SETUPS (default "peer tests mtp kernels profile_ds"):
-#   peer         copy the vLLM peer's xz parts carried in this call (.vllm-peer/vllm.tar.xz.part-*) to /tmp/vp/, where
-#                device_compare.sh's install finds them: a part is 50-55 MiB, so calls 1 and 2 carry one each, with
-#                .gpu-lite (the bundle without flashinfer) beside it
-#   tests        the GPU tests in TESTS (default: the ones changed since the last device session), for at most TESTS_S
-#                seconds (default 200), those matching TESTS_K (pytest -k, spaces allowed), with pytest's TESTS_ARGS
-#                ("-s" keeps the actors' stderr, and the stacks they
-#                print 15 s before the limit, in the log of a run the limit cuts)
+# One-GPU measurements other than the flotilla-against-vLLM comparisons (device_compare.sh and device_serving.sh run
+# those), as stages of one run, named in SETUPS (default "peer tests mtp kernels profile_ds"):
+#   peer         copy the vLLM peer's xz parts carried with the checkout (.vllm-peer/vllm.tar.xz.part-*) to /tmp/vp/,
+#                where device_compare.sh's install finds them (a part is 50-55 MiB: a run carries one, with .gpu-lite,
+#                the bundle without flashinfer, beside it)
+#   tests        the GPU tests in TESTS (default: the FP8, MoE, triton kernel and speculative-decoding tests), for at
+#                most TESTS_S seconds (default 200), those matching TESTS_K (pytest -k, spaces allowed), with pytest's
+#                TESTS_ARGS ("-s" keeps the actors' stderr, and the stacks they print 15 s before the limit, in the
+#                log of a run the limit cuts)
 #   dg_diag      the DeepGEMM FP8 experts' xfail test with -s: relative errors of the layer and of each grouped GEMM
-#   mtp          bench_mtp on DeepSeek-V3-4L with its MTP layer, 1-3 speculative tokens at forced acceptance (issue 9)
+#   mtp          bench_mtp on DeepSeek-V3-4L with its MTP layer, 1-3 speculative tokens at forced acceptance
 #   kernels      bench_kernels --quick over fp8_gemm, moe, fp8_moe and routing, small sizes also in CUDA graphs, with
 #                the tile variants in FP8_TILES and MOE_TILES
 #   profile_ds   profile_step --torch-profile on DeepSeek-V3-4L at batch 1 and 64 (FlashMLA, graphs)
 #   profile_q30  the same on Qwen3-30B-A3B (needs the full .gpu-bundle: flashinfer)
 #   ds_deepgemm  bench_offline on DeepSeek-V3-4L with --fp8-backend deep_gemm (DeepGEMM's dense FP8 linears)
 #   bench_q30    bench_offline on Qwen3-30B-A3B (Q30_WORKLOAD, default both: the nano workload and batch-1 decode,
-#                Q30_NANO_REPEAT runs, default 1;
-#                the worker's step trace summed up by batch size; FLOTILLA_LOG_JIT=1: triton compiles logged), once per
-#                variant in Q30_ATTN (default "auto"): an attention backend, with "+cublas" FLOTILLA_GEMV=0 (one-row
-#                linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small experts' per-slot down pass), "+pga"
-#                FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models); else the
-#                engine's defaults (until 2026-12-02 every variant without "+gemv" ran FLOTILLA_GEMV=0: the gemv
-#                kernel off, though the engine's default since 6f4da57)
+#                Q30_NANO_REPEAT runs, default 1; the worker's step trace summed up by batch size; FLOTILLA_LOG_JIT=1:
+#                triton compiles logged), once per variant in Q30_ATTN (default "auto"): an attention backend, with
+#                "+cublas" FLOTILLA_GEMV=0 (one-row linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small
+#                experts' per-slot down pass), "+pga" FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models);
+#                else the engine's defaults
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
 #                auto+km"), Q30_REPEAT runs each (default 3); "+km", "+kmall" and "+nopdl" (any stage's variants):
 #                FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=0
@@ -46,11 +44,10 @@
 #   moe_small    bench_kernels' moe bench at 1-16 tokens: the small-batch experts against the sorted ones (t=0) and
 #                the small path's tile variants in SMALL_TILES
 #   moe_large    the same bench at LARGE_TOKENS (default 64-8,192 tokens) over the sorted GEMMs' tile variants in
-#                LARGE_TILES (after vLLM's tuned H200 configs for E=128, N=768: BLOCK_N halved, since our gate_up
+#                LARGE_TILES (after vLLM's tuned configs for E=128, N=768: BLOCK_N halved, since flotilla's gate_up
 #                programs hold gate and up; pn/pk/pw/ps tile the down pass on its own)
 # Stages run in this file's order whatever SETUPS's order (tests and kernel benches first, the larger sweeps last).
-# Carry ".gpu-bundle", or ".gpu-lite" beside one of the vLLM peer's parts; docs/performance.md ("The next device
-# session, in order") has the calls the next session makes.
+# Carry ".gpu-bundle", or ".gpu-lite" beside one of the vLLM peer's parts.
 # Each stage has its own timeout, capped by what is left of BUDGET (default 560 s). Results in $OUT/h200.tgz.
 # CPU smoke run (stages that need no GPU model): NO_BUNDLE=1 SETUPS="peer" bash scripts/dev/device_h200.sh
 set -uo pipefail
@@ -58,7 +55,7 @@ RESULTS=h200
 source scripts/dev/device_common.sh
 SETUPS=${SETUPS:-peer tests mtp kernels profile_ds}
 want() { [[ " $SETUPS " == *" $1 "* ]]; }
-# triton's JIT cache from an earlier call (a call's tc.* parts, joined): kernels unchanged since compile no more
+# triton's JIT cache from an earlier run (its tc.* parts, joined): unchanged kernels do not compile again
 [ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 
 if want peer; then
@@ -147,15 +144,14 @@ fi
 want profile_q30 && profile profile_q30 qwen3-30b-a3b
 want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
 gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cublas][+ds]" -> FLOTILLA_GEMV
-# tiles_of: a variant's FLOTILLA_MOE_TILES ("+pn128": the sorted down pass's 128-column tiles, the default before 2026-12-03)
+# tiles_of: a variant's FLOTILLA_MOE_TILES ("+pn128": the sorted down pass on 128-column tiles)
 tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; [[ $1 == *+c1* ]] && t="c=1,$t"; [[ $1 == *+pn128* ]] && t="pn=128,$t"; echo "$t"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
-label_of() { echo "${1//+/_}"; }  # a variant in file names (the device tool returns no file with "+" in its name)
+label_of() { echo "${1//+/_}"; }  # a variant in file names (result files with "+" in their names do not come back)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 # variant_env: the environment variables a variant's suffixes set (any stage's variants).
 # "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
-# MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch, the default since the eighteenth
-# session; "+pdl" is the default now); else the defaults ("+fold", the folded norm, was removed in that session)
+# MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch); else the defaults
 # "+c1": the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
 # metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel);
 # "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N (flashinfer_triton's decode on triton's kernel up to N sequences)
@@ -290,8 +286,8 @@ fi
 
 stage "pack"
 tar -czf "$OUT/h200.tgz" -C "$OUT" h200
-# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+# for the next run:  cat tc.* > .gpu-bundle/triton-cache.tar
 [ -d ~/.triton/cache ] && tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."
-# and FlashInfer's:  cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar  (setup.sh restores it; SAVE_FI=0: not)
+# and FlashInfer's:  cat fic.* > .gpu-bundle/flashinfer-cache.tar  (setup.sh restores it; SAVE_FI=0: not)
 [ "${SAVE_FI:-1}" = 1 ] && [ -d ~/.cache/flashinfer ] && tar -czf - -C ~/.cache flashinfer | split -b 15M - "$OUT/fic."
 exit 0

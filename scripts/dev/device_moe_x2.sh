@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# MoE on two GPUs (issue 8), in one device call: the same workloads (bench_offline: the nano-vllm workload and batch-1
-# decode) on one GPU, at TP=2 (eager, and with FLOTILLA_TP_GRAPHS=1 if tests/test_tp_graphs.py passes first), and at
-# DP2 x EP2 (attention data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with
-# --all2all-backend allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs,
-# FLOTILLA_EP_GRAPHS=1, if tests/test_ep_graphs.py passes first).
-#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_moe_x2.sh
-#   afterwards, here: tar -xzf FILES_AT/moe-x2.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
-# Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the call ends in time and
+# MoE on two GPUs: the same workloads (bench_offline: the nano-vllm workload and batch-1 decode) on one GPU, at TP=2
+# (eager, and with FLOTILLA_TP_GRAPHS=1 if tests/test_tp_graphs.py passes first), and at DP2 x EP2 (attention
+# data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with --all2all-backend
+# allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs, FLOTILLA_EP_GRAPHS=1, if
+# tests/test_ep_graphs.py passes first).
+#   on a machine with two GPUs, from the checkout root, with .gpu-bundle/:  bash scripts/dev/device_moe_x2.sh
+#   afterwards: tar -xzf moe-x2.tgz; for the next run: cat tc.* > .gpu-bundle/triton-cache.tar
+# Every run has its own timeout, capped by what is left of BUDGET (default 560 s), so the script ends within it and
 # still packs its results. Adjust with: MODEL (default qwen3-30b-a3b), MODEL_DIR (a folder instead of the shape),
-# SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g"; more than one call's budget holds at the 30B shape:
-# a second call with SETUPS="tests a2a dp2ep2g dp2ep2gg tp2g" finishes them; a2a: bench_ep's layer cost at world size
+# SETUPS (default "tests 1gpu dp2ep2 tp2 dp2ep2g dp2ep2gg tp2g"; at the 30B shape they take more than one BUDGET:
+# a second run with SETUPS="tests a2a dp2ep2g dp2ep2gg tp2g" finishes them; a2a: bench_ep's layer cost at world size
 # 2, both --all2all-backend values), ARGS (extra bench_offline flags for every setup), EP_ARGS (extra bench_ep flags).
 # CPU smoke run (gloo, no GPU), on a tiny MoE written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from helpers_tiny_models import write_tiny_moe_model as w; \
@@ -79,6 +79,6 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("flotilla-*.json")):
           f"batch-1 {r.get('b1_decode_tok_per_s')} tok/s, start {r.get('engine_start_s')} s, {r.get('attention')}")
 PY
 tar -czf "$OUT/moe-x2.tgz" -C "$OUT" moe-x2
-# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+# for the next run:  cat tc.* > .gpu-bundle/triton-cache.tar
 [ -d ~/.triton ] && tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."
 exit 0

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Prefill-decode disaggregation on a machine with two GPUs (issue 7), in one device call:
+# Prefill-decode disaggregation on a machine with two GPUs, in stages:
 #   1. the two-GPU tests of the torch_dist KV backend (NCCL), of the KV-migration actors and of TP=2 decode graphs;
 #   2. KV migration bandwidth cuda:0 -> cuda:1 at Qwen3-8B's KV shape (scripts/dev/bench_migration.py: the actors'
 #      path, the engine's send/recv, raw NCCL and a plain peer copy);
 #   3. serving on the Qwen3-8B shape (random weights, token-id prompts): 1P1D (`--engines prefill,decode`,
 #      torch_dist KV over NCCL; the fleet gives engine k GPU k) against two colocated engines (`--engines both,both`,
 #      the router balancing them), the same bench_serving requests and rates against each.
-#   device run, kind nvidia-h200-x2, carry [".gpu-bundle"], timeout 600:  bash scripts/dev/device_pd.sh
-#   afterwards, here: tar -xzf FILES_AT/pd.tgz; for the next call: cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
-#   and cat FILES_AT/fic.* > .gpu-bundle/flashinfer-cache.tar (setup.sh restores both)
-# Every stage runs under its own timeout, each capped by what is left of BUDGET (default 560 s) so the call ends in
-# time and still packs its results. Adjust with: MODEL (default qwen3-8b), MODEL_DIR (a model folder instead),
+#   from the checkout root, with .gpu-bundle/:  bash scripts/dev/device_pd.sh
+#   afterwards: tar -xzf pd.tgz; for the next run: cat tc.* > .gpu-bundle/triton-cache.tar
+#   and cat fic.* > .gpu-bundle/flashinfer-cache.tar (setup.sh restores both)
+# Every stage runs under its own timeout, each capped by what is left of BUDGET (default 560 s) so the script ends
+# within it and still packs its results. Adjust with: MODEL (default qwen3-8b), MODEL_DIR (a model folder instead),
 # RATES (default 2,4), PROMPTS per rate (48), INPUT_LEN / OUTPUT_LEN / RANGE (3072 / 96 / 0.33: prompts of
 # 2058-4086 tokens, outputs of 64-128), MAX_LEN (4608), MIG_ARGS (bench_migration's flags; default
 # "--round-blocks 64,256 --poll-caps 0.0001"), SERVE_ARGS (extra `flotilla serve` flags for both setups), STAGES (default

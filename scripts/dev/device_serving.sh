@@ -2,10 +2,9 @@
 # Serving curves on the GPU machine: `flotilla serve` on a built-in shape (random bf16 weights, no tokenizer: the
 # prompts are token ids), then bench_serving at several Poisson request rates; with VLLM=1 (after the vLLM peer's
 # install, scripts/dev/device_compare.sh) `vllm serve` on the same shape and the same requests. One PNG per model:
-#   device run, carry [".gpu-bundle"] (and the vLLM peer's paths for VLLM=1), timeout 600:
-#     bash scripts/dev/device_serving.sh
+#   from the checkout root, with .gpu-bundle/ (and the vLLM peer's paths for VLLM=1):  bash scripts/dev/device_serving.sh
 # `vllm serve` needs prometheus_fastapi_instrumentator, which the peer's bundle (make.sh) lacks: before the peer's
-# third call, `pip download --no-deps -d .vllm-peer/wheels/cli prometheus-fastapi-instrumentator==8.1.0
+# install, `pip download --no-deps -d .vllm-peer/wheels/cli prometheus-fastapi-instrumentator==8.1.0
 # prometheus-client==0.26.0` (its install.sh installs wheels/cli/*). Without it vLLM's API server dies at start.
 # MODEL (default qwen3-8b), RATES (default 1,2,4,8,16,inf), PROMPTS per rate (default 200), INPUT_LEN / OUTPUT_LEN
 # (default 1024 / 128), MODEL_DIR (a model folder instead of the shape; a CPU smoke run: NO_BUNDLE=1 MODEL_DIR=tiny
@@ -15,7 +14,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/flotilla-out}
 R=$OUT/serving
 mkdir -p "$R"
-# triton's JIT cache from an earlier call (~100 s of compiling on a bare machine): .gpu-bundle/triton-cache.tar
+# triton's JIT cache from an earlier run (minutes of compiling on a bare machine): .gpu-bundle/triton-cache.tar
 [ -f .gpu-bundle/triton-cache.tar ] && mkdir -p ~/.triton && tar -xzf .gpu-bundle/triton-cache.tar -C ~/.triton
 M=${MODEL:-qwen3-8b}
 DIR=${MODEL_DIR:-$(python3 -c "from flotilla.scripts.dev.bench_shapes import shape_dir; print(shape_dir('$M'))")}
@@ -64,5 +63,5 @@ if [ "${VLLM:-0}" = 1 ] && [ -f /tmp/vp/env.sh ]; then
 fi
 [ -f "$R/serve-flotilla.json" ] && python3 -m flotilla.scripts.dev.plot_serving "${plots[@]}" "$R/serving-$M.png"
 tar -czf "$OUT/serving.tgz" -C "$OUT" serving
-# for the next call:  cat FILES_AT/tc.* > .gpu-bundle/triton-cache.tar
+# for the next run:  cat tc.* > .gpu-bundle/triton-cache.tar
 tar -czf - -C ~/.triton cache 2>/dev/null | split -b 15M - "$OUT/tc."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wide expert parallelism on 4 or 8 GPUs (issue 10), in one device call:
+# Wide expert parallelism on 4 or 8 GPUs, in stages:
 #   1. the expert all-to-all of one DeepSeek-V3 MoE layer at world size GPUS (scripts/dev/bench_ep.py: dispatch and
 #      combine over NCCL, per layer, at several tokens per rank; deep_ep is not built, so NCCL it is), and the same
 #      layer's all-gather / reduce-scatter (--all2all-backend allgather_reducescatter);
@@ -7,9 +7,8 @@
 #      fixed workload (REQUESTS prompts of 2,000 tokens, 256 output tokens each, all at once): decode tok/s per GPU
 #      and the experts' and ranks' load imbalance, at DP=GPUS x EP (attention data-parallel, experts split) and at
 #      TP=GPUS on the same GPUs; then DP x EP again with allgather_reducescatter (stage dpep-gather), if time is left.
-#   device run, kind nvidia-h200-x8 (or -x4 with GPUS=4), carry [".gpu-bundle"], timeout 600:
-#     bash scripts/dev/device_wide_ep.sh
-#   afterwards, here: tar -xzf FILES_AT/wide-ep.tgz
+#   on a machine with 8 GPUs (or 4, GPUS=4), from the checkout root, with .gpu-bundle/:  bash scripts/dev/device_wide_ep.sh
+#   afterwards: tar -xzf wide-ep.tgz
 # Every stage runs under its own timeout, capped by what is left of BUDGET (default 560 s). Adjust with: GPUS
 # (default: as many as nvidia-smi lists), LAYERS (default 5 per GPU: with EP each GPU holds 1/GPUS of each layer's
 # 11 GB of FP8 experts), REQUESTS (default 128 per GPU), FIXED_IN / FIXED_OUT (2000 / 256), EP_TOKENS (bench_ep's

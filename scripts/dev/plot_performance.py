@@ -1,6 +1,6 @@
-"""Plot flotilla against the vLLM peer from the JSON files the benchmarks wrote (docs/results/DATE/).
+"""Plot flotilla against the vLLM peer from the JSON files the benchmarks wrote (device_compare.sh's compare/).
 
-    python -m flotilla.scripts.dev.plot_performance docs/results/2026-11-30 docs/performance-2026-11-30.png
+    python -m flotilla.scripts.dev.plot_performance RESULTS_DIR performance.png
 
 Files: peer-MODEL.json (vLLM), flotilla-MODEL.json (the default engine) and flotilla-MODEL-VARIANT.json
 (a variant, labelled "flotilla (VARIANT)"). Several folders may be given joined by ':'; a label found
