@@ -1,7 +1,7 @@
 """A minimal streaming chat client that reads flotilla's SSE by hand (no openai package needed).
 
     flotilla serve &            # in another terminal
-    python docs/examples/sse_chat.py "What is the capital of France?"
+    python examples/sse_chat.py "What is the capital of France?"
 """
 
 from __future__ import annotations
