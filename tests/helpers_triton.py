@@ -74,15 +74,3 @@ def nan_scratch(monkeypatch: Any) -> None:
 
     for name in ("empty", "empty_like"):
         monkeypatch.setattr(torch, name, lambda *a, real=getattr(torch, name), **kw: real(*a, **kw).fill_(float("nan")))
-
-
-def with_both_merges(monkeypatch: Any, run: Any) -> dict[bool, Any]:
-    """{False: run(False), True: run(True)}: the decode kernels' splits merged by a second launch, then in the decode
-    kernel itself (kernels/triton/attention.py MERGE_IN_KERNEL, GQA and MLA)."""
-    from flotilla.kernels.triton import attention
-
-    got = {}
-    for in_kernel in (False, True):
-        monkeypatch.setattr(attention, "MERGE_IN_KERNEL", frozenset({"gqa", "mla"} if in_kernel else ()))
-        got[in_kernel] = run(in_kernel)
-    return got

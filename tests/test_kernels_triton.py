@@ -238,16 +238,13 @@ def test_decode_drops_the_never_written_partials_of_empty_splits(monkeypatch):
     _check_attention(seqs, 4, 4, 2, 16, torch.float32, seed=21, run=run)
 
 
-@pytest.mark.parametrize(("num_splits", "chunk"), [(1, None), (3, None), (8, None), (8, 3)])
-def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, num_splits, chunk):
-    """The last split of a (sequence, KV head) to finish merges the group's splits (arrival counters) with the same
-    bits as _decode_merge_kernel's second launch, whatever its chunk of splits per step (chunk: forced on the
-    in-kernel merge alone), and leaves the counters at 0. A padding sequence (seq_len 0: all splits empty, output 0),
-    contexts shorter than one split and ones filling most splits; a group of 3 (a masked merge row); scratch
-    buffers NaN, so a merge reading an empty split's partial, or a row left unwritten, would show."""
-    from helpers_triton import Launches, nan_scratch, with_both_merges
-
-    from flotilla.kernels.arrivals import arrival_counters
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_merge_launch_skips_empty_splits_and_padding(monkeypatch, num_splits):
+    """The second launch merges a split decode with the same bits whatever its chunk of splits per step: a padding
+    sequence (seq_len 0: all splits empty, output 0), contexts shorter than one split and ones filling most splits;
+    a group of 3 (a masked merge row); scratch buffers NaN, so a merge reading an empty split's partial, or a row
+    left unwritten, would show."""
+    from helpers_triton import Launches, nan_scratch
 
     seqs = [(0, 1), (0, 1), (4, 1), (39, 1), (129, 1)]
     meta, cache, q, k, v = _paged_case(seqs, 4, 3, 1, 16, torch.float32, seed=num_splits)
@@ -257,25 +254,19 @@ def test_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, n
     nan_scratch(monkeypatch)
     merge = Launches(tri_attn._decode_merge_kernel)
     monkeypatch.setattr(tri_attn, "_decode_merge_kernel", merge)
-
-    def run(in_kernel: bool) -> torch.Tensor:
-        if in_kernel and chunk:
-            monkeypatch.setattr(tri_attn, "merge_chunk", lambda block_s, block_d: chunk)
-        return tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
-
-    got = with_both_merges(monkeypatch, run)
-    assert merge.count == (num_splits > 1)  # the launch path's second launch, and none for the in-kernel merge
-    assert torch.equal(got[True], got[False])
-    assert not arrival_counters(DEVICE).any()
-    assert not got[True][0].any()
-    torch.testing.assert_close(got[True][1:], want[1:], atol=1e-5, rtol=1e-5)
+    got = tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16)
+    assert merge.count == (num_splits > 1)
+    monkeypatch.setattr(tri_attn, "merge_chunk", lambda block_s, block_d: 3)
+    assert torch.equal(tri_attn.paged_decode_attention(q, cache, meta, 0.25, num_splits=num_splits, block_n=16), got)
+    assert not got[0].any()
+    torch.testing.assert_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
 
 
 def _single_split_case(monkeypatch, seqs, num_heads, num_kv_heads, head_dim, dtype, num_splits, block_n):
-    """(got by merge path {False: second launch, True: in the kernel}, the one-split output, the reference, seq_lens)
-    of a decode over fixed `num_splits` (a CUDA graph's), scratch NaN: a merge that wrote a sequence the decode
-    kernel wrote itself would show."""
-    from helpers_triton import nan_scratch, with_both_merges
+    """(the split decode's output, the one-split output, the reference, seq_lens) of a decode over fixed
+    `num_splits` (a CUDA graph's), scratch NaN: a merge that wrote a sequence the decode kernel wrote itself would
+    show."""
+    from helpers_triton import nan_scratch
 
     meta, cache, q, k, v = _paged_case(seqs, 16, num_heads, num_kv_heads, head_dim, dtype, seed=len(seqs))
     tri_attn.store_kv(k, v, cache, meta.slot_mapping)
@@ -283,67 +274,38 @@ def _single_split_case(monkeypatch, seqs, num_heads, num_kv_heads, head_dim, dty
     want = torch_ref.paged_attention(q.float(), cache.float(), meta, scale)
     one_split = tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=1, block_n=block_n)
     nan_scratch(monkeypatch)
-    got = with_both_merges(monkeypatch, lambda _: tri_attn.paged_decode_attention(
-        q, cache, meta, scale, num_splits=num_splits, block_n=block_n))  # fmt: skip
+    got = tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=num_splits, block_n=block_n)
     return got, one_split, want, meta.seq_lens.cpu()
 
 
 def test_decode_writes_a_context_within_split_0_itself_and_merges_the_rest(monkeypatch):
     """Splits are whole tiles, so a context within split 0's share is written by split 0, with the bits of a one-split
-    decode, and the merge (either) leaves it alone; longer ones are merged. Both merges give the same bits, and every
-    sequence matches the reference."""
-    from flotilla.kernels.arrivals import arrival_counters
-
+    decode, and the merge leaves it alone; longer ones are merged. Every sequence matches the reference."""
     seqs = [(c, 1) for c in (0, 14, 15, 31, 90, 200)]  # seq_len 1 ... 201
     got, one_split, want, seq_lens = _single_split_case(monkeypatch, seqs, 6, 2, 16, torch.float32, num_splits=8,
                                                         block_n=16)  # fmt: skip
-    assert torch.equal(got[True], got[False])
-    assert not arrival_counters(DEVICE).any()
-    torch.testing.assert_close(got[False], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     single = (seq_lens <= (-(-seq_lens // 8) + 15) // 16 * 16).tolist()
     # seq_lens 1, 15, 16, 32, 91, 201; eight splits of whole tiles take 16 positions each (32 at 201)
     assert single == [True, True, True, False, False, False]
     for i, one in enumerate(single):
         if one:  # one split wrote it: exactly the one-split decode's numbers
-            assert torch.equal(got[False][i], one_split[i]), i
+            assert torch.equal(got[i], one_split[i]), i
 
 
 @gpu_test
 @pytest.mark.parametrize("batch", [1, 8])
 def test_gpu_decode_single_split_at_qwen3_30b_a3b_sizes(monkeypatch, batch):
-    """Qwen3-30B-A3B's heads in bf16 at a CUDA graph's 64 splits, contexts of 1 to 3,000: both merges give the same
-    bits, each sequence the reference's numbers, and the contexts within one tile (64 positions) the one-split
-    decode's bits."""
+    """Qwen3-30B-A3B's heads in bf16 at a CUDA graph's 64 splits, contexts of 1 to 3,000: each sequence the
+    reference's numbers, and the contexts within one tile (64 positions) the one-split decode's bits."""
     seqs = [(random.Random(batch + i).randint(0, 3000 if i % 2 else 63), 1) for i in range(batch)]
     got, one_split, want, seq_lens = _single_split_case(monkeypatch, seqs, 32, 4, 128, torch.bfloat16, num_splits=64,
                                                         block_n=None)  # fmt: skip
     torch.cuda.synchronize()
-    assert torch.equal(got[True], got[False])
-    torch.testing.assert_close(got[False].float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     short = (seq_lens <= 64).nonzero().flatten().tolist()
     assert short, "no context within one tile"
-    assert torch.equal(got[False][short], one_split[short])
-
-
-@gpu_test
-@pytest.mark.parametrize("batch", [1, 8])
-def test_gpu_decode_merge_in_the_kernel_gives_the_second_launchs_bits(monkeypatch, batch):
-    """Qwen3-30B-A3B's heads (32 query, 4 KV, head_dim 128) in bf16 at a CUDA graph's 64 splits, contexts of 1 to
-    3,000: the in-kernel merge's bits are the second launch's on the GPU too, and the counters are left at 0."""
-    from helpers_triton import with_both_merges
-
-    from flotilla.kernels.arrivals import arrival_counters
-
-    seqs = [(random.Random(batch + i).randint(0, 3000), 1) for i in range(batch)]
-    meta, cache, q, k, v = _paged_case(seqs, 16, 32, 4, 128, torch.bfloat16, seed=batch)
-    tri_attn.store_kv(k, v, cache, meta.slot_mapping)
-    got = with_both_merges(monkeypatch, lambda _: [tri_attn.paged_decode_attention(q, cache, meta, 0.088,
-                                                                                   num_splits=64) for _ in range(2)])
-    torch.cuda.synchronize()
-    assert all(torch.equal(g, got[False][0]) for g in got[True] + got[False][1:])
-    assert not arrival_counters(DEVICE).any()
-    want = torch_ref.paged_attention(q.float(), cache.float(), meta, 0.088)
-    torch.testing.assert_close(got[True][0].float(), want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[short], one_split[short])
 
 
 def test_backend_dispatch_and_forward_picks_decode_or_prefill():

@@ -10,9 +10,6 @@ from helpers_triton import compile_for_sm90
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 
 
-_DECODE_MERGE_OFF = dict(MERGE_LAST=False, MERGE_H=1, BLOCK_S=1, CHUNK_S=1)
-
-
 def _compile_specs() -> list:
     """(module, kernel, pointer element types, float args, constexprs, num_warps) at production shapes:
     bf16 Llama-3-8B heads (GQA 4, head_dim 128), a group of 3, head_dim 256; fp32 for the "ieee" dots."""
@@ -20,13 +17,11 @@ def _compile_specs() -> list:
     specs: list = []
     for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
         paged = {"q_ptr": f"*{dt}", "cache_ptr": f"*{dt}", "out_ptr": f"*{dt}", "qsl_ptr": "*i32",
-                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                 "count_ptr": "*i32"}  # fmt: skip
+                 "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}  # fmt: skip
         # fp32 only for the common shapes: its "ieee" dots take seconds each to compile
-        for direct, merge in ((True, False), (False, False)) if dt == "bf16" else ((False, True),):
+        for direct in (True, False) if dt == "bf16" else (False,):
             specs.append((att, "_decode_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
                 PAGE_SIZE=16, GROUP=4, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=direct, DOT_PRECISION=precision,
-                **(dict(MERGE_LAST=True, MERGE_H=4, BLOCK_S=8, CHUNK_S=8) if merge else _DECODE_MERGE_OFF),
             ), 4))  # fmt: skip
         for group, block_d, block_n in ((4, 128, 64), (3, 128, 64), (3, 256, 32)) if dt == "bf16" else ((4, 128, 64),):
             specs.append((att, "_prefill_kernel", paged, ["sm_scale_log2", "v_scale"], dict(
@@ -39,10 +34,9 @@ def _compile_specs() -> list:
                 part_lse_ptr="*fp32")  # fmt: skip
     # an FP8 (e4m3) KV cache under bf16 queries: quantizing stores, converting loads
     paged_fp8 = {**paged, "q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": "*fp8e4nv"}
-    # with Qwen3-30B-A3B's group of 8 and batch 1's in-kernel merge of 8 splits, 4 per step
+    # with Qwen3-30B-A3B's group of 8
     specs.append((att, "_decode_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
-        PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32",
-        MERGE_LAST=True, MERGE_H=8, BLOCK_S=8, CHUNK_S=4), 4))
+        PAGE_SIZE=16, GROUP=8, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, DIRECT_OUT=False, DOT_PRECISION="tf32"), 4))
     specs.append((att, "_prefill_kernel", paged_fp8, ["sm_scale_log2", "v_scale"], dict(
         PAGE_SIZE=16, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
     fp8 = {**bf16, "cache_ptr": "*fp8e4nv"}

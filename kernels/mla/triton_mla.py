@@ -5,9 +5,8 @@ one cache "head" per token: row = [c_kv (kv_lora_rank) || k_pe (rope_dim)], keys
 first kv_lora_rank entries (kernels/mla/torch_ref.py is the oracle). Flash-decoding, as the GQA kernel in
 kernels/triton/attention.py: a program owns (sequence, tile of BLOCK_H query heads, split of the context), so
 each row of the context is read once per head tile; the score is q_latent . c_kv + q_pe . k_pe (two dots, no
-padding of 576 to 1024); long contexts are cut into splits merged by log-sum-exp as the GQA kernel's are: by
-the head tile's last split to finish (FLOTILLA_DECODE_MERGE=all), or in a second launch (the default: slower
-here on an H200; kernels/triton/attention.py has the numbers), with the same bits. Tokens are gathered through
+padding of 576 to 1024); long contexts are cut into splits merged by log-sum-exp in a second launch, the GQA
+kernel's merge (kernels/triton/attention.py _decode_merge_kernel). Tokens are gathered through
 the block table one by one (page = table[pos // block_size]), so any block size works with any tile. An FP8 (e4m3)
 cache is converted on load, kv_scale folded into the softmax scale and the output.
 
@@ -30,10 +29,8 @@ from flotilla.kernels.triton.attention import (
     _decode_num_splits,
     _dot_precision,
     _finish_decode,
-    _merge_options,
     _pages,
     _split_range,
-    decode_merge_counters,
     merge_chunk,
 )
 
@@ -89,16 +86,15 @@ def _mla_tile(
 
 @triton.jit
 def _mla_decode_kernel(
-    qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, kv_scale, num_splits, num_heads, kv_lora_rank, rope_dim,
     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, head tile, split): BLOCK_H query heads over this split's share of the context; one
-    split writes the output, several write normalized partials and their log2-sum-exp, which the head tile's last
-    split to finish merges (MERGE_LAST, MERGE_H == BLOCK_H) or _decode_merge_kernel does."""
+    split writes the output, several write normalized partials and their log2-sum-exp, which _decode_merge_kernel
+    merges."""
     seq = tl.program_id(0)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,10 +122,9 @@ def _mla_decode_kernel(
                                   offs_l, mask_l, offs_r, mask_r, kv_lora_rank, sm_scale_log2, stride_cb, stride_cs,
                                   PAGE_SIZE, DOT_PRECISION)  # fmt: skip
 
-    _finish_decode(acc, m_i, l_i, kv_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads,
-                   mask_h, offs_l, mask_l, kv_lora_rank, num_heads, num_splits, stride_ot, stride_oh,
-                   head_tile * BLOCK_H, num_heads - head_tile * BLOCK_H, single,
-                   DIRECT_OUT, MERGE_LAST, MERGE_H, BLOCK_S, BLOCK_L, CHUNK_S)  # fmt: skip
+    _finish_decode(acc, m_i, l_i, kv_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h,
+                   offs_l, mask_l, kv_lora_rank, num_heads, num_splits, stride_ot, stride_oh, single,
+                   DIRECT_OUT)  # fmt: skip
 
 
 @triton.jit
@@ -230,25 +225,23 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     head_tiles = triton.cdiv(num_heads, block_h)
     splits = num_splits if num_splits is not None else _decode_num_splits(num_seqs, head_tiles, meta.max_seq_len)
     block_l = max(_MIN_DOT, triton.next_power_of_2(kv_lora_rank))
-    counters = None
     if splits > 1:
         part_o = torch.empty(num_seqs, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q_latent.device)
-        counters = decode_merge_counters(q_latent.device, num_seqs * head_tiles, "mla")
     else:  # unused (DIRECT_OUT), but the kernel needs pointers
         part_o = part_lse = out
     kv_scale = float(kv_scale) if is_fp8(kv_cache.dtype) else 1.0
     block_s = triton.next_power_of_2(splits)
     _mla_decode_kernel[(num_seqs, head_tiles, splits)](
-        q_latent, q_pe, kv_cache, out, part_o, part_lse, counters, meta.query_start_loc, meta.seq_lens,
+        q_latent, q_pe, kv_cache, out, part_o, part_lse, meta.query_start_loc, meta.seq_lens,
         meta.block_tables, scale * kv_scale * _LOG2E, kv_scale, splits, num_heads, kv_lora_rank, rope_dim,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=max(_MIN_DOT, block_n), BLOCK_L=block_l,
         BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(rope_dim)), DIRECT_OUT=splits == 1,
-        DOT_PRECISION=_dot_precision(q_latent.dtype), **_merge_options(counters is not None, block_h, block_s, block_l),
+        DOT_PRECISION=_dot_precision(q_latent.dtype),
     )  # fmt: skip
-    if splits > 1 and counters is None:
+    if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, meta.query_start_loc, meta.seq_lens, splits, num_heads, kv_lora_rank, out.stride(0),
             out.stride(1), BLOCK_S=block_s, BLOCK_D=block_l, CHUNK_S=merge_chunk(block_s, block_l),

@@ -9,13 +9,8 @@ Two attention kernels, chosen by meta.max_query_len (a python int, so choosing c
 - decode (every sequence has one new token): flash-decoding. A program owns one (sequence, KV head,
   split of the context); all query heads of the GQA group ride in the M dimension of one tl.dot, so
   each K/V tile is read from HBM once per group instead of once per query head. Long contexts are cut
-  into splits so a small batch still fills the GPU, merged by their log-sum-exp: by the last program of
-  a (sequence, KV head) to finish (a "last arriver", kernels/arrivals.py), or by a second kernel where
-  the arrival counters are not available (a CUDA graph captured before their first use, more pieces
-  than counters) or FLOTILLA_DECODE_MERGE leaves it to the launch (read at import: "launch", the default
-  until the in-kernel merge's GPU tests have run; "gqa" merges here in the decode kernel; "all" in triton's
-  MLA decode kernel too). Both merges run the same code (_merge_splits) and give the same bits; at batch 1
-  the second launch cost 2.9 us per layer and a ~0.46 us gap on an H200 (Qwen3-30B-A3B, 48 layers).
+  into splits so a small batch still fills the GPU, merged by their log-sum-exp in a second kernel
+  (_decode_merge_kernel).
 - prefill / mixed (any number of new tokens per sequence): flash attention. A program owns one
   (sequence, tile of new tokens, KV head); its M rows are (token, query head of the group) pairs,
   again so K/V is shared by the group. It walks the paged context up to the tile's last causal key.
@@ -34,13 +29,10 @@ to +-448) in the kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_after_metadata, wait_before_metadata
@@ -55,18 +47,6 @@ H100/H200), so batch-1 long-context decode is not limited to num_kv_heads SMs.""
 _DECODE_MIN_TOKENS_PER_SPLIT = 256
 """...but no split gets fewer context tokens than this: tiny splits cost more to merge than they save."""
 _DECODE_MAX_SPLITS = 64
-_DECODE_MERGE = os.environ.get("FLOTILLA_DECODE_MERGE", "launch")
-_MERGE_FAMILIES = {"launch": frozenset(), "gqa": frozenset({"gqa"}), "all": frozenset({"gqa", "mla"})}
-if _DECODE_MERGE not in _MERGE_FAMILIES:
-    raise ValueError(f"FLOTILLA_DECODE_MERGE is one of {sorted(_MERGE_FAMILIES)}, not {_DECODE_MERGE!r}")
-MERGE_IN_KERNEL = _MERGE_FAMILIES[_DECODE_MERGE]
-"""The decode kernels ("gqa": this module's, "mla": kernels/mla/triton_mla.py's) whose splits merge in the decode
-kernel where the arrival counters allow (FLOTILLA_DECODE_MERGE, read at import; tests set this instead), the others'
-in a second launch. On an H200 (2026-12-02, seventeenth session) the in-kernel merge took Qwen3-30B-A3B's batch-1
-attention from 5.24 + 2.90 us per layer (and a gap between the launches) to 7.38 us, and slowed DeepSeek-V3-4L's
-(triton MLA, batch 1: 674.0 against 691.5 tok/s; one program merges 16 heads of 512 columns, a split at a time).
-Off by default until its GPU tests (the bits of both merges at the models' sizes, graphs against eager) have run:
-FLOTILLA_DECODE_MERGE=gqa is the measured gain."""
 
 
 @triton.jit
@@ -154,19 +134,17 @@ def _split_range(qsl_ptr, seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.cons
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, v_scale, num_splits, num_heads, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence b, KV head, split): the GQA group's queries over this split's share of the
-    context. With one split, or a context that fits in split 0, it writes the
-    output; otherwise a normalized partial output and its log2-sum-exp, which the group's last split to finish
-    merges (MERGE_LAST) or _decode_merge_kernel does."""
+    context. With one split, or a context that fits in split 0, it writes the output; otherwise a normalized
+    partial output and its log2-sum-exp, which _decode_merge_kernel merges."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
@@ -205,26 +183,20 @@ def _decode_kernel(
         )  # fmt: skip
         page = page_ahead
 
-    _finish_decode(acc, m_i, l_i, v_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads,
-                   mask_h, offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, kv_head * GROUP,
-                   GROUP, single, DIRECT_OUT, MERGE_LAST, MERGE_H, BLOCK_S, BLOCK_D, CHUNK_S)  # fmt: skip
+    _finish_decode(acc, m_i, l_i, v_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h,
+                   offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, single,
+                   DIRECT_OUT)  # fmt: skip
 
 
 @triton.jit
 def _finish_decode(
-    acc, m_i, l_i, out_scale, out_ptr, part_o_ptr, part_lse_ptr, count_ptr, seq, token, split, heads, mask_h,
-    offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, first_head, group_heads, single,
-    DIRECT_OUT: tl.constexpr, MERGE_LAST: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
+    acc, m_i, l_i, out_scale, out_ptr, part_o_ptr, part_lse_ptr, seq, token, split, heads, mask_h,
+    offs_d, mask_d, head_dim, num_heads, num_splits, stride_ot, stride_oh, single, DIRECT_OUT: tl.constexpr,
 ):  # fmt: skip
     """A decode program's epilogue (GQA and MLA kernels alike): with one split, or a context wholly in split 0
     (`single`, _split_range: then split 0 writes and the others, empty, write nothing, and no merge runs), the
-    normalized output of its heads; otherwise the split's normalized partial output and log2-sum-exp. An empty split
-    (or a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf. MERGE_LAST: the program then counts
-    itself in count_ptr[seq, program_id(1)] (kernels/arrivals.py), and the last of the piece's num_splits programs
-    merges the splits of the piece's heads (group_heads heads from first_head, MERGE_H >= group_heads rows) and sets
-    the count back to 0; without it _decode_merge_kernel merges them in a second launch, with the same code and so
-    the same bits."""
+    normalized output of its heads; otherwise the split's normalized partial output and log2-sum-exp, for
+    _decode_merge_kernel. An empty split (or a padding sequence with seq_len 0) has l_i == 0: output 0, lse -inf."""
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None] * out_scale
     out_mask = mask_h[:, None] & mask_d[None, :]
@@ -239,42 +211,26 @@ def _finish_decode(
         tl.store(part_o_ptr + row[:, None] * head_dim + offs_d[None, :], out, mask=out_mask & ~empty[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + row, lse, mask=mask_h)
-        if MERGE_LAST:
-            count = count_ptr + seq * tl.num_programs(1) + tl.program_id(1)
-            tl.debug_barrier()  # every thread's partials stored before the count publishes them
-            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:  # the piece's last split to finish
-                offs_m = tl.arange(0, MERGE_H)
-                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, token, first_head + offs_m, offs_m < group_heads,
-                              offs_d, mask_d, num_splits, num_heads, head_dim, stride_ot, stride_oh,
-                              MERGE_H, BLOCK_S, BLOCK_D, CHUNK_S, ".cg")  # fmt: skip
-                tl.atomic_xchg(count, 0)
 
 
 @triton.jit
 def _merge_splits(
     part_o_ptr, part_lse_ptr, out_ptr, seq, token, heads, mask_h, offs_d, mask_d, num_splits, num_heads, head_dim,
     stride_ot, stride_oh, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr,
-    CACHE: tl.constexpr,
 ):  # fmt: skip
-    """Writes out[token, heads] = the softmax-weighted sum of the heads' split partials (_finish_decode's), for
-    _decode_merge_kernel (one head) and a decode kernel's last arriving split (its group's heads, CACHE ".cg": the
-    other programs' partials are in L2). Empty splits (lse -inf, their partials never written) are not counted: a
-    CUDA graph sizes the splits for the longest context it may meet, so at a short one most of them are empty.
+    """Writes out[token, heads] = the softmax-weighted sum of the heads' split partials (_finish_decode's). Empty
+    splits (lse -inf, their partials never written) are not counted: a CUDA graph sizes the splits for the longest
+    context it may meet, so at a short one most of them are empty.
 
     The splits are added one by one in split order, each an elementwise step on [BLOCK_H, BLOCK_D] (a tl.sum over
-    the splits would add in an order set by the tile's layout; the maximum and the end of the filled splits are
-    exact in any order): so the sum is the same whatever the heads, the chunk and the layouts the compiler picks,
-    and both merges give the same bits. Filled splits come first (_split_range), so the loop stops after the last
-    filled one and loads CHUNK_S splits' partials at a time (merge_chunk), each beside its lse rather than after
-    it, none of an empty split's; the select drops whatever a load would read past one. (On an H200 the lse-first
-    and the beside form of the GQA merge measured the same, 2.85-2.92 us per Qwen3-30B-A3B layer; DeepSeek-V3's
-    128 heads read 16 MB of partials per layer at batch 1 in 40 us when the merge read empty splits too, and a tile
-    of all splits at once spilled registers, 24 us per layer; 2026-12-01.)"""
+    the splits would add in an order set by the tile's layout), so the sum does not depend on the chunk or the
+    layouts the compiler picks. Filled splits come first (_split_range), so the loop stops after the last filled
+    one and loads CHUNK_S splits' partials at a time (merge_chunk), each beside its lse, none of an empty split's;
+    loading all splits at once would spill registers at DeepSeek-V3's 512 columns."""
     offs_s = tl.arange(0, BLOCK_S)
     first = (seq.to(tl.int64) * num_heads + heads) * num_splits  # each head's split-0 row of part_*
     lse = tl.load(part_lse_ptr + first[:, None] + offs_s[None, :],
-                  mask=mask_h[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=CACHE)  # fmt: skip
+                  mask=mask_h[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))  # fmt: skip
     lse_max = tl.max(lse, 1)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty: weights 0, output 0
     filled_end = tl.max(tl.where(lse != float("-inf"), offs_s[None, :] + 1, 0))  # after the last filled split
@@ -287,10 +243,10 @@ def _merge_splits(
             # past filled_end nothing is loaded: lse -inf, weight 0, partial 0 (a scalar condition enters the masks
             # through a bound: triton 3.9's CPU interpreter refuses masks that mix one in)
             lse_s = tl.load(part_lse_ptr + first + s, mask=mask_h & (offs_h < tl.where(s < filled_end, BLOCK_H, 0)),
-                            other=float("-inf"), cache_modifier=CACHE)  # fmt: skip
+                            other=float("-inf"))  # fmt: skip
             part = tl.load(part_o_ptr + (first + s)[:, None] * head_dim + offs_d[None, :],
                            mask=mask_h[:, None] & (offs_d < tl.where(s < filled_end, head_dim, 0))[None, :],
-                           other=0.0, cache_modifier=CACHE)  # fmt: skip
+                           other=0.0)  # fmt: skip
             weight = tl.exp2(lse_s - lse_max)
             acc += weight[:, None] * tl.where((lse_s != float("-inf"))[:, None], part, 0.0)
             total += weight
@@ -305,9 +261,8 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (sequence, query head): the head's splits merged (_merge_splits), where the decode kernel did not
-    merge them itself (MERGE_IN_KERNEL, or no arrival counters), and did not write the output itself (a context
-    wholly in split 0: BLOCK_N is the decode kernel's, so both see the same splits)."""
+    """Program (sequence, query head): the head's splits merged (_merge_splits), unless the decode kernel wrote the
+    output itself (a context wholly in split 0: BLOCK_N is the decode kernel's, so both see the same splits)."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
@@ -320,31 +275,13 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, seq, token, tl.program_id(1) + one, one < 1, offs_d,
                   offs_d < head_dim, num_splits, num_heads, head_dim, stride_ot, stride_oh,
-                  1, BLOCK_S, BLOCK_D, CHUNK_S, "")  # fmt: skip
+                  1, BLOCK_S, BLOCK_D, CHUNK_S)  # fmt: skip
 
 
 def merge_chunk(block_s: int, block_d: int) -> int:
     """Splits a merge (_merge_splits) loads per step: a [CHUNK_S, block_d] float32 tile of at most 4,096 values (32
     registers a thread at 4 warps); block_d counts all the merged heads' columns (heads x head_dim)."""
     return max(1, min(block_s, 4096 // block_d))
-
-
-def _merge_options(merge_last: bool, merge_h: int, block_s: int, block_d: int) -> dict:
-    """A decode kernel's merge constexprs: all 1 without the in-kernel merge (one compilation whatever the split
-    count)."""
-    if not merge_last:
-        return dict(MERGE_LAST=False, MERGE_H=1, BLOCK_S=1, CHUNK_S=1)
-    return dict(MERGE_LAST=True, MERGE_H=merge_h, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, merge_h * block_d))
-
-
-def decode_merge_counters(device: torch.device, num_pieces: int, family: str) -> torch.Tensor | None:
-    """The arrival counters a split decode of num_pieces (sequence, head group) pieces merges with in the kernel,
-    or None: merge in a second launch (family, "gqa" or "mla", not in MERGE_IN_KERNEL, more pieces than counters, or
-    a CUDA graph
-    captured before the counters' first use)."""
-    if family not in MERGE_IN_KERNEL or num_pieces > MAX_ARRIVAL_COUNTERS:
-        return None
-    return arrival_counters(device)
 
 
 @triton.jit
@@ -492,25 +429,23 @@ def paged_decode_attention(
     k_scale, v_scale = _kv_scales(kv_cache, k_scale, v_scale)
     splits = num_splits if num_splits is not None else _decode_num_splits(num_seqs, num_kv_heads, meta.max_seq_len)
     block_d = _block_d(head_dim)
-    counters = None
     if splits > 1:
         part_o = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
-        counters = decode_merge_counters(query.device, num_seqs * num_kv_heads, "gqa")
     else:  # unused by the kernel (DIRECT_OUT), but it needs pointers
         part_o = part_lse = out
-    block_s, merge_h = triton.next_power_of_2(splits), triton.next_power_of_2(group)
+    block_s = triton.next_power_of_2(splits)
     block_n = max(_MIN_DOT, block_n or _default_block_n(head_dim))
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, kv_cache, out, part_o, part_lse, counters, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        query, kv_cache, out, part_o, part_lse, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * k_scale * _LOG2E, v_scale, splits, num_heads, head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *kv_cache.stride()[:4],
         PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(query.dtype),
-        **_merge_options(counters is not None, merge_h, block_s, block_d), **pdl_options(query.device),
+        **pdl_options(query.device),
     )  # fmt: skip
-    if splits > 1 and counters is None:
+    if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_o, part_lse, out, meta.query_start_loc, meta.seq_lens, splits, num_heads, head_dim, out.stride(0),
             out.stride(1), BLOCK_S=block_s, BLOCK_D=block_d, CHUNK_S=merge_chunk(block_s, block_d), BLOCK_N=block_n,
