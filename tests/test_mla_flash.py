@@ -96,26 +96,21 @@ def test_the_adapter_takes_a_speculating_steps_same_few_new_tokens_per_sequence(
     assert fmb.uniform_query_len(long[0].shape[0], long[3]) == 0  # a prefill chunk: triton's kernel
 
 
-def test_small_decode_steps_go_to_tritons_kernel_and_the_rest_to_flash_mla(monkeypatch):
-    """paged_mla: decode steps of at most TRITON_DECODE_AT_MOST sequences to triton's decode kernel, larger ones and
-    speculating steps (several new tokens each, any batch) to FlashMLA, prefills to triton's prefill kernel."""
+def test_decode_and_speculating_steps_go_to_flash_mla_and_prefills_to_triton(monkeypatch):
+    """paged_mla: decode steps (any batch) and speculating steps (several new tokens each) to FlashMLA, prefills to
+    triton's prefill kernel."""
     from flotilla.kernels.mla import triton_mla
 
     calls = []
     monkeypatch.setattr(fmb, "paged_mla_decode", lambda *a, **k: calls.append("flash_mla"))
-    monkeypatch.setattr(triton_mla, "paged_mla", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(triton_mla, "paged_mla_prefill", lambda *a, **k: calls.append("triton_prefill"))
-    monkeypatch.setattr(fmb, "TRITON_DECODE_AT_MOST", 2)
-    for lens in ([5], [5, 9], [5, 9, 70]):
+    for lens in ([5], [5, 9, 70]):
         fmb.paged_mla(*_decode_batch(lens, heads=2), 0.1)
     verify = mla_step([10, 20], [2, 2], fmb.LATENT, fmb.ROPE, 2, fmb.BLOCK_SIZE, 0, "cpu", torch.bfloat16)
     prefill = mla_step([0], [9], fmb.LATENT, fmb.ROPE, 2, fmb.BLOCK_SIZE, 0, "cpu", torch.bfloat16)
     fmb.paged_mla(*verify, 0.1)
     fmb.paged_mla(*prefill, 0.1)
-    assert calls == ["triton", "triton", "flash_mla", "flash_mla", "triton_prefill"]
-    monkeypatch.setattr(fmb, "TRITON_DECODE_AT_MOST", 0)
-    fmb.paged_mla(*_decode_batch([5], heads=2), 0.1)
-    assert calls[-1] == "flash_mla"
+    assert calls == ["flash_mla", "flash_mla", "flash_mla", "triton_prefill"]
 
 
 def test_layouts_flash_mla_cannot_read_are_refused_with_the_reason():

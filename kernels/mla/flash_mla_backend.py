@@ -7,11 +7,8 @@ query is the absorbed latent query and the roped part side by side, [B, s, H, 57
 [B, s, H, 512]. Its tile scheduler metadata depends on the step's seq_lens, so it is computed by the first layer's
 call of a step (inside the call, on the device) and reused by the other layers through the step's
 AttentionMetadata.backend_state: in a CUDA graph the first layer's computation is captured and reruns on every
-replay. Prefill and mixed steps (sequences with different numbers of new tokens, or more than 4) go to the triton
-MLA kernels, as vLLM's FlashMLA backend sends prefills elsewhere; so do decode steps of at most
-TRITON_DECODE_AT_MOST sequences (off by default: the engine did not gain from it on an H200), where FlashMLA's fixed
-cost per step (its splits over every SM, then their combine) is more than the whole of triton's flash-decoding
-kernel.
+replay. Prefill and mixed steps (sequences with different numbers of new tokens, or more than 4) go to triton's
+MLA prefill kernel, as vLLM's FlashMLA backend sends prefills elsewhere.
 
 Limits, checked with clear errors: block size 64, a bf16 cache (FlashMLA's FP8 cache is another layout, with
 scales inside each row), kv_lora_rank 512 and rope_dim 64, a Hopper GPU.
@@ -20,7 +17,6 @@ scales inside each row), kv_lora_rank 512 and rope_dim 64, a Hopper GPU.
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 
 import torch
@@ -35,17 +31,6 @@ MAX_UNIFORM_QUERY = 4
 """The most new tokens per sequence sent to FlashMLA's decode kernel (a speculating step with up to 3 drafts; its
 causal mask covers each sequence's last s_q positions). Longer uniform steps (a batch of equal prefill chunks) go
 to the triton prefill kernel, which is built for them."""
-
-
-TRITON_DECODE_AT_MOST = int(os.environ.get("FLOTILLA_MLA_TRITON_DECODE_AT_MOST", "0"))
-"""Decode steps (one new token per sequence) of at most this many sequences go to triton's MLA decode kernel (0, the
-default: none). profile_step on DeepSeek-V3-4L, H200, 512-token prompts, block size 64, attention us per step over
-its 4 layers, triton against FlashMLA: batch 1 74.6 / 203.8, 2 88.7 / 189.6, 4 109.8 / 193.7, 8 152.1 / 194.1, 16
-210.4 / 175.8, 32 331.8 / 175.4 (docs/performance.md, thirteenth device session), so 8 is the value to try; it is a
-captured graph size, so a batch decodes with the same kernel eager as padded in a graph. Off: in the engine (the
-fourteenth session) batch 1 decoded 594.3 tok/s with it at 8 against 605.4 without, and the engine's test of
-graphs against eager steps on FlashMLA failed with it (triton's split count differs between a graph, sized for the
-longest context, and an eager step, so near-tied greedy tokens of the random tiny model came out otherwise)."""
 
 
 def import_flash_mla() -> ModuleType | None:
@@ -110,15 +95,11 @@ def paged_mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
 
 def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
               scale: float, kv_scale: float = 1.0) -> torch.Tensor:
-    """The backend's forward: FlashMLA for decode steps of more than TRITON_DECODE_AT_MOST sequences and for uniform
-    speculating steps (the same few new tokens per sequence), the triton kernels for the rest."""
-    s_q = uniform_query_len(q_latent.shape[0], meta)
-    if s_q and not (s_q == 1 and meta.num_seqs <= TRITON_DECODE_AT_MOST):
+    """The backend's forward: FlashMLA for decode steps and uniform speculating steps (the same few new tokens per
+    sequence), triton's prefill kernel for the rest."""
+    if uniform_query_len(q_latent.shape[0], meta):
         return paged_mla_decode(q_latent, q_pe, kv_cache, meta, scale)
     from flotilla.kernels.mla import triton_mla
-
-    if s_q == 1:
-        return triton_mla.paged_mla(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
 
     return triton_mla.paged_mla_prefill(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
 
