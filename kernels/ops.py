@@ -32,10 +32,8 @@ class FusedOps:
     """One implementation of the layer's elementwise ops (the signatures of the torch references)."""
 
     name: str
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float, int], torch.Tensor]
-    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int],
-                                 tuple[torch.Tensor, torch.Tensor]]
-    """The norms take a quant_group last (kernels/triton/fused.py; the torch references ignore it)."""
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_and_store_kv: Callable[..., torch.Tensor] | None = None

@@ -58,7 +58,6 @@ kv_b_proj (read as W_UK / W_UV by the absorbed attention) is dequantized once at
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -90,12 +89,6 @@ _FUSED_INTO = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj"
                "q_a_proj": ("fused_qkv_a_proj", "q_a"), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", "kv_a")}
 """Checkpoint projection -> (the fused layer it is a part of, its shard id there), where the model built that layer:
 gate/up always, the latent projections when DeepseekV3Attention fused them."""
-
-FP8_NORM_QUANT = os.environ.get("FLOTILLA_FP8_NORM_QUANT", "0") == "1"
-"""Let the RMSNorms before FP8 GEMMs quantize their output in their own launch (kernels/triton/fused.py) instead
-of a quantization launch per GEMM. Off by default: it saves most quantization launches, but the norms that
-quantize (one program per row quantizing 56 groups of 128 through reshapes) take longer than the launches saved."""
-
 
 def _present(params: dict[str, nn.Parameter], candidate: str) -> str | None:
     """The parameter named `candidate`, or `model.` + it (headless checkpoints omit the prefix); None if neither."""
@@ -288,12 +281,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, DeepseekV3Attention):
                 module.deinterleave = mla.rope_interleave and not self.rope_halves_at_load
-        if self.fp8_backend_name == "triton" and FP8_NORM_QUANT:  # the norms before FP8 GEMMs quantize for them
-            group = self.quant.weight_block_size[1]
-            for layer in (*self.model.layers, *getattr(self.model, "mtp_layers", ())):
-                layer.input_layernorm.fp8_group = layer.post_attention_layernorm.fp8_group = group
-                if layer.self_attn.q_a_layernorm is not None:
-                    layer.self_attn.q_a_layernorm.fp8_group = group
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         moe = self.config.moe

@@ -64,16 +64,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.ops = current_ops()
-        self.fp8_group = 0
-        """Set by a model whose FP8 linears read this norm's output: the ops may quantize it per token and group of
-        this many columns in the norm's own launch (kernels/triton/fused.py), sparing the linears theirs."""
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps, self.fp8_group)
-        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, self.fp8_group)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -237,41 +237,11 @@ def test_small_batches_split_k_until_the_sms_are_busy() -> None:
     assert tiles(1, 2112, 7168, "n=128,sk=1") == (16, 128, 1)  # the tiles before the split, for a sweep
     with pytest.raises(ValueError, match="must divide the weight's block rows"):
         pick_tiles(1, 256, 256, (64, 128), 132, parse_tiles("n=128"))
-    with pytest.raises(ValueError, match=r"'x=3' is not one of m=N, n=N, sk=N, w=N, s=N, q=0\|1"):
+    with pytest.raises(ValueError, match=r"'x=3' is not one of m=N, n=N, sk=N, w=N, s=N, r=0\|1"):
         parse_tiles("x=3")
-    with pytest.raises(ValueError, match="'q=2'"):
-        parse_tiles("q=2")
-    assert parse_tiles("q=0") == {"quant_a": 0} and pick_tiles(1, 256, 256, (128, 128), 132)["quant_a"] == 0
-
-
-@needs_triton
-@pytest.mark.parametrize(("tokens", "shape", "block", "tiles", "dtype"), [
-    (1, (300, 1100), (128, 128), "q=1", torch.float32),              # a partial last K group, N not a tile multiple
-    (3, (130, 1200), (128, 128), "q=1,sk=4,m=32", torch.float32),    # K split, idle steps in the last run
-    (70, (96, 512), (32, 128), "q=1,sk=2", torch.float16),           # two row tiles
-    (5, (200, 1000), (64, 128), "q=1,n=32", torch.float32),
-])  # fmt: skip
-def test_quantizing_the_activations_inside_the_gemm_gives_the_separate_launchs_result(tokens, shape, block, tiles,
-                                                                                      dtype) -> None:  # fmt: skip
-    """FLOTILLA_FP8_TILES's q=1 (QUANT_A): each K step quantizes its own activation tile, one group per row, with the
-    quantization kernel's operations, so the output is the two-launch path's to the bit."""
-    from flotilla.kernels.quant import fp8_triton
-
-    n, k = shape
-    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
-    q, s = block_quantize(_weights(shape, seed=tokens, device=DEVICE), block)
-    x = (torch.randn(tokens, k, generator=gen, device=DEVICE) * 3).to(dtype)
-    x[0, : block[1]] = 0  # an all-zero group: the smallest scale, as in the separate kernel
-    bias = torch.randn(n, generator=gen, device=DEVICE)
-    fused = fp8_triton.parse_tiles(tiles)
-    assert fused["quant_a"] == 1
-    for b in (bias, None):
-        got = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles=fused)
-        want = fp8_triton.fp8_block_linear(x, q, s, b, block, tiles={**fused, "quant_a": 0})
-        assert torch.equal(got, want)
-    wide = torch.randn(tokens, 2 * k, generator=gen, device=DEVICE).to(dtype)[:, ::2]  # a strided view of x's rows
-    assert torch.equal(fp8_triton.fp8_block_linear(wide, q, s, None, block, tiles=fused),
-                       fp8_triton.fp8_block_linear(wide.contiguous(), q, s, None, block, tiles={**fused, "quant_a": 0}))
+    with pytest.raises(ValueError, match="'r=2'"):
+        parse_tiles("r=2")
+    assert parse_tiles("r=0") == {"sum_in_kernel": 0} and pick_tiles(1, 256, 256, (128, 128), 132)["sum_in_kernel"] == 1
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -287,34 +257,14 @@ def test_fp8_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path: Path) -> None
               dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8)),
              ({**pointers, "part_ptr": "*fp32", "count_ptr": "*i32"},  # the same, its tiles' last splits adding up
               dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8,
-                   SUM_IN_KERNEL=True)),
-             ({**pointers, "a_ptr": "*bf16"},  # the same with the bf16 activations quantized inside (q=1)
-              dict(K=7168, BLOCK_SCALE_N=128, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, QUANT_A=True))]  # fmt: skip
-    defaults = dict(SPLIT_K=1, QUANT_A=False, SUM_IN_KERNEL=False)  # constexprs left out would compile as i32
+                   SUM_IN_KERNEL=True))]  # fmt: skip
+    defaults = dict(SPLIT_K=1, SUM_IN_KERNEL=False)  # constexprs left out would compile as i32
     kernels = [("flotilla.kernels.quant.fp8_triton", "_fp8_block_gemm_kernel", p, [], {**defaults, **c}, 4)
                for p, c in specs]  # fmt: skip
     kernels.append(("flotilla.kernels.quant.fp8_triton", "_split_k_sum_kernel",
                     {"part_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}, [],
                     dict(SPLIT_K=8, HAS_BIAS=True, BLOCK=1024), 4))  # fmt: skip
     compile_for_sm90(kernels, tmp_path)
-
-
-@gpu_test
-@pytest.mark.parametrize("tiles", ["q=1", "q=1,n=128,sk=1"])
-@pytest.mark.parametrize("tokens", [1, 16, 64, 257])
-def test_gpu_quantizing_inside_the_fp8_gemm_gives_the_two_launch_bits(tokens: int, tiles: str) -> None:
-    """FLOTILLA_FP8_TILES's q=1 on the GPU, at DeepSeek-V3's q_a+kv_a (K 7168, split K at small batches) and o_proj
-    shapes with bf16 activations: the same output bits as quantizing in a launch of its own."""
-    from flotilla.kernels.quant import fp8_triton
-
-    fused = fp8_triton.parse_tiles(tiles)
-    for n, k in ((2112, 7168), (7168, 16384)):
-        q, s = block_quantize(_weights((n, k), seed=n, device=DEVICE) * 0.01, (128, 128))
-        x = torch.randn(tokens, k, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(tokens))
-        x = x.bfloat16()
-        got = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles=fused)
-        want = fp8_triton.fp8_block_linear(x, q, s, None, (128, 128), tiles={**fused, "quant_a": 0})
-        assert torch.equal(got, want), (n, k)
 
 
 @gpu_test
@@ -555,28 +505,3 @@ def test_the_fp8_backend_option_reaches_the_model_and_is_refused_where_it_does_n
     dense = write_tiny_engine_model(tmp_path / "dense", "qwen3")
     with pytest.raises(ActorFailure, match=r"Qwen3ForCausalLM\) takes no fp8_backend='triton'"):
         LLM(str(dense), fp8_backend="triton", kv_cache_blocks=64, block_size=4)
-
-
-@needs_triton
-def test_norms_quantizing_for_the_fp8_gemms_give_the_same_logits(fp8_dirs: tuple[Path, Path],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """FLOTILLA_FP8_NORM_QUANT (off by default): the input, q_a and post-attention norms quantize their output for
-    the FP8 GEMMs and experts that read it; the model's logits are those of the GEMMs quantizing for themselves."""
-    from flotilla.models import deepseek_v3
-
-    fp8_dir, _ = fp8_dirs
-    kwargs = {"attention_backend": "torch", "fp8_backend": "triton", "fused_ops": "triton", "moe_backend": "triton"}
-    plain = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module
-    assert plain.model.layers[0].input_layernorm.fp8_group == 0
-    monkeypatch.setattr(deepseek_v3, "FP8_NORM_QUANT", True)
-    fused = load_model(fp8_dir, progress=False, model_kwargs=kwargs).module
-    group = fused.quant.weight_block_size[1]
-    for layer in fused.model.layers:
-        assert layer.input_layernorm.fp8_group == layer.post_attention_layernorm.fp8_group == group
-        assert layer.self_attn.q_a_layernorm.fp8_group == group
-    tokens = _tokens(3, seed=3)  # a prefill of a few rows and a decode: the interpreter's time grows with the rows
-    steps = [[(0, tokens)], [(0, [5])]]
-    runners = PagedRunner(fused), PagedRunner(plain)
-    for batch in steps:
-        got, want = (r.step(batch)[0] for r in runners)
-        torch.testing.assert_close(got, want, atol=1e-6 * want.abs().max().item(), rtol=1e-6)

@@ -350,46 +350,6 @@ def test_rms_norm_and_fused_add_match_reference(shape, dtype):
     _assert_rounds_like_reference(got_out, want_out)
 
 
-@pytest.mark.parametrize(("shape", "group", "dtype"), [((3, 256), 128, torch.float32), ((2, 2, 200), 64, torch.float16),
-                                                       ((4, 96), 32, torch.float32)])  # fmt: skip
-def test_rms_norm_quantizing_its_output_gives_the_separate_quantizations_bits(shape, group, dtype):
-    """quant_group: the norm also writes its output's e4m3 values and per-group scales (attached to the output for
-    the FP8 linears), the same bits as quantizing the output in a launch of its own; the output is unchanged, and a
-    partial last group (200 columns in groups of 64) is handled. An FP8 linear reading the output takes them."""
-    from flotilla.kernels.quant import attached_quantized
-    from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
-    from flotilla.kernels.quant.fp8_ref import block_quantize
-    from flotilla.kernels.quant.fp8_triton import fp8_block_linear
-
-    from flotilla.kernels.quant import fp8_triton
-
-    gen = torch.Generator(device=DEVICE).manual_seed(group)
-    x, residual = ((3 * torch.randn(shape, generator=gen, device=DEVICE)).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen, device=DEVICE)).to(dtype)
-    for got, plain in ((tri_fused.rms_norm(x, weight, 1e-6, quant_group=group), tri_fused.rms_norm(x, weight, 1e-6)),
-                       (tri_fused.fused_add_rms_norm(x, residual, weight, 1e-6, quant_group=group)[0],
-                        tri_fused.fused_add_rms_norm(x, residual, weight, 1e-6)[0])):  # fmt: skip
-        # the same output (float32 on a GPU: to the last bits, the two compilations contract differently)
-        torch.testing.assert_close(got, plain, atol=1e-6, rtol=1e-6)
-        assert attached_quantized(plain, group) is None
-        q, scales = attached_quantized(got, group)
-        want_q, want_scales = per_token_group_quantize(got, group)
-        assert torch.equal(scales, want_scales)
-        assert torch.equal(q.float(), want_q.float())  # (as floats: -0 and +0 alike, see fp8_quant_triton)
-        assert attached_quantized(got, 2 * group) is None and attached_quantized(got.clone(), group) is None
-        w, w_scale = block_quantize(torch.randn(24, shape[-1], generator=gen, device=DEVICE), (group, group))
-        calls = []
-        real = fp8_triton.per_token_group_quantize
-        fp8_triton.per_token_group_quantize = lambda *a: calls.append(1) or real(*a)
-        try:
-            from_attached = fp8_block_linear(got, w, w_scale, None, (group, group))
-            assert not calls  # the GEMM took the norm's quantization
-            assert torch.equal(from_attached, fp8_block_linear(got.clone(), w, w_scale, None, (group, group)))
-            assert calls
-        finally:
-            fp8_triton.per_token_group_quantize = real
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_reference(dtype):
     gen = torch.Generator(device=DEVICE).manual_seed(1)

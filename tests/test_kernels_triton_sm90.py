@@ -52,11 +52,8 @@ def _compile_specs() -> list:
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=8, BLOCK_D=128, CHUNK_S=8, BLOCK_N=64), 4),
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=512, CHUNK_S=8, BLOCK_N=32), 4),
         (att, "_decode_merge_kernel", bf16, [], dict(BLOCK_S=64, BLOCK_D=128, CHUNK_S=32, BLOCK_N=64), 4),
-        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096, QUANT_GROUP=0), 16),
-        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096, QUANT_GROUP=0), 16),
-        # DeepSeek-V3's norms before FP8 GEMMs: 7168 columns (a block of 8192) quantized in groups of 128
-        (fused, "_rms_norm_kernel", {**bf16, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ["eps"],
-         dict(HAS_RESIDUAL=True, BLOCK=8192, QUANT_GROUP=128), 16),
+        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=True, BLOCK=4096), 16),
+        (fused, "_rms_norm_kernel", bf16, ["eps"], dict(HAS_RESIDUAL=False, BLOCK=4096), 16),
         (fused, "_silu_and_mul_kernel", bf16, [], dict(BLOCK=1024), 4),
         (fused, "_rope_kernel", bf16, ["k_scale", "v_scale"],
          dict(STORE_KV=True, BLOCK_HQ=32, BLOCK_HKV=8, BLOCK_HALF=64, **no_quant), 16),

@@ -60,7 +60,7 @@ _SPECS = [
      [], dict(HAS_BIAS=False, BLOCK_N=4, BLOCK_K=2048, ONE_STEP=False), 8),
     ("flotilla.kernels.triton.fused", "_rms_norm_kernel",
      {"x_ptr": _BF16, "res_ptr": _BF16, "w_ptr": _BF16, "out_ptr": _BF16, "res_out_ptr": _BF16}, ["eps"],
-     dict(HAS_RESIDUAL=True, BLOCK=2048, QUANT_GROUP=0), 8),
+     dict(HAS_RESIDUAL=True, BLOCK=2048), 8),
     (_ATT, "_decode_kernel", {"q_ptr": _BF16, "cache_ptr": _BF16, "out_ptr": _BF16, "part_o_ptr": "*fp32",
                               "part_lse_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
                               "bt_ptr": "*i32"}, ["sm_scale_log2", "v_scale"],

@@ -42,7 +42,6 @@ from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.moe import triton_experts_small as small
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
 from flotilla.kernels.moe.torch_ref import check_fp8_expert_scales
-from flotilla.kernels.quant import attached_quantized
 from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 
 
@@ -215,8 +214,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Ex
     scales: tuple = (a, w, 0, 0, 0)  # unused without FP8: any pointers
     fp8: dict = {}
     if w_scale is not None:
-        attached = attached_quantized(a, block_size[1])  # quantized by the kernel that wrote a (the RMSNorm)
-        a, a_scale = attached if attached is not None else per_token_group_quantize(a, block_size[1])
+        a, a_scale = per_token_group_quantize(a, block_size[1])
         w_scale = w_scale.float().contiguous()
         scales = (a_scale, w_scale, a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
         fp8 = dict(FP8=True, UP_SCALE_ROW=w_scale.shape[1] // 2 if gate_up else 0, BLOCK_SCALE_N=block_size[0],

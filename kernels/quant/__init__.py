@@ -37,8 +37,6 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "Fp8LinearBackend",
-    "attach_quantized",
-    "attached_quantized",
     "available_fp8_backends",
     "best_fp8_backend",
     "block_dequantize",
@@ -96,26 +94,6 @@ def deep_gemm_usable() -> bool:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         return False
     return import_deep_gemm() is not None
-
-
-_ATTACHED = "_fp8_group_quantized"
-"""The attribute an activation carries when the kernel that made it also quantized it (attach_quantized)."""
-
-
-def attach_quantized(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group: int) -> None:
-    """Record on `x` its per-token-group quantization (e4m3 values like x, float32 scales [..., groups]), made by the
-    kernel that wrote x (kernels/triton/fused.py's RMSNorm): the FP8 linears and experts that read x take it
-    instead of quantizing x in a launch of their own. A Python attribute of this tensor object only: a view or a
-    copy of x carries none, and x must not be written after."""
-    setattr(x, _ATTACHED, (q, scales, group))
-
-
-def attached_quantized(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x's attached quantization (attach_quantized) when it is per `group` columns, else None."""
-    found = getattr(x, _ATTACHED, None)
-    if found is None or found[2] != group or found[0].shape != x.shape:
-        return None
-    return found[0], found[1]
 
 
 def quantize_activations(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,25 +1,20 @@
 """A block-scaled FP8 GEMM in triton: y = dequant(x_fp8, x_scales) @ dequant(w_fp8, w_scale_inv)^T.
 
-The activation is quantized per token and group of block_k columns, in one launch of its own
-(kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values), or, with FLOTILLA_FP8_TILES's q=1,
-inside the GEMM: each K step quantizes the tile of activations it reads (one group per row, the same operations, so
-the same bits), which saves a launch and a round trip through memory per linear at decode sizes and costs each of
-the N tiles a quantization of the same rows (off by default: inside CUDA graphs on an H200 it was 3-5x slower at
-one token than the separate launch, docs/performance.md 2026-12-01). The kernel tiles the output in BLOCK_M x BLOCK_N, walks
-K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on the tensor cores with a
-float32 accumulator and scales each partial product by its tokens' group scales times the weight
+The activation is quantized per token and group of block_k columns in a launch of its own
+(kernels/quant/fp8_quant_triton.py, exactly kernels/quant/fp8_ref.py's values). The kernel tiles the output in
+BLOCK_M x BLOCK_N, walks K one weight block (BLOCK_K = block_k) at a time, multiplies the e4m3 tiles on the tensor
+cores with a float32 accumulator and scales each partial product by its tokens' group scales times the weight
 block's scale before adding it (BLOCK_N divides block_n, so a tile meets one weight block per K step).
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (set before this module is imported) at tiny sizes.
 
-Few tokens make few output tiles: at batch-1 decode DeepSeek-V3's q_a+kv_a projection (N 2112) is 17 tiles of
-128 columns for an H200's 132 SMs, each streaming all of K (7168) alone; on an H200 it ran at 248 GB/s
-(docs/performance.md, sixth session). So for small M the tiles are 64 columns and K is split (SPLIT_K programs per
-tile, each over a contiguous run of K blocks) until there are about two programs per SM; the splits write float32
-partial sums, and the last of a tile's splits to finish adds them up, with the bias, into the output (pick_tiles;
-arrivals counted with an atomic per tile, so no second launch: DeepSeek-V3-4L's batch-1 step lost its 19
-_split_k_sum_kernel launches, 30.7 us of device time, docs/performance.md, fourteenth session). The sum runs in
-split order, so the bits are the second launch's, which `r=0` still takes. FLOTILLA_FP8_TILES forces tiles for a
-sweep (`m=16,n=64,sk=4,w=4,s=3,r=1`, any subset; scripts/dev/bench_kernels.py --fp8-tiles).
+Few tokens make few output tiles (at batch-1 decode DeepSeek-V3's q_a+kv_a projection, N 2112, is 17 tiles of 128
+columns, each streaming all of K alone), so for small M the tiles are 64 columns and K is split (SPLIT_K programs
+per tile, each over a contiguous run of K blocks) until there are about two programs per SM; the splits write
+float32 partial sums, and the last of a tile's splits to finish adds them up, with the bias, into the output
+(pick_tiles; arrivals counted with an atomic per tile, so no second launch). The sum runs in split order, so the
+bits are those of the second launch (_split_k_sum_kernel), which `r=0` forces and which runs when there are more
+tiles than arrival counters. FLOTILLA_FP8_TILES forces tiles for a sweep (`m=16,n=64,sk=4,w=4,s=3,r=1`, any
+subset; scripts/dev/bench_kernels.py --fp8-tiles).
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
-from flotilla.kernels.quant import attached_quantized
-from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3, per_token_group_quantize
-from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_MAX, FP8_MAX_INV, num_blocks
+from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
+from flotilla.kernels.quant.fp8_ref import num_blocks
 
 
 @triton.jit
@@ -44,8 +38,7 @@ def _fp8_block_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om,
     BLOCK_SCALE_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-    QUANT_A: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0, FP8_MAX_INV: tl.constexpr = 1.0 / 448.0,
-    MIN_AMAX: tl.constexpr = 1e-12, part_ptr=None, count_ptr=None, SUM_IN_KERNEL: tl.constexpr = False,
+    part_ptr=None, count_ptr=None, SUM_IN_KERNEL: tl.constexpr = False,
 ):  # fmt: skip
     """With SPLIT_K > 1, program (m, n, s) sums K blocks [s * per, (s + 1) * per) and stores float32 partials at
     part_ptr + s * M * N (the bias is the reduction's). Without SUM_IN_KERNEL a second launch
@@ -53,9 +46,7 @@ def _fp8_block_gemm_kernel(
     program counts itself in count_ptr[tile] (an atomic add with release and acquire semantics, so its partials
     are visible before the count and the last one sees everyone's), and the one that counts SPLIT_K sums the
     SPLIT_K partials in split order, exactly as the second launch would, writes the output and sets the count
-    back to 0 for the next call (or graph replay). QUANT_A: a_ptr holds the unquantized activations
-    (a_scale_ptr is not read) and each K step quantizes its [BLOCK_M, BLOCK_K] tile, one group per row, with
-    fp8_quant_triton's operations: the same e4m3 values and scales as the separate launch."""
+    back to 0 for the next call (or graph replay)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -75,14 +66,8 @@ def _fp8_block_gemm_kernel(
         a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         in_k = kb < K_BLOCKS
-        if QUANT_A:
-            x = a.to(tl.float32)
-            a_scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) * FP8_MAX_INV
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, a_scale[:, None]), -FP8_MAX), FP8_MAX)
-            a = _round_to_e4m3(q).to(b_ptr.dtype.element_ty)
-        else:
-            a_scale = tl.load(a_scale_ptr + rm * stride_asm + tl.minimum(kb, K_BLOCKS - 1), mask=m_ok, other=0.0)
-            a_scale = tl.where(in_k, a_scale, 0.0)
+        a_scale = tl.load(a_scale_ptr + rm * stride_asm + tl.minimum(kb, K_BLOCKS - 1), mask=m_ok, other=0.0)
+        a_scale = tl.where(in_k, a_scale, 0.0)
         # a K block past the end (a split's idle steps) scales by 0. No mask mixes a scalar condition in: triton 3.9's
         # CPU interpreter refuses such masks ("mask has unsupported dtype"), so the index is clamped and the value
         # dropped instead
@@ -126,12 +111,11 @@ def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages", "q": "quant_a",
+TILE_KEYS = {"m": "block_m", "n": "block_n", "sk": "split_k", "w": "num_warps", "s": "num_stages",
              "r": "sum_in_kernel"}
-"""FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset); "q=1" quantizes the activations inside
-the GEMM (QUANT_A: one launch fewer, each program quantizing the rows it reads), "q=0" in their own launch; "r=1"
-(the default) adds a K split's partials in the GEMM's launch (its last program per tile), "r=0" in a second one."""
-_FLAGS = ("q", "r")
+"""FLOTILLA_FP8_TILES's short names: e.g. "m=16,n=64,sk=4" (any subset); "r=1" (the default) adds a K split's
+partials in the GEMM's launch (its last program per tile), "r=0" in a second one."""
+_FLAGS = ("r",)
 """The keys that take 0 or 1."""
 
 SMALL_M = 64
@@ -176,7 +160,7 @@ def pick_tiles(m: int, n: int, k: int, block_size: tuple[int, int], num_sms: int
         tiles = -(-m // block_m) * -(-n // block_n)
         split_k = 1 if m > SMALL_M else max(1, min(-(-2 * num_sms // tiles), k_blocks // 4))
     tiles = {"block_m": block_m, "block_n": block_n, "block_k": bk, "split_k": min(split_k, k_blocks),
-             "quant_a": forced.get("quant_a", 0), "sum_in_kernel": forced.get("sum_in_kernel", 1)}
+             "sum_in_kernel": forced.get("sum_in_kernel", 1)}
     return {**tiles, **{key: forced[key] for key in ("num_warps", "num_stages") if key in forced}}
 
 
@@ -197,13 +181,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     weight, scale_inv = weight.contiguous(), scale_inv.float().contiguous()
     forced = tiles if tiles is not None else parse_tiles(os.environ.get("FLOTILLA_FP8_TILES", ""))
     t = pick_tiles(m, n, k, block_size, _num_sms(x.device), forced)
-    if t["quant_a"]:  # the kernel quantizes x's rows itself: a_scale is not read
-        a = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        a_scale = scale_inv
-    elif (attached := attached_quantized(x, block_size[1])) is not None:  # quantized by the kernel that wrote x
-        a, a_scale = attached[0].reshape(-1, k), attached[1].reshape(m, -1)
-    else:
-        a, a_scale = per_token_group_quantize(x2, block_size[1])
+    a, a_scale = per_token_group_quantize(x2, block_size[1])
     split_k = t["split_k"]
     launch = {key: t[key] for key in ("num_warps", "num_stages") if key in t}
     grid = (triton.cdiv(m, t["block_m"]), triton.cdiv(n, t["block_n"]), split_k)
@@ -216,7 +194,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         a.stride(0), a_scale.stride(0), weight.stride(0), scale_inv.stride(0), n,
         BLOCK_SCALE_N=block_size[0], HAS_BIAS=bias is not None,
         BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], SPLIT_K=split_k,
-        QUANT_A=bool(t["quant_a"]), FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX,
         part_ptr=parts, count_ptr=counts, SUM_IN_KERNEL=counts is not None, **launch,
     )  # fmt: skip
     if parts is not None and counts is None:

@@ -18,9 +18,6 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
-from flotilla.kernels.quant import attach_quantized
-from flotilla.kernels.quant.fp8_quant_triton import _round_to_e4m3
-from flotilla.kernels.quant.fp8_ref import _MIN_AMAX, FP8_DTYPE, FP8_MAX, FP8_MAX_INV
 from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 
@@ -33,14 +30,9 @@ def _warps(block: int) -> int:
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    q_ptr=None, s_ptr=None, stride_q=0, stride_s=0, QUANT_GROUP: tl.constexpr = 0,
-    FP8_MAX: tl.constexpr = 448.0, FP8_MAX_INV: tl.constexpr = 1.0 / 448.0, MIN_AMAX: tl.constexpr = 1e-12,
-    USE_GDC: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):  # fmt: skip
-    """One program per row: (x + residual ->) float32 statistics -> normalize -> round -> * weight. QUANT_GROUP:
-    also the output's e4m3 values and per-group scales, with fp8_quant_triton's operations on the rounded output
-    (the same bits as quantizing it in a launch of its own)."""
+    """One program per row: (x + residual ->) float32 statistics -> normalize -> round -> * weight."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_prior(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
@@ -57,14 +49,6 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
-    if QUANT_GROUP:
-        groups = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))  # masked columns are 0
-        scale = tl.maximum(tl.max(tl.abs(groups), axis=1), MIN_AMAX) * FP8_MAX_INV
-        q = tl.minimum(tl.maximum(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX), FP8_MAX)
-        q = tl.reshape(_round_to_e4m3(q), (BLOCK,))
-        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        g = tl.arange(0, BLOCK // QUANT_GROUP)
-        tl.store(s_ptr + row * stride_s + g, scale, mask=g * QUANT_GROUP < hidden)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -74,11 +58,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quant_group: int = 0
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rms_norm(x [+ residual]), x + residual or None), in the dtypes torch's promotion gives the reference.
-    quant_group: also quantize the output per token and group of that many columns, in the same launch, and attach
-    the result to it (kernels/quant attach_quantized) for the FP8 linears and experts that read it."""
+    """(rms_norm(x [+ residual]), x + residual or None), in the dtypes torch's promotion gives the reference."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
@@ -94,35 +76,28 @@ def _norm(
         res_out = torch.empty(x.shape, dtype=norm_in_dtype, device=x.device)
         res_out2 = res_out.view(-1, hidden)
     block = triton.next_power_of_2(hidden)
-    quant: dict = {}
-    if quant_group and block % quant_group == 0 and quant_group & (quant_group - 1) == 0:
-        q = torch.empty(out2.shape, dtype=FP8_DTYPE, device=x.device)
-        scales = torch.empty(out2.shape[0], -(-hidden // quant_group), dtype=torch.float32, device=x.device)
-        quant = dict(q_ptr=q, s_ptr=scales, stride_q=q.stride(0), stride_s=scales.stride(0), QUANT_GROUP=quant_group,
-                     FP8_MAX=FP8_MAX, FP8_MAX_INV=FP8_MAX_INV, MIN_AMAX=_MIN_AMAX)  # fmt: skip
-        attach_quantized(out, q.view(out.shape), scales.view(*out.shape[:-1], -1), quant_group)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight.contiguous(), out2, res_out2,
             x2.stride(0), r2.stride(0), out2.stride(0), res_out2.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **quant, **pdl_options(x.device),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl_options(x.device),
         )  # fmt: skip
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant_group: int = 0) -> torch.Tensor:
-    """kernels.norm.rms_norm in one pass: x [..., H] -> [..., H] (quant_group: _norm's)."""
-    return _norm(x, None, weight, eps, quant_group)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.norm.rms_norm in one pass: x [..., H] -> [..., H]."""
+    return _norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_group: int = 0
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.norm.fused_add_rms_norm in one pass: (rms_norm(x + residual), x + residual), new tensors
-    (the inputs are not modified, as in the reference; quant_group: _norm's)."""
+    (the inputs are not modified, as in the reference)."""
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
-    out, new_residual = _norm(x, residual, weight, eps, quant_group)
+    out, new_residual = _norm(x, residual, weight, eps)
     assert new_residual is not None
     return out, new_residual
 
