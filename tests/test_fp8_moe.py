@@ -147,11 +147,11 @@ def test_triton_fp8_experts_match_the_w8a8_reference(tokens, hidden, inter, expe
 
 
 @needs_triton
-@pytest.mark.parametrize(("tokens", "combine"), [(2, None), (4, False), (9, True)])  # 9: the sorted layout
-def test_slot_blocks_and_the_combine_in_the_down_pass_give_the_sorted_two_launch_result(tokens, combine) -> None:
+@pytest.mark.parametrize("tokens", [2, 4])
+def test_slot_blocks_and_the_combine_in_the_down_pass_give_the_sorted_two_launch_result(tokens) -> None:
     """Up to SLOT_BLOCKS_MAX_TOKENS tokens every slot is a block of its own (no sorting launch) and the down pass
-    sums each token's rows itself (arrival counters, kernels/arrivals.py); forced on the sorted layout too. Each is
-    the sorted path with the separate sum to float32 rounding, and leaves the counters at zero."""
+    sums each token's rows itself (arrival counters, kernels/arrivals.py). Both are the sorted path with the separate
+    sum to float32 rounding, and leave the counters at zero."""
     from flotilla.kernels.arrivals import arrival_counters
     from flotilla.kernels.moe import triton_experts
 
@@ -161,7 +161,7 @@ def test_slot_blocks_and_the_combine_in_the_down_pass_give_the_sorted_two_launch
     assert slots is not None and slots.block_experts.tolist() == case[6].flatten().tolist()
     assert slots.sorted_slots.view(-1, 16)[:, 0].tolist() == list(range(tokens * 3))
     assert (slots.sorted_slots.view(-1, 16)[:, 1:] == tokens * 3).all() and slots.num_padded.item() == tokens * 48
-    def run(x, w13, s13, w2, s2, weights, ids, *_, combine=combine):
+    def run(x, w13, s13, w2, s2, weights, ids, *_, combine=True):
         return triton_experts._two_passes(x, w13, w2, weights, ids, 16, 16, 32, (s13, s2), block, combine=combine)
 
     got = run(*case)

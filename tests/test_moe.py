@@ -252,28 +252,6 @@ def test_one_token_takes_the_per_slot_down_pass_by_default_with_the_same_bits(mo
 
 
 @needs_triton
-@pytest.mark.parametrize("tokens", [9, 40])
-def test_c1_sums_each_tokens_rows_in_the_sorted_down_pass(tokens, monkeypatch):
-    """FLOTILLA_MOE_TILES "c=1": the sorted GEMMs' down pass sums each token's top-k rows (the last of its programs,
-    arrival counters) instead of the torch reduction after it; the same result up to float32 summation order, the
-    counters back at 0."""
-    from flotilla.kernels.arrivals import arrival_counters
-    from flotilla.kernels.moe import triton_experts
-
-    asked = []
-    two_passes = triton_experts._two_passes
-    monkeypatch.setattr(triton_experts, "_two_passes",
-                        lambda *a, **kw: asked.append(kw["combine"]) or two_passes(*a, **kw))  # fmt: skip
-    monkeypatch.delenv("FLOTILLA_MOE_TILES", raising=False)
-    x, w13, w2, weights, ids = _case(tokens, 48, 40, 6, 3, torch.float32, seed=tokens)
-    got = triton_experts.fused_experts(x, w13, w2, weights, ids, **triton_experts.parse_tiles("c=1"))
-    plain = triton_experts.fused_experts(x, w13, w2, weights, ids)
-    assert asked == [True, None]
-    torch.testing.assert_close(got, plain, atol=1e-6 * plain.abs().max().item(), rtol=1e-6)
-    assert not arrival_counters(x.device).any()
-
-
-@needs_triton
 def test_small_batches_take_the_token_major_path_and_larger_ones_the_sorted_gemms(monkeypatch):
     """fused_experts sends batches of up to SMALL_BATCH_MAX_TOKENS tokens (or the caller's / FLOTILLA_MOE_TILES'
     small_tokens, t=N) to the small-batch kernels, the rest to the sorted GEMMs; both give the reference's numbers."""

@@ -136,16 +136,13 @@ def _expert_gemm_kernel(
 
 TILE_KEYS = {"m": "block_m", "n": "block_n", "k": "block_k", "w": "num_warps", "s": "num_stages", "t": "small_tokens",
              "sn": "small_block_n", "sk": "small_block_k", "dn": "small_down_block_n", "dk": "small_down_block_k",
-             "dw": "small_down_warps", "ds": "small_down_per_slot", "c": "sorted_combine", "pn": "down_block_n",
-             "pk": "down_block_k", "pw": "down_num_warps", "ps": "down_num_stages"}
+             "dw": "small_down_warps", "ds": "small_down_per_slot", "pn": "down_block_n", "pk": "down_block_k",
+             "pw": "down_num_warps", "ps": "down_num_stages"}
 """FLOTILLA_MOE_TILES's short names: e.g. "m=16,n=128,k=128,w=4,s=3" (any subset); t, sn and sk are the
 small-batch path's (kernels/moe/triton_experts_small.py): its largest batch (t=0: never) and its tiles; dn, dk and
 dw its down pass's own tiles and warps (default: sn, sk and the gate_up pass's warps), ds=1 its down pass with a
 program per slot (at one token the default is triton_experts_small.ONE_TOKEN_DOWN; any down tile given replaces
-it, "ds=0" for the token-major pass); c=1 has the sorted GEMMs' down pass sum each token's top-k rows itself (the
-last of its programs to finish, arrival counters) instead of a torch reduction after it, as batches of up to
-SLOT_BLOCKS_MAX_TOKENS tokens always do: opt-in until measured (the reduction took 0.25 ms of a 17.6 ms
-Qwen3-30B-A3B step at batch 64 on an H200, docs/performance.md, eighteenth session). pn, pk, pw and ps are the sorted
+it, "ds=0" for the token-major pass). pn, pk, pw and ps are the sorted
 GEMMs' down pass's own tiles, warps and stages (default: n, k, w and s, the gate_up pass's): the two passes' shapes
 differ (Qwen3-30B-A3B's experts: N 768 x K 2,048 with gate and up side by side, against N 2,048 x K 768)."""
 
@@ -254,7 +251,6 @@ def fused_experts(
     small_down_block_k: int | None = None,
     small_down_warps: int | None = None,
     small_down_per_slot: int | None = None,
-    sorted_combine: int | None = None,
     down_block_n: int | None = None,
     down_block_k: int | None = None,
     down_num_warps: int | None = None,
@@ -270,8 +266,8 @@ def fused_experts(
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                small_block_n=small_block_n, small_block_k=small_block_k, small_down_block_n=small_down_block_n,
                small_down_block_k=small_down_block_k, small_down_warps=small_down_warps,
-               small_down_per_slot=small_down_per_slot, sorted_combine=sorted_combine, down_block_n=down_block_n,
-               down_block_k=down_block_k, down_num_warps=down_num_warps, down_num_stages=down_num_stages)
+               small_down_per_slot=small_down_per_slot, down_block_n=down_block_n, down_block_k=down_block_k,
+               down_num_warps=down_num_warps, down_num_stages=down_num_stages)
     limit = small_tokens if small_tokens is not None else t.get("small_tokens", small.SMALL_BATCH_MAX_TOKENS)
     if 0 < hidden.shape[0] <= limit:
         down = {key: t[f"small_down_{key}"] for key in ("block_n", "block_k", "warps", "per_slot")
@@ -281,10 +277,9 @@ def fused_experts(
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
-    combine = True if t.get("sorted_combine") else None  # (c=1; else the default: only in slot blocks)
     down = {key: t[f"down_{key}"] for key in ("block_n", "block_k", "num_warps", "num_stages") if f"down_{key}" in t}
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
-                       launch=_launch(t), masked=masked, combine=combine, down=down)  # fmt: skip
+                       launch=_launch(t), masked=masked, down=down)  # fmt: skip
 
 
 def _tiles(**given: int | None) -> dict[str, int]:
@@ -300,13 +295,13 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                 topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                 block_size: tuple[int, int] = (1, 1), launch: dict | None = None,
-                masked: bool = False, combine: bool | None = None, down: dict | None = None) -> torch.Tensor:  # fmt: skip
+                masked: bool = False, combine: bool = True, down: dict | None = None) -> torch.Tensor:  # fmt: skip
     """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights; `down`: the down pass's own
     block_n, block_k, num_warps and num_stages (any subset; else the gate_up pass's). `masked`: the slots of
     negative ids are in no expert's run, so the down pass never writes their rows: those start at zero.
     Up to SLOT_BLOCKS_MAX_TOKENS tokens (unmasked) each slot is a block of its own (slot_blocks: no sorting launch)
-    and the down pass also combines (`combine`, default: then only; True forces it, for tests). Never with `masked`:
-    a masked slot is never counted, so its token's last arrival would never come."""
+    and the down pass also sums each token's rows (combine=False: the separate sum, which the tests compare it to).
+    Never with `masked`: a masked slot is never counted, so its token's last arrival would never come."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -316,7 +311,7 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     block_m = block_m or pick_block_m(num_tokens * top_k, num_experts)
     slots = slot_blocks(topk_ids, block_m) if num_tokens <= SLOT_BLOCKS_MAX_TOKENS and not masked else None
     blocks = slots or sort_by_expert(topk_ids, num_experts, block_m, masked)
-    combine = (slots is not None if combine is None else combine) and not masked
+    combine = combine and slots is not None
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
