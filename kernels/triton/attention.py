@@ -35,7 +35,7 @@ import triton.language as tl
 
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_after_metadata, wait_before_metadata
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT = 16
@@ -146,7 +146,6 @@ def _decode_kernel(
     context. With one split, or a context that fits in split 0, it writes the output; otherwise a normalized
     partial output and its log2-sum-exp, which _decode_merge_kernel merges."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,7 +155,7 @@ def _decode_kernel(
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     page = _pages(bt_row_ptr, start + offs_n, start + offs_n < end, PAGE_SIZE)
-    wait_after_metadata(USE_GDC)
+    wait_prior(USE_GDC)
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
@@ -264,11 +263,10 @@ def _decode_merge_kernel(
     """Program (sequence, query head): the head's splits merged (_merge_splits), unless the decode kernel wrote the
     output itself (a context wholly in split 0: BLOCK_N is the decode kernel's, so both see the same splits)."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_before_metadata(USE_GDC)
     seq = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + seq)  # the step's metadata: before the wait, as in _decode_kernel
     token = tl.load(qsl_ptr + seq).to(tl.int64)
-    wait_after_metadata(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
+    wait_prior(USE_GDC)  # before any return: the next kernel's wait covers the decode kernel through this one's
     if seq_len <= _per_split(seq_len, num_splits, BLOCK_N):
         return
     one = tl.arange(0, 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_after_metadata, wait_before_metadata
+from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX
 from flotilla.kernels.triton.fused import _cos_sin
 
@@ -63,12 +63,11 @@ def _qk_norm_rope_store_kernel(
 ):  # fmt: skip
     """One program per token of qkv [T, (Hq + 2 Hkv) * D]: q -> q_out [T, Hq, D]; k, v -> the cache slot."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
-    wait_before_metadata(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     # the step's positions and slots (written before its first kernel) and the rotary table: read before the wait
     cos, sin = _cos_sin(cos_sin_ptr, pos_ptr, token, stride_cos, half, BLOCK_HALF)
     slot = tl.load(slot_ptr + token)
-    wait_after_metadata(USE_GDC)
+    wait_prior(USE_GDC)
     offs_d = tl.arange(0, BLOCK_HALF)
     base = qkv_ptr + token * stride_t
     q1, q2, qmask = _norm_rotate(base, qw_ptr, cos, sin, num_heads, half, head_dim, eps, BLOCK_HQ, BLOCK_HALF)
