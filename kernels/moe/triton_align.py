@@ -19,8 +19,6 @@ that order. `tl.debug_barrier` orders the phases: one program (one CTA) does all
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -122,13 +120,10 @@ def _align_small_kernel(
     tl.store(sorted_ptr + rows, slots, mask=valid)
 
 
-SMALL_MAX_SLOTS = int(os.environ.get("FLOTILLA_MOE_ALIGN_SMALL", "4096"))
+SMALL_MAX_SLOTS = 4096
 """Batches of at most this many slots (512 tokens at top-8: every decode step of the engine's default batch) group in
-_align_small_kernel, larger ones in _align_kernel (FLOTILLA_MOE_ALIGN_SMALL, read at import; 0: none, for A/B runs). On an H200 _align_kernel took 11.9 us per MoE layer at 512
-slots and 22.1 us at 1,536 (Qwen3-30B-A3B at batch 64 and 192, profile_step, docs/performance.md, 2026-12-02),
-~1 ms of a 23 ms decode step at batch 192. With this kernel the nano workload's decode steps at 192-256 sequences
-went from 23.50 to 22.66 ms and the whole workload from 5,667.3 to 5,841.0 out tok/s (the same call, nineteenth
-session)."""
+_align_small_kernel, which holds them all in registers and needs no atomic counting pass; larger ones in
+_align_kernel, which loops over them."""
 SMALL_NUM_WARPS = 8
 
 
