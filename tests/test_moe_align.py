@@ -124,13 +124,11 @@ def test_the_small_kernel_leaves_negative_ids_out_of_every_run(tokens, experts, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tokens", [2048, 4096, 8192])
-def test_on_cuda_the_one_launch_grouping_at_16384_slots_and_beyond_matches_the_torch_version(tokens,
-                                                                                             monkeypatch) -> None:
+def test_on_cuda_the_one_launch_grouping_at_16384_slots_and_beyond_matches_the_torch_version(tokens) -> None:
     from flotilla.kernels.moe.triton_align import align_by_expert
 
     ids = _ids(tokens, 128, 8, seed=tokens, device="cuda")
-    monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "0")  # sort_by_expert's torch version, at any size
-    _check_same_grouping(align_by_expert(ids, 128, 64), routing.sort_by_expert(ids, 128, 64))
+    _check_same_grouping(align_by_expert(ids, 128, 64), routing.sort_by_expert_torch(ids, 128, 64))
 
 
 @pytest.mark.gpu
@@ -144,17 +142,16 @@ def test_on_cuda_sort_by_expert_is_the_one_launch_and_the_experts_do_not_change(
     ids = _ids(tokens, experts, 8, seed=tokens, device="cuda")
     fused = routing.sort_by_expert(ids, experts, block_m)
     assert ids.numel() <= routing.FUSED_ALIGN_MAX_SLOTS  # the one-launch path is the one under test
-    monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "0")
-    reference = routing.sort_by_expert(ids, experts, block_m)
+    reference = routing.sort_by_expert_torch(ids, experts, block_m)
     _check_same_grouping(fused, reference)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, 512, generator=gen, device="cuda").bfloat16()
     w13 = (torch.randn(experts, 2 * 256, 512, generator=gen, device="cuda") * 512**-0.5).bfloat16()
     w2 = (torch.randn(experts, 512, 256, generator=gen, device="cuda") * 256**-0.5).bfloat16()
     weights = torch.rand(tokens, 8, generator=gen, device="cuda")
-    without = triton_experts.fused_experts(x, w13, w2, weights, ids)
-    monkeypatch.setenv("FLOTILLA_MOE_FUSED_ALIGN", "1")
     with_fused = triton_experts.fused_experts(x, w13, w2, weights, ids)
+    monkeypatch.setattr(triton_experts, "sort_by_expert", routing.sort_by_expert_torch)
+    without = triton_experts.fused_experts(x, w13, w2, weights, ids)
     assert torch.equal(with_fused, without)  # rows are computed on their own: the order within an expert is moot
 
 

@@ -49,7 +49,7 @@ def _logits(tokens: int, experts: int, dtype: torch.dtype, seed: int, device: to
 
 def _check_softmax(fn, logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
     weights, ids = fn(logits, top_k, renormalize)
-    want_w, want_ids = routing.select_experts(logits, top_k, renormalize)
+    want_w, want_ids = routing.select_experts_torch(logits, top_k, renormalize)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (logits.shape[0], top_k)
     assert torch.equal(ids, want_ids)  # same experts, same (descending) order
@@ -64,7 +64,8 @@ def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tenso
 def _check_grouped(fn, logits: torch.Tensor, top_k: int, groups: int, topk_groups: int, bias: torch.Tensor | None,
                    renormalize: bool, scaling: float) -> None:  # fmt: skip
     weights, ids = fn(logits, top_k, groups, topk_groups, bias, renormalize, scaling)
-    want_w, want_ids = routing.select_experts_grouped(logits, top_k, groups, topk_groups, bias, renormalize, scaling)
+    want_w, want_ids = routing.select_experts_grouped_torch(logits, top_k, groups, topk_groups, bias, renormalize,
+                                                            scaling)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (logits.shape[0], top_k)
     weights, ids = _sorted_by_id(weights, ids)

@@ -3,41 +3,38 @@ order the grouped GEMMs want (each expert's tokens contiguous, padded to the GEM
 
 Routing is kept apart from expert compute on purpose: an expert-parallel layer routes here, sends
 each token to the ranks owning its experts, and runs the same expert kernels on what it receives.
-Everything here is plain torch with static shapes (no host sync, no data-dependent sizes), so it
-runs inside CUDA graphs.
+Everything here has static shapes (no host sync, no data-dependent sizes), so it runs inside CUDA graphs. On
+CUDA routing and grouping are one triton launch each (kernels/moe/triton_routing.py, triton_align.py) instead of
+~25 small torch kernels; the *_torch functions are the references they are tested against, and what runs elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 FUSED_ALIGN_MAX_SLOTS = 16384
 """On CUDA, sort_by_expert runs kernels/moe/triton_align.py's single launch up to this many slots (tokens x top_k:
-2,048 tokens at top-8), and its torch version (~25 launches) beyond. The kernel has matched the torch version on an
-H200 at every size tested up to 16,384 slots (the one failure there was the test's). At 8,192 slots it took
-99.5 us against the torch version's 151 in a CUDA graph, 136 against 741 eager; at 32,768, 290 against 168 in a
-graph and 291 against 769 eager (bench_kernels' routing bench, 2026-12-01). Steps that large run eager (prefill), so
-the limit may rise further once the kernel has run at those sizes.
-FLOTILLA_MOE_FUSED_ALIGN=0 keeps the torch version everywhere (for A/B runs)."""
-
-
-def _fused_routing(logits: torch.Tensor) -> bool:
-    """Whether routing runs kernels/moe/triton_routing.py's single launch: on CUDA, unless
-    FLOTILLA_MOE_FUSED_ROUTING=0 (A/B runs). Its ids may differ from torch.topk's only on exact ties."""
-    return logits.is_cuda and os.environ.get("FLOTILLA_MOE_FUSED_ROUTING", "1") != "0"
+2,048 tokens at top-8), and its torch version beyond: the sizes at which the kernel has been checked on a GPU (far
+beyond them the torch version is the faster one inside a CUDA graph)."""
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing (Qwen2/3-MoE, Mixtral): router_logits [T, E] -> (weights float32 [T, top_k],
     expert ids int32 [T, top_k]). The softmax runs in float32; with `renormalize` (HF's norm_topk_prob)
-    the k weights are rescaled to sum to 1. On CUDA one triton launch (_fused_routing)."""
-    if _fused_routing(router_logits):
+    the k weights are rescaled to sum to 1. On CUDA one triton launch, whose ids may differ from torch.topk's only
+    on exact ties; elsewhere select_experts_torch."""
+    if router_logits.is_cuda:
         from flotilla.kernels.moe.triton_routing import fused_select_experts  # imports triton: CUDA only
 
         return fused_select_experts(router_logits, top_k, renormalize)
+    return select_experts_torch(router_logits, top_k, renormalize)
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """select_experts in torch (the reference)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -81,11 +78,15 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, maske
     to FUSED_ALIGN_MAX_SLOTS slots) one triton launch does it, with slots in any order within an expert's run.
     `masked`: ids may be negative (masked: another rank's expert), slots left out of every run; the torch version
     then takes a few more launches, which plain routing does not pay."""
-    if (topk_ids.is_cuda and topk_ids.numel() <= FUSED_ALIGN_MAX_SLOTS
-            and os.environ.get("FLOTILLA_MOE_FUSED_ALIGN", "1") != "0"):
+    if topk_ids.is_cuda and topk_ids.numel() <= FUSED_ALIGN_MAX_SLOTS:
         from flotilla.kernels.moe.triton_align import align_by_expert  # imports triton: CUDA only
 
         return align_by_expert(topk_ids, num_experts, block_m)
+    return sort_by_expert_torch(topk_ids, num_experts, block_m, masked)
+
+
+def sort_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int, masked: bool = False) -> ExpertBlocks:
+    """sort_by_expert in torch (the reference; slots ascending within an expert's run)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
     device = flat.device
@@ -138,12 +139,27 @@ def select_experts_grouped(
     group rated by the sum of its two best biased scores (score + correction_bias), and only the topk_groups
     best groups compete for the top_k. The bias only chooses: the weights are the raw scores of the chosen
     experts, renormalized to sum to 1 if `renormalize` (HF's norm_topk_prob), times routed_scaling_factor.
-    Static shapes, no host sync (CUDA-graph safe). On CUDA one triton launch (_fused_routing)."""
-    if _fused_routing(router_logits):
+    Static shapes, no host sync (CUDA-graph safe). On CUDA one triton launch; elsewhere
+    select_experts_grouped_torch."""
+    if router_logits.is_cuda:
         from flotilla.kernels.moe.triton_routing import fused_select_experts_grouped  # imports triton: CUDA only
 
         return fused_select_experts_grouped(router_logits, top_k, num_groups, topk_groups, correction_bias,
                                             renormalize, routed_scaling_factor)  # fmt: skip
+    return select_experts_grouped_torch(router_logits, top_k, num_groups, topk_groups, correction_bias, renormalize,
+                                        routed_scaling_factor)  # fmt: skip
+
+
+def select_experts_grouped_torch(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    correction_bias: torch.Tensor | None = None,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts_grouped in torch (the reference)."""
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()

@@ -22,7 +22,7 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
             Qwen3-8B's: cuBLAS (F.linear) vs kernels/triton/gemv.py and its --gemv-tiles variants;
             gbps = the weight's 2*N*K bytes / time (a graph's 10 calls reread a weight that fits in L2).
 - routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
-            with FLOTILLA_MOE_FUSED_ROUTING / FLOTILLA_MOE_FUSED_ALIGN both 0 ("torch") or both 1 ("fused": the
+            in their torch versions (routing.*_torch: "torch") or as the engine runs them on CUDA ("fused": the
             one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain
             launches ("eager") and replayed from a CUDA graph ("graph").
 
@@ -58,7 +58,13 @@ import numpy as np
 import torch
 
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.moe.routing import select_experts, select_experts_grouped, sort_by_expert
+from flotilla.kernels.moe.routing import (
+    select_experts,
+    select_experts_grouped,
+    select_experts_torch,
+    sort_by_expert,
+    sort_by_expert_torch,
+)
 from flotilla.scripts.dev.kernel_bench import (  # the harness; GRAPH_REPS and Bench are also this module's for tests
     GPU_SIZES,
     GRAPH_REPS,  # noqa: F401 - tests read it here
@@ -69,7 +75,6 @@ from flotilla.scripts.dev.kernel_bench import (  # the harness; GRAPH_REPS and B
     Bench,
     Sizes,
     _capture,
-    _env,
     _recover,
     _runnable,
     _triton_reason,
@@ -310,7 +315,7 @@ def bench_routing(bench: Bench, sizes: Sizes) -> None:
     e, top_k, _, _ = sizes.moe
     dev, gen = bench.device, bench.generator()
     cuda = dev.type == "cuda"
-    fused_reason = _triton_reason(bench) if cuda else "off CUDA routing runs torch (the env flags matter on CUDA only)"
+    fused_reason = _triton_reason(bench) if cuda else "off CUDA routing runs torch"
     if fused_reason is not None:
         bench.emit({"bench": "routing", "backend": "fused", "skipped": fused_reason})
     for t in sizes.routing_tokens:
@@ -321,18 +326,18 @@ def bench_routing(bench: Bench, sizes: Sizes) -> None:
 
             block_m = pick_block_m(t * top_k, e)
 
-        for backend, flag in (("torch", "0"), ("fused", "1")):
+        for backend in ("torch", "fused"):
             if backend == "fused" and fused_reason is not None:
                 continue
             base = {"bench": "routing", "backend": backend, "E": e, "top_k": top_k, "tokens": t, "block_m": block_m}
             # "fused" groups every size in one launch, past routing.FUSED_ALIGN_MAX_SLOTS too: the points above it
             # say where that limit belongs
-            with _env(FLOTILLA_MOE_FUSED_ROUTING=flag, FLOTILLA_MOE_FUSED_ALIGN=flag), \
-                    _align_limit(t * top_k if backend == "fused" else None):
-                bench.point({**base, "mode": "eager"}, _route, logits, top_k, e, block_m)
+            route = _route if backend == "fused" else _route_torch
+            with _align_limit(t * top_k if backend == "fused" else None):
+                bench.point({**base, "mode": "eager"}, route, logits, top_k, e, block_m)
                 if cuda:
                     try:
-                        replay = _capture(lambda: _route(logits, top_k, e, block_m))  # noqa: B023 - used at once
+                        replay = _capture(lambda: route(logits, top_k, e, block_m))  # noqa: B023 - used at once
                     except Exception as exc:  # noqa: BLE001 - a capture failure is this point's result
                         bench.emit({**base, "mode": "graph", "error": f"capture: {type(exc).__name__}: {exc}"[:2000]})
                         _recover(dev)
@@ -357,6 +362,11 @@ def _align_limit(slots: int | None) -> Iterator[None]:
 def _route(logits: torch.Tensor, top_k: int, num_experts: int, block_m: int) -> object:
     """What an MoE layer does before its experts: top-k routing, then the slots grouped by expert."""
     return sort_by_expert(select_experts(logits, top_k, True)[1], num_experts, block_m)
+
+
+def _route_torch(logits: torch.Tensor, top_k: int, num_experts: int, block_m: int) -> object:
+    """_route in the torch versions (about 25 launches on CUDA)."""
+    return sort_by_expert_torch(select_experts_torch(logits, top_k, True)[1], num_experts, block_m)
 
 
 # --- main ----------------------------------------------------------------------------------------------------------

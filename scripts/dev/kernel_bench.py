@@ -7,10 +7,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,21 +145,6 @@ def _recover(device: torch.device) -> None:
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    """Set environment variables for the block (the routing code reads them at call time), then restore."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _triton_reason(bench: Bench) -> str | None:
