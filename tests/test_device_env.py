@@ -97,18 +97,14 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
                                                   ("tiles_of", "triton+ds"), ("backend_of", "flashinfer+cublas+ds"),
                                                   ("backend_of", "auto"), ("label_of", "triton+eg"),
                                                   ("pg_of", "auto"), ("pg_of", "auto+pga+ds"),
-                                                  ("tiles_of", "auto+c1+ds+pn128"), ("variant_env", "auto"),
-                                                  ("variant_env", "auto+km+nopdl"),
-                                                  ("variant_env", "auto+late+bigalign+fi256")))  # fmt: skip
+                                                  ("tiles_of", "auto+ds+pn128"), ("variant_env", "auto"),
+                                                  ("variant_env", "auto+nopdl"), ("variant_env", "auto+fi256")))  # fmt: skip
     variant = script[script.index("variant_env() {"):]
     helpers += "\n" + variant[: variant.index("\n}\n") + 2]
     out = subprocess.run(["bash", "-c", f"{helpers}\n{calls}"], capture_output=True, text=True, timeout=30,
                          env={**os.environ, "FLOTILLA_MOE_TILES": ""})  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert " ".join(out.stdout.split("\n")[12:16]) == (
-        "FLOTILLA_PDL_METADATA=0 FLOTILLA_MOE_ALIGN_SMALL=0 FLOTILLA_FLASHINFER_DECODE_ABOVE=256 "
-        "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch")
+    assert " ".join(out.stdout.split("\n")[12:14]) == "FLOTILLA_FLASHINFER_DECODE_ABOVE=256 FLOTILLA_PDL=1"
     assert out.stdout.split("\n")[:12] == [
-        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "pn=128,c=1,ds=1,",
-        "FLOTILLA_PDL=1 FLOTILLA_DECODE_MERGE=launch",
-        "FLOTILLA_PDL=0 FLOTILLA_DECODE_MERGE=gqa"]  # fmt: skip
+        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "pn=128,ds=1,", "FLOTILLA_PDL=1",
+        "FLOTILLA_PDL=0"]  # fmt: skip

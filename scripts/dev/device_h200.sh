@@ -21,9 +21,8 @@
 #                "+cublas" FLOTILLA_GEMV=0 (one-row linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small
 #                experts' per-slot down pass), "+pga" FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models);
 #                else the engine's defaults
-#   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default "auto
-#                auto+km"), Q30_REPEAT runs each (default 3); "+km", "+kmall" and "+nopdl" (any stage's variants):
-#                FLOTILLA_DECODE_MERGE=gqa and =all, FLOTILLA_PDL=0
+#   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default
+#                "auto"), Q30_REPEAT runs each (default 3); "+nopdl" (any stage's variants): FLOTILLA_PDL=0
 #   q30_tiles    q30_b1's runs once per FLOTILLA_MOE_TILES value in Q30_TILES (space-separated; "-" the defaults) and
 #                per FLOTILLA_GEMV_BLOCK_K value in GEMV_K (default none), files numbered in that order
 #   profile_q30_triton  profile_q30 with the triton attention kernels instead of flashinfer's
@@ -36,8 +35,6 @@
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto";
 #                "+eg": FLOTILLA_PREFILL_GRAPHS=0, eager prefill), with the worker's step trace summarized (ms per step,
 #                time waiting for plans)
-#   mla_split    the flash_mla backend with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 (triton's MLA decode up to 8
-#                sequences): its GPU tests, then ds_b1's batch-1 decode and the nano workload with it at 8 and at 0
 #   profile_ds_var  profile_ds once per MLA backend in DS_PROFILE (default "auto triton")
 #   host_ds      profile_step on DeepSeek-V3-4L at batch 1 with --cprofile and no torch profiler: the host's time per
 #                step (launch_host_ms) and the functions it goes to
@@ -145,23 +142,17 @@ want profile_q30 && profile profile_q30 qwen3-30b-a3b
 want profile_q30_triton && profile profile_q30_triton qwen3-30b-a3b --attention-backend triton
 gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cublas][+ds]" -> FLOTILLA_GEMV
 # tiles_of: a variant's FLOTILLA_MOE_TILES ("+pn128": the sorted down pass on 128-column tiles)
-tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; [[ $1 == *+c1* ]] && t="c=1,$t"; [[ $1 == *+pn128* ]] && t="pn=128,$t"; echo "$t"; }
+tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; [[ $1 == *+pn128* ]] && t="pn=128,$t"; echo "$t"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (result files with "+" in their names do not come back)
 pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
 # variant_env: the environment variables a variant's suffixes set (any stage's variants).
-# "+km": FLOTILLA_DECODE_MERGE=gqa (the GQA decode's splits merged in the decode kernel), "+kmall": =all (triton's
-# MLA decode too); "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch); else the defaults
-# "+c1": the sorted expert GEMMs' in-kernel combine (FLOTILLA_MOE_TILES c=1); "+late": FLOTILLA_PDL_METADATA=0 (the step's
-# metadata read after the PDL wait); "+bigalign": FLOTILLA_MOE_ALIGN_SMALL=0 (every batch on the atomic align kernel);
-# "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N (flashinfer_triton's decode on triton's kernel up to N sequences)
+# "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch); "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N
+# (flashinfer_triton's decode on triton's kernel up to N sequences); else the defaults
 variant_env() {
   local fi; fi=$(grep -o '+fi[0-9]*' <<< "$1" | tr -d '+fi')
-  [[ $1 == *+late* ]] && echo FLOTILLA_PDL_METADATA=0
-  [[ $1 == *+bigalign* ]] && echo FLOTILLA_MOE_ALIGN_SMALL=0
   [ -n "$fi" ] && echo "FLOTILLA_FLASHINFER_DECODE_ABOVE=$fi"
-  echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)" \
-    "FLOTILLA_DECODE_MERGE=$([[ $1 == *+kmall* ]] && echo all || { [[ $1 == *+km* ]] && echo gqa || echo launch; })"
+  echo "FLOTILLA_PDL=$([[ $1 == *+nopdl* ]] && echo 0 || echo 1)"
 }
 if want profile_q30_var; then
   for v in ${Q30_PROFILE:-auto}; do
@@ -188,7 +179,7 @@ if want bench_q30; then
 fi
 
 if want q30_b1; then
-  for v in ${Q30_B1:-auto auto+km}; do
+  for v in ${Q30_B1:-auto}; do
     stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
     # shellcheck disable=SC2046
     env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
@@ -260,20 +251,6 @@ if want ds_b1; then
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$f.log" | cut -c1-400
     python3 -m flotilla.actors.step_trace "$R/ds_b1_$f.trace.jsonl" | cut -c1-400
-  done
-fi
-
-if want mla_split; then
-  stage "mla_split: GPU tests with FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8"
-  FLOTILLA_MLA_TRITON_DECODE_AT_MOST=8 timeout "$(cap 220)" python3 -m pytest -m gpu tests/test_mla_flash.py \
-    tests/test_mla_triton.py tests/test_spec_graphs.py -v -rfEX -p no:cacheprovider > "$R/mla-split-tests.log" 2>&1
-  echo "exit $?"; grep -E "FAILED|ERROR|passed|failed" "$R/mla-split-tests.log" | tail -8
-  for n in 8 0; do
-    stage "mla_split: bench_offline deepseek-v3-4l, FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n"
-    FLOTILLA_MLA_TRITON_DECODE_AT_MOST=$n FLOTILLA_STEP_TRACE="$R/mla_split_$n.trace.jsonl" timeout "$(cap 200)" \
-      python3 -m flotilla.scripts.dev.bench_offline --model deepseek-v3-4l --workload both --repeat "${DS_REPEAT:-2}" \
-      --json "$R/flotilla-ds-mla-split-$n.json" > "$R/mla_split_$n.log" 2>&1
-    echo "exit $?"; tail -1 "$R/mla_split_$n.log" | cut -c1-600
   done
 fi
 
