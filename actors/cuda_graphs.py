@@ -197,9 +197,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             if size in self.planned_sizes:
                 self.wrappers[size] = self.attn.graph_decode_wrapper(
-                    self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size],
-                    tensor_cores=flashinfer_backend.decode_tensor_cores(self.heads["num_qo_heads"],
-                                                                        self.heads["num_kv_heads"]))
+                    self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size])
             self.metas[size] = self._meta(size)
             none = np.zeros(0, dtype=np.int64)
             self._stage(size, none, none, none, none, [], None)

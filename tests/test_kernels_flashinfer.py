@@ -63,7 +63,7 @@ def test_the_fast_graph_replan_gives_flashinfers_own_plan():
     indptr_buf = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
     indices_buf = torch.zeros(batch * 64, dtype=torch.int32, device="cuda")
     last_buf = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    wrapper = fi.graph_decode_wrapper(torch.device("cuda"), indptr_buf, indices_buf, last_buf, tensor_cores=True)
+    wrapper = fi.graph_decode_wrapper(torch.device("cuda"), indptr_buf, indices_buf, last_buf)
     heads = dict(num_qo_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=block_size)
     rng = np.random.default_rng(0)
     for trial in range(4):

@@ -4,8 +4,13 @@ flotilla's per-layer cache `[num_blocks, 2, block_size, num_kv_heads, head_dim]`
 "NHD" paged layout, so the cache is handed over as is. FlashInfer plans a step once on the host (page
 table in CSR form: indptr / indices / last_page_len) and every layer reuses the plan; the plan is made
 at the first layer of a step (the metadata object changes per step) from the metadata's host copies,
-so planning never waits on the device. Pure-decode steps use the decode kernel (tensor cores for GQA);
-any step with a longer query (prefill chunks, mixed batches) uses the causal prefill kernel.
+so planning never waits on the device. Pure-decode steps use the decode kernel; any step with a longer query
+(prefill chunks, mixed batches) uses the causal prefill kernel.
+
+Decode runs FlashInfer's tensor-core kernel (its prefill kernel, the query heads of a KV group as rows of one tile)
+for every group size, as vLLM does: the CUDA-core decode kernel reads the KV cache more slowly at GQA groups of 4
+and more, and its outputs differ from the tensor-core kernel's (flashinfer issue #703), so a model's greedy tokens
+would depend on its head counts.
 
 An FP8 (e4m3) cache is planned with kv_data_type float8_e4m3fn (the query stays in the model's dtype) and run
 with k_scale / v_scale, which FlashInfer folds into the softmax scale and the output; the store quantizes
@@ -27,25 +32,6 @@ WORKSPACE_BYTES = 256 * 2**20
 """FlashInfer's scratch space per device (split-k partial results, plan info)."""
 
 
-def decode_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
-    """Whether decode runs FlashInfer's tensor-core kernel (its prefill kernel, the query heads of a KV group as
-    rows of one tile) or its CUDA-core decode kernel. Tensor cores, for every group size, until the CUDA-core
-    path is validated on the GPU; FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES=0/1 forces one (for measuring).
-
-    Measured on the H200 (scripts/dev/bench_attention.py, bf16, block 16): with 32:8 heads (Qwen3-8B) the CUDA-core
-    kernel reaches only ~2.8 TB/s at batch 64-256 x 1-4k context against ~4.3 TB/s with tensor cores; with 16:8
-    heads (Qwen3-0.6B) the two tie from 1k context on and the CUDA-core kernel is faster on short contexts
-    (41 vs 61 us at 256 x 128), so groups below 4 could take it. That rule was tried and reverted: with it the
-    GPU tests comparing flashinfer with the torch backend (and triton with torch ops) on a tiny 4:2-head Qwen3
-    gave different greedy tokens (2026-11-30). That is consistent with FlashInfer's own report that the two
-    kernels' outputs differ (flashinfer issue #703); vLLM takes tensor cores for every group size too (vLLM
-    PR #23214)."""
-    forced = os.environ.get("FLOTILLA_FLASHINFER_DECODE_TENSOR_CORES")
-    if forced is not None:
-        return forced == "1"
-    return True
-
-
 def importable() -> bool:
     try:
         import flashinfer  # noqa: F401
@@ -63,23 +49,22 @@ class FlashInferAttention:
         import flashinfer  # optional dependency: only imported when this backend is chosen
 
         self._fi = flashinfer
-        self._wrappers: dict[tuple[torch.device, bool], tuple[object, object]] = {}
+        self._wrappers: dict[torch.device, tuple[object, object]] = {}
         self._workspaces: dict[torch.device, torch.Tensor] = {}
         self._planned: AttentionMetadata | None = None
         self._active: object | None = None
         self._plan_copied: torch.cuda.Event | None = None
 
-    def _wrappers_for(self, device: torch.device, tensor_cores: bool = True) -> tuple[object, object]:
-        """(decode wrapper, prefill wrapper) of a device; the decode one with or without tensor cores."""
-        key = (device, tensor_cores)
-        if key not in self._wrappers:
+    def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
+        """(decode wrapper, prefill wrapper) of a device."""
+        if device not in self._wrappers:
             if device not in self._workspaces:
                 self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             workspace = self._workspaces[device]
-            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
             prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            self._wrappers[key] = (decode, prefill)
-        return self._wrappers[key]
+            self._wrappers[device] = (decode, prefill)
+        return self._wrappers[device]
 
     def _plan(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
         host = meta.host
@@ -87,7 +72,7 @@ class FlashInferAttention:
             raise ValueError("the flashinfer backend needs AttentionMetadata built with host copies (from_lists)")
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         kv_indptr, kv_indices, last_page_len = host.paged_kv(block_size)
-        decode, prefill = self._wrappers_for(query.device, decode_tensor_cores(query.shape[1], num_kv_heads))
+        decode, prefill = self._wrappers_for(query.device)
         common = dict(num_qo_heads=query.shape[1], num_kv_heads=num_kv_heads, page_size=block_size,
                       q_data_type=query.dtype, kv_data_type=kv_cache.dtype, sm_scale=scale)
         indptr, indices, last = (pinned(a) for a in (kv_indptr, kv_indices, last_page_len))
@@ -118,13 +103,13 @@ class FlashInferAttention:
     # ---- CUDA graphs: a fixed-batch decode wrapper per captured size, planned outside the graph ------------
 
     def graph_decode_wrapper(self, device: torch.device, indptr: torch.Tensor, indices: torch.Tensor,
-                             last_page_len: torch.Tensor, tensor_cores: bool = True) -> object:
+                             last_page_len: torch.Tensor) -> object:
         """A decode wrapper whose page-table buffers are fixed (len(last_page_len) = its batch size), so a
         captured graph reads whatever the next plan() writes into them."""
         self._wrappers_for(device)
         workspace = self._workspaces[device]
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=indptr,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
 
     def plan_graph(self, wrapper: object, meta: AttentionMetadata, indptr: np.ndarray, indices: torch.Tensor,
