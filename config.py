@@ -121,6 +121,19 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     an MLA model takes torch, triton, flash_mla or flashinfer."""
     enforce_eager: bool = False
     """Run every step eagerly, without CUDA graphs (for debugging and profiling)."""
+    prefill_cuda_graphs: Literal["auto", "all", "off"] = "auto"
+    """CUDA graphs of one sequence's prompt chunk of up to 512 tokens, replayed instead of launched (one rank, no
+    speculative decoding; actors/prefill_graphs.py): auto captures them for the MLA attention backends (triton,
+    flash_mla), all for the GQA triton and flashinfer_triton backends too, off for none."""
+    tp_cuda_graphs: bool = False
+    """Capture decode CUDA graphs under tensor parallelism too, the NCCL all-reduces inside them (TP x EP included,
+    not the data-parallel expert all-to-all); off by default until validated on two GPUs."""
+    ep_cuda_graphs: bool = False
+    """Capture decode CUDA graphs under data x expert parallelism with all2all_backend allgather_reducescatter (the
+    MoE layers' all-gathers and reduce-scatters inside them); off by default until validated on two GPUs."""
+    step_trace: str | None = None
+    """Append one JSON line per step to this file (the first rank's worker): its sequences, tokens, and when its plan
+    arrived, its launch returned and its results were ready; `python -m flotilla.actors.step_trace FILE` sums it up."""
     fused_ops: Literal["auto", "torch", "triton"] = "auto"
     """Elementwise kernels of each layer (RMSNorm, SiLU-and-mul, RoPE + KV store): auto (triton on CUDA,
     torch elsewhere), triton, or torch (the references)."""
@@ -175,7 +188,8 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Prefill-decode disaggregation: the engine's role and how its KV blocks move."""
+    """Prefill-decode disaggregation and serving other nodes: the engine's role, how its KV blocks move, and how long
+    it serves a front end that went away."""
 
     role: Literal["both", "prefill", "decode"] = "both"
     """Prefill-decode disaggregation role: both runs prompts and generation here; prefill runs prompts, samples the
@@ -196,7 +210,13 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Size of a staging buffer in blocks per layer: a migration moves at most this many blocks per round
     (torch_dist: per send)."""
 
+    frontend_grace_s: float = 5.0
+    """Another node's front end that routed requests here (a shared registry) and has been unreachable this long has
+    its sequences aborted, seconds (a reconnect within it changes nothing)."""
+
     def __post_init__(self) -> None:
+        if self.frontend_grace_s < 0:
+            raise ValueError("frontend_grace_s must not be negative")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be positive")
         if self.kv_transfer_backend == "torch_dist" and self.kv_staging == "always":

@@ -22,7 +22,6 @@ launches belong inside the graph too. Sampling other than greedy runs on the log
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -42,12 +41,6 @@ log = logging.getLogger(__name__)
 STATIC_TABLE_BACKENDS = ("triton", "flashinfer_triton", "mla_triton", "mla_flash_mla")
 """Attention backends (a model's attention_backend_name) whose decode reads only device metadata, so a graph
 captures them over static tables; flashinfer is planned on the host instead."""
-
-
-def static_table_graphs_enabled() -> bool:
-    """Whether the static-table backends get decode graphs: yes unless FLOTILLA_STATIC_TABLE_GRAPHS=0, which rules
-    the graphs out when a run looks wrong (--enforce-eager turns every graph off)."""
-    return os.environ.get("FLOTILLA_STATIC_TABLE_GRAPHS", "1") != "0"
 
 
 def capture_sizes(max_batch: int) -> list[int]:

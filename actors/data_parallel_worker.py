@@ -36,14 +36,12 @@ def dp_tp_rank(instance: int, tp_size: int) -> tuple[int, int]:
 
 def ep_graphs_enabled(config: EngineConfig) -> bool:
     """Whether an expert-parallel engine's ranks capture decode graphs: not with the all-to-all, which reads its
-    split sizes on the host; when the experts gather tokens (static shapes) with FLOTILLA_EP_GRAPHS=1, and under
-    TP x EP (masked routing over shared tokens, no collective of its own) with FLOTILLA_TP_GRAPHS=1, both opt-in
-    (their GPU tests are tests/test_ep_graphs.py and tests/test_tp_graphs.py, on two GPUs)."""
+    split sizes on the host; when the experts gather tokens (static shapes) with ep_cuda_graphs, and under TP x EP
+    (masked routing over shared tokens, no collective of its own) with tp_cuda_graphs."""
     par = config.parallel
     if par.gathers_tokens:
-        return os.environ.get("FLOTILLA_EP_GRAPHS") == "1"
-    return (par.enable_expert_parallel and par.data_parallel_size == 1
-            and os.environ.get("FLOTILLA_TP_GRAPHS") == "1")
+        return config.worker.ep_cuda_graphs
+    return par.enable_expert_parallel and par.data_parallel_size == 1 and config.worker.tp_cuda_graphs
 
 
 def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:

@@ -45,7 +45,7 @@ class DetokenizerActor(Actor):
         self.routes: dict[str, tuple[str, int]] = {}
         """Sequences whose text goes to another node's front end: rid -> (its inbox, the sequence's data-parallel
         rank), until their final delta."""
-        self.watch = FrontEndWatch(self._front_end_gone)
+        self.watch = FrontEndWatch(self._front_end_gone, self.config.disagg.frontend_grace_s)
 
     async def setup(self) -> dict[str, str]:
         if not self.config.model.skip_tokenizer_init:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -23,17 +22,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger(__name__)
 
-GRACE_S = float(os.environ.get("FLOTILLA_FRONTEND_GRACE_S", "5"))
-"""How long another node's front end may be unreachable before its sequences are aborted, seconds (a reconnect
-within it changes nothing)."""
-
-
 class FrontEndWatch:
     """One task per watched front end address, on the monitor of the socket that sends to it."""
 
-    def __init__(self, on_gone: Callable[[str], Awaitable[None]], grace_s: float = GRACE_S,
+    def __init__(self, on_gone: Callable[[str], Awaitable[None]], grace_s: float,
                  connect_s: float | None = None) -> None:
-        """connect_s: how long a front end may take to accept the first connection (default: the grace, at least
+        """grace_s: how long a front end may be unreachable before it is reported gone (DisaggConfig.frontend_grace_s);
+        connect_s: how long a front end may take to accept the first connection (default: the grace, at least
         5 s: a TCP connect takes far less, but the grace may be 0)."""
         self.on_gone, self.grace_s = on_gone, grace_s
         self.connect_s = max(grace_s, 5.0) if connect_s is None else connect_s

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, static_table_graphs_enabled
+from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only
 from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
@@ -122,7 +122,7 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
-        jit_log.install_from_env()  # FLOTILLA_LOG_JIT=1: a line per triton compile, with the step that needed it
+        self._log_jit = jit_log.install_from_env()  # FLOTILLA_LOG_JIT=1: a line per triton compile, with its step
         jit_log.context = "engine start"
         self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
         if self.device.type == "cuda" and self.device.index is not None:
@@ -183,13 +183,12 @@ class ModelRunner:
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
         """Speculative decoding: runs every step (verify + draft), one at a time."""
         self.graphs: DecodeGraphs | None = None
-        # under tensor parallelism the graphs capture the NCCL all-reduces: opt-in (FLOTILLA_TP_GRAPHS=1; its GPU
-        # test is tests/test_tp_graphs.py); never with the expert all-to-all, whose dispatch reads counts
-        # back (an expert-parallel worker is eager unless data_parallel_worker.ep_graphs_enabled)
-        tp_ok = self.tp_size == 1 or (os.environ.get("FLOTILLA_TP_GRAPHS") == "1"
-                                      and (not config.parallel.enable_expert_parallel
-                                           or config.parallel.data_parallel_size == 1))
-        static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS and static_table_graphs_enabled()
+        # under tensor parallelism the graphs capture the NCCL all-reduces (tp_cuda_graphs); never with the expert
+        # all-to-all, whose dispatch reads counts back (an expert-parallel worker is eager unless
+        # data_parallel_worker.ep_graphs_enabled)
+        tp_ok = self.tp_size == 1 or (config.worker.tp_cuda_graphs and (not config.parallel.enable_expert_parallel
+                                                                        or config.parallel.data_parallel_size == 1))
+        static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS
         graphs_ok = self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
         max_blocks = -(-self.max_model_len // self.block_size)
         if self.spec is not None:
@@ -204,9 +203,9 @@ class ModelRunner:
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
                                        device=self.device)
         self.prefill_graphs: PrefillGraphs | None = None
-        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; FLOTILLA_PREFILL_GRAPHS)."""
+        """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; prefill_cuda_graphs)."""
         if (graphs_ok and static and self.spec is None and self.tp_size == 1
-                and self.model.attention_backend_name in prefill_graph_backends()
+                and self.model.attention_backend_name in prefill_graph_backends(config.worker.prefill_cuda_graphs)
                 and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
                 and not (config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1)):
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
@@ -365,7 +364,7 @@ class ModelRunner:
             return
         seqs = [self.seqs[rid] for rid in plan.rids]
         num_new = plan.num_new_tokens.tolist()
-        if jit_log.ON:
+        if self._log_jit:
             jit_log.context = f"step {plan.step}: {len(seqs)} sequences, {sum(num_new)} tokens"
         if plan.new_block_ids is not None and len(plan.new_block_ids):
             counts = plan.new_block_counts

@@ -14,14 +14,13 @@ which later tokens overwrite before anything reads it, and the scratch block pas
 attention of the real rows reads only keys written before or by this pass. The graph returns the hidden states of
 all `size` rows; the runner takes the real ones' logits eagerly, as after an eager forward.
 
-On by default for the MLA backends; FLOTILLA_PREFILL_GRAPHS=0 turns them off. GQA models on the triton or
-flashinfer_triton backend get them with FLOTILLA_PREFILL_GRAPHS=all.
+WorkerConfig.prefill_cuda_graphs chooses the backends: the MLA ones by default ("auto"), the GQA triton and
+flashinfer_triton ones too with "all", none with "off".
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import numpy as np
@@ -42,21 +41,15 @@ default."""
 PREFILL_GRAPH_BACKENDS_OPT_IN = ("triton", "flashinfer_triton")
 """The GQA backends whose prefill a graph can capture: triton's prefill kernel reads only device metadata, and
 flashinfer_triton sends a chunk without host metadata (a graph's) to it instead of FlashInfer, which plans on the
-host. Opt-in, with FLOTILLA_PREFILL_GRAPHS=all."""
+host. Opt-in, with prefill_cuda_graphs "all"."""
 
 
-def prefill_graphs_enabled() -> bool:
-    """On unless FLOTILLA_PREFILL_GRAPHS=0 (--enforce-eager turns every graph off)."""
-    return os.environ.get("FLOTILLA_PREFILL_GRAPHS", "1") != "0"
-
-
-def prefill_graph_backends() -> tuple[str, ...]:
-    """The attention backends that get prefill graphs: none with FLOTILLA_PREFILL_GRAPHS=0, the MLA ones by default,
-    the GQA ones too with FLOTILLA_PREFILL_GRAPHS=all."""
-    if not prefill_graphs_enabled():
+def prefill_graph_backends(mode: str) -> tuple[str, ...]:
+    """The attention backends that get prefill graphs under WorkerConfig.prefill_cuda_graphs `mode`: none with "off",
+    the MLA ones with "auto", the GQA ones too with "all" (enforce_eager turns every graph off)."""
+    if mode == "off":
         return ()
-    extra = PREFILL_GRAPH_BACKENDS_OPT_IN if os.environ.get("FLOTILLA_PREFILL_GRAPHS") == "all" else ()
-    return PREFILL_GRAPH_BACKENDS + extra
+    return PREFILL_GRAPH_BACKENDS + (PREFILL_GRAPH_BACKENDS_OPT_IN if mode == "all" else ())
 
 
 class PrefillGraphs:

@@ -24,6 +24,7 @@ from typing import Callable
 import msgspec
 import zmq.asyncio
 
+from flotilla import envs
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
@@ -282,9 +283,8 @@ class Runtime:
                "--instance", str(instance)]
         if self.trace:
             cmd.append("--trace")
-        env = {**os.environ, "FLOTILLA_PARENT_PID": str(os.getpid())}
-        if sys.stderr.isatty():  # the child's stderr is our pipe, but its progress bars end on our terminal
-            env["FLOTILLA_PROGRESS"] = "1"
+        # the child's stderr is our pipe, but with ours a terminal its progress bars end there
+        env = {**os.environ, **envs.child_environment(progress=sys.stderr.isatty())}
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, start_new_session=True,
                                                     stdin=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         keys = [key(n, instance) for n in names]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import uvloop
 
+from flotilla import envs
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
@@ -43,11 +44,11 @@ def die_with_parent() -> None:
     process) for stop_grace_s later, in case stopping hangs where no Python code runs (on a loaded machine it can
     block in a zmq call). getppid() cannot tell the death signal from another: it may still name
     the dying runtime when the signal is handled (the kernel hands the children to its last threads first)."""
-    parent = os.environ.get("FLOTILLA_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
+    parent = envs.FLOTILLA_PARENT_PID
+    if parent is None or not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         sys.exit(1)
 
 
@@ -88,7 +89,7 @@ async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
     actors = [cls(ctx, zctx) for cls, ctx in ctxs]
     loop = asyncio.get_running_loop()
     grace = max(c.options.stop_grace_s for _, c in ctxs)
-    spawned = "FLOTILLA_PARENT_PID" in os.environ
+    spawned = envs.FLOTILLA_PARENT_PID is not None
 
     def on_signal(sig: signal.Signals) -> None:
         if spawned:  # the runtime may be dead (its death signal): if stopping hangs the kernel ends us

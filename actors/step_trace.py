@@ -1,16 +1,15 @@
 """A per-step timeline of the worker, for finding where an end-to-end run spends its time.
 
-Set FLOTILLA_STEP_TRACE=/path/trace.jsonl and the worker (rank 0) appends one JSON line per step: its number,
-sequences, tokens, whether it was a pure decode step, and three host clock readings (seconds,
+With `--step-trace /path/trace.jsonl` (WorkerConfig.step_trace) the worker (rank 0) appends one JSON line per step:
+its number, sequences, tokens, whether it was a pure decode step, and three host clock readings (seconds,
 time.perf_counter of that process): the plan arrived, its launch returned, its results were ready. Steps
 whose plan arrived after the previous step's results (`gap_ms` > 0) left the device idle waiting for the
-scheduler. Off (no file, no cost beyond one attribute check) when the variable is unset.
+scheduler. Off (no file, no cost beyond one attribute check) when the option is unset.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from flotilla.transport.messages import StepPlan
@@ -26,8 +25,8 @@ class StepTrace:
         self._last_done = 0.0
 
     @classmethod
-    def from_env(cls, rank: int) -> StepTrace | None:
-        path = os.environ.get("FLOTILLA_STEP_TRACE")
+    def for_rank(cls, path: str | None, rank: int) -> StepTrace | None:
+        """The trace rank 0 writes to `path` (WorkerConfig.step_trace); None: no trace."""
         return cls(path) if path and rank == 0 else None
 
     def arrived(self, plan: StepPlan) -> None:

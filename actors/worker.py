@@ -85,7 +85,7 @@ class GPUWorkerActor(Actor):
         self.runner: ModelRunner | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.name}{ctx.instance}-runner")
         self._completer: asyncio.Task | None = None
-        self._trace = StepTrace.from_env(self.rank)  # FLOTILLA_STEP_TRACE: a per-step timeline (actors/step_trace.py)
+        self._trace = StepTrace.for_rank(self.config.worker.step_trace, self.rank)  # a per-step timeline
 
     async def setup(self) -> dict[str, str]:
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest

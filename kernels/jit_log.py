@@ -15,12 +15,12 @@ jit_post_compile_hook, after), installed once per process; hooks already there a
 from __future__ import annotations
 
 import logging
-import os
 import time
+
+from flotilla import envs
 
 log = logging.getLogger("flotilla.jit")
 
-ON = os.environ.get("FLOTILLA_LOG_JIT", "0") == "1"
 context = ""
 """What the process is doing, set by its caller (ModelRunner: "step N"); appended to each line."""
 _started: dict[str, float] = {}
@@ -86,7 +86,6 @@ def install() -> bool:
     return True
 
 
-def install_from_env() -> None:
-    """install() when FLOTILLA_LOG_JIT=1."""
-    if ON:
-        install()
+def install_from_env() -> bool:
+    """install() when FLOTILLA_LOG_JIT=1; whether the hooks are in."""
+    return envs.FLOTILLA_LOG_JIT and install()

@@ -15,13 +15,14 @@ batch 1 on an H200, since every program waited for the row's statistics; docs/pe
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-GEMV = os.environ.get("FLOTILLA_GEMV", "1") != "0"
-"""Whether one-row products run the triton kernel (FLOTILLA_GEMV=0 at import: never; benchmarks flip it in place)."""
+from flotilla import envs
+
+GEMV = envs.FLOTILLA_GEMV
+"""Whether one-row products run the triton kernel. Read once at import, since every linear layer asks; benchmarks and
+tests flip this constant in place."""
 
 
 _HALF = (torch.bfloat16, torch.float16)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from flotilla import envs
 from flotilla.models.gguf import GGUF_CONVERTER_VERSION, GGUFError, convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class DefaultModelError(RuntimeError):
 
 def cache_root() -> Path:
     """flotilla's cache folder: $FLOTILLA_CACHE_DIR, else $XDG_CACHE_HOME/flotilla, else ~/.cache/flotilla."""
-    if override := os.environ.get("FLOTILLA_CACHE_DIR"):
+    if override := envs.FLOTILLA_CACHE_DIR:
         return Path(override).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flotilla"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from flotilla import envs
 
 
 def progress_disabled(progress: bool) -> bool | None:
@@ -10,4 +10,4 @@ def progress_disabled(progress: bool) -> bool | None:
     a terminal (FLOTILLA_PROGRESS=1, set for actor processes); None (tqdm decides: a tty or not) otherwise."""
     if not progress:
         return True
-    return False if os.environ.get("FLOTILLA_PROGRESS") == "1" else None
+    return False if envs.FLOTILLA_PROGRESS else None

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 import uvicorn
 import uvloop
 
+from flotilla import envs
 from flotilla.models.model_folder import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
@@ -102,7 +102,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
             token_texts=TokenTexts(lambda i: tokenizer.decode([i])),
-            api_key=args.api_key if args.api_key is not None else os.environ.get("FLOTILLA_API_KEY"),
+            api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=args.max_body_bytes,
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests)
         server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",

@@ -106,5 +106,5 @@ def test_device_h200_variants_keep_the_engines_defaults_unless_they_say_otherwis
     assert out.returncode == 0, out.stderr
     assert " ".join(out.stdout.split("\n")[12:14]) == "FLOTILLA_FLASHINFER_DECODE_ABOVE=256 FLOTILLA_PDL=1"
     assert out.stdout.split("\n")[:12] == [
-        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "1", "all", "pn=128,ds=1,", "FLOTILLA_PDL=1",
+        "1", "0", "", "ds=1,", "flashinfer", "auto", "triton_eg", "auto", "all", "pn=128,ds=1,", "FLOTILLA_PDL=1",
         "FLOTILLA_PDL=0"]  # fmt: skip

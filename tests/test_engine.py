@@ -326,11 +326,10 @@ def test_unknown_fused_ops_are_refused_before_anything_starts(tiny):
         LLM(tiny, kv_cache_blocks=64, block_size=4, fused_ops="fastest")
 
 
-def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path, monkeypatch):
+def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path):
     from flotilla.actors.step_trace import summarize
     trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv("FLOTILLA_STEP_TRACE", str(trace))
-    with LLM(tiny, kv_cache_blocks=256, block_size=4, max_num_batched_tokens=64) as engine:
+    with LLM(tiny, kv_cache_blocks=256, block_size=4, max_num_batched_tokens=64, step_trace=str(trace)) as engine:
         run(engine, prompts(6, seed=3, lo=40, hi=60), max_tokens=5)
     rows = [__import__("json").loads(line) for line in trace.read_text().splitlines()]
     assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)

@@ -1,5 +1,5 @@
 """CUDA-graph decode under data parallelism x expert parallelism when the experts gather tokens (all2all_backend
-allgather_reducescatter; opt-in, FLOTILLA_EP_GRAPHS=1): each rank captures
+allgather_reducescatter; opt-in, ep_cuda_graphs): each rank captures
 its decode forwards with the MoE layers' NCCL all-gathers and reduce-scatters inside, the ranks agree on each
 step's rows (actors/data_parallel_worker.py step_rows), and a busy rank replays the agreed size while an idle one
 runs its empty steps eager. On two GPUs the engine must give the greedy tokens of the same engine eager, with
@@ -30,13 +30,12 @@ def _run(model: str, prompts: int, **options) -> tuple[list[list[int]], dict]:
 
 @pytest.mark.gpu
 @needs_two_gpus
-def test_dp2_ep2_decode_graphs_give_the_eager_tokens(tmp_path: Path, monkeypatch) -> None:
+def test_dp2_ep2_decode_graphs_give_the_eager_tokens(tmp_path: Path) -> None:
     model = str(write_tiny_moe_model(tmp_path / "moe", "qwen3_moe_hd64"))
-    monkeypatch.setenv("FLOTILLA_EP_GRAPHS", "1")  # the worker processes inherit it
     for prompts in (10, 1):  # both ranks busy; then one request: the other rank idle, stepping empty
         eager, detail = _run(model, prompts, enforce_eager=True)
         assert detail["worker/0"]["cuda_graphs"] == "off"
-        graphs, detail = _run(model, prompts)
+        graphs, detail = _run(model, prompts, ep_cuda_graphs=True)
         assert [detail[f"worker/{r}"]["cuda_graphs"] for r in (0, 1)] == ["on", "on"]
         assert graphs == eager
 
@@ -81,18 +80,17 @@ def test_the_ranks_agree_on_rows_and_on_graphs(monkeypatch, mine, theirs, graphs
         assert (current_ep_tokens(), graph_size) == want
 
 
-def test_graphs_under_expert_parallelism_only_without_the_all_to_all_and_when_asked_for(monkeypatch) -> None:
-    monkeypatch.setenv("FLOTILLA_EP_GRAPHS", "1")
-    gather = EngineConfig.from_options(**GATHER)
+def test_graphs_under_expert_parallelism_only_without_the_all_to_all_and_when_asked_for() -> None:
+    gather = EngineConfig.from_options(**GATHER, ep_cuda_graphs=True)
     assert dp.ep_graphs_enabled(gather) and not dp.rank_config(gather, 0).worker.enforce_eager
-    a2a = EngineConfig.from_options(data_parallel_size=2, enable_expert_parallel=True)
+    a2a = EngineConfig.from_options(data_parallel_size=2, enable_expert_parallel=True, ep_cuda_graphs=True)
     assert not dp.ep_graphs_enabled(a2a) and dp.rank_config(a2a, 0).worker.enforce_eager
-    monkeypatch.delenv("FLOTILLA_EP_GRAPHS")
+    gather = EngineConfig.from_options(**GATHER)
     assert not dp.ep_graphs_enabled(gather) and dp.rank_config(gather, 0).worker.enforce_eager
     # TP x EP: masked routing over the shared tokens, graphs with the TP ones; DP x TP x EP dispatches: eager
-    tp_ep = EngineConfig.from_options(tensor_parallel_size=2, enable_expert_parallel=True)
-    dp_tp_ep = EngineConfig.from_options(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
-    assert not dp.ep_graphs_enabled(tp_ep)
-    monkeypatch.setenv("FLOTILLA_TP_GRAPHS", "1")
-    assert dp.ep_graphs_enabled(tp_ep) and not dp.rank_config(tp_ep, 0).worker.enforce_eager
+    tp_ep = dict(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert not dp.ep_graphs_enabled(EngineConfig.from_options(**tp_ep))
+    tp_ep_graphs = EngineConfig.from_options(**tp_ep, tp_cuda_graphs=True)
+    assert dp.ep_graphs_enabled(tp_ep_graphs) and not dp.rank_config(tp_ep_graphs, 0).worker.enforce_eager
+    dp_tp_ep = EngineConfig.from_options(data_parallel_size=2, **tp_ep, tp_cuda_graphs=True, ep_cuda_graphs=True)
     assert not dp.ep_graphs_enabled(dp_tp_ep) and dp.rank_config(dp_tp_ep, 0).worker.enforce_eager

@@ -52,6 +52,8 @@ def test_each_compile_is_one_line_with_its_specialization_time_and_step(jit_log,
 def test_off_unless_asked_for(jit_log, monkeypatch):
     from triton import knobs
 
-    monkeypatch.setattr(jit_log, "ON", False)
-    jit_log.install_from_env()
+    monkeypatch.delenv("FLOTILLA_LOG_JIT", raising=False)
+    assert not jit_log.install_from_env()
     assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is None
+    monkeypatch.setenv("FLOTILLA_LOG_JIT", "1")
+    assert jit_log.install_from_env() and knobs.runtime.jit_cache_hook is not None

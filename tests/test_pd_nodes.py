@@ -154,16 +154,15 @@ def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.
         time.sleep(0.1)
 
 
-def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, monkeypatch, tmp_path):
+def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, tmp_path):
     """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
     every KV block of both is free afterwards. Then that front end dies mid-stream: the other node's engine aborts
-    the sequences nobody reads any more (FLOTILLA_FRONTEND_GRACE_S=1 there) and keeps serving. (With a grace of 0,
+    the sequences nobody reads any more (--frontend-grace-s 1 there) and keeps serving. (With a grace of 0,
     on a loaded machine d's engine may call c's front end unreachable while c serves, and the kill then finds nothing
     left to abort.)"""
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
-    monkeypatch.setenv("FLOTILLA_FRONTEND_GRACE_S", "1")  # (c's engine gets it too: nothing of d's runs there)
     # the streams below must outlast the kill and the grace on a fast machine (180-token ones can end inside the
     # grace, leaving nothing to abort), so c and d serve the same weights with 2,048 positions (the tiny model's 256
     # would end them at its RoPE table) and room for four 900-token streams
@@ -171,7 +170,7 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     shutil.copytree(model, long)
     config = json.loads((long / "config.json").read_text())
     (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    extra = ["--max-model-len", "1024", "--kv-cache-blocks", "1024"]
+    extra = ["--max-model-len", "1024", "--kv-cache-blocks", "1024", "--frontend-grace-s", "1"]  # (c's too: unused)
     c, d = start_servers(([*node_argv(long, url, "c", "both"), *extra], {"timeout": 180}),
                          ([*node_argv(long, url, "d", "both"), *extra], {"timeout": 180}))
     try:

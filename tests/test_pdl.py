@@ -95,9 +95,10 @@ top of their bodies: the q/k norm + RoPE + store, the decode merge, the small ex
 
 
 def test_pdl_is_on_unless_turned_off_and_never_on_a_cpu(monkeypatch):
+    from flotilla import envs
     from flotilla.kernels.triton import pdl
 
-    assert pdl.PDL == (os.environ.get("FLOTILLA_PDL") != "0")
+    assert pdl.PDL == envs.FLOTILLA_PDL  # (read at import)
     monkeypatch.setattr(pdl, "PDL", False)
     assert pdl.pdl_options(torch.device("cpu")) == {"USE_GDC": False, "launch_pdl": False}
     monkeypatch.setattr(pdl, "PDL", True)

@@ -15,7 +15,7 @@ import torch
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
-from flotilla.actors.prefill_graphs import PrefillGraphs, prefill_graph_backends, prefill_graphs_enabled
+from flotilla.actors.prefill_graphs import PrefillGraphs, prefill_graph_backends
 from flotilla.config import SchedulerConfig
 from flotilla.kernels.attention import AttentionMetadata
 from helpers_spec import make_runner, requests
@@ -120,44 +120,40 @@ def test_a_chunk_whose_padding_would_pass_max_model_len_is_left_to_the_eager_for
 
 
 @pytest.mark.gpu
-def test_prefill_cuda_graphs_give_the_eager_tokens(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_cuda_graphs_give_the_eager_tokens(model_dir: Path) -> None:
     """The same on CUDA, where the runner captures the graphs itself (by default, triton's MLA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
     runs = check_against_eager(model_dir, "cuda", budget=32)
     assert len(runs) >= len(requests())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer_triton"])
-def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path], backend: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """GQA models under FLOTILLA_PREFILL_GRAPHS=all: the runner captures triton's prefill kernel. flashinfer_triton's
+def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path], backend: str) -> None:
+    """GQA models under prefill_cuda_graphs "all": the runner captures triton's prefill kernel. flashinfer_triton's
     eager prefill is FlashInfer's, which takes no float32, so its graphs are held to the triton backend's eager
     steps: the kernels its graphs run (triton's prefill and decode)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if backend == "flashinfer_triton":
         pytest.importorskip("flashinfer")
-    monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", "all")
     for name in ("qwen3_hd64", "qwen3_moe"):
         runs = check_against_eager(gqa_dirs[name], "cuda", budget=32, eager_options={"attention_backend": "triton"},
-                                   attention_backend=backend)
+                                   attention_backend=backend, prefill_cuda_graphs="all")
         assert len(runs) >= len(requests()), name
 
 
-def test_prefill_graphs_are_on_for_mla_unless_switched_off_and_for_gqa_when_asked(
-        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """On by default for the MLA backends; FLOTILLA_PREFILL_GRAPHS=all adds triton and
-    flashinfer_triton (GQA); FLOTILLA_PREFILL_GRAPHS=0 leaves none."""
+def test_prefill_graphs_are_on_for_mla_unless_switched_off_and_for_gqa_when_asked() -> None:
+    """prefill_cuda_graphs: the MLA backends by default ("auto"), triton and flashinfer_triton (GQA) too with "all",
+    none with "off"."""
+    from flotilla.config import EngineConfig
+
     mla = ("mla_triton", "mla_flash_mla")
-    for value, backends in ((None, mla), ("1", mla), ("all", (*mla, "triton", "flashinfer_triton")), ("0", ())):
-        if value is None:
-            monkeypatch.delenv("FLOTILLA_PREFILL_GRAPHS", raising=False)
-        else:
-            monkeypatch.setenv("FLOTILLA_PREFILL_GRAPHS", value)
-        assert prefill_graphs_enabled() == bool(backends) and prefill_graph_backends() == backends, value
+    for mode, backends in (("auto", mla), ("all", (*mla, "triton", "flashinfer_triton")), ("off", ())):
+        assert prefill_graph_backends(mode) == backends, mode
+    assert EngineConfig().worker.prefill_cuda_graphs == "auto"
+    assert EngineConfig.from_options(prefill_cuda_graphs="off").worker.prefill_cuda_graphs == "off"
 
 
 def test_flashinfer_triton_sends_only_a_prefill_graphs_chunk_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flotilla import envs
 from flotilla.kernels.attention import flashinfer_backend, torch_ref
 from flotilla.kernels.attention.fp8_kv import KV_CACHE_DTYPES, check_fp8_kv_support, kv_cache_torch_dtype
 from flotilla.kernels.attention.metadata import AttentionMetadata, positions_from_lists
@@ -128,13 +129,10 @@ def get_attention_backend(name: str = "auto", device: torch.device | None = None
     return _BACKENDS[name]
 
 
-FLASHINFER_DECODE_ABOVE = int(os.environ.get("FLOTILLA_FLASHINFER_DECODE_ABOVE", "64"))
+FLASHINFER_DECODE_ABOVE = envs.FLOTILLA_FLASHINFER_DECODE_ABOVE
 """flashinfer_triton decodes batches of more sequences than this with FlashInfer's kernel, smaller ones with
-triton's. On an H200 (docs/performance.md, twelfth session): Qwen3-8B's nano workload (256 requests, contexts up to
-2,048 tokens) gave 8,883.5 out tok/s with the split at 64, 8,879.5 at 0 (FlashInfer's decode throughout), 8,744-8,774
-at 192 and 8,709-8,764 with no split (one to three runs each); profile_step at a fixed 1,024-token context had put the
-crossover between 128 and 256, with triton's kernel ahead at batch 1-128 by 1.2-4.4%. At batch 1, triton's decode is
-what made Qwen3-30B-A3B 266 against 250 tok/s (tenth session)."""
+triton's, the faster one at small batches (a lone sequence most of all); 64 measured best on the nano workload.
+Read once at import, since every layer's decode asks; tests patch this constant."""
 
 
 def decodes_with_flashinfer(num_seqs: int) -> bool:

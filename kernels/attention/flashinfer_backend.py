@@ -19,11 +19,10 @@ with k_scale / v_scale, which FlashInfer folds into the softmax scale and the ou
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
+from flotilla import envs
 from flotilla.kernels.attention.fp8_kv import is_fp8, quantize_kv
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import pinned
@@ -122,7 +121,7 @@ class FlashInferAttention:
         if indices.device.type != "cuda":
             raise ValueError("plan_graph takes the page indices already on the device (the wrapper's buffer)")
         self._before_plan()
-        if not (_FAST_PLAN and fast_plan_graph(wrapper, indptr, last_page_len, page_size, num_qo_heads,
+        if not (envs.FLOTILLA_FLASHINFER_FAST_PLAN and fast_plan_graph(wrapper, indptr, last_page_len, page_size, num_qo_heads,
                                                num_kv_heads, head_dim)):
             wrapper.plan(pinned(indptr), indices, pinned(last_page_len),
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
@@ -153,10 +152,6 @@ class FlashInferAttention:
             flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
         flat.index_copy_(0, k_rows, key)
         flat.index_copy_(0, k_rows + block_size, value)
-
-
-_FAST_PLAN = os.environ.get("FLOTILLA_FLASHINFER_FAST_PLAN", "1") == "1"
-"""Re-plan captured tensor-core decode wrappers with fast_plan_graph (0: always FlashInfer's public plan())."""
 
 
 def fast_plan_graph(wrapper: object, indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,

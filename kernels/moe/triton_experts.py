@@ -32,12 +32,12 @@ weight blocks along N; BLOCK_K divides block_k). w13's scales hold gate's block 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from flotilla import envs
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.moe import triton_experts_small as small
 from flotilla.kernels.moe.routing import ExpertBlocks, sort_by_expert
@@ -162,7 +162,7 @@ def parse_tiles(text: str) -> dict[str, int]:
 def env_tiles() -> dict[str, int]:
     """The expert kernel's tiles and launch options forced by FLOTILLA_MOE_TILES (for tuning sweeps,
     scripts/dev/bench_kernels.py --moe-tiles); empty when unset."""
-    return parse_tiles(os.environ.get("FLOTILLA_MOE_TILES", ""))
+    return parse_tiles(envs.FLOTILLA_MOE_TILES)
 
 
 def pick_block_m(num_slots: int, num_experts: int) -> int:

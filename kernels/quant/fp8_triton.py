@@ -20,12 +20,12 @@ subset; scripts/dev/bench_kernels.py --fp8-tiles).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from flotilla import envs
 from flotilla.kernels.arrivals import MAX_ARRIVAL_COUNTERS, arrival_counters
 from flotilla.kernels.quant.fp8_quant_triton import per_token_group_quantize
 from flotilla.kernels.quant.fp8_ref import num_blocks
@@ -179,7 +179,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     if m == 0:
         return out.view(*lead, n)
     weight, scale_inv = weight.contiguous(), scale_inv.float().contiguous()
-    forced = tiles if tiles is not None else parse_tiles(os.environ.get("FLOTILLA_FP8_TILES", ""))
+    forced = tiles if tiles is not None else parse_tiles(envs.FLOTILLA_FP8_TILES)
     t = pick_tiles(m, n, k, block_size, _num_sms(x.device), forced)
     a, a_scale = per_token_group_quantize(x2, block_size[1])
     split_k = t["split_k"]

@@ -12,16 +12,15 @@ kernels/linear.py decides when this runs (one row on CUDA in bf16 / fp16, unless
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from flotilla import envs
 from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 
 BLOCK_N = 4
-BLOCK_K = int(os.environ.get("FLOTILLA_GEMV_BLOCK_K", "2048"))  # (a power of two; the variable is for tuning sweeps)
+BLOCK_K = envs.FLOTILLA_GEMV_BLOCK_K  # (the kernel's compile-time tile: read once at import; a sweep sets the variable)
 NUM_WARPS = 8
 """The fastest of five tilings in bench_kernels' gemv bench on an H200 (CUDA graphs, 2026-12-01): q/k/v 5.8 us,
 o_proj 4.7 us and the router 1.9 us at Qwen3-30B-A3B's shapes, against cuBLAS's 6.6, 7.4 and 4.8 there; the first

@@ -25,14 +25,16 @@ griddepcontrol) the flag is never on.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-PDL = os.environ.get("FLOTILLA_PDL", "1") != "0"
-"""Whether the batch-1 kernels launch with PDL (unless FLOTILLA_PDL=0 at import; the device must be sm_90 or later)."""
+from flotilla import envs
+
+PDL = envs.FLOTILLA_PDL
+"""Whether the batch-1 kernels launch with PDL (the device must be sm_90 or later). Read once at import, since every
+launch asks; tests patch this constant."""
 
 
 @functools.cache

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from flotilla import envs
 from flotilla.kernels.moe import MoEBackend
 from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts
 from flotilla.kernels.moe.expert_parallel import (
@@ -116,7 +117,7 @@ def check_identity(out: torch.Tensor, hidden: torch.Tensor, rank: int, tokens: i
 
 
 def _fault(rank: int) -> str | None:
-    spec = os.environ.get(FAULT_ENV, "")
+    spec = envs.FLOTILLA_BENCH_EP_FAULT
     if not spec:
         return None
     who, _, kind = spec.partition(":")

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from flotilla import envs
 from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, summarize
 from flotilla.scripts.dev.bench_workload import Workload, arrival_offsets, nano_workload, random_workload
 from flotilla.server.cli import HelpFormatter
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would cost client CPU
-    args.api_key = args.api_key or os.environ.get("FLOTILLA_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    args.api_key = args.api_key or envs.FLOTILLA_API_KEY or os.environ.get("OPENAI_API_KEY")
     if not 0.0 <= args.range_ratio < 1.0 or args.burstiness <= 0 or args.request_timeout <= 0 or args.warmup < 0:
         p.error("need 0 <= --range-ratio < 1, --burstiness > 0, --request-timeout > 0, --warmup >= 0")
     try:

@@ -40,7 +40,7 @@ for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
       > "$R/cprofile-$m.log" 2>&1
     grep '^{' "$R/profile-$m.log" | cut -c1-300 || tail -3 "$R/profile-$m.log"
   fi
-  FLOTILLA_STEP_TRACE="$R/trace-$m.jsonl" timeout 300 python3 -m flotilla.scripts.dev.bench_offline --model "$m" \
+  timeout 300 python3 -m flotilla.scripts.dev.bench_offline --model "$m" --step-trace "$R/trace-$m.jsonl" \
     --workload both --repeat "${REPEAT:-3}" ${BENCH_ARGS:-} --json "$R/flotilla-$m.json" > "$R/bench-$m.log" 2>&1
   tail -1 "$R/bench-$m.log"
   python3 -m flotilla.actors.step_trace "$R/trace-$m.jsonl"

@@ -19,7 +19,7 @@
 #                Q30_NANO_REPEAT runs, default 1; the worker's step trace summed up by batch size; FLOTILLA_LOG_JIT=1:
 #                triton compiles logged), once per variant in Q30_ATTN (default "auto"): an attention backend, with
 #                "+cublas" FLOTILLA_GEMV=0 (one-row linears on cuBLAS), "+ds" FLOTILLA_MOE_TILES=ds=1 (the small
-#                experts' per-slot down pass), "+pga" FLOTILLA_PREFILL_GRAPHS=all (prefill graphs for GQA models);
+#                experts' per-slot down pass), "+pga" --prefill-cuda-graphs all (prefill graphs for GQA models);
 #                else the engine's defaults
 #   q30_b1       bench_offline's batch-1 decode alone on Qwen3-30B-A3B, once per variant in Q30_B1 (default
 #                "auto"), Q30_REPEAT runs each (default 3); "+nopdl" (any stage's variants): FLOTILLA_PDL=0
@@ -33,7 +33,7 @@
 #                Q30_PROFILE
 #   gemv         bench_kernels --only gemv: the one-row linear kernel against cuBLAS, with GEMV_TILES variants
 #   ds_b1        bench_offline's batch-1 decode on DeepSeek-V3-4L, once per MLA backend in DS_ATTN (default "auto";
-#                "+eg": FLOTILLA_PREFILL_GRAPHS=0, eager prefill), with the worker's step trace summarized (ms per step,
+#                "+eg": --prefill-cuda-graphs off, eager prefill), with the worker's step trace summarized (ms per step,
 #                time waiting for plans)
 #   profile_ds_var  profile_ds once per MLA backend in DS_PROFILE (default "auto triton")
 #   host_ds      profile_step on DeepSeek-V3-4L at batch 1 with --cprofile and no torch profiler: the host's time per
@@ -145,7 +145,7 @@ gemv_of() { [[ $1 == *+cublas* ]] && echo 0 || echo 1; }  # variant "backend[+cu
 tiles_of() { local t=${FLOTILLA_MOE_TILES:-}; [[ $1 == *+ds* ]] && t="ds=1,$t"; [[ $1 == *+pn128* ]] && t="pn=128,$t"; echo "$t"; }
 backend_of() { local b=${1%%+*}; echo "$b"; }  # the attention backend of a variant
 label_of() { echo "${1//+/_}"; }  # a variant in file names (result files with "+" in their names do not come back)
-pg_of() { [[ $1 == *+pga* ]] && echo all || echo 1; }  # "+pga": FLOTILLA_PREFILL_GRAPHS=all (GQA prefill graphs)
+pg_of() { [[ $1 == *+pga* ]] && echo all || echo auto; }  # "+pga": --prefill-cuda-graphs all (GQA prefill graphs)
 # variant_env: the environment variables a variant's suffixes set (any stage's variants).
 # "+nopdl": FLOTILLA_PDL=0 (no programmatic dependent launch); "+fiN": FLOTILLA_FLASHINFER_DECODE_ABOVE=N
 # (flashinfer_triton's decode on triton's kernel up to N sequences); else the defaults
@@ -166,11 +166,10 @@ if want bench_q30; then
     stage "bench_q30: bench_offline qwen3-30b-a3b, variant $v"
     # shellcheck disable=SC2046
     # the worker's step trace (both workloads, every repeat): decode ms per step by batch size, the prompt steps
-    env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
-      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") FLOTILLA_LOG_JIT=1 \
-      FLOTILLA_STEP_TRACE="$R/bench_q30_$(label_of "$v").trace.jsonl" \
+    env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") FLOTILLA_LOG_JIT=1 \
       timeout "$(cap 240)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b --repeat "${Q30_NANO_REPEAT:-1}" \
-      --workload "${Q30_WORKLOAD:-both}" \
+      --workload "${Q30_WORKLOAD:-both}" --prefill-cuda-graphs "$(pg_of "$v")" \
+      --step-trace "$R/bench_q30_$(label_of "$v").trace.jsonl" \
       --attention-backend "$(backend_of "$v")" --json "$R/flotilla-qwen3-30b-a3b-$(label_of "$v").json" \
       > "$R/bench_q30_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/bench_q30_$(label_of "$v").log" | cut -c1-500
@@ -183,9 +182,8 @@ if want q30_b1; then
     stage "q30_b1: bench_offline qwen3-30b-a3b --workload decode1, variant $v"
     # shellcheck disable=SC2046
     env $(variant_env "$v") FLOTILLA_GEMV=$(gemv_of "$v") FLOTILLA_MOE_TILES=$(tiles_of "$v") \
-      FLOTILLA_PREFILL_GRAPHS=$(pg_of "$v") \
       timeout "$(cap 120)" python3 -m flotilla.scripts.dev.bench_offline --model qwen3-30b-a3b --workload decode1 \
-      --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" \
+      --repeat "${Q30_REPEAT:-3}" --attention-backend "$(backend_of "$v")" --prefill-cuda-graphs "$(pg_of "$v")" \
       --json "$R/flotilla-q30-b1-$(label_of "$v").json" > "$R/q30_b1_$(label_of "$v").log" 2>&1
     echo "exit $?"; tail -1 "$R/q30_b1_$(label_of "$v").log" | cut -c1-500
   done
@@ -239,15 +237,15 @@ if want moe_large; then
 fi
 
 if want ds_b1; then
-  for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+eg]": +eg with FLOTILLA_PREFILL_GRAPHS=0
+  for attn in ${DS_ATTN:-auto}; do  # a variant "backend[+eg]": +eg with --prefill-cuda-graphs off
     stage "ds_b1: bench_offline deepseek-v3-4l --workload decode1, variant $attn"
     # the worker's per-step timeline (actors/step_trace.py): ms per decode step and the time it waited for plans
-    pg=$([[ $attn == *+eg* ]] && echo 0 || echo 1)
+    pg=$([[ $attn == *+eg* ]] && echo off || echo auto)
     f=$(label_of "$attn")
     # shellcheck disable=SC2046
-    env $(variant_env "$attn") FLOTILLA_PREFILL_GRAPHS=$pg FLOTILLA_STEP_TRACE="$R/ds_b1_$f.trace.jsonl" \
-      timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_offline \
+    env $(variant_env "$attn") timeout "$(cap 150)" python3 -m flotilla.scripts.dev.bench_offline \
       --model deepseek-v3-4l --workload decode1 --repeat "${DS_REPEAT:-2}" --attention-backend "$(backend_of "$attn")" \
+      --prefill-cuda-graphs "$pg" --step-trace "$R/ds_b1_$f.trace.jsonl" \
       --json "$R/flotilla-ds-b1-$f.json" > "$R/ds_b1_$f.log" 2>&1
     echo "exit $?"; tail -1 "$R/ds_b1_$f.log" | cut -c1-400
     python3 -m flotilla.actors.step_trace "$R/ds_b1_$f.trace.jsonl" | cut -c1-400

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # MoE on two GPUs: the same workloads (bench_offline: the nano-vllm workload and batch-1 decode) on one GPU, at TP=2
-# (eager, and with FLOTILLA_TP_GRAPHS=1 if tests/test_tp_graphs.py passes first), and at DP2 x EP2 (attention
+# (eager, and with --tp-cuda-graphs if tests/test_tp_graphs.py passes first), and at DP2 x EP2 (attention
 # data-parallel, experts split over the two ranks' all-to-alls; dp2ep2g: the same with --all2all-backend
-# allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs, FLOTILLA_EP_GRAPHS=1, if
+# allgather_reducescatter, no host sync per MoE layer; dp2ep2gg: that with decode graphs, --ep-cuda-graphs, if
 # tests/test_ep_graphs.py passes first).
 #   on a machine with two GPUs, from the checkout root, with .gpu-bundle/:  bash scripts/dev/device_moe_x2.sh
 #   afterwards: tar -xzf moe-x2.tgz; for the next run: cat tc.* > .gpu-bundle/triton-cache.tar
@@ -61,12 +61,12 @@ want dp2ep2 && run dp2ep2 --data-parallel-size 2 --enable-expert-parallel
 want tp2 && run tp2 --tensor-parallel-size 2
 want dp2ep2g && run dp2ep2g --data-parallel-size 2 --enable-expert-parallel --all2all-backend allgather_reducescatter
 if want dp2ep2gg; then  # the same with decode graphs
-  if [ "$EP_GRAPHS_OK" = 1 ]; then FLOTILLA_EP_GRAPHS=1 run dp2ep2gg --data-parallel-size 2 --enable-expert-parallel \
-    --all2all-backend allgather_reducescatter
+  if [ "$EP_GRAPHS_OK" = 1 ]; then run dp2ep2gg --data-parallel-size 2 --enable-expert-parallel \
+    --all2all-backend allgather_reducescatter --ep-cuda-graphs
   else echo "dp2ep2gg skipped: tests/test_ep_graphs.py did not pass here"; fi
 fi
 if want tp2g; then
-  if [ "$TP_GRAPHS_OK" = 1 ]; then FLOTILLA_TP_GRAPHS=1 run tp2g --tensor-parallel-size 2
+  if [ "$TP_GRAPHS_OK" = 1 ]; then run tp2g --tensor-parallel-size 2 --tp-cuda-graphs
   else echo "tp2g skipped: tests/test_tp_graphs.py did not pass here"; fi
 fi
 
