@@ -3,10 +3,9 @@ triton's disk cache), with the time it took and the step that needed it.
 
 Triton compiles a kernel once per specialization: each distinct set of constexpr values, and for the other
 arguments whether an integer is 1 or a multiple of 16 (or needs 64 bits) and whether a pointer is 16-byte aligned.
-A specialization first met while serving compiles inside that step: on an H200 the first nano-workload run of
-Qwen3-30B-A3B on a fresh machine spent 977 ms in one mixed prompt step (250 sequences, 8,192 tokens) that took 145 ms
-once triton's cache held its kernels (docs/performance.md, eighteenth session). With this on, the worker logs which
-kernel and which specialization that was, so the engine's warm-up can compile it before the engine says it is ready.
+A specialization first met while serving compiles inside that step, which then takes several times its usual
+time on a fresh machine. With this on, the worker logs which kernel and which specialization that was, so the
+engine's warm-up can compile it before the engine says it is ready.
 
 Off by default: two hooks in triton's JIT (triton.knobs.runtime.jit_cache_hook, called before a compile, and
 jit_post_compile_hook, after), installed once per process; hooks already there are still called.

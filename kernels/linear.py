@@ -1,16 +1,10 @@
 """The float linear layers' product: F.linear (cuBLAS), or for a single row on CUDA the triton matrix-vector kernel
 (kernels/triton/gemv.py); FLOTILLA_GEMV=0 keeps cuBLAS everywhere.
 
-Batch-1 decode makes every linear layer a matrix-vector product; cuBLAS reads the small ones (a MoE model's
-attention projections and router) at under half the memory bandwidth (kernels/triton/gemv.py has the numbers). On an
-H200, Qwen3-30B-A3B's batch-1 decode step in CUDA graphs took 3.05 ms of device time with the kernel against 3.30 with
-cuBLAS, 290 against 260 tok/s (profile_step, docs/performance.md, 2026-12-01); at Qwen3-8B's shapes the kernel
-matched or beat cuBLAS in bench_kernels. Only rows on CUDA in bf16 / fp16 with matching weights take it; everything
-else (batches, float32, strided rows or weights, the LM head, which calls F.linear itself) is F.linear.
-
-(A pre-norm block's RMSNorm folded into the one-row kernel after it was tried in the seventeenth and eighteenth
-sessions and removed: slower both times, 281.3 against 293.5 and 309.9 against 329.8 tok/s for Qwen3-30B-A3B at
-batch 1 on an H200, since every program waited for the row's statistics; docs/performance.md.)
+Batch-1 decode makes every linear layer a matrix-vector product; cuBLAS picks GEMM tiles for them and reads the
+small ones (a MoE model's attention projections and router) at under half the memory bandwidth, which the kernel
+reaches. Only rows on CUDA in bf16 / fp16 with matching weights take it; everything else (batches, float32, strided
+rows or weights, the LM head, which calls F.linear itself) is F.linear.
 """
 
 from __future__ import annotations
@@ -46,8 +40,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, K] (any float dtype) @ weight [N, K].T in float32, as F.linear(x.float(), weight.float()): a MoE router's
     logits (DeepSeek-V3 keeps its router weight in float32). One row on CUDA takes the gemv kernel, which widens x as
-    it reads it (no cast launch) and reads the weight at a higher bandwidth than cuBLAS's float32 gemv: on an H200
-    DeepSeek-V3-4L's three routers took 20.1 us of a batch-1 step through cuBLAS, 14.6 here (docs/performance.md)."""
+    it reads it (no cast launch) and reads the weight at a higher bandwidth than cuBLAS's float32 gemv."""
     if _one_row_on_cuda(x, weight):
         from flotilla.kernels.triton.gemv import gemv  # imports triton: CUDA only here
 

@@ -323,7 +323,7 @@ def exponential_race(logits: Tensor, noise: Tensor) -> Tensor:
 
 def greedy_argmax(logits: Tensor) -> Tensor:
     """logits [B, V] -> int64 [B], logits.argmax(dim=-1); on CUDA triton's two-launch argmax (kernels/triton/argmax.py:
-    torch's single-row reduction took 27.9 us over DeepSeek-V3's vocabulary on an H200)."""
+    torch reduces a row in one program, slow over a large vocabulary at batch 1)."""
     if logits.is_cuda and logits.dim() == 2:
         from flotilla.kernels.triton.argmax import argmax_rows  # imports triton: CUDA only here
 

@@ -65,14 +65,6 @@ def available_attention_backends() -> list[str]:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 """Head sizes flashinfer's prebuilt / JIT kernels cover."""
 
-TRITON_IN_AUTO = True
-"""Whether "auto" picks the triton backend on CUDA when flashinfer cannot serve (not installed, or a head size it
-lacks), before the torch reference. On since the H200 runs: its kernels matched the torch reference and, in CUDA
-graphs, the eager tokens (tests -m gpu, 2026-11-30 and 2026-12-01), and its decode kernel moved 4.0-4.4 TB/s at
-batch 64-256 like flashinfer's (bench_attention, docs/performance.md). The torch reference gathers every
-sequence's KV per layer, which only suits CPUs and tests."""
-
-
 def triton_usable() -> bool:
     """Triton is installed and can run here: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1,
     which must be set before flotilla.kernels.triton is first imported). Does not import triton."""
@@ -84,14 +76,12 @@ def triton_usable() -> bool:
 def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
     """The fastest backend usable on `device` for this head size: on CUDA with flashinfer importable,
     flashinfer_triton (FlashInfer's prefill, triton's decode; flashinfer alone without triton), then triton on CUDA
-    once TRITON_IN_AUTO is switched on, else the torch reference. Why flashinfer_triton: on an H200, Qwen3-30B-A3B's
-    decode attention in CUDA graphs (kernel + split merge, per layer) took 7.1 against 11.3 us at batch 1 with
-    128-token prompts, 8.1 against 12.5 with 2,048-token prompts, 15.0 against 18.0 at batch 64 with 128-token
-    prompts and 74.0 against 75.8 with 2,048; batch-1 decode went from 250 to 266 tok/s (profile_step,
-    docs/performance.md, 2026-12-01)."""
+    (flashinfer missing, or a head size it lacks), else the torch reference, which gathers every sequence's KV per
+    layer and so only suits CPUs and tests. flashinfer_triton rather than flashinfer, since triton's decode kernel in
+    CUDA graphs is faster than FlashInfer's at small batches and as fast at large ones."""
     if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS:
         return "flashinfer_triton" if triton_usable() else "flashinfer"
-    if TRITON_IN_AUTO and device.type == "cuda" and triton_usable():
+    if device.type == "cuda" and triton_usable():
         return "triton"
     return "torch"
 
@@ -146,7 +136,7 @@ def _flashinfer_triton() -> AttentionBackend:
     kernel for a chunk whose metadata has no host copies (a prefill graph's), which FlashInfer could not plan. Decode
     graphs capture the triton kernel over static tables (actors/cuda_graphs.py), with no host planning per step, and
     FlashInfer's planned per step above the split. Triton's is faster at small and middle batches, at short and long
-    contexts (best_attention_backend has the H200's numbers), which is why "auto" picks this backend."""
+    contexts, which is why "auto" picks this backend."""
     from flotilla.kernels.triton import attention as triton_attention
 
     impl = flashinfer_backend.shared()

@@ -159,11 +159,11 @@ def fast_plan_graph(wrapper: object, indptr: np.ndarray, last_page_len: np.ndarr
     """Re-plan a CUDA-graph tensor-core decode wrapper that plan() has planned once (at capture), doing only what
     changes between replays: the page-table copies and FlashInfer's C++ scheduler. plan() also recomputes the
     sequence lengths and their maximum with per-element tensor iteration, resolves dtypes and modules, and copies
-    the indices buffer onto itself: ~15% of a Qwen3-0.6B batch-256 decode launch on the H200 (py-spy). vLLM
+    the indices buffer onto itself, host work that is a large part of a big batch's decode launch. vLLM
     (fast_plan_decode) and SGLang (fast_decode_plan) do the same. Written against flashinfer 0.6 (decode.py's
     plan, tensor-core branch, fa2 backend); returns False, and the caller takes plan(), for anything else: another
-    version, the CUDA-core kernel, the fa3 backend FlashInfer may pick for an FP8 cache (not run on a GPU yet), a
-    wrapper not planned yet. tests/test_kernels_flashinfer.py checks both give the same plan."""
+    version, the CUDA-core kernel, the fa3 backend FlashInfer may pick for an FP8 cache, a wrapper not planned
+    yet. tests/test_kernels_flashinfer.py checks both give the same plan."""
     module = getattr(wrapper, "_cached_module", None)
     if (module is None or not getattr(wrapper, "use_tensor_cores", False) or not wrapper.is_cuda_graph_enabled
             or getattr(wrapper, "_backend", None) != "fa2" or not _FLASHINFER_0_6):

@@ -12,12 +12,11 @@ kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
   a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA where FlashMLA cannot run.
 - "flash_mla": DeepSeek's FlashMLA for decode steps (flash_mla_backend.py; block size 64, bf16 cache, Hopper),
   the triton kernels for prefill and the store. "auto" on a Hopper GPU for DeepSeek-V3's latent (kv_lora_rank
-  512, rope 64) in bfloat16: on an H200 (2026-11-30, scripts/dev/bench_kernels.py) a decode layer at batch 64 and a
-  4,096-token context took 0.14 ms against triton's 0.95 ms (2,182 against 320 GB/s). The engine then pages the
-  cache in blocks of 64 (DeepseekV3ForCausalLM.settle_kv_layout); an FP8 cache or another forced block size
-  makes "auto" fall back to triton.
+  512, rope 64) in bfloat16, whose decode at large batches and long contexts reads the cache several times faster
+  than triton's kernel. The engine then pages the cache in blocks of 64 (DeepseekV3ForCausalLM.settle_kv_layout);
+  an FP8 cache or another forced block size makes "auto" fall back to triton.
 - "flashinfer": FlashInfer's BatchMLAPagedAttentionWrapper for every step (flashinfer_mla_backend.py; bf16 / fp16
-  cache, eager), the triton store. Forced by name; not run on a GPU yet.
+  cache, eager), the triton store. Forced by name.
 """
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ def best_mla_backend(device: torch.device, kv_lora_rank: int | None = None, rope
                      dtype: torch.dtype | None = None) -> str:
     """The fastest backend usable on `device`: FlashMLA for its shapes (a latent of 512 + 64 in bfloat16, on a
     Hopper GPU with flash_mla importable), else triton on CUDA, else the torch reference. flashinfer's MLA is
-    offered by name only: it has not run on a GPU yet."""
+    offered by name only: it decodes eager, without CUDA graphs."""
     from flotilla.kernels.attention import triton_usable
     from flotilla.kernels.mla.flash_mla_backend import LATENT, ROPE, flash_mla_usable
 

@@ -8,7 +8,7 @@ metadata (no device sync), by the first layer that attends, and the other layers
 AttentionMetadata.backend_state. One wrapper (and its 128 MiB workspace) per device.
 
 Limits: a bf16 or fp16 cache (an FP8 one is refused: use the triton MLA backend), decode steps eager (no CUDA graph).
-Not run on a GPU yet; the page tables and views are checked on CPU against a stand-in with FlashInfer's contract.
+On CPU the page tables and views are checked against a stand-in with FlashInfer's contract.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ them) go through a backend's `fused_experts_fp8(hidden, w13, w13_scale, w2, w2_s
 block_size)` (torch_ref.fused_experts_fp8 documents it): "torch" dequantizes each expert with tokens on every
 call (the CPU path, exactly the dequantized model), "triton" runs triton_experts' kernel in its FP8 (W8A8) mode
 (activations quantized per token and 1 x block_k group), and "deep_gemm" deep_gemm_experts.fused_experts_fp8
-(DeepGEMM's m_grouped_fp8_gemm_nt_contiguous over the same W8A8 scheme). On an H200 (2026-12-01) DeepGEMM's FP8
-experts were within 0.02-0.8% (relative norm) of triton's at DeepSeek-V3's sizes, and as close to the float32
-reference; "auto" does not pick them (the contiguous layout pads every expert to 128 rows, a prefill shape).
+(DeepGEMM's m_grouped_fp8_gemm_nt_contiguous over the same W8A8 scheme), which agree with triton's to within 1%
+(relative norm) at DeepSeek-V3's sizes; "auto" does not pick them (the contiguous layout pads every expert to 128
+rows, a prefill shape).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def parse_tiles(text: str) -> dict[str, int]:
 
 def env_tiles() -> dict[str, int]:
     """The expert kernel's tiles and launch options forced by FLOTILLA_MOE_TILES (for tuning sweeps,
-    scripts/dev/bench_kernels.py --moe-tiles); empty when unset."""
+    bench_kernels --moe-tiles); empty when unset."""
     return parse_tiles(envs.FLOTILLA_MOE_TILES)
 
 
@@ -178,16 +178,12 @@ SORTED_TILES = (
     (32, dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
     (None, dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, down_block_n=256, down_block_k=64)),
 )
-"""(most slots per expert, tiles) of the bf16 sorted GEMMs, by the batch's mean slots per expert. Measured on an H200
-at Qwen3-30B-A3B's experts (E=128, top-8; bench_kernels, docs/performance.md 2026-12-01), each against the earlier
-fixed 64 x 64 tiles: 64 tokens 300.8 against 312.5 us (CUDA graph), 256 tokens 321.7 against 352.8 (graph), 512
-tokens 396.4 against 409.8, 1,024 tokens 487.9 against 561.7 and 4,096 tokens 1,071.5 against 1,308.7 (eager).
-A block of rows should hold a whole expert's share where it can: every extra block of an expert reads its weights
-again. The choices follow vLLM's tuned H200 configs for E=128, N=768, with BLOCK_N halved, since each gate_up program
-here holds gate's and up's columns side by side. The top tier's down pass takes 256-column tiles (N 2,048 x K 768:
-the gate_up pass's 128 would be 16 column tiles, each rereading its rows for a 12-step K loop): bench_kernels on an
-H200 (2026-12-03, two calls, docs/performance.md) gave the layer at 1,024-8,192 tokens 4-12% faster (8,192 tokens:
-1.777 / 1.732 -> 1.584 / 1.571 ms), while at 64-512 tokens (the lower tiers) it was 1-3% slower, so they keep 128."""
+"""(most slots per expert, tiles) of the bf16 sorted GEMMs, by the batch's mean slots per expert, tuned at
+Qwen3-30B-A3B's experts (E=128, top-8) with bench_kernels. A block of rows should hold a whole expert's share where
+it can: every extra block of an expert reads its weights again. The choices follow vLLM's tuned H200 configs for
+E=128, N=768, with BLOCK_N halved, since each gate_up program here holds gate's and up's columns side by side. The
+top tier's down pass takes 256-column tiles (N 2,048 x K 768: the gate_up pass's 128 would be 16 column tiles, each
+rereading its rows for a 12-step K loop), faster at prompt-sized batches; the lower tiers measured best with 128."""
 
 
 def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
@@ -334,8 +330,8 @@ _slot_rows: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor
 
 def slot_blocks(topk_ids: torch.Tensor, block_m: int) -> ExpertBlocks | None:
     """The slots of a tiny batch as blocks of one slot each (its row, then block_m - 1 padding rows): the expert of
-    block i is topk_ids.flatten()[i], so nothing needs sorting and no launch runs (sort_by_expert's align kernel
-    took 4.6 us per MoE layer of DeepSeek-V3-4L's batch-1 step; docs/performance.md, fourteenth session). Two slots
+    block i is topk_ids.flatten()[i], so nothing needs sorting and no launch runs (at batch 1 the align kernel is a
+    noticeable part of each MoE layer). Two slots
     of one expert read its weights twice, which only costs at a few tokens. The row tables depend on the slot count
     alone and are cached per device; None when topk_ids is not contiguous, or during a CUDA graph capture before the
     tables exist."""

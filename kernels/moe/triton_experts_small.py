@@ -1,10 +1,8 @@
 """Fused MoE experts for decode-sized batches: token-major, no sorting, the combine inside the down pass.
 
-At batch 1 the sorted grouped GEMMs of kernels/moe/triton_experts.py spend most of a MoE layer on things other
-than reading the experts. An H200 profile of Qwen3-30B-A3B decoding one token in a CUDA graph (docs/performance.md,
-2026-12-01, ninth device session) gave per layer: the two expert GEMMs 30.5 us for 75 MB of weights (a 17.5 us
-floor), the grouping of 8 slots 4.3 us, and the combine (a torch sum over the top-k rows) 4.8 us. Here the same
-computation is two launches that need no grouping:
+At batch 1 the sorted grouped GEMMs of kernels/moe/triton_experts.py spend much of a MoE layer on things other
+than reading the experts: the grouping of the slots, a combine launch, and GEMM tiles of 16 rows for one token.
+Here the same computation is two launches that need no grouping:
 
 - gate_up: one program per (slot, BLOCK_N columns of the intermediate size); it reads its token's row and the
   expert's gate and up rows of those columns, and writes silu(gate) * up for the slot. Slots with a negative
@@ -15,8 +13,7 @@ computation is two launches that need no grouping:
   ONE_TOKEN_DOWN; FLOTILLA_MOE_TILES "ds=1" at any size): one program per (slot, BLOCK_N columns), top-k times the
   programs, each writing its slot's weighted row; the last of a token's programs of those columns to finish
   (kernels/arrivals.py) sums the rows in slot order. At one token the token-major down pass is only hidden /
-  BLOCK_N programs (128 at Qwen3-30B-A3B's 2,048), and it read its 25 MB at 2.1 TB/s against the gate_up pass's 3.3
-  (an H200, 2026-12-01).
+  BLOCK_N programs (128 at Qwen3-30B-A3B's 2,048), too few to read the weights at full bandwidth.
 
 Both are matrix-vector products: the weights are multiplied elementwise and summed along K in float32 (a
 [BLOCK_N, BLOCK_K] accumulator reduced once at the end), with no tl.dot, whose 16-row minimum would waste 15/16
@@ -46,18 +43,15 @@ the `small_tokens` tile (FLOTILLA_MOE_TILES "t=N", 0 to turn it off) overrides i
 
 ONE_TOKEN_DOWN = {"per_slot": 1, "block_n": 32}
 """The down pass of a one-token batch (triton_experts.fused_experts' default there): a program per (slot, 32 columns),
-512 programs at Qwen3-30B-A3B's 2,048 columns and top-8, where the token-major pass has 128. On an H200 with
-programmatic dependent launch, Qwen3-30B-A3B's batch-1 decode went from 338.9 / 338.8 / 335.0 to 350.9 / 347.5 /
-348.3 tok/s (the same call; docs/performance.md, eighteenth session); without PDL bench_kernels had the whole MoE at
-one token 27.6 -> 25.0 us. Two to four tokens keep the token-major pass (no faster per slot there)."""
+512 programs at Qwen3-30B-A3B's 2,048 columns and top-8, where the token-major pass has 128, so the weights are read
+at a higher bandwidth. Two to four tokens keep the token-major pass (no faster per slot there)."""
 
 DEFAULT_BLOCK_N = 16
 DEFAULT_BLOCK_K = 128
 NUM_WARPS = 8
 """Warps per program of both passes unless the launch options say otherwise. The down pass holds a [top_k, BLOCK_N,
-BLOCK_K] float32 accumulator, which 8 warps keep at 64 registers a thread at the default tiles and top-8. For the
-gate_up pass 8 warps were faster than triton's 4 on an H200 (bench_kernels in CUDA graphs, Qwen3-30B-A3B's experts:
-27.7 against 36.5 us for the whole MoE at one token, 76.3 against 83.6 at four; docs/performance.md, 2026-12-01)."""
+BLOCK_K] float32 accumulator, which 8 warps keep at 64 registers a thread at the default tiles and top-8; the
+gate_up pass is faster with 8 warps than with triton's default 4 too."""
 
 
 @triton.jit

@@ -5,8 +5,7 @@ backends picked by capability or forced by name:
 - "torch": fp8_ref, the weight dequantized into the activation dtype, then one matmul (the reference; CPU).
 - "triton": fp8_triton, a block-scaled FP8 GEMM on dynamically quantized activations (CUDA, or the CPU
   interpreter under TRITON_INTERPRET=1).
-- "deep_gemm": DeepGEMM's fp8_gemm_nt on Hopper or newer, when `import deep_gemm` works (not yet run on a
-  GPU: no machine with deep_gemm has been at hand).
+- "deep_gemm": DeepGEMM's fp8_gemm_nt on Hopper or newer, when `import deep_gemm` works.
 
 "auto" picks triton on CUDA (deep_gemm first once DEEP_GEMM_IN_AUTO is on), else torch (also under the
 interpreter), logged once.

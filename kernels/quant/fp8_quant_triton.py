@@ -5,14 +5,13 @@ every FP8 GEMM: DeepSeek-V3's dense projections and both passes of its routed ex
 one token's row and BLOCK_G groups of group_size columns as a [BLOCK_G, GROUP] tile: the group's amax, its
 scale (amax times float32(1 / 448), amax at least 1e-12), and the e4m3 values (x / scale, clamped to +-448, rounded
 to nearest even), with the same float32 operations in the same order as the reference, so the results are
-identical on CPU (the division is IEEE round-to-nearest, `div_rn`). On an H200 the scales matched bit for bit and
-so did the e4m3 values, but for the sign of zero: of 44M values, the 79 small negative ones that round to zero came
-out +0 where torch writes -0 (2026-12-01; the same in the CPU interpreter), which no GEMM can tell apart. The
-sixth session had taken those for midpoint roundings.
+identical on CPU (the division is IEEE round-to-nearest, `div_rn`) and on CUDA, but for the sign of zero: a small
+negative value that rounds to zero comes out +0 where torch writes -0, which no GEMM can tell apart (the tests
+compare the values as floats).
 
-On an H200 the first version, which divided amax by 448, differed from the reference's scales there: torch's CUDA
-kernels turn a division by a scalar into a multiplication by its reciprocal (its CPU ones do not). The reference
-now multiplies by the reciprocal itself, so CPU, CUDA and this kernel agree.
+The scale multiplies amax by the reciprocal of 448 rather than dividing by 448: torch's CUDA kernels turn a division
+by a scalar into that multiplication (its CPU ones do not), so the reference does the same and CPU, CUDA and this
+kernel agree.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Greedy sampling's argmax over the vocabulary in two small launches.
 
 torch's argmax runs one row of a 129,280-token vocabulary (DeepSeek-V3's float32 logits at batch 1) as a single
-reduction that took 27.9 us of a 1.7 ms decode step on an H200 (profile_step, docs/performance.md, twelfth session).
-Here each row is cut into `splits` contiguous ranges: one program per (row, range) keeps, lane by lane, the first
-largest value it meets and its index, then reduces to the range's (max, first index); a second launch takes, per row,
-the max over the ranges and the first index holding it. The result is torch.argmax's: the first index of the maximum
+reduction in one program, a visible part of a batch-1 decode step. Here each row is cut into `splits` contiguous
+ranges: one program per (row, range) keeps, lane by lane, the first largest value it meets and its index, then
+reduces to the range's (max, first index); a second launch takes, per row, the max over the ranges and the first
+index holding it. The result is torch.argmax's: the first index of the maximum
 (NaN is not treated as the maximum, as torch does; a row of NaNs gives index 0).
 """
 
@@ -16,7 +16,8 @@ import triton.language as tl
 
 BLOCK = 2048
 TARGET_PROGRAMS = 256
-"""Ranges per row: enough for about this many programs in all (two per SM of an H200), at least BLOCK values each."""
+"""Ranges per row: enough for about this many programs in all (about two per SM of a Hopper GPU), at least BLOCK
+values each."""
 
 
 @triton.jit

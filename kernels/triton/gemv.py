@@ -1,11 +1,11 @@
 """One-row linear layers (y = x W^T for a single token) as a triton matrix-vector kernel.
 
 At batch-1 decode every linear layer is a matrix-vector product, bound by reading W once. cuBLAS picks GEMM tiles
-for these: on an H200, Qwen3-30B-A3B's attention projections in a CUDA graph took 7.6 us for q/k/v (21 MB) and
-7.1 + 1.7 us for o_proj (17 MB, split K plus its reduction), 42% of the memory bandwidth, and its 0.5 MB router
-5.0 us (docs/performance.md, 2026-12-01). Here each program owns BLOCK_N output rows and reads them whole, in
-BLOCK_K-wide steps, into a [BLOCK_N, BLOCK_K] float32 accumulator that is summed once at the end: wide steps keep
-many loads in flight per program, and the grid (N / BLOCK_N programs) needs no split of K and so no second launch.
+for these, and for a MoE model's attention projections and router reaches under half the memory bandwidth (o_proj
+split over K with a second launch for its reduction). Here each program owns BLOCK_N output rows and reads them
+whole, in BLOCK_K-wide steps, into a [BLOCK_N, BLOCK_K] float32 accumulator that is summed once at the end: wide
+steps keep many loads in flight per program, and the grid (N / BLOCK_N programs) needs no split of K and so no second
+launch.
 
 kernels/linear.py decides when this runs (one row on CUDA in bf16 / fp16, unless FLOTILLA_GEMV=0).
 """
@@ -22,17 +22,15 @@ from flotilla.kernels.triton.pdl import launch_next, pdl_options, wait_prior
 BLOCK_N = 4
 BLOCK_K = envs.FLOTILLA_GEMV_BLOCK_K  # (the kernel's compile-time tile: read once at import; a sweep sets the variable)
 NUM_WARPS = 8
-"""The fastest of five tilings in bench_kernels' gemv bench on an H200 (CUDA graphs, 2026-12-01): q/k/v 5.8 us,
-o_proj 4.7 us and the router 1.9 us at Qwen3-30B-A3B's shapes, against cuBLAS's 6.6, 7.4 and 4.8 there; the first
-tiling (8 rows x 1,024) took 6.9, 5.6 and 3.1. Those runs reread weights that fit the 50 MB L2; inside an engine
-(profile_step, batch 1) the first tiling's three calls per layer took 23.8 us against cuBLAS's 21.2, this one's 16.2."""
+"""BLOCK_N x BLOCK_K x NUM_WARPS is the fastest tiling bench_kernels' gemv bench found at Qwen3-30B-A3B's and
+Qwen3-8B's shapes, in CUDA graphs and inside the engine's batch-1 step."""
 
 
 MIN_PROGRAMS = 256
-"""Fewer rows per program than BLOCK_N when N / BLOCK_N programs would be fewer than this (about two per SM of an
-H200): DeepSeek-V3's float32 router (256 rows of 7,168) as 64 programs of 4 rows read at 1.1 TB/s, 6.8 us per layer of
-a batch-1 step on an H200, no faster than cuBLAS; as 256 programs of 1 row, 4.9 us (docs/performance.md, twelfth
-session)."""
+"""Fewer rows per program than BLOCK_N when N / BLOCK_N programs would be fewer than this (about two per SM of a
+Hopper GPU): a short weight such as DeepSeek-V3's float32 router (256 rows of 7,168) as 64 programs of 4 rows
+leaves most SMs idle and reads no faster than cuBLAS; as 256 programs of 1 row, it reads at the kernel's usual
+bandwidth."""
 
 
 def _rows_per_program(n: int) -> int:
