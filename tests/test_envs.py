@@ -72,7 +72,7 @@ _READ_CALLS = {"os.environ.get", "os.getenv", "environ.get", "getenv", "os.envir
 
 def _flotilla_reads(path: Path) -> list[int]:
     """The lines of a module that read a FLOTILLA_* variable from os.environ: os.environ.get / os.getenv calls,
-    os.environ[...] loads and `... in os.environ`, keyed by a FLOTILLA_ string or by a module-level name bound to one."""
+    os.environ[...] loads and `... in os.environ`, keyed by a FLOTILLA_ string or a module-level name bound to one."""
     tree = ast.parse(path.read_text())
     names = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
              and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
@@ -84,7 +84,8 @@ def _flotilla_reads(path: Path) -> list[int]:
 
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and ast.unparse(node.func) in _READ_CALLS and node.args and flotilla(node.args[0]):
+        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func) in _READ_CALLS \
+                and flotilla(node.args[0]):
             found.append(node.lineno)
         elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
               and ast.unparse(node.value).endswith("environ") and flotilla(node.slice)):

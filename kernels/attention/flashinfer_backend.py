@@ -121,8 +121,9 @@ class FlashInferAttention:
         if indices.device.type != "cuda":
             raise ValueError("plan_graph takes the page indices already on the device (the wrapper's buffer)")
         self._before_plan()
-        if not (envs.FLOTILLA_FLASHINFER_FAST_PLAN and fast_plan_graph(wrapper, indptr, last_page_len, page_size, num_qo_heads,
-                                               num_kv_heads, head_dim)):
+        fast = envs.FLOTILLA_FLASHINFER_FAST_PLAN and fast_plan_graph(wrapper, indptr, last_page_len, page_size,
+                                                                       num_qo_heads, num_kv_heads, head_dim)
+        if not fast:
             wrapper.plan(pinned(indptr), indices, pinned(last_page_len),
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                          q_data_type=dtype, kv_data_type=kv_dtype or dtype, sm_scale=scale)
