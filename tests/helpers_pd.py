@@ -5,8 +5,6 @@ the front end's /metrics per engine."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -14,10 +12,11 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
-import pytest
-import redis
 from flotilla.transport.endpoints import free_tcp_port
+from helpers_optional import optional, program, require
+
+openai = require("openai", "the PD deployment tests send their requests through the real openai client")
+redis = optional("redis")
 
 ENGINE_OPTIONS = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "16"]
 WORDS = ("The quick brown fox jumps over the lazy dog . What is the capital of France ? Paris is . "
@@ -87,12 +86,10 @@ def wait_idle(url: str, engines: list[str], timeout: float = 15.0, transfers: bo
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[str | None]:
-    """A real redis-server on a free port for the block: its URL, or None when it is not installed (a failure under
-    CI, which installs it: .ci/run)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install redis-server (.ci/run does)")
+    """A real redis-server on a free port for the block: its URL, or None when it or the redis client is not
+    installed (a failure under CI, which installs redis-server: .ci/run)."""
+    binary = program("redis-server", "the deployments' Redis registry")
+    if binary is None or redis is None:
         yield None
         return
     port = free_tcp_port()

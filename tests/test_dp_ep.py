@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import openai
 import pytest
 import torch
 
@@ -30,6 +29,7 @@ from flotilla.server.engine_client import engine_topology
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import ExpertLoadEvent, SchedulerStatsEvent
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
+from helpers_optional import needs, optional
 from helpers_parallel import expert_loads_reaching, generate_within, generated_tokens, random_prompts
 from helpers_server import start_server
 from helpers_tiny_models import (
@@ -42,6 +42,8 @@ from helpers_tiny_models import (
     write_tiny_moe_model,
 )
 from safetensors.torch import load_file
+
+openai = optional("openai")
 
 # chunked prefill (16-token budget), mixed prefill + decode steps, steps in flight (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
@@ -310,6 +312,7 @@ def test_expert_loads_sum_over_ranks_into_the_metrics_counter() -> None:
     assert 'flotilla_expert_tokens_total{expert="1",layer="0",model_name="m"} 1.0' in text
 
 
+@needs("openai", "the test talks to the server through the real openai client")
 def test_flotilla_serve_runs_dp2_ep2_and_exports_the_ranks_and_expert_loads(moe_dir: Path) -> None:
     server = start_server(str(moe_dir), "--data-parallel-size", "2", "--enable-expert-parallel",
                           "--kv-cache-blocks", "128", "--block-size", "4", timeout=120)

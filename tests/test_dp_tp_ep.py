@@ -28,6 +28,7 @@ from flotilla.kernels.moe.ep_allgather import GatheredTokenExperts, ep_tokens
 from flotilla.kernels.moe.expert_parallel import ExpertParallelExperts, ExpertPlacement
 from flotilla.server.engine_client import engine_topology
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
+from helpers_optional import needs
 from helpers_parallel import expert_loads_reaching, generate_within, random_prompts
 from helpers_tiny_models import TINY_MOE_CONFIGS, write_tiny_deepseek_model, write_tiny_moe_model
 
@@ -163,6 +164,7 @@ def test_dp_tp_ep_options_are_checked_before_anything_starts(moe_dir: Path) -> N
     assert "dist_init_methods" not in worker.config  # the TP groups are sub-groups of the EP ranks' world
 
 
+@needs("openai", "the test talks to the server through the real openai client")
 def test_flotilla_serve_runs_dp2_tp2_ep4_and_answers_like_one_process(moe_dir: Path) -> None:
     """The same topology behind `flotilla serve` and the real openai client: concurrent greedy completions over
     token-id prompts give the one-process engine's text, and /metrics counts the experts' tokens."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from helpers_engine import write_tiny_engine_model
+from helpers_optional import needs, optional
 from helpers_server import start_server
+
+openai = optional("openai")
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +23,7 @@ def server(tmp_path_factory):
     assert srv.stop() == 0
 
 
+@needs("openai", "the test talks to the server through the real openai client")
 def test_two_colocated_engines_share_the_load_and_answer_alike(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     prompts = ["The quick brown fox", "What is the capital of France?"] * 8

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import subprocess
 import sys
 import types
@@ -28,15 +27,13 @@ from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.kv_transfer import KVTransferError
 from flotilla.transport.kv_transfer_torch import TorchDistEngine
 from flotilla.transport.messages import MigrateKVCmd, MigrationDoneEvent
+from helpers_optional import require
 
 NUM_BLOCKS, BS, HEADS, DIM, LAYERS = 96, 4, 2, 8, 3
 
 
 def _need_dlslime() -> None:
-    if os.environ.get("CI"):
-        import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
-    else:
-        pytest.importorskip("dlslime", reason="needs dlslime and Debian's libibverbs1")
+    require("dlslime", "needs dlslime and Debian's libibverbs1")
 
 
 def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:

@@ -29,6 +29,7 @@ from flotilla.transport.kv_transfer import (
     split_ranges,
     validate_ranges,
 )
+from helpers_optional import require
 
 
 def _region(name: str, length: int) -> RegionInfo:
@@ -179,7 +180,7 @@ engine.close()
 
 @pytest.fixture
 def peer(tmp_path: os.PathLike[str]) -> Iterator[tuple[subprocess.Popen[bytes], EndpointInfo, RegionInfo]]:
-    pytest.importorskip("dlslime", reason="dlslime (optional extra `pd`) is not installed")
+    require("dlslime", "the dlslime TCP tests need dlslime (optional extra `pd`) and Debian's libibverbs1")
     proc = subprocess.Popen(
         [sys.executable, "-c", PEER_SCRIPT, str(PEER_SIZE), str(PEER_SEED)],
         stdin=subprocess.PIPE,
@@ -273,7 +274,7 @@ def test_dlslime_read_from_a_hung_peer_times_out(peer) -> None:
 
 
 def test_dlslime_engine_rejects_unsafe_setups() -> None:
-    pytest.importorskip("dlslime", reason="dlslime (optional extra `pd`) is not installed")
+    require("dlslime", "the dlslime TCP tests need dlslime (optional extra `pd`) and Debian's libibverbs1")
     with pytest.raises(KVTransferError, match="wildcard"):
         create_kv_transfer_engine("dlslime_tcp", host="0.0.0.0")
     with pytest.raises(KVTransferError, match="cannot bind"):

@@ -19,17 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import helpers_pd as pdh
-import openai
 import pytest
-import redis
 from flotilla.scripts.launch import load_deployment, serve_argv
 from helpers_engine import write_tiny_engine_model
+from helpers_optional import optional, require
 from helpers_server import start_servers
 
-if os.environ.get("CI"):
-    import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
-else:
-    pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
+openai = require("openai", "the deployment is tested through the real openai client")
+require("dlslime", "the KV data plane needs dlslime (and Debian's libibverbs1)")
+redis = optional("redis")  # checks the registry when redis_url is not None (a redis-server and this client)
 
 
 

@@ -21,18 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import helpers_pd as pdh
-import openai
 import pytest
 from flotilla.scripts.launch import load_deployment, serve_argv
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.registry import RedisRegistry
 from helpers_engine import write_tiny_engine_model
+from helpers_optional import require
 from helpers_server import start_server, start_servers
 
-if os.environ.get("CI"):
-    import dlslime  # noqa: F401  CI installs it (.ci/run): missing is a failure there, not a skip
-else:
-    pytest.importorskip("dlslime", reason="the KV data plane needs dlslime (and Debian's libibverbs1)")
+openai = require("openai", "the nodes are tested through the real openai client")
+require("dlslime", "the KV data plane needs dlslime (and Debian's libibverbs1)")
 
 
 @pytest.fixture(scope="module")

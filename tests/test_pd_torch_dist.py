@@ -17,10 +17,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import helpers_pd as pdh
-import openai
 import pytest
 from helpers_engine import write_tiny_engine_model
+from helpers_optional import require
 from helpers_server import start_server, start_servers
+
+openai = require("openai", "the deployment is tested through the real openai client")
 
 ENGINES = ["prefill-0", "prefill-1", "decode-0"]
 

@@ -11,8 +11,6 @@ import random
 
 import msgspec
 import pytest
-from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.protocol import (
@@ -40,6 +38,11 @@ from flotilla.server.protocol_output import (
 )
 from flotilla.server.tool_parser import parse_tool_calls
 from flotilla.transport.messages import SeqText
+from helpers_optional import require
+
+require("openai", "the bodies and chunks are validated against the openai package's types")
+from openai.types import Completion  # noqa: E402  (after the skip above)
+from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 USER = [{"role": "user", "content": "hi"}]
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}

@@ -13,11 +13,14 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 
+from helpers_optional import needs, optional
 from helpers_server import Server, start_server
 from helpers_procs import alive
+
+openai = optional("openai")
+needs_openai = needs("openai", "the test talks to the server through the real openai client")
 
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -44,12 +47,14 @@ def metric(server: Server, name: str) -> float:
     return float(m.group(1))
 
 
+@needs_openai
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
     assert metric(server, "flotilla_kv_cache_capacity_tokens") == 1024 * 16
 
 
+@needs_openai
 def test_chat_streaming_and_not_agree_and_report_usage(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
     choice = full.choices[0]
@@ -64,6 +69,7 @@ def test_chat_streaming_and_not_agree_and_report_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+@needs_openai
 def test_async_client_completions_n_seed_stop_and_logprobs(server):
     async def main():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -91,6 +97,7 @@ def test_async_client_completions_n_seed_stop_and_logprobs(server):
     asyncio.run(main())
 
 
+@needs_openai
 def test_tools_are_accepted_and_tool_turns_render(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
@@ -121,6 +128,7 @@ def test_raw_sse_wire_format(server):
     assert all("usage" in c for c in chunks)  # null on every chunk but the last, as OpenAI does
 
 
+@needs_openai
 def test_50_concurrent_streams_each_get_exactly_their_own_output(server):
     """50 streams at once get what the same questions get in small groups (10 at a time, not streamed): batch
     composition and timing differ completely between the two runs, so a mix-up would have to repeat itself."""
@@ -177,6 +185,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+@needs_openai
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, name, path, body, status, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(server.url + path, headers={"content-type": "application/json"}, timeout=60, **kw)
@@ -197,6 +206,7 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+@needs_openai
 def test_api_key_backpressure_and_sigterm_drain():
     srv = start_server("--api-key", "sekret", "--max-in-flight", "2", "--kv-cache-blocks", "256")
     children = srv.child_pids()

@@ -25,6 +25,7 @@ from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
 from flotilla.transport.messages import SchedulerStatsEvent
 from helpers_engine import write_tiny_tokenizer
+from helpers_optional import needs
 from helpers_server import start_server
 from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, check_all_accepted, check_same, make_runner, oracle,
                           requests, run)
@@ -245,6 +246,7 @@ def test_metrics_count_draft_and_accepted_tokens() -> None:
     assert 'flotilla_spec_decode_accepted_tokens_total{model_name="m"} 9.0' in text
 
 
+@needs("openai", "the test talks to the server through the real openai client")
 def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_dir: Path) -> None:
     server = start_server(str(model_dir), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
                           "--kv-cache-blocks", "128", "--block-size", "4", "--device", "cpu", "--dtype", "float32",
@@ -270,6 +272,7 @@ def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_
         server.stop()
 
 
+@needs("openai", "the test talks to the server through the real openai client")
 def test_speculation_on_a_disaggregated_decode_engine_gives_the_colocated_plain_tokens(model_dir: Path) -> None:
     """1P1D (torch_dist KV moves, the MTP layer's cache layer with the others) with MTP on both engines: the decode
     engine verifies drafts and every request, chat and completion, streamed or not, gets what a colocated engine
