@@ -1,0 +1,255 @@
+"""scripts/dev/gpu_suite.py on CPU: its shard plans (balanced, bounded, in the asked order, a file's tests together),
+the results it reads from pytest's junit files and -v output, and whole calls over a tiny suite of its own (shards
+continued across calls, one cut by the budget, the JIT caches carried from one call to the next)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flotilla.scripts.dev import gpu_suite as gs
+
+
+def _best_split(w: list[float], bound: float) -> tuple[int, float]:
+    """By brute force: the fewest contiguous shards that keep the bound (a single file may pass it), and the
+    smallest longest shard among those."""
+    best = None
+    n = len(w)
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        shards, cur = [], [w[0]]
+        for x, c in zip(w[1:], cuts):
+            if c:
+                shards.append(cur)
+                cur = []
+            cur.append(x)
+        shards.append(cur)
+        if any(len(s) > 1 and sum(s) > bound for s in shards):
+            continue
+        key = (len(shards), max(map(sum, shards)))
+        best = key if best is None or key < best else best
+    return best
+
+
+def test_shards_are_the_fewest_within_the_bound_and_the_most_even_of_those():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        w = [rng.choice([0.0, rng.uniform(0, 60), rng.uniform(0, 300)]) for _ in range(n)]
+        bound = rng.uniform(30, 400)
+        files = [f"tests/test_{i}.py" for i in range(n)]
+        shards = gs.plan_shards(files, dict(zip(files, w)), bound)
+        assert [f for s in shards for f in s] == files  # contiguous, in order, every file once
+        assert all(shards)
+        loads = [sum(w[files.index(f)] for f in s) for s in shards]
+        assert (len(shards), pytest.approx(max(loads))) == _best_split(w, bound), (w, bound, shards)
+    # a file longer than the bound is a shard of its own; even loads beside it
+    files = ["a", "b", "c", "d", "e"]
+    assert gs.plan_shards(files, dict(zip(files, [3, 3, 20, 4, 2])), 10) == [["a", "b"], ["c"], ["d", "e"]]
+    assert gs.plan_shards(files, dict(zip(files, [5, 5, 5, 5, 5])), 12) == [["a", "b"], ["c", "d"], ["e"]]
+    assert gs.plan_shards([], {}, 10) == []
+
+
+def test_orders_and_a_plan_keep_each_files_tests_together():
+    files = [f"tests/test_{c}.py" for c in "abcdefgh"]
+    assert gs.order_files(files, "file") == files
+    assert gs.order_files(files, "reverse") == files[::-1]
+    shuffled = gs.order_files(files, "shuffle:7")
+    assert shuffled == gs.order_files(files, "shuffle:7") and sorted(shuffled) == files
+    assert shuffled != files and shuffled != gs.order_files(files, "shuffle:8")
+    for bad in ("random", "shuffle", "shuffle:x", "reversed"):
+        with pytest.raises(Exception):
+            gs.parse_order(bad)
+    assert gs.parse_order("shuffle:12") == "shuffle:12"
+
+    ids = ["tests/test_b.py::t1", "tests/test_b.py::t2[x y]", "tests/test_a.py::K::t", "tests/test_c.py::t"]
+    durations = {"tests/test_b.py::t1": 100.0, "tests/test_b.py::t2[x y]": 200.0, "tests/test_c.py::t": 250.0}
+    plan = gs.make_plan(ids, durations, "reverse", shard_minutes=5)
+    assert plan["shards"] == [["tests/test_c.py", "tests/test_a.py"], ["tests/test_b.py"]]
+    assert plan["estimate_s"] == [250.0 + gs.DEFAULT_TEST_S, 300.0] and plan["tests_per_shard"] == [2, 2]
+    assert gs.plan_fits(plan, list(reversed(ids)), "reverse", 5)  # the same tests in another order
+    assert not gs.plan_fits(plan, ids[:3], "reverse", 5) and not gs.plan_fits(plan, ids, "file", 5)
+    assert not gs.plan_fits(plan, ids, "reverse", 9) and not gs.plan_fits(None, ids, "reverse", 5)
+    state = {"plan": plan, "results": {"1": {"complete": True}, "0": {"complete": False}}}
+    assert gs.pending_shards(state) == [0] and gs.select_shards("all", state) == [0, 1]
+    assert gs.select_shards("1,0", state) == [1, 0]
+    with pytest.raises(SystemExit):
+        gs.select_shards("2", state)
+
+
+FAKE_TESTS = {
+    "test_one.py": """
+        import time, pytest
+
+        @pytest.mark.gpu
+        def test_ok():
+            time.sleep(0.2)
+
+        @pytest.mark.gpu
+        def test_bad():
+            assert 1 == 2, "one is not two"
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", ['{"a": [1, 2]}', "b c"])
+        def test_params(x):
+            pass
+
+        def test_not_marked():
+            pass
+        """,
+    "test_two.py": """
+        import pytest
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("setup boom")
+
+        @pytest.fixture
+        def leaky():
+            yield
+            raise RuntimeError("teardown boom")
+
+        class TestK:
+            @pytest.mark.gpu
+            @pytest.mark.skipif(True, reason="needs two CUDA devices")
+            def test_skip(self):
+                pass
+
+        @pytest.mark.gpu
+        @pytest.mark.xfail(reason="known")
+        def test_xfail():
+            assert 0
+
+        @pytest.mark.gpu
+        def test_setup_error(broken):
+            pass
+
+        @pytest.mark.gpu
+        def test_teardown_error(leaky):
+            pass
+        """,
+    "test_three.py": """
+        import os, time, pytest
+
+        @pytest.mark.gpu
+        def test_slow():
+            time.sleep(float(os.environ.get("GS_SLOW_S", "0.1")))
+
+        @pytest.mark.gpu
+        def test_after():
+            pass
+        """,
+}
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A suite of its own (its own pytest.ini: no conftest, no torch), the working directory for the calls."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    (tmp_path / "tests").mkdir()
+    for name, text in FAKE_TESTS.items():
+        (tmp_path / "tests" / name).write_text(textwrap.dedent(text))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
+    ids, errors = gs.collect("gpu", ["tests"], [], dict(os.environ))
+    assert not errors and "tests/test_one.py::test_not_marked" not in ids and len(ids) == 10
+    assert 'tests/test_one.py::test_params[{"a": [1, 2]}]' in ids and "tests/test_two.py::TestK::test_skip" in ids
+    out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu",
+                          "--junitxml=r.xml", "tests"], capture_output=True, text=True, timeout=120)
+    results = gs.parse_junit((project / "r.xml").read_text(), ids)
+    got = {n.split("::", 1)[1]: (r.outcome, r.message.splitlines()[0] if r.message else "") for n, r in results.items()}
+    assert got == {
+        "test_ok": ("passed", ""), "test_bad": ("failed", "AssertionError: one is not two"),
+        'test_params[{"a": [1, 2]}]': ("passed", ""), "test_params[b c]": ("passed", ""),
+        "TestK::test_skip": ("skipped", "needs two CUDA devices"), "test_xfail": ("xfailed", "known"),
+        "test_setup_error": ("error", 'failed on setup with "RuntimeError: setup boom"'),
+        "test_teardown_error": ("error", 'failed on teardown with "RuntimeError: teardown boom"'),
+        "test_slow": ("passed", ""), "test_after": ("passed", "")}
+    assert results["tests/test_one.py::test_ok"].seconds >= 0.2
+    # the same outcomes from -v's lines, and the test a kill cut
+    verbose, running = gs.parse_verbose_log(out.stdout, ids)
+    assert {n: r.outcome for n, r in verbose.items()} == {n: r.outcome for n, r in results.items()}
+    assert running is None
+    cut = "\n".join(line for line in out.stdout.splitlines() if "test_three" not in line)
+    cut += "\ntests/test_three.py::test_slow \n!!! KeyboardInterrupt !!!"
+    verbose, running = gs.parse_verbose_log(cut, ids)
+    assert running == "tests/test_three.py::test_slow" and "tests/test_three.py::test_after" not in verbose
+    record = gs.shard_record(ids, verbose, 3.0, 2, True, running, cut)
+    assert record["tests"]["tests/test_three.py::test_slow"][::2] == ["not run", "running when the budget ran out"]
+    assert record["tests"]["tests/test_three.py::test_after"][::2] == ["not run", "cut at the budget"]
+    assert not record["complete"]
+    durations = gs.merge_durations({"tests/test_three.py::test_after": 9.0}, record)
+    assert durations["tests/test_three.py::test_after"] == 9.0 and "tests/test_one.py::test_ok" in durations
+
+
+def _call(project, home, out, *args, slow_s="0.1"):
+    env = {**os.environ, "HOME": str(home), "GS_SLOW_S": slow_s}
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("DG_JIT_CACHE_DIR", None)
+    env.pop("FLASHINFER_WORKSPACE_BASE", None)
+    code = gs.main(["--out", str(out), "--cache-dir", str(project / "state"), *args], environ=env)
+    state = json.loads((out / gs.STATE).read_text())
+    for f in out.iterdir():  # what the lead does with what comes back: into the state folder, for the next call
+        (project / "state").mkdir(exist_ok=True)
+        (project / "state" / f.name).write_bytes(f.read_bytes())
+    return code, state, (out / gs.SUMMARY).read_text()
+
+
+@pytest.mark.slow
+def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, capsys):
+    home = project / "home"
+    (home / ".triton" / "cache" / "k1").mkdir(parents=True)
+    (home / ".triton" / "cache" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    # 1: one shard per file (a bound of 0.6 s), the budget spent after the first: the others are left
+    code, state, summary = _call(project, home, project / "out1", "--shard-minutes", "0.01", "--budget-s", "39",
+                                 "--reserve-s", "30")
+    plan = state["plan"]
+    assert plan["shards"] == [["tests/test_one.py"], ["tests/test_three.py"], ["tests/test_two.py"]]
+    assert list(state["results"]) == ["0"] and code == 1  # test_bad failed
+    assert "shards still to run: 1, 2" in summary and "shard 1 (planned" in summary
+    assert "failed tests/test_one.py::test_bad: AssertionError: one is not two" in summary
+    (triton,) = state["caches"]["triton"]["parts"]
+    assert triton.startswith("jit-triton-") and (project / "state" / triton).is_file()
+    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running
+    shutil.rmtree(home)
+    code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "35",
+                                 "--reserve-s", "30", slow_s="20")
+    assert (home / ".triton" / "cache" / "k1" / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"  # restored
+    assert "the triton cache did not change: not written again" in summary
+    assert not (project / "out2" / triton).exists() and state["caches"]["triton"]["parts"] == [triton]
+    assert state["results"]["1"]["cut"] and "cut while running tests/test_three.py::test_slow" in summary
+    assert "shards still to run: 1, 2" in summary
+    # 3: shards 1 and 2 run; a new kernel changes the cache, which is saved under a new name
+    (home / ".triton" / "cache" / "k2").mkdir()
+    (home / ".triton" / "cache" / "k2" / "kernel.cubin").write_bytes(b"new")
+    code, state, summary = _call(project, home, project / "out3", "--shard-minutes", "0.01")
+    assert sorted(state["results"]) == ["0", "1", "2"] and "shards still to run: none" in summary
+    assert state["caches"]["triton"]["parts"] != [triton] and "saved the triton cache" in summary
+    assert "- shard 2: 1 x needs two CUDA devices" in summary
+    assert "error tests/test_two.py::test_setup_error" in summary
+    rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("| ")}
+    assert rows["2"].split("|")[6:12] == [" 0 ", " 0 ", " 2 ", " 1 ", " 1 ", " 0 "]  # pass fail error skip xfail
+    assert rows["total"].split("|")[3].strip() == "10"
+    slowest = summary.split("slowest tests")[1]
+    assert slowest.index("test_ok") < slowest.index("test_after")
+    durations = state["durations"]
+    assert durations["tests/test_one.py::test_ok"] >= 0.2 and len(durations) == 10
+    # 4: every shard has run: the same command begins a new run, here in reverse order (planned again)
+    code, state, summary = _call(project, home, project / "out4", "--order", "reverse", "--shard", "all")
+    assert state["plan"]["order"] == "reverse" and "planned afresh" in summary
+    assert [f for s in state["plan"]["shards"] for f in s] == ["tests/test_two.py", "tests/test_three.py",
+                                                              "tests/test_one.py"]
+    assert len(state["plan"]["shards"]) == 1 and sorted(state["results"]) == ["0"]
+    log = (project / "out4" / gs.LOG).read_text()
+    assert log.index("test_two.py::TestK::test_skip") < log.index("test_one.py::test_ok")  # files in that order
+    assert "# GPU suite: 10 tests in 1 shards (order reverse" in capsys.readouterr().out
