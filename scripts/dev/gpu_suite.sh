@@ -4,6 +4,12 @@
 # the shards still to run; repeat it until the summary says none are left (a call after that begins a new run).
 #   device run, carry [".gpu-bundle", ".gpu-suite"], timeout_s 600:  bash scripts/dev/gpu_suite.sh [gpu_suite.py options]
 #   then, here:  mkdir -p .gpu-suite && cp FILES_AT/* .gpu-suite/   (summary.md, suite.json, suite.log, jit-*.tgz.NN)
+# The bundle carries what every test module imports beyond the image: build it with
+#   EXTRA_WHEELS="openai==2.54.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
+#     distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 typing-extensions==4.16.0 redis==8.1.0" bash ../shared/gpu/make-bundle.sh
+# (openai 2.x: its 3.x client needs httpx2, httpcore2 and truststore, which the image lacks; the image has httpx,
+# httpcore, h11, anyio, idna, certifi and tqdm. No GPU test needs a redis-server.) Without them the tests that use
+# them skip, saying so.
 # BUDGET: the seconds this command may take in all (default 570, within the device's 600); gpu_suite.py gets what
 # is left of it after the bundle's setup.
 set -uo pipefail
