@@ -47,6 +47,8 @@ def test_two_ranks_every_token_count_well_formed(tmp_path, capsys):
         assert sum(p["slots_computed"] for p in ranks) == 2 * n * 2
         assert r["bytes_per_rank"] == max((p["rows_sent"] + p["rows_received"]) * 32 * 4 for p in ranks)
         assert r["remote_bytes_per_rank"] <= r["bytes_per_rank"]
+        # the rate is the busiest rank's bytes over the layer's time (layer_ms is rounded to 0.1 us)
+        assert r["gbps"] == pytest.approx(r["bytes_per_rank"] / r["layer_ms"] / 1e6, rel=5e-3)
         assert (r["gbps"] > 0) == (n > 0)
     assert rows[0]["bytes_per_rank"] == 0 and rows[0]["rank_imbalance"] == rows[0]["expert_imbalance"] == 1.0
 

@@ -30,8 +30,15 @@ def test_every_path_runs_and_the_json_reports_bit_exact_moves(tmp_path, capsys):
     assert rows == [("copy", None, None), ("engine", 3, 0.005), ("engine", 16, 0.005), ("raw", 3, None),
                     ("raw", 16, None), ("actor", 3, 0.005), ("actor", 16, 0.005), ("engine", 3, 0.0002),
                     ("engine", 16, 0.0002), ("actor", 3, 0.0002), ("actor", 16, 0.0002)]
+    copy = report["results"][0]
     for r in report["results"]:
-        assert r["seconds"][0] > 0 and r["gbps_median"] > 0 and len(r["seconds"]) == 1 and "vs_copy" in r
+        assert r["seconds"][0] > 0 and len(r["seconds"]) == 1
+        # the rates are the bytes each path moved over its own time (its seconds rounded to 1 us, its GB/s to 1e-4),
+        # and each against the plain copy's
+        s = r["seconds"][0]
+        slowest, fastest = r["bytes"] / (s + 5e-7) / 1e9, r["bytes"] / max(s - 5e-7, 1e-9) / 1e9
+        assert slowest - 1e-4 <= r["gbps_median"] <= fastest + 1e-4, r
+        assert r["vs_copy"] == pytest.approx(r["gbps_median"] / copy["gbps_median"], rel=0.01, abs=2e-3), r
         if r["path"] in ("engine", "actor"):
             assert r["bit_exact"] is True and r["bytes"] == 40 * 2 * block_bytes
     assert "actor rounds of 16 blocks" in capsys.readouterr().out

@@ -44,8 +44,15 @@ def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
                                "--max-len", "20", "--vocab", "300", "--decode-in", "16", "--decode-out", "24",
                                "--kv-cache-blocks", "128", "--block-size", "4", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["nano_workload_seqs"] == 6 and result["nano_workload_out_tok_per_s"] > 0
-    assert result["b1_decode_tok_per_s"] > 0 and result["device"] == "cpu"
+    # the rates are the requests' own tokens over the time they took: every output at its full length (ignore_eos),
+    # the nano workload's prompts and outputs as the generator makes them, nothing of the warm-up counted
+    prompts, outputs = bench_offline.nano_workload(6, 4, 20, seed=0, vocab=300)
+    assert result["nano_workload_seqs"] == 6 and result["nano_output_tokens"] == sum(outputs)
+    assert result["nano_prompt_tokens"] == sum(map(len, prompts))
+    seconds, rate = result["nano_workload_s"], result["nano_workload_out_tok_per_s"]  # seconds rounded to 10 ms
+    assert sum(outputs) / (seconds + 0.006) <= rate <= sum(outputs) / max(seconds - 0.006, 1e-3)
+    assert result["b1_decode_ms_per_token"] == pytest.approx(1000 / result["b1_decode_tok_per_s"], rel=0.01)
+    assert result["device"] == "cpu"
     assert result["parallel"] == {"tp": 1, "dp": 1, "ep": 1} and result["cuda_graphs"] == "off"
 
 

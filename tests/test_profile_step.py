@@ -3,6 +3,7 @@ three steps (mixed, decode half, prefill half) really runs the rows it claims (t
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -64,7 +65,8 @@ def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
         def make(cls, x):
             return (cls, x)
 
-    module = types.SimpleNamespace(fn=lambda x: x * 2)  # (a module keeps its functions in __dict__ too)
+    # (a module keeps its functions in __dict__ too)
+    module = types.SimpleNamespace(fn=lambda x: time.sleep(0.01) or x * 2)
     k = K()
     before = (K.__dict__["method"], K.__dict__["make"], module.fn)
     targets = [("inst", k, "method"), ("cls", K, "make"), ("mod", module, "fn"), ("fn", K, "method")]
@@ -72,6 +74,7 @@ def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
         assert k.method(1) == 2 and K.make(3) == (K, 3) and module.fn(4) == 8
         assert K().method(5) == 6  # through the class's function (another instance)
     assert set(timers.seconds) == {"inst", "cls", "mod", "fn"} and all(v > 0 for v in timers.seconds.values())
+    assert timers.seconds["mod"] >= 0.01  # the call's own time (a lower bound: load only lengthens it)
     assert (K.__dict__["method"], K.__dict__["make"], module.fn) == before and "method" not in vars(k)
     labels = [t[0] for t in profile_step.host_breakdown_targets(runner)]
     assert {"input_ids", "compute_logits", "sample", "pending_launch", "greedy_argmax"} <= set(labels)

@@ -119,9 +119,10 @@ def test_a_dead_engine_is_evicted_within_three_heartbeats_and_a_live_one_comes_b
         await dead.start()
         assert {e.engine_id for e in await reg.engines()} == {"live", "dead"}
         dead._task.cancel()  # the process dies: no deregistration, its heartbeats just stop
-        t0 = time.monotonic()
+        # its entry outlives its last heartbeat by the TTL at most: Redis expires it (-2: gone already)
+        left_ms = await reg._redis.pttl(reg._key("dead"))
+        assert left_ms == -2 or 0 < left_ms <= reg.ttl_ms, left_ms
         await _until(lambda: _ids_are(reg, {"live"}))
-        assert time.monotonic() - t0 < 0.3 + 0.5
         assert (await reg.engines())[0].load == 7.0  # heartbeats carry the load
         await reg._redis.delete(reg._key("live"))  # a partition long enough to expire the entry
         await _until(lambda: _ids_are(reg, {"live"}))  # its heartbeat registers it again
@@ -150,14 +151,11 @@ def test_a_registry_that_never_answers_fails_in_seconds_and_a_heartbeat_still_st
         server = await asyncio.start_server(lambda r, w: conns.append(w), "127.0.0.1", 0)  # says nothing
         port = server.sockets[0].getsockname()[1]
         reg = RedisRegistry(f"redis://127.0.0.1:{port}/0", ttl_s=3)
-        t0 = time.monotonic()
+        # a client without the timeout would wait forever: asyncio's TimeoutError, at 20 s, instead of redis's
         with pytest.raises(redis.exceptions.TimeoutError):
-            await reg.deregister("x")
-        assert time.monotonic() - t0 < 3
+            await asyncio.wait_for(reg.deregister("x"), 20)
         hb = Heartbeat(reg, engine("e"), lambda: 0.0, interval_s=0.1)
-        t0 = time.monotonic()
-        await hb.stop()  # never started: only the deregistration, which times out and is logged
-        assert time.monotonic() - t0 < 3
+        await asyncio.wait_for(hb.stop(), 20)  # never started: only the deregistration, which times out and is logged
         for w in conns:
             w.close()
         server.close()
