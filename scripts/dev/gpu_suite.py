@@ -442,7 +442,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0,
                    help="seconds this call may take: no shard starts that its estimate says would pass it, and one "
                         "running when it comes is interrupted (default 560)")
-    p.add_argument("--reserve-s", type=float, default=30.0, help="seconds kept from the budget to save the caches")
+    p.add_argument("--reserve-s", type=float, default=20.0,
+                   help="seconds kept from the budget to save the caches and write the summary (default 20)")
     p.add_argument("--cache-dir", type=Path, default=Path(".gpu-suite"),
                    help="where the last call's suite.json and cache archives are (default .gpu-suite)")
     p.add_argument("--out", type=Path, required=True, help="where this call writes its files")
@@ -547,6 +548,12 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             notes.append(f"saved the {name} cache: {size / 2**20:.1f} MiB in {len(parts)} part(s)")
     state["caches"] = caches
 
+    log_path = args.out / LOG
+    if log_path.stat().st_size > PART_BYTES:  # the device tool brings back no file over 16 MiB: keep the end
+        with log_path.open("rb") as f:
+            f.seek(-PART_BYTES, os.SEEK_END)
+            tail = f.read()
+        log_path.write_bytes(b"(the log's beginning is left out)\n" + tail)
     (args.out / STATE).write_text(json.dumps(state, indent=1))
     summary = summarize(state, ran, args.budget_s, time.monotonic() - t0, notes)
     (args.out / SUMMARY).write_text(summary)
