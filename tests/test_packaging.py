@@ -1,5 +1,6 @@
 """The wheel ships every package of the tree and the example topologies, and nothing of the developer tools."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,9 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def wheel_files(tmp_path_factory) -> set[str]:
-    out = tmp_path_factory.mktemp("dist")
+    out, src = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("src")
+    # from a copy of the tree: building in place would leave build/ in the checkout
+    shutil.copytree(ROOT, src, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info",
+                                                                                 "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, timeout=300)
+                    str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = out.glob("flotilla-*.whl")
     return set(zipfile.ZipFile(wheel).namelist())
 
