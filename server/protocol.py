@@ -58,6 +58,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 """Completions ``logprobs`` upper bound (OpenAI's legacy API)."""
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _UNSUPPORTED_PART_TYPES = frozenset({"image_url", "image", "input_image", "input_audio", "audio_url", "file",
                                      "video_url", "input_file"})
 
@@ -159,6 +160,9 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes | bytearray | memoryview 
     except msgspec.DecodeError as e:
         raise _bad(None, f"We could not parse the JSON body of your request ({e}). The API expects a JSON "
                          "object as the body.", "invalid_json") from None
+    except RecursionError:  # nesting deeper than the interpreter's stack, in a field that takes any JSON
+        raise _bad(None, "We could not parse the JSON body of your request: it is nested too deeply.",
+                   "invalid_json") from None
 
 
 def parse_chat_request(body: bytes | bytearray | memoryview | str) -> ChatCompletionRequest:
@@ -204,16 +208,18 @@ def _check_sampling_fields(req: SamplingFields) -> None:
     _check_range(req, "presence_penalty", -2, 2)
     _check_range(req, "frequency_penalty", -2, 2)
     _check_range(req, "repetition_penalty", 0, None, lo_open=True)
-    _check_range(req, "max_tokens", 1, None)
-    _check_range(req, "min_tokens", 0, None)
+    _check_range(req, "max_tokens", 1, _INT32_MAX)
+    _check_range(req, "min_tokens", 0, _INT32_MAX)
     _check_range(req, "seed", _INT64_MIN, _INT64_MAX)
+    _check_range(req, "priority", _INT32_MIN, _INT32_MAX)
     if req.top_k is not None and req.top_k < -1:
         raise _bad("top_k", f"Invalid 'top_k': {req.top_k}; expected -1 or 0 (disabled) or a positive integer.")
+    _check_range(req, "top_k", -1, _INT32_MAX)
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if any(not s for s in stops):
         raise _bad("stop", "Invalid 'stop': stop sequences must not be empty strings.")
-    if req.stop_token_ids and min(req.stop_token_ids) < 0:
-        raise _bad("stop_token_ids", "Invalid 'stop_token_ids': token ids must be non-negative.")
+    if req.stop_token_ids and not _token_ids_in_range(req.stop_token_ids):
+        raise _bad("stop_token_ids", f"Invalid 'stop_token_ids': token ids must be in [0, {_INT32_MAX}].")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     if req.logit_bias:
@@ -247,7 +253,7 @@ def _check_chat(req: ChatCompletionRequest) -> None:
                    "empty_array")
     for i, msg in enumerate(req.messages):
         _check_content(msg.content, f"messages[{i}].content", allow_refusal=isinstance(msg, AssistantMessage))
-    _check_range(req, "max_completion_tokens", 1, None)
+    _check_range(req, "max_completion_tokens", 1, _INT32_MAX)
     _check_range(req, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if req.top_logprobs is not None and not req.logprobs:
         raise _bad("top_logprobs", "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' "
@@ -281,6 +287,11 @@ def _check_completion(req: CompletionRequest) -> None:
         raise _unsupported("best_of", "Unsupported parameter: 'best_of' must equal 'n' on this server.")
 
 
+def _token_ids_in_range(ids: list[int]) -> bool:
+    """Token ids travel as int32 arrays: anything outside [0, 2**31) is refused here, not overflowed later."""
+    return 0 <= min(ids) and max(ids) <= _INT32_MAX
+
+
 def _is_token_ids(value: list[Any]) -> bool:
     return all(type(t) is int for t in value)
 
@@ -304,8 +315,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     for i, p in enumerate(prompts):
         if not p:
             raise _bad("prompt", f"Invalid 'prompt': prompt {i} is empty.")
-        if not isinstance(p, str) and min(p) < 0:
-            raise _bad("prompt", f"Invalid 'prompt': prompt {i} has a negative token id.")
+        if not isinstance(p, str) and not _token_ids_in_range(p):
+            raise _bad("prompt", f"Invalid 'prompt': prompt {i} has a token id outside [0, {_INT32_MAX}].")
     return prompts
 
 
