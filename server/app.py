@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -100,6 +100,37 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise HTTPError(413, f"request body is larger than the limit of {limit} bytes", code="body_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+CLIENT_CLOSED = 499
+"""The status recorded (never sent) for a request whose client went away first (nginx's name for it)."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the ASGI server's http.disconnect; once the body is read,
+    nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Response:
+    """The response `work` makes, or, if the client goes away first, its cancellation: cancelling it aborts the
+    engine requests (as a stream's disconnect does), so an abandoned request does not run to its end."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # we are cancelled ourselves, not only the work
+            raise
+        log.debug("%s %s: the client went away before the response", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
 
 class _Merged:
@@ -186,7 +217,7 @@ def build_app(state: ServerState) -> Starlette:
             state.in_flight += 1
             state.metrics.in_flight.labels(state.model_name).set(state.in_flight)
             try:
-                response = await (run_chat(req) if chat else run_completion(req))
+                response = await _unless_disconnected(request, run_chat(req) if chat else run_completion(req))
             except BaseException:
                 state.in_flight -= 1
                 raise
@@ -209,6 +240,10 @@ def build_app(state: ServerState) -> Starlette:
         except EngineDeadError as e:
             status = 503
             return _error(503, str(e), code="engine_dead")
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            status = CLIENT_CLOSED
+            log.debug("%s %s: the client went away while sending its body", request.method, request.url.path)
+            return Response(status_code=CLIENT_CLOSED)
         finally:
             state.metrics.requests.labels(state.model_name, endpoint, str(status)).inc()
             state.metrics.in_flight.labels(state.model_name).set(state.in_flight)

@@ -171,6 +171,43 @@ def test_a_disconnect_mid_stream_frees_the_sequence(server):
     assert metric(server, "flotilla_generation_tokens_total") < 2000  # it did not run to the end
 
 
+def _until_idle(server: Server) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (metric(server, "flotilla_num_requests_running") != 0
+                                           or metric(server, "flotilla_kv_cache_usage_perc") != 0):
+        time.sleep(0.1)
+
+
+def test_an_abandoned_non_streaming_request_is_aborted(server):
+    """A client that goes away before a non-streaming answer: the request stops, it does not run to its end."""
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while metric(server, "flotilla_num_requests_running") == 0:  # it is running
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    started = time.monotonic()
+    _until_idle(server)
+    assert metric(server, "flotilla_num_requests_running") == 0
+    assert metric(server, "flotilla_kv_cache_usage_perc") == 0
+    assert time.monotonic() - started < 20  # stopped: 2,000 tokens take far longer on a CPU
+
+
+def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
+    lines = len(server.log)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "hel')
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+    log = "".join(server.log[lines:])
+    assert "Traceback" not in log and "unhandled error" not in log, log
+
+
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
     ("wrong type", "/v1/chat/completions", {"model": MODEL, "messages": FRANCE, "temperature": "hot"}, 400, "temperature"),
