@@ -49,7 +49,7 @@ class Supervisor:
     def __init__(self, zmq_ctx: zmq.asyncio.Context, endpoints: Endpoints, expected: list[str],
                  heartbeat_timeout_s: float, failed: asyncio.Future[ActorFailedEvent],
                  fail: Callable[[str, str], None]) -> None:
-        self.inbox = Inbox(zmq_ctx, endpoints.supervisor, (ReadyEvent, HeartbeatEvent))
+        self.inbox = Inbox(zmq_ctx, endpoints.supervisor, (ReadyEvent, HeartbeatEvent, ActorFailedEvent))
         self.expected = list(expected)
         self.ready: dict[str, ReadyEvent] = {}
         self.last_seen: dict[str, float] = {}
@@ -83,6 +83,9 @@ class Supervisor:
             k = key(msg.actor, msg.instance)
             if k not in self.expected:
                 log.warning("supervisor: message from unknown actor %s ignored", k)
+                continue
+            if isinstance(msg, ActorFailedEvent):  # another host's launcher saw one of its actors fail
+                self.fail(k, f"{msg.reason} (on another host)")
                 continue
             self.last_seen[k] = time.monotonic()
             if isinstance(msg, ReadyEvent) and k not in self.ready:
@@ -199,7 +202,13 @@ class Runtime:
             return
         name, _, inst = actor_key.rpartition("/")
         log.error("actor %s failed: %s", actor_key, reason)
-        self.failed.set_result(ActorFailedEvent(actor=name, instance=int(inst), reason=reason))
+        event = ActorFailedEvent(actor=name, instance=int(inst), reason=reason)
+        self.failed.set_result(event)
+        if not self.primary and self.endpoints is not None and self.zmq is not None:
+            # the primary would only see this as silence after its heartbeat timeout: tell it the reason now
+            out = Outbox(self.zmq, self.endpoints.supervisor)
+            out.send_nowait(event)
+            out.close()  # linger: it still goes out
 
     async def stop(self, reason: str = "stop requested") -> None:
         """StopCmd to every actor, then SIGTERM and SIGKILL for the ones that linger; idempotent."""

@@ -8,6 +8,7 @@ import os
 import re
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import uvloop
 from flotilla.transport.channels import Inbox, Outbox, new_context
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.messages import PingRequest, PongResult
-from helpers_procs import alive, describe_process, wait_gone
+from helpers_procs import alive, describe_process, free_port_block, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = """
@@ -193,15 +194,12 @@ def test_help_explains_every_command():
     assert r.returncode == 2 and "not found" in r.stderr
 
 
-def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
-    # "127.0.0.1" and "localhost" stand for two hosts: each launcher starts only the actors placed on it
-    sup, relay, echo = free_tcp_port(), free_tcp_port(), free_tcp_port()
-    while echo + 1 in (sup, relay):
-        echo = free_tcp_port()
-    # heartbeat timeout 20 s: on a loaded machine an echo actor of the second launcher can be silent for seconds
-    # after it is ready; the test is about two launchers, not about how fast a loaded machine schedules a heartbeat
-    topo = tmp_path / "two-hosts.toml"
-    topo.write_text(f"""
+def two_host_topology(path: Path, heartbeat_timeout_s: float) -> tuple[Path, int, int]:
+    """A relay on "127.0.0.1" and two echo instances on "localhost", the names standing for two hosts: each
+    launcher starts only the actors placed on it. Returns (path, relay port, first echo port)."""
+    base = free_port_block(4)  # supervisor, relay, echo/0, echo/1: none can be taken by an outgoing connection
+    sup, relay, echo = base, base + 1, base + 2
+    path.write_text(f"""
 name = "two"
 placement = "process"
 transport = "tcp"
@@ -209,7 +207,7 @@ supervisor_host = "127.0.0.1"
 supervisor_port = {sup}
 [options]
 heartbeat_interval_s = 0.1
-heartbeat_timeout_s = 20.0
+heartbeat_timeout_s = {heartbeat_timeout_s}
 [[actors]]
 name = "relay"
 kind = "relay"
@@ -223,11 +221,22 @@ count = 2
 host = "localhost"
 port = {echo}
 """)
+    return path, relay, echo
+
+
+def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
+    # heartbeat timeout 20 s: on a loaded machine an echo actor of the second launcher can be silent for seconds
+    # after it is ready; the test is about two launchers, not about how fast a loaded machine schedules a heartbeat
+    topo, relay, _ = two_host_topology(tmp_path / "two-hosts.toml", heartbeat_timeout_s=20.0)
     primary = flotilla("launch", str(topo), "--host", "127.0.0.1")
     secondary = flotilla("launch", str(topo), "--host", "localhost")
     try:
         read_until(secondary, r"started 2 actor process")
-        pids = pids_from_table(read_until(primary, r"^relay/0 "))
+        try:
+            pids = pids_from_table(read_until(primary, r"^relay/0 "))
+        except AssertionError as exc:  # say what the other host's launcher saw too
+            secondary.kill()
+            raise AssertionError(f"{exc}\nthe other launcher's stderr:\n{secondary.stderr.read()[-4000:]}") from None
         assert set(pids) == {"relay/0", "echo/0", "echo/1"}
         reply = uvloop_ping(f"tcp://127.0.0.1:{relay}")
         assert reply == [(0, [2, 3, 4], "echo/0"), (1, [2, 3, 4], "echo/1")]
@@ -238,6 +247,27 @@ port = {echo}
         primary.kill()
         secondary.kill()
     assert not wait_gone(list(pids.values()))
+
+
+def test_an_actor_failing_on_another_host_stops_the_primary_with_its_reason(tmp_path):
+    # echo/1's port is taken, so its process exits; the primary hears why from the other launcher instead of
+    # waiting out a heartbeat timeout (600 s here: without the report the primary would still be waiting)
+    topo, _, echo = two_host_topology(tmp_path / "two-hosts.toml", heartbeat_timeout_s=600.0)
+    topo.write_text(topo.read_text().replace("[options]", "[options]\nready_timeout_s = 600.0"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", echo + 1))
+        taken.listen()
+        primary = flotilla("launch", str(topo), "--host", "127.0.0.1")
+        secondary = flotilla("launch", str(topo), "--host", "localhost")
+        try:
+            assert secondary.wait(timeout=60) == 1
+            assert primary.wait(timeout=60) == 1
+            err = primary.stderr.read()
+        finally:
+            primary.kill()
+            secondary.kill()
+    assert "actor echo/1 failed" in err and "on another host" in err, err
+    assert "Address already in use" in err or "address in use" in err.lower(), err
 
 
 def uvloop_ping(relay_address: str) -> list[tuple[int, list[int], str]]:
