@@ -197,7 +197,7 @@ def build_app(state: ServerState) -> Starlette:
 
     def admit(request: Request) -> None:
         if not state.client.alive:
-            raise HTTPError(503, "the engine is not running", code="engine_dead")
+            raise engine_down()
         if state.in_flight >= state.max_in_flight:
             raise HTTPError(429, f"the server is at its limit of {state.max_in_flight} requests in flight; retry "
                                  "shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"})
@@ -237,9 +237,10 @@ def build_app(state: ServerState) -> Starlette:
             status = e.status
             headers = {"Retry-After": "1"} if e.status == 429 else None
             return _error(e.status, str(e), e.param, e.code, headers)
-        except EngineDeadError as e:
+        except EngineDeadError as e:  # it died under this request
             status = 503
-            return _error(503, str(e), code="engine_dead")
+            retry = state.client.retry_after_s
+            return _error(503, str(e), code="engine_dead", headers={"Retry-After": str(retry)} if retry else None)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             status = CLIENT_CLOSED
             log.debug("%s %s: the client went away while sending its body", request.method, request.url.path)
@@ -339,14 +340,24 @@ def build_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
         if state.client.alive:
             return Response(status_code=200)
-        return _error(503, "the engine is not running", code="engine_dead")
+        e = engine_down()
+        return _error(e.status, str(e), code=e.code, headers=e.headers)
+
+    def engine_down() -> HTTPError:
+        """503: the engine is not running; with Retry-After while it is being restarted."""
+        retry = state.client.retry_after_s
+        if retry is None:
+            return HTTPError(503, "the engine is not running", code="engine_dead")
+        return HTTPError(503, f"the engine is restarting after a failure; retry in {retry} s",
+                         code="engine_restarting", headers={"Retry-After": str(retry)})
 
     async def metrics(request: Request) -> Response:
         engines = state.client.engine_stats() if hasattr(state.client, "engine_stats") else None
         # one engine's data-parallel ranks (a fleet does not sum its engines' yet)
         loads, coordinator = getattr(state.client, "expert_loads", None), getattr(state.client, "coordinator", None)
         return Response(state.metrics.render(state.client.stats, engines, loads.total() if loads else None,
-                                             coordinator.assigned if coordinator else None), media_type=CONTENT_TYPE)
+                                             coordinator.assigned if coordinator else None,
+                                             state.client.restart_counts()), media_type=CONTENT_TYPE)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, f"no route {request.method} {request.url.path}", code="not_found")

@@ -133,6 +133,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may take to finish, seconds")
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+    p.add_argument("--engine-restarts", type=int, default=3, metavar="N",
+                   help="when an engine actor dies or hangs, stop the engine's actors and start them again, up to N "
+                        "times in a row (waiting 1 s, 2 s, 4 s, ... up to 30 s first; an engine that served 10 "
+                        "minutes starts the count over); meanwhile requests get 503 with Retry-After and /health is "
+                        "503. 0: exit at the first failure (for an orchestrator that restarts the process)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+                   help="an engine actor silent this long (hung, stopped) counts as failed, seconds")
     p.add_argument("--engines", default=None, metavar="ROLE[,ROLE...]",
                    help="start several engines behind this server, one per role listed, each in its own supervised "
                         "processes, and route every request: `prefill,decode` = prefill-decode disaggregation "

@@ -3,8 +3,13 @@
 It starts the engine's actors (tokenizer -> scheduler -> worker -> scheduler -> detokenizer) as a
 supervised topology, owns the front end's inbox, and runs ONE receive loop that routes every
 TextDelta item to its request's asyncio.Queue (SGLang's pattern). Requests with n > 1 fan out here
-into n engine requests (seed + i each, so seeded choices differ yet reproduce). If any actor dies,
-every waiting request gets EngineDeadError at once: the front end fails fast, never hangs.
+into n engine requests (seed + i each, so seeded choices differ yet reproduce). If any actor dies or
+hangs, every waiting request gets EngineDeadError at once: the front end fails fast, never hangs.
+
+A dead engine is restarted when `restarts` allows: every actor of the old one is stopped (killed if need
+be), and after a backoff (RESTART_BACKOFF_S, doubling per failure in a row) a fresh topology starts. Until
+it is ready `alive` is False and `retry_after_s` says when to try again. After `restarts` failures in a
+row (an engine that stayed up STABLE_S starts the count over) the client gives up: `on_gave_up`.
 
 With data_parallel_size > 1 the engine has one scheduler per data-parallel rank; the client's coordinator
 (server/dp_coordinator.py) gives each engine request to the least loaded rank (GenerateRequest.dp_rank).
@@ -16,12 +21,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
+import zmq
 
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
@@ -45,6 +52,13 @@ from flotilla.transport.messages import (
 log = logging.getLogger(__name__)
 
 FRONTEND = "frontend"
+
+RESTART_BACKOFF_S = 1.0
+"""Wait before the first restart of a failed engine; it doubles with each failure in a row."""
+RESTART_BACKOFF_MAX_S = 30.0
+"""The longest wait before a restart."""
+STABLE_S = 600.0
+"""An engine that served this long before it failed starts its count of failures in a row over."""
 
 
 class EngineDeadError(RuntimeError):
@@ -190,10 +204,16 @@ class EngineClient:
     """Start the engine, submit requests, stream their text deltas, abort them."""
 
     def __init__(self, config: EngineConfig, placement: str = "inline", trace: bool = False,
-                 options: RuntimeOptions | None = None, name: str = "engine", host: str | None = None) -> None:
-        """host: the engine's actors listen on TCP there, for other nodes' front ends (engine_topology)."""
+                 options: RuntimeOptions | None = None, name: str = "engine", host: str | None = None,
+                 restarts: int = 0) -> None:
+        """host: the engine's actors listen on TCP there, for other nodes' front ends (engine_topology).
+        restarts: how many times in a row a failed engine is started again before the client gives up."""
+        if restarts < 0:
+            raise ValueError(f"restarts must be >= 0, got {restarts}")
         self.config = config
         self.name = name
+        self._topology_args = (config, placement, name, options, host)
+        self._trace = trace
         self.topology = engine_topology(config, placement, name=name, options=options, host=host)
         self.runtime = Runtime(self.topology, trace=trace)
         self._pending: dict[str, asyncio.Queue] = {}
@@ -207,6 +227,25 @@ class EngineClient:
         self.expert_loads = ExpertLoads()
         """Per-expert token counts of the ranks under expert parallelism."""
         self._ranks: dict[str, int] = {}  # rid -> data-parallel rank, while it streams
+        self.max_restarts = restarts
+        self.failures = 0
+        """Times the engine failed (an actor died or hung, or a restart did not come up) since start."""
+        self.restarts = 0
+        """Times a failed engine was started again and came up."""
+        self._in_a_row = 0
+        self._up_since = 0.0
+        self._start_s = 0.0  # how long the last start took (part of the retry estimate)
+        self._retry_at: float | None = None
+        self._recovery: asyncio.Task | None = None
+        self._stopping = False
+        self.gave_up = False
+        """The engine failed with no restart left: it stays dead."""
+        self.on_failure: list[Callable[[ActorFailedEvent], None]] = []
+        """Called at each failure, after the waiting requests were ended (the engine's actors are stopping)."""
+        self.on_restarted: list[Callable[[], None]] = []
+        """Called when a restarted engine is ready (new runtime, new addresses)."""
+        self.on_gave_up: list[Callable[[], None]] = []
+        """Called once when the engine failed with no restart left."""
 
     @property
     def stats(self) -> SchedulerStatsEvent | None:
@@ -214,22 +253,52 @@ class EngineClient:
         return self.coordinator.total_stats()
 
     async def start(self) -> None:
-        self.runtime.on_failure.append(self._engine_died)
+        """Start the engine; raises (with every actor stopped) if it does not come up. No restart here: a start
+        that fails is a configuration to fix, not a fault to ride out."""
+        started = time.monotonic()
         ready = await self.runtime.start()
+        self._start_s = time.monotonic() - started
+        self._up_since = time.monotonic()
         self.ready_detail = {k: dict(ev.detail) for k, ev in ready.items()}
         eps = self.runtime.endpoints
         self.inbox = Inbox(self.runtime.zmq, eps.of(FRONTEND), (TextDelta, RequestFailedEvent, SchedulerStatsEvent,
                                                                 ExpertLoadEvent))
         self.to_tokenizer = Outbox(self.runtime.zmq, eps.of("tokenizer"))
         self._recv_task = asyncio.create_task(self._receive(), name="engine-client-recv")
+        self.runtime.on_failure.append(self._engine_died)
 
     async def stop(self) -> None:
+        self._stopping = True
+        if self._recovery is not None:
+            self._recovery.cancel()
+            await asyncio.gather(self._recovery, return_exceptions=True)
+        await self._close_channels()
+        await self.runtime.stop("front end stopping")
+
+    async def _close_channels(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
             await asyncio.gather(self._recv_task, return_exceptions=True)
+            self._recv_task = None
             self.inbox.close()
             self.to_tokenizer.close()
-        await self.runtime.stop("front end stopping")
+
+    @property
+    def restarting(self) -> bool:
+        """Failed, and a restart is under way."""
+        return self._dead is not None and self.max_restarts > 0 and not self.gave_up and not self._stopping
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """While restarting: whole seconds until the engine is expected back (at least 1); None otherwise."""
+        if not self.restarting:
+            return None
+        wait = (self._retry_at or time.monotonic()) - time.monotonic()
+        return max(1, math.ceil(wait))
+
+    def restart_counts(self) -> dict[str, tuple[int, int]]:
+        """(failures, restarts) since start, by engine id (the Fleet's shape)."""
+        return {self.name: (self.failures, self.restarts)}
 
     def new_rid(self, prefix: str = "req") -> str:
         return f"{prefix}-{self._prefix}-{next(self._ids)}"
@@ -287,7 +356,12 @@ class EngineClient:
         self._pending[req.rid] = sink
         rank = self._ranks[req.rid] = self.coordinator.pick()
         try:
-            await self.to_tokenizer.send(msgspec.structs.replace(req, dp_rank=rank) if rank else req)
+            try:
+                await self.to_tokenizer.send(msgspec.structs.replace(req, dp_rank=rank) if rank else req)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                if self._dead is None or _really_cancelled():
+                    raise
+                raise EngineDeadError(self._dead) from None  # the engine died while the send waited
             yield
         finally:
             self._pending.pop(req.rid, None)
@@ -300,7 +374,11 @@ class EngineClient:
     async def abort(self, rid: str) -> None:
         """Drop a request wherever it is (travels the request's own path: cannot overtake it)."""
         self._pending.pop(rid, None)
-        await self.to_tokenizer.send(AbortCmd(rid=rid, dp_rank=self._ranks.get(rid, 0)))
+        try:
+            await self.to_tokenizer.send(AbortCmd(rid=rid, dp_rank=self._ranks.get(rid, 0)))
+        except (zmq.ZMQError, asyncio.CancelledError):
+            if self._dead is None or _really_cancelled():
+                raise  # (a dead engine drops every request anyway)
 
     async def _receive(self) -> None:
         while True:
@@ -320,6 +398,57 @@ class EngineClient:
                     q.put_nowait(msg)
 
     def _engine_died(self, ev: ActorFailedEvent) -> None:
+        if self._stopping or self._dead is not None:
+            return
         self._dead = f"engine {self.name}: actor {ev.actor}/{ev.instance} failed: {ev.reason}"
+        self.failures += 1
         for q in self._pending.values():
             q.put_nowait(self._dead)
+        self.coordinator.stats = [None] * self.coordinator.dp_size  # the dead schedulers' reports are stale
+        for cb in self.on_failure:
+            cb(ev)
+        self._recovery = asyncio.create_task(self._recover(), name=f"{self.name}-recovery")
+
+    async def _recover(self) -> None:
+        """Stop what is left of the dead engine, then start a fresh one after a backoff (or give up)."""
+        await self._close_channels()
+        await self.runtime.stop("engine failed")  # the hung or surviving actors go too: a restart is whole
+        while True:
+            if time.monotonic() - self._up_since >= STABLE_S:
+                self._in_a_row = 0
+            self._in_a_row += 1
+            if self._in_a_row > self.max_restarts:
+                self.gave_up = True
+                if self.max_restarts:
+                    log.error("engine %s: giving up after %d restarts in a row", self.name, self.max_restarts)
+                for cb in self.on_gave_up:
+                    cb()
+                return
+            delay = min(RESTART_BACKOFF_S * 2 ** (self._in_a_row - 1), RESTART_BACKOFF_MAX_S)
+            self._retry_at = time.monotonic() + delay + self._start_s
+            log.warning("engine %s: restarting in %.0f s (restart %d of at most %d in a row)", self.name, delay,
+                        self._in_a_row, self.max_restarts)
+            await asyncio.sleep(delay)
+            config, placement, name, options, host = self._topology_args
+            self.topology = engine_topology(config, placement, name=name, options=options, host=host)
+            self.runtime = Runtime(self.topology, trace=self._trace)
+            try:
+                await self.start()
+            except Exception as e:  # (the runtime stopped every actor it had started)
+                self.failures += 1
+                self._up_since = time.monotonic()
+                log.error("engine %s: the restart failed: %s", self.name, e)
+                continue
+            self.restarts += 1
+            self._dead = self._retry_at = None
+            log.info("engine %s restarted (%d since start): %s", self.name, self.restarts,
+                     " ".join(f"{k}=pid:{ev.pid}" for k, ev in sorted(self.runtime.ready.items())))
+            for cb in self.on_restarted:
+                cb()
+            return
+
+
+def _really_cancelled() -> bool:
+    """The current task itself is being cancelled (not merely a socket's pending future)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -115,9 +115,11 @@ class Fleet:
 
     def __init__(self, engines: list[tuple[str, EngineConfig]], model_name: str, placement: str = "process",
                  trace: bool = False, options: RuntimeOptions | None = None, registry: str | None = None,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, engine_host: str | None = None) -> None:
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, engine_host: str | None = None,
+                 restarts: int = 0) -> None:
         """engine_host: with a shared (Redis) registry, the address this node's engines and reply inbox listen on
-        for other nodes' front ends (default 127.0.0.1: several front ends of one machine)."""
+        for other nodes' front ends (default 127.0.0.1: several front ends of one machine). restarts: how many times
+        in a row each engine is started again after a failure (EngineClient)."""
         if not engines:
             raise ValueError("a fleet needs at least one engine")
         self.model = model_name
@@ -128,7 +130,7 @@ class Fleet:
         """Other nodes' front ends see this registry: route to their engines, and let them reach ours (TCP)."""
         self.engine_host = engine_host or "127.0.0.1"
         host = self.engine_host if self.shared else None
-        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host)
+        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host, restarts=restarts)
                         for name, cfg in engines}  # fmt: skip
         self.roles = {name: cfg.disagg.role for name, cfg in engines}
         self.remote: dict[str, RemoteEngine] = {}
@@ -153,7 +155,8 @@ class Fleet:
         self.routed = {name: 0 for name in self.clients}
         """Requests the router gave each engine (a disaggregated one counts for both of its engines)."""
         self.on_all_dead: list[Callable[[], None]] = []
-        """Called once no engine is left alive (until then the server answers what it can, 503 otherwise)."""
+        """Called once no engine is left alive or coming back (until then the server answers what it can, 503
+        otherwise)."""
 
     # ---- life -----------------------------------------------------------------------------------------
 
@@ -191,21 +194,28 @@ class Fleet:
             self._end_replies()
             raise failed[0]
         for name, client in self.clients.items():
-            client.runtime.on_failure.append(lambda ev, name=name: self._engine_failed(name, ev))
-            self._schedulers[name] = Outbox(client.runtime.zmq, client.runtime.endpoints.of("scheduler"))
-            hb = Heartbeat(self.registry, self.engine_info(name), lambda c=client: self._load(c),
-                           self.heartbeat_interval_s)
-            await hb.start()
-            self._heartbeats[name] = hb
-            kv = client.ready_detail.get("kv_migration/0", {})
-            log.info("engine %s (%s) registered: %s%s", name, self.roles[name], " ".join(
-                f"{k}=pid:{ev.pid}" for k, ev in sorted(client.runtime.ready.items())),
-                f" kv_backend={kv['kv_backend']} kv_endpoint={kv['kv_endpoint']}" if kv else "")
+            client.on_failure.append(lambda ev, name=name: self._engine_failed(name, ev))
+            client.on_restarted.append(lambda name=name: self._spawn(self._register(name)))
+            client.on_gave_up.append(self._check_all_dead)
+            await self._register(name)
         if self.shared:
             await self._read_registry()
             self._loops = [asyncio.create_task(self._receive_replies(), name="fleet-replies"),
                            asyncio.create_task(self._watch_registry(), name="fleet-registry")]
             log.info("front end reply inbox for other nodes' engines: %s", self.reply_address)
+
+    async def _register(self, name: str) -> None:
+        """Engine `name` is ready (at start, or restarted with new addresses): reach its scheduler, and put it in the
+        registry with a heartbeat."""
+        client = self.clients[name]
+        self._schedulers[name] = Outbox(client.runtime.zmq, client.runtime.endpoints.of("scheduler"))
+        hb = Heartbeat(self.registry, self.engine_info(name), lambda c=client: self._load(c), self.heartbeat_interval_s)
+        await hb.start()
+        self._heartbeats[name] = hb
+        kv = client.ready_detail.get("kv_migration/0", {})
+        log.info("engine %s (%s) registered: %s%s", name, self.roles[name], " ".join(
+            f"{k}=pid:{ev.pid}" for k, ev in sorted(client.runtime.ready.items())),
+            f" kv_backend={kv['kv_backend']} kv_endpoint={kv['kv_endpoint']}" if kv else "")
 
     async def _check_registry(self) -> None:
         errors: tuple[type[BaseException], ...] = (OSError,)
@@ -273,6 +283,21 @@ class Fleet:
         node or, with a shared registry, of another)."""
         roles = {self.roles[n] for n, c in self.clients.items() if c.alive} | self._remote_roles
         return "both" in roles or {"prefill", "decode"} <= roles
+
+    @property
+    def restarting(self) -> bool:
+        """Nothing can be served now, but an engine is being restarted."""
+        return not self.alive and any(c.restarting for c in self.clients.values())
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """While restarting: seconds until the first engine is expected back; None otherwise."""
+        waits = [w for c in self.clients.values() if (w := c.retry_after_s) is not None]
+        return min(waits) if waits and not self.alive else None
+
+    def restart_counts(self) -> dict[str, tuple[int, int]]:
+        """Per engine of this node: (failures, restarts) since start."""
+        return {name: (c.failures, c.restarts) for name, c in self.clients.items()}
 
     @property
     def num_pending(self) -> int:
@@ -402,6 +427,8 @@ class Fleet:
         self._spawn(self._retire(name))
 
     async def _retire(self, name: str) -> None:
+        """Engine `name` failed (its client stops its actors, and restarts them if it may): out of the registry, and
+        its partners free what they hold for it."""
         hb = self._heartbeats.pop(name, None)
         if hb is not None:
             await hb.stop()  # out of the registry: the router picks it no more
@@ -409,8 +436,9 @@ class Fleet:
         out = self._schedulers.pop(name, None)
         if out is not None:
             out.close()
-        await self.clients[name].stop()  # closes its sockets, then stops (kills) what is left of its actors
-        if not any(c.alive for c in self.clients.values()):
+
+    def _check_all_dead(self) -> None:
+        if all(c.gave_up for c in self.clients.values()):
             for cb in self.on_all_dead:
                 cb()
 
@@ -474,20 +502,27 @@ class Fleet:
         live = {e.engine_id: e for e in await self.registry.engines(model=self.model)}
         self._remote_roles = {e.role for name, e in live.items() if name not in self.clients}
         for name, remote in list(self.remote.items()):
-            if name in live and not remote.alive:  # registered again (restarted): a fresh one when next routed to
-                del self.remote[name]
+            entry = live.get(name)
+            if remote.alive and entry is None:
+                reason = (f"engine {name} (of another node) left the registry {self.registry_url}: it missed its "
+                          "heartbeats, or its front end retired it")  # fmt: skip
+            elif remote.alive and dict(entry.addresses) != remote.endpoints.actors:
+                reason = f"engine {name} (of another node) was restarted"  # between two reads of the registry
+            else:
+                reason = None
+            if reason is not None:
+                log.error("%s; the other engines keep serving", reason)
+                remote.died(reason)
+                await self._speak_for(name)
+                out = self._remote_schedulers.pop(name, None)
+                if out is not None:
+                    out.close()
                 remote.close()
-        for name in [n for n, r in self.remote.items() if n not in live and r.alive]:
-            remote = self.remote[name]  # kept, dead, for /metrics (flotilla_engine_alive 0)
-            reason = (f"engine {name} (of another node) left the registry {self.registry_url}: it missed its "
-                      "heartbeats, or its front end retired it")  # fmt: skip
-            log.error("%s; the other engines keep serving", reason)
-            remote.died(reason)
-            await self._speak_for(name)
-            out = self._remote_schedulers.pop(name, None)
-            if out is not None:
-                out.close()
-            remote.close()
+            if entry is not None and not remote.alive:  # registered again (restarted): a fresh one when next routed
+                del self.remote[name]
+                if reason is None:
+                    remote.close()
+            # (one that left is kept, dead, for /metrics: flotilla_engine_alive 0)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -72,6 +72,11 @@ class ServerMetrics:
                                   registry=r)
         self.kv_migration_bytes = Counter("flotilla_kv_migration_bytes", "KV bytes pulled into the engine over the "
                                           "KV data plane (decode role).", per_engine, registry=r)
+        self.engine_failures = Counter("flotilla_engine_failures", "Times the engine failed: an actor died or went "
+                                       "silent, or a restart did not come up.", ["model_name", "engine"], registry=r)
+        self.engine_restarts = Counter("flotilla_engine_restarts", "Times a failed engine was started again and "
+                                       "came up.", ["model_name", "engine"], registry=r)
+        self._restart_counts: dict[str, tuple[int, int]] = {}
         self.engine_routed = Counter("flotilla_engine_requests_routed", "Requests the router gave the engine (a "
                                      "disaggregated one counts for its prefill and its decode engine).", per_engine,
                                      registry=r)
@@ -120,6 +125,14 @@ class ServerMetrics:
                 self.kv_migration_bytes.labels(m, name, role).inc(grown)
                 self._migrated[name] = stats.kv_migrated_bytes
 
+    def observe_restarts(self, counts: dict[str, tuple[int, int]]) -> None:
+        """Engine id -> (failures, restarts) since start."""
+        for name, (failures, restarts) in counts.items():
+            seen_failures, seen_restarts = self._restart_counts.get(name, (0, 0))
+            self.engine_failures.labels(self.model, name).inc(failures - seen_failures)
+            self.engine_restarts.labels(self.model, name).inc(restarts - seen_restarts)
+            self._restart_counts[name] = (failures, restarts)
+
     def observe_expert_tokens(self, counts: np.ndarray | None) -> None:
         """int64 [moe layers, experts] tokens routed to each expert since start (server/dp_coordinator.py)."""
         if counts is None:
@@ -145,8 +158,11 @@ class ServerMetrics:
 
     def render(self, stats: SchedulerStatsEvent | None,
                engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]] | None = None,
-               expert_tokens: np.ndarray | None = None, dp_routed: list[int] | None = None) -> bytes:
+               expert_tokens: np.ndarray | None = None, dp_routed: list[int] | None = None,
+               restarts: dict[str, tuple[int, int]] | None = None) -> bytes:
         self.observe_engine(stats)
+        if restarts:
+            self.observe_restarts(restarts)
         if engines:
             self.observe_engines(engines)
         self.observe_expert_tokens(expert_tokens)

@@ -23,6 +23,7 @@ import uvicorn
 import uvloop
 
 from flotilla import envs
+from flotilla.actors.base import RuntimeOptions
 from flotilla.models.model_folder import load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
@@ -63,11 +64,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     path = model_dir(config)
     placement = "inline" if args.single_process else "process"
     engines = fleet_engines(args.engines, config, args.registry, args.node_name)
+    options = RuntimeOptions(heartbeat_timeout_s=args.heartbeat_timeout)
     if engines is None:
-        client: EngineClient | Fleet = EngineClient(config, placement=placement, trace=args.trace)
+        client: EngineClient | Fleet = EngineClient(config, placement=placement, trace=args.trace, options=options,
+                                                    restarts=args.engine_restarts)
     else:
-        client = Fleet(engines, served_name(config, path), placement=placement, trace=args.trace,
-                       registry=args.registry, engine_host=args.engine_host)
+        client = Fleet(engines, served_name(config, path), placement=placement, trace=args.trace, options=options,
+                       registry=args.registry, engine_host=args.engine_host, restarts=args.engine_restarts)
     server: _Server | None = None
     stop = asyncio.Event()
 
@@ -112,8 +115,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         on_failure = (lambda *_: (failed.set(), setattr(server, "should_exit", True)))
         if isinstance(client, Fleet):  # one engine's death is that engine's: stop only when none is left
             client.on_all_dead.append(on_failure)
-        else:
-            client.runtime.on_failure.append(on_failure)
+        else:  # the engine failed with no restart left
+            client.on_gave_up.append(on_failure)
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)  # uvicorn exposes no started event

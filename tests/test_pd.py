@@ -4,7 +4,7 @@ One deployment for the module, started the way an operator would (`flotilla laun
 --model M --port P`): a front end + router and three engines (1 prefill, 2 decode), each engine's actors
 in their own processes; the service registry is a real redis-server when one is installed. A colocated
 engine (`flotilla serve --single-process`) gives the reference outputs. The tests run in file order;
-the last two kill a decode engine, then the prefill engine.
+the last two kill a decode engine, then the prefill engine, and see each restarted.
 """
 
 from __future__ import annotations
@@ -153,18 +153,38 @@ def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_se
     for o, e in zip(outcomes, expected):
         if not isinstance(o, Exception):
             assert o == e
-    # the router and the other engines keep serving; the dead engine left the registry
+    # the router and the other engines keep serving while the dead engine, out of the registry, is restarted
     assert urllib.request.urlopen(pd.url + "/health", timeout=10).status == 200
     reqs = pdh.requests(6, offset=80)
     assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
-    m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])  # the dead engine's transfers were released on the prefill side
-    assert pdh.engine_metric(m, "flotilla_engine_alive", "decode-1") == 0
+    # decode-1 comes back (new processes, new addresses) and is routed to again
+    m = _wait_restarted(pd, "decode-1")
     if redis_url is not None:
         r = redis.Redis.from_url(redis_url)
         try:
-            assert not r.exists("flotilla:engine:decode-1") and r.exists("flotilla:engine:decode-0")
+            assert r.exists("flotilla:engine:decode-1") and r.exists("flotilla:engine:decode-0")
         finally:
             r.close()
+    routed = pdh.engine_metric(m, "flotilla_engine_requests_routed_total", "decode-1")
+    reqs = pdh.requests(16, offset=100)
+    assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+    m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])  # the dead engine's transfers were released too
+    assert pdh.engine_metric(m, "flotilla_engine_requests_routed_total", "decode-1") > routed
+
+
+def _wait_restarted(pd, engine: str, timeout: float = 120.0) -> dict[str, float]:
+    """Until `engine`, failed once, is alive again after one restart: the metrics then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = pdh.metrics(pd.url)
+        if pdh.engine_metric(m, "flotilla_engine_alive", engine) == 1 and any(
+                f"engine {engine} restarted (1 since start)" in x for x in pd.log):
+            break
+        assert time.monotonic() < deadline, f"engine {engine} was not restarted: " + "".join(pd.log[-20:])
+        time.sleep(0.1)
+    assert pdh.engine_metric(m, "flotilla_engine_failures_total", engine) == 1
+    assert pdh.engine_metric(m, "flotilla_engine_restarts_total", engine) == 1
+    return m
 
 
 def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
@@ -193,5 +213,12 @@ def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
         time.sleep(0.05)
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="m", prompt="x", max_tokens=2)
-    assert err.value.status_code == 503
+    assert err.value.status_code == 503 and err.value.code == "engine_restarting", err.value
+    assert int(err.value.response.headers["Retry-After"]) >= 1
     pdh.wait_idle(pd.url, ["decode-0"])
+    # the prefill engine comes back, and the deployment serves as before
+    _wait_restarted(pd, "prefill-0")
+    pdh.wait_health(pd.url, 200)
+    reqs = pdh.requests(8, offset=120)
+    assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+    pdh.wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])

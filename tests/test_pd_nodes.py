@@ -2,8 +2,8 @@
 other's engines. Node "a" runs a prefill engine only, node "b" a decode engine only (two `flotilla serve`
 processes, each with its own engine processes, as two machines would run them; their actors listen on TCP). A
 request to either front end is prefilled on a's engine and decoded on b's; the text comes back to the front end
-that took it. A colocated engine gives the reference outputs. The tests run in file order; the last one kills
-node b's decode engine.
+that took it. A colocated engine gives the reference outputs. The tests run in file order; the fourth kills
+node b's decode engine twice (restarted once, then node b exits).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +42,12 @@ def redis_url():
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_engine_model(tmp_path_factory.mktemp("pd-nodes") / "m")
+    """The tiny model with 2,048 positions (its 256 would end a stream at its RoPE table): streams that are killed
+    mid-way must outlast the kill on a fast machine (a 150-token one can end before it)."""
+    path = write_tiny_engine_model(tmp_path_factory.mktemp("pd-nodes") / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    return path
 
 
 def test_the_shipped_two_node_deployment_names_its_node_and_engine_host():
@@ -52,6 +56,10 @@ def test_the_shipped_two_node_deployment_names_its_node_and_engine_host():
     argv = serve_argv(dep, "/models/x", None, trace=False)
     assert argv[argv.index("--node-name") + 1] == "nodeA" and argv[argv.index("--engine-host") + 1] == "10.0.0.1"
     assert argv[argv.index("--kv-host") + 1] == "10.0.0.1"
+
+
+LONG = ["--max-model-len", "1024", "--kv-cache-blocks", "1024"]
+"""Room on the decode node for the four 900-token streams that its engine's death cuts off."""
 
 
 def node_argv(model, redis_url: str, name: str, engines: str) -> list[str]:
@@ -65,7 +73,8 @@ def nodes(model, redis_url):
     started = [a]
     try:
         pdh.wait_health(a.url, 503)  # a prefill engine alone serves nothing: no decode engine anywhere yet
-        b, colocated = start_servers((node_argv(model, redis_url, "b", "decode"), {"timeout": 180}),
+        b, colocated = start_servers(([*node_argv(model, redis_url, "b", "decode"), *LONG, "--engine-restarts", "1"],
+                                      {"timeout": 180}),
                                      ((str(model), "--single-process", *pdh.ENGINE_OPTIONS), {"timeout": 180}))
         started += [b, colocated]
     except BaseException:
@@ -108,12 +117,13 @@ def test_a_node_name_taken_in_the_registry_is_refused_before_any_model_loads(mod
     assert "--node-name" in out.stderr
 
 
-def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefill_nodes_blocks(nodes):
-    a, b, colocated = nodes
-    line = next(x for x in b.log if "engine b-decode-0 (decode) registered" in x)
+def _kill_decode_mid_stream(a, b) -> None:
+    """Kill node b's decode engine's worker while four streams through node a decode on it: each ends with an error
+    naming the engine, and node a's prefill engine holds no block for the dead engine's transfers."""
+    line = [x for x in b.log if "engine b-decode-0 (decode) registered" in x or "engine b-decode-0 restarted" in x][-1]
     worker_pid = int(re.search(r"worker/0=pid:(\d+)", line).group(1))
     client = openai.OpenAI(base_url=a.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    streams = [client.completions.create(model="m", prompt=pdh.prompt(40 + i), max_tokens=150, temperature=0,
+    streams = [client.completions.create(model="m", prompt=pdh.prompt(40 + i), max_tokens=900, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
     firsts = [next(iter(s)).choices[0].text for s in streams]  # every request is decoding on node b now
     assert all(firsts)
@@ -123,15 +133,29 @@ def test_a_dead_decode_node_ends_its_requests_with_its_name_and_frees_the_prefil
             for _ in s:
                 pass
         assert "engine b-decode-0" in str(err.value), err.value
-    # no decode engine is left anywhere: node a says so at once rather than hang, and its prefill engine holds no
-    # block for the dead engine's transfers
+    # no decode engine is left anywhere: node a says so at once rather than hang
     pdh.wait_health(a.url, 503)
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="m", prompt="x", max_tokens=2)
     assert err.value.status_code == 503
     pdh.wait_idle(a.url, ["a-prefill-0"])
-    # node b, all of its engines dead, exits so that whatever supervises it can start it again
+
+
+def test_a_dead_decode_node_is_restarted_then_exits_when_out_of_restarts(nodes):
+    """Node b runs with --engine-restarts 1: its decode engine's first death is followed by a restart that node a
+    finds in the registry (new addresses) and routes to with the colocated outputs; the second death in a row ends
+    node b (exit status 1) so that whatever supervises it can start it again."""
+    a, b, colocated = nodes
+    _kill_decode_mid_stream(a, b)
+    pdh.wait_health(a.url, 200, timeout=120)
+    assert any("engine b-decode-0 restarted (1 since start)" in x for x in b.log)
+    reqs = pdh.requests(8, offset=60)
+    assert pdh.run_all(a.url, reqs) == pdh.run_all(colocated.url, reqs)
+    pdh.wait_idle(a.url, ["a-prefill-0"])
+    pdh.wait_idle(b.url, ["b-decode-0"])
+    _kill_decode_mid_stream(a, b)
     assert b.proc.wait(timeout=30) == 1, "".join(b.log[-30:])
+    assert any("engine b-decode-0: giving up after 1 restarts in a row" in x for x in b.log)
 
 
 def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.0) -> None:
@@ -152,7 +176,7 @@ def _wait_registry_loads_zero(url: str, engines: list[str], timeout: float = 15.
         time.sleep(0.1)
 
 
-def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes, tmp_path):
+def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_url, nodes):
     """Plain data parallelism across nodes: two nodes with a colocated engine each (their own registry database),
     and requests to one front end spread over both engines with the colocated engine's outputs, streamed or not;
     every KV block of both is free afterwards. Then that front end dies mid-stream: the other node's engine aborts
@@ -162,15 +186,10 @@ def test_colocated_engines_of_two_nodes_share_one_front_ends_load(model, redis_u
     _, _, colocated = nodes
     url = redis_url.rsplit("/", 1)[0] + "/1"
     # the streams below must outlast the kill and the grace on a fast machine (180-token ones can end inside the
-    # grace, leaving nothing to abort), so c and d serve the same weights with 2,048 positions (the tiny model's 256
-    # would end them at its RoPE table) and room for four 900-token streams
-    long = tmp_path / "m"
-    shutil.copytree(model, long)
-    config = json.loads((long / "config.json").read_text())
-    (long / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    extra = ["--max-model-len", "1024", "--kv-cache-blocks", "1024", "--frontend-grace-s", "1"]  # (c's too: unused)
-    c, d = start_servers(([*node_argv(long, url, "c", "both"), *extra], {"timeout": 180}),
-                         ([*node_argv(long, url, "d", "both"), *extra], {"timeout": 180}))
+    # grace, leaving nothing to abort): room for four 900-token streams
+    extra = [*LONG, "--frontend-grace-s", "1"]  # (c's too: unused)
+    c, d = start_servers(([*node_argv(model, url, "c", "both"), *extra], {"timeout": 180}),
+                         ([*node_argv(model, url, "d", "both"), *extra], {"timeout": 180}))
     try:
         pdh.wait_health(c.url, 200)
         reqs = pdh.requests(24, offset=50)
