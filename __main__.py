@@ -22,6 +22,7 @@ from flotilla.server.cli import (
 from flotilla.actors.standalone import endpoints_for, run_actor
 from flotilla.actors.topology import load_topology
 from flotilla.scripts import launch
+from flotilla.transport import auth
 
 DESCRIPTION = """\
 flotilla: an LLM inference engine with an OpenAI-compatible streaming server over msgspec/ZeroMQ actors.
@@ -52,6 +53,7 @@ Run one actor of a topology in the foreground, for debugging.
                    help="JSON-lines file of messages to feed the actor; peers are replaced by printing sinks")
     p.add_argument("--idle", type=float, default=1.0,
                    help="with --script: stop after this many seconds without output")
+    auth.add_auth_arguments(p)
 
 
 def _run_actor(args: argparse.Namespace) -> int:
@@ -118,6 +120,31 @@ def _run_launch(args: argparse.Namespace) -> int:
     return launch.main(args)
 
 
+def _add_keygen(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keygen", formatter_class=HelpFormatter,
+                       help="create the cluster key that authenticates a deployment's tcp endpoints",
+                       description="""\
+Create a cluster key: a ZeroMQ CURVE keypair in a file of mode 0600. Every actor and front end of one deployment
+authenticates its tcp:// control-plane endpoints with it (docs/serving.md, "Who may talk to an engine"):
+
+  flotilla keygen /etc/flotilla/cluster.key
+  scp -p /etc/flotilla/cluster.key node2:/etc/flotilla/      # the same file on every host
+  flotilla launch two-hosts.toml --host node1 --auth-key-file /etc/flotilla/cluster.key
+""")
+    p.add_argument("path", type=Path, help="where to write the key; an existing file is never replaced")
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    try:
+        auth.create_key_file(args.path)
+    except OSError as e:
+        print(f"flotilla keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"cluster key written to {args.path}: copy it (mode 0600) to every host of the deployment and pass "
+          f"--auth-key-file {args.path}", flush=True)
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", formatter_class=HelpFormatter,
                        help="benchmarks (transport, offline throughput, serving)",
@@ -156,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_actor(sub)
     _add_launch(sub)
+    _add_keygen(sub)
     _add_bench(sub)
     return parser
 
@@ -167,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's Python stack to stderr: a process that hangs says where (every flotilla
     # process, actors included, starts here)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(args, "auth"):  # every command that runs actors or front ends
+        try:
+            auth.configure(auth.settings_from_args(args))
+        except auth.AuthError as e:
+            print(f"flotilla {args.command}: {e}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         # torch, transformers and uvicorn load only for the commands that use them: `flotilla actor echo`
         # and `flotilla --help` stay fast
@@ -179,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_actor(args)
     if args.command == "launch":
         return _run_launch(args)
+    if args.command == "keygen":
+        return _run_keygen(args)
     return _run_bench(args)
 
 

@@ -36,6 +36,12 @@ prefill rank agrees (KVSendEvent) receives rounds of at most `kv_staging_blocks`
 buffer in the cache's memory: no host hop on a GPU) and scatters them into its blocks before MigrationDone.
 The prefill rank packs each round from its blocks, which stay pinned until BlocksReleased.
 
+The prefill side serves blocks only for the transfers its own scheduler announced: the scheduler sends each
+KVReadyEvent to its KV-migration ranks before the decode side hears of it, and the BlocksReleasedEvent that ends
+it; a KVStageRequest or KVSendRequest for another transfer, or for blocks the transfer does not hold, is refused
+(one for a transfer not announced yet waits up to ANNOUNCE_GRACE_S for its announcement). dlslime's one-sided reads
+of unstaged memory do not pass through this actor and are bounded only by the registered regions.
+
 Migrations from one peer run one at a time (dlslime opens a connection per range; concurrent reads on
 one endpoint gain nothing on TCP), and all of them while this rank stages; the actor keeps receiving.
 """
@@ -62,8 +68,10 @@ from flotilla.transport.kv_transfer import (
 )
 from flotilla.transport.kv_transfer_torch import TorchDistEngine, check_pairs
 from flotilla.transport.messages import (
+    BlocksReleasedEvent,
     KVEndpointEvent,
     KVEndpointRequest,
+    KVReadyEvent,
     KVSendEvent,
     KVSendRequest,
     KVStagedEvent,
@@ -78,6 +86,11 @@ log = logging.getLogger(__name__)
 
 RUNNER_POLL_S = 0.05
 """How often setup looks for the worker's runner while the worker loads its model, seconds."""
+ANNOUNCE_GRACE_S = 2.0
+"""How long a request for a transfer this rank has not heard of waits for its scheduler's announcement (the two
+reach the inbox from different senders, so in either order), seconds."""
+MAX_WAITING_REQUESTS = 1024
+"""Requests for unannounced transfers held at once; more are refused at once."""
 
 
 class KVMemory:
@@ -151,7 +164,7 @@ class KVMigrationActor(Actor):
 
     kind = "kv_migration"
     inbox = (MigrateKVCmd, KVEndpointRequest, KVEndpointEvent, KVStageRequest, KVStagedEvent, KVSendRequest,
-             KVSendEvent)
+             KVSendEvent, KVReadyEvent, BlocksReleasedEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -172,6 +185,8 @@ class KVMigrationActor(Actor):
         self._peers: dict[str, _Peer] = {}  # prefill rank inbox -> what we know of it
         self._tasks: set[asyncio.Task] = set()
         self.bytes_moved = 0
+        self._announced: dict[str, frozenset[int]] = {}  # transfer id -> the blocks its scheduler said it holds
+        self._unannounced: dict[str, list[KVStageRequest | KVSendRequest]] = {}  # waiting for their announcement
 
     async def setup(self) -> dict[str, str]:
         runner = local_runner(self.worker, self.rank)
@@ -255,8 +270,51 @@ class KVMigrationActor(Actor):
         except KVTransferError as e:  # the requester's connect fails too and reports it
             log.warning("%s: KV pair with %s not built: %s", self.label, requester, e)
 
+    async def on_kv_ready_event(self, ev: KVReadyEvent) -> None:
+        """Our scheduler announces a transfer: serve its blocks until it is released."""
+        self._announced[ev.transfer_id] = frozenset(ev.block_ids.tolist())
+        for req in self._unannounced.pop(ev.transfer_id, []):
+            await self._dispatch(req)
+
+    async def on_blocks_released_event(self, ev: BlocksReleasedEvent) -> None:
+        self._announced.pop(ev.transfer_id, None)
+
+    async def _admitted(self, req: KVStageRequest | KVSendRequest) -> bool:
+        """Whether to serve `req` now: its transfer was announced and holds its blocks. A request for a transfer not
+        announced (yet) waits ANNOUNCE_GRACE_S for it; one that is refused gets its error answer here."""
+        blocks = self._announced.get(req.transfer_id)
+        if blocks is None:
+            waiting = sum(len(v) for v in self._unannounced.values())
+            if waiting < MAX_WAITING_REQUESTS:
+                self._unannounced.setdefault(req.transfer_id, []).append(req)
+                self._spawn(self._expire_unannounced(req))
+                return False
+            error = f"transfer {req.transfer_id} was not announced by this engine's scheduler"
+        elif not blocks.issuperset(req.block_ids.tolist()):
+            error = f"blocks asked for are not the ones transfer {req.transfer_id} holds"
+        else:
+            return True
+        await self._refuse(req, error)
+        return False
+
+    async def _expire_unannounced(self, req: KVStageRequest | KVSendRequest) -> None:
+        await asyncio.sleep(ANNOUNCE_GRACE_S)
+        waiting = self._unannounced.get(req.transfer_id, [])
+        if any(r is req for r in waiting):  # (not announced meanwhile)
+            waiting[:] = [r for r in waiting if r is not req]
+            if not waiting:
+                del self._unannounced[req.transfer_id]
+            await self._refuse(req, f"transfer {req.transfer_id} was not announced by this engine's scheduler")
+
+    async def _refuse(self, req: KVStageRequest | KVSendRequest, error: str) -> None:
+        log.warning("%s: refused %s from %s: %s", self.label, type(req).__name__, req.reply_to, error)
+        answer = KVStagedEvent if isinstance(req, KVStageRequest) else KVSendEvent
+        await self.send_to(req.reply_to, answer(key=req.key, transfer_id=req.transfer_id, error=error))
+
     async def on_kv_send_request(self, req: KVSendRequest) -> None:
         assert self.memory is not None
+        if not await self._admitted(req):
+            return
         ids = req.block_ids.tolist()
         num_blocks = self.memory.caches[0].shape[0]
         bad = [b for b in ids if not 0 <= b < num_blocks]
@@ -281,6 +339,8 @@ class KVMigrationActor(Actor):
 
     async def on_kv_stage_request(self, req: KVStageRequest) -> None:
         assert self.memory is not None
+        if not await self._admitted(req):
+            return
         entry = self._serve_stage.get(req.reply_to)
         ids = req.block_ids.tolist()
         error = None

@@ -28,6 +28,7 @@ from flotilla import envs
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
+from flotilla.transport import auth
 from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.endpoints import Endpoints, key, new_run_dir
 from flotilla.transport.messages import ActorFailedEvent, HeartbeatEvent, ReadyEvent, StopCmd
@@ -150,6 +151,9 @@ class Runtime:
         if self.topo.placement == "process":
             self.run_dir = new_run_dir()
         self.endpoints = resolve(self.topo, self.run_id, self.run_dir)
+        for address in [self.endpoints.supervisor, *self.endpoints.actors.values()]:
+            if auth.needs_auth(address):
+                auth.require_key(address)  # before anything starts: the AuthError says how to give the key
         if self.run_dir is not None:
             (self.run_dir / "endpoints.json").write_text(self.endpoints.to_json())
             (self.run_dir / "topology.json").write_text(_topology_json(self.topo))
@@ -289,7 +293,7 @@ class Runtime:
         assert self.run_dir is not None
         cmd = [sys.executable, "-m", "flotilla", "--log-level", self.log_level, "actor", ",".join(names),
                "--topology", str(self.run_dir / "topology.json"), "--endpoints", str(self.run_dir / "endpoints.json"),
-               "--instance", str(instance)]
+               "--instance", str(instance), *auth.child_arguments()]
         if self.trace:
             cmd.append("--trace")
         # the child's stderr is our pipe, but with ours a terminal its progress bars end there

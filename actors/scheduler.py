@@ -214,6 +214,7 @@ class SchedulerActor(Actor):
         self._peers.pop(ev.transfer_id, None)
         if isinstance(self.core, PrefillBatchScheduler):
             self.core.on_blocks_released(ev)
+            await self._tell_kv_migration(ev)  # its blocks may no longer be served
         await self._step()
         await self._stats()
 
@@ -236,7 +237,15 @@ class SchedulerActor(Actor):
                 log.warning("scheduler %s: no peer engine known for transfer %s; %s dropped", self.engine_id,
                             msg.transfer_id, type(msg).__name__)
                 continue
+            if isinstance(msg, KVReadyEvent) and msg.error is None:
+                # announced to our KV-migration ranks before the decode side hears of it: they serve only these blocks
+                await self._tell_kv_migration(msg)
             await self.send_to(peer.scheduler, msg)
+
+    async def _tell_kv_migration(self, msg: KVReadyEvent | BlocksReleasedEvent) -> None:
+        """A transfer's blocks, or their release, to every KV-migration rank of this engine (if it has them)."""
+        for rank in range(len(self.ctx.endpoints.instances(self.kv_migration))):
+            await self.send(self.kv_migration, msg, instance=rank)
 
     async def on_abort_cmd(self, msg: AbortCmd) -> None:
         if self.core is None:

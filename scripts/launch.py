@@ -28,6 +28,7 @@ import uvloop
 from flotilla.actors.runtime import ActorFailure, Runtime
 from flotilla.actors.topology import Topology, examples, load_topology, topology_path
 from flotilla.server.cli import HelpFormatter
+from flotilla.transport import auth
 
 log = logging.getLogger("flotilla.launch")
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
     p.add_argument("--model", default=None, help="deployment files only: the model folder (overrides the file's)")
     p.add_argument("--port", type=int, default=None, help="deployment files only: the HTTP port (overrides the file's)")
+    auth.add_auth_arguments(p)
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -147,6 +149,9 @@ async def launch(topo: Topology, host: str | None, trace: bool) -> int:
     except ActorFailure as e:
         print(f"flotilla launch: {e}; every actor stopped", file=sys.stderr, flush=True)
         return 1
+    except auth.AuthError as e:
+        print(f"flotilla launch: {e}", file=sys.stderr, flush=True)
+        return 2
     if rt.primary:
         print(f"topology {topo.name!r} ready: {len(rt.ready)} actor(s)", flush=True)
         print_table(rt)
@@ -199,4 +204,9 @@ if __name__ == "__main__":
                                      formatter_class=HelpFormatter)
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sys.exit(main(parser.parse_args()))
+    args = parser.parse_args()
+    try:
+        auth.configure(auth.settings_from_args(args))
+    except auth.AuthError as e:
+        sys.exit(f"launch.py: {e}")
+    sys.exit(main(args))

@@ -26,6 +26,7 @@ from flotilla.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from flotilla.transport.auth import add_auth_arguments
 from flotilla.transport.registry import shared_registry
 
 _GROUPS: dict[str, type[msgspec.Struct]] = {
@@ -156,6 +157,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-name", default=None, metavar="NAME",
                    help="with a redis:// registry: prefix of this node's engine ids (NAME-prefill-0, ...), which must "
                         "be unique among the front ends sharing the registry; default: none (prefill-0, ...)")
+    add_auth_arguments(p)
     add_engine_arguments(p)
 
 

@@ -14,7 +14,7 @@ from flotilla.scripts.dev import bench_serving, bench_transport
 from flotilla.server.cli import HelpFormatter, add_serve_arguments, engine_args_markdown
 
 ENGINE_ARGS = Path(__file__).resolve().parent.parent / "docs" / "engine-args.md"
-COMMANDS = ("serve", "generate", "actor", "launch", "bench")
+COMMANDS = ("serve", "generate", "actor", "launch", "keygen", "bench")
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

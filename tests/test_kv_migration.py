@@ -10,6 +10,7 @@ import gc
 import subprocess
 import sys
 import types
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import uvloop
 
 from flotilla.actors import worker as worker_module
 from flotilla.actors.base import RuntimeOptions
+from flotilla.actors import kv_migration
 from flotilla.actors.kv_migration import KVMemory, KVMigrationActor
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
@@ -26,7 +28,7 @@ from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.kv_transfer import KVTransferError
 from flotilla.transport.kv_transfer_torch import TorchDistEngine
-from flotilla.transport.messages import MigrateKVCmd, MigrationDoneEvent
+from flotilla.transport.messages import KVReadyEvent, MigrateKVCmd, MigrationDoneEvent
 from helpers_optional import require
 
 NUM_BLOCKS, BS, HEADS, DIM, LAYERS = 96, 4, 2, 8, 3
@@ -43,12 +45,14 @@ def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
 async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,
                    staging: tuple[str, str] = ("auto", "auto"),
                    dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), between=None,
-                   devices: tuple[str, str] = ("cpu", "cpu"), block_shape: tuple[int, ...] | None = None):
+                   devices: tuple[str, str] = ("cpu", "cpu"), block_shape: tuple[int, ...] | None = None,
+                   announce: Callable[[MigrateKVCmd], np.ndarray] | None = lambda cmd: cmd.src_block_ids):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
     builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'.
     between: called with the number of commands done so far, after each (then they go one at a time).
     devices: where the two caches live (the returned ones are CPU copies). block_shape: one block of both caches
-    (default: the GQA layout [2, BS, HEADS, DIM])."""
+    (default: the GQA layout [2, BS, HEADS, DIM]). announce: the blocks the prefill scheduler's KVReadyEvent names for
+    each command's transfer, sent to the prefill actor first (as SchedulerActor does); None: no announcement."""
     torch.manual_seed(0)
     src_block = block_shape or (2, BS, HEADS, DIM)
     dst_block = block_shape or (2, BS, HEADS, decode_dim)
@@ -68,8 +72,12 @@ async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: floa
     await rt.start()
     inbox = Inbox(rt.zmq, rt.endpoints.of("sched"), (MigrationDoneEvent,))
     out = Outbox(rt.zmq, rt.endpoints.of("d_kv"))
+    prefill_scheduler = Outbox(rt.zmq, rt.endpoints.of("p_kv"))
     try:
         cmds = cmds_of(rt.endpoints.of("p_kv"))
+        for cmd in cmds if announce is not None else []:
+            await prefill_scheduler.send(KVReadyEvent(transfer_id=cmd.transfer_id, block_ids=announce(cmd),
+                                                      num_tokens=0, first_token=0, src_engine="p"))
         if between is None:
             for cmd in cmds:
                 await out.send(cmd)
@@ -83,6 +91,7 @@ async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: floa
     finally:
         inbox.close()
         out.close()
+        prefill_scheduler.close()
         await rt.stop()
         for name in ("pw", "dw"):
             worker_module._LOCAL_RUNNERS.pop((name, 0), None)
@@ -139,6 +148,22 @@ def test_an_mla_latent_cache_migrates_block_for_block(backend, staging):
     for p, d in zip(pre, dec):
         for dst in range(NUM_BLOCKS + 1):
             assert torch.equal(d[dst], p[moved[dst]]) if dst in moved else not d[dst].any(), dst
+
+
+@pytest.mark.parametrize("backend", ["local", "torch_dist"])
+def test_the_prefill_rank_serves_only_transfers_its_scheduler_announced(backend, monkeypatch):
+    # staged (local) and torch_dist migrations ask the prefill rank for each transfer's blocks
+    monkeypatch.setattr(kv_migration, "ANNOUNCE_GRACE_S", 0.2)
+    staging = ("always", "always") if backend == "local" else ("auto", "auto")
+    _, dec, done = uvloop.run(_migrate(backend, lambda src: [_cmd("t-secret", src, [5, 6], [1, 2])], staging=staging,
+                                       announce=None))
+    assert done[0].error is not None and "was not announced" in done[0].error, done
+    _, dec2, done2 = uvloop.run(_migrate(backend, lambda src: [_cmd("t1", src, [5, 6, 7], [1, 2, 3])],
+                                         staging=staging, announce=lambda cmd: cmd.src_block_ids[:2]))
+    assert done2[0].error is not None and "not the ones transfer t1 holds" in done2[0].error, done2
+    assert not any(d.any() for d in dec + dec2)  # nothing was read
+    pre, dec, done = uvloop.run(_migrate(backend, lambda src: [_cmd("t2", src, [5, 6], [1, 2])], staging=staging))
+    assert done[0].error is None and torch.equal(dec[0][1:3], pre[0][5:7])
 
 
 def test_a_layout_mismatch_and_an_absent_peer_come_back_as_migration_errors():

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import uvloop
 
-from flotilla.transport.channels import Inbox, Outbox, new_context
+from flotilla.transport import auth
+from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.messages import PingRequest, PongResult
 from helpers_procs import alive, describe_process, free_port_block, wait_gone
@@ -224,12 +225,19 @@ port = {echo}
     return path, relay, echo
 
 
-def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
+@pytest.mark.parametrize("authenticated", [False, True], ids=["loopback-open", "auth-on"])
+def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path, authenticated):
     # heartbeat timeout 20 s: on a loaded machine an echo actor of the second launcher can be silent for seconds
     # after it is ready; the test is about two launchers, not about how fast a loaded machine schedules a heartbeat
     topo, relay, _ = two_host_topology(tmp_path / "two-hosts.toml", heartbeat_timeout_s=20.0)
-    primary = flotilla("launch", str(topo), "--host", "127.0.0.1")
-    secondary = flotilla("launch", str(topo), "--host", "localhost")
+    flags: list[str] = []
+    if authenticated:  # every tcp socket of both launchers, their actors and this client holds the cluster key
+        key = tmp_path / "cluster.key"
+        auth.create_key_file(key)
+        flags = ["--auth", "on", "--auth-key-file", str(key)]
+        auth.configure(auth.AuthSettings(mode="on", key_file=str(key)))
+    primary = flotilla("launch", str(topo), "--host", "127.0.0.1", *flags)
+    secondary = flotilla("launch", str(topo), "--host", "localhost", *flags)
     try:
         read_until(secondary, r"started 2 actor process")
         try:
@@ -246,6 +254,7 @@ def test_a_topology_over_two_hosts_runs_with_one_launcher_per_host(tmp_path):
     finally:
         primary.kill()
         secondary.kill()
+        auth.configure(auth.AuthSettings())
     assert not wait_gone(list(pids.values()))
 
 
@@ -282,7 +291,7 @@ def uvloop_ping(relay_address: str) -> list[tuple[int, list[int], str]]:
         got = [await asyncio.wait_for(inbox.recv(), 20) for _ in range(2)]
         inbox.close()
         out.close()
-        ctx.term()
+        end_context(ctx)
         return sorted((p.seq, p.payload.tolist(), p.echoed_by) for p in got)
 
     return uvloop.run(main())

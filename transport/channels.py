@@ -10,6 +10,9 @@ Sends and receives first try the socket without waiting, through a plain socket 
 and only await zmq.asyncio's future when the peer's queue is full or nothing has arrived: pyzmq's asyncio path
 makes a future and checks the socket's events for every message, a large share of the control plane's time per
 message. A send waits behind any earlier send still waiting, so messages keep their order.
+
+A socket at a tcp:// address beyond loopback authenticates with the deployment's cluster key (transport/auth.py):
+an inbox or ROUTER accepts only peers that hold it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from flotilla.transport import auth
 from flotilla.transport.codec import Decoder, DecodeError, Encoder
 from flotilla.transport.messages import Message
 
@@ -64,8 +68,14 @@ class _Channel:
     sock: zmq.asyncio.Socket
     _plain_sock: zmq.Socket
 
-    def _open(self, ctx: zmq.asyncio.Context, kind: int, opts: ChannelOptions) -> None:
+    def _open(self, ctx: zmq.asyncio.Context, kind: int, opts: ChannelOptions, address: str, server: bool) -> None:
+        """server: the socket binds `address` (else it connects there); auth.secure decides whether it authenticates."""
         self.sock = ctx.socket(kind)
+        try:
+            auth.secure(self.sock, address, server)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self._plain_sock = zmq.Socket.shadow(self.sock.underlying)
         _configure(self.sock, opts)
 
@@ -134,7 +144,7 @@ class Inbox(_Receiving):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self._open(ctx, zmq.PULL, opts)
+        self._open(ctx, zmq.PULL, opts, address, server=True)
         self.sock.bind(address)
         if address.startswith("tcp://") and address.endswith(":0"):
             self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -154,7 +164,7 @@ class Outbox(_Sending):
                  connect: bool = True) -> None:
         """connect=False: the caller connects `sock` to `address` itself (e.g. after attaching a monitor)."""
         self.address = address
-        self._open(ctx, zmq.PUSH, opts)
+        self._open(ctx, zmq.PUSH, opts, address, server=False)
         if connect:
             self.sock.connect(address)
         self.encoder = Encoder()
@@ -187,7 +197,7 @@ class Router(_Receiving, _Sending):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self._open(ctx, zmq.ROUTER, opts)
+        self._open(ctx, zmq.ROUTER, opts, address, server=True)
         self.sock.bind(address)
         self.encoder = Encoder()
         self.decoder = Decoder(types)
@@ -210,7 +220,7 @@ class Dealer(_Receiving, _Sending):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, identity: bytes, types: Sequence[type[Message]],
                  opts: ChannelOptions = ChannelOptions()) -> None:
         self.address = address
-        self._open(ctx, zmq.DEALER, opts)
+        self._open(ctx, zmq.DEALER, opts, address, server=False)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(address)
         self.encoder = Encoder()
@@ -243,12 +253,14 @@ def new_context() -> zmq.asyncio.Context:
 def end_context(ctx: zmq.asyncio.Context) -> None:
     """Close whatever sockets of `ctx` are still open (each may flush for LINGER_MS) and terminate it. A plain
     term() waits forever for a socket nobody closes, e.g. one a late callback opened after its owner closed."""
+    auth.release(ctx)
     ctx.destroy(linger=LINGER_MS)
 
 
 def raw_push(ctx: zmq.asyncio.Context, address: str) -> Any:
     """A bare PUSH socket for tests and tools that must send frames the codec would never produce."""
     sock = ctx.socket(zmq.PUSH)
+    auth.secure(sock, address, server=False)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.connect(address)
     return sock
