@@ -63,7 +63,7 @@ from flotilla.transport import kv_transfer, kv_transfer_torch
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.kv_transfer import create_kv_transfer_engine, kv_block_bytes
 from flotilla.transport.kv_transfer_torch import TorchDistEngine
-from flotilla.transport.messages import MigrateKVCmd, MigrationDoneEvent
+from flotilla.transport.messages import BlocksReleasedEvent, KVReadyEvent, MigrateKVCmd, MigrationDoneEvent
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn}
@@ -267,6 +267,7 @@ async def bench_actor(setup: Setup, rb: int, repeat: int, warmup: int, timeout_s
     inbox = Inbox(rt.zmq, rt.endpoints.of("sched"), (MigrationDoneEvent,))
     out = Outbox(rt.zmq, rt.endpoints.of("d_kv"))
     src_kv = rt.endpoints.of("p_kv")
+    announce = Outbox(rt.zmq, src_kv)  # as a prefill scheduler does: its KV-migration rank serves these only
     times = []
     try:
         for i in range(warmup + repeat):
@@ -274,11 +275,16 @@ async def bench_actor(setup: Setup, rb: int, repeat: int, warmup: int, timeout_s
             cmds = [MigrateKVCmd(transfer_id=f"r{i}-p{k}", src_engine="bench-prefill", src_kv=[src_kv],
                                  src_block_ids=np.asarray(s, np.int32), dst_block_ids=np.asarray(d, np.int32))
                     for k, (s, d) in enumerate(setup.prompts)]
+            for cmd in cmds:  # (before the clock: the prefill scheduler announces a transfer as its prompt ends)
+                await announce.send(KVReadyEvent(transfer_id=cmd.transfer_id, block_ids=cmd.src_block_ids,
+                                                 num_tokens=0, first_token=0, src_engine="bench-prefill"))
             t0 = time.perf_counter()
             for cmd in cmds:
                 await out.send(cmd)
             done = [await asyncio.wait_for(inbox.recv(), timeout_s * len(cmds) + 30) for _ in cmds]
             elapsed = time.perf_counter() - t0
+            for cmd in cmds:
+                await announce.send(BlocksReleasedEvent(transfer_id=cmd.transfer_id))
             errors = [d.error for d in done if d.error]
             if errors:
                 raise BenchError(f"actor: {len(errors)} migrations failed, first: {errors[0]}")
@@ -290,6 +296,7 @@ async def bench_actor(setup: Setup, rb: int, repeat: int, warmup: int, timeout_s
     finally:
         inbox.close()
         out.close()
+        announce.close()
         await rt.stop()
         for name in ("bench-pw", "bench-dw"):
             worker_module._LOCAL_RUNNERS.pop((name, 0), None)
