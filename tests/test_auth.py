@@ -193,7 +193,10 @@ port = {base + 1}
             good = Outbox(ctx, echo)
             try:
                 for seq, sock in enumerate(peers.values()):
-                    sock.send_multipart(Encoder().encode(PingRequest(seq=seq, reply_to=me)))
+                    try:  # (a PUSH whose handshake was refused already has no pipe: a blocking send would wait forever)
+                        sock.send_multipart(Encoder().encode(PingRequest(seq=seq, reply_to=me)), flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # the refusal below is the handshake's, logged whether or not a message was queued
                 errors = ""
                 for text in REFUSALS.values():  # the actor's process logs each refusal (the launcher relays it)
                     errors += await asyncio.to_thread(stderr.wait_for, text, 15)
