@@ -4,7 +4,8 @@ One deployment for the module, started the way an operator would (`flotilla laun
 --model M --port P`): a front end + router and three engines (1 prefill, 2 decode), each engine's actors
 in their own processes; the service registry is a real redis-server when one is installed. A colocated
 engine (`flotilla serve --single-process`) gives the reference outputs. The tests run in file order;
-the last two kill a decode engine, then the prefill engine, and see each restarted.
+the last three kill a decode engine (decoding, then mid-migration), then the prefill engine, and see each
+restarted.
 """
 
 from __future__ import annotations
@@ -172,19 +173,65 @@ def test_killing_a_decode_engine_fails_its_requests_clearly_and_the_rest_keep_se
     assert pdh.engine_metric(m, "flotilla_engine_requests_routed_total", "decode-1") > routed
 
 
-def _wait_restarted(pd, engine: str, timeout: float = 120.0) -> dict[str, float]:
-    """Until `engine`, failed once, is alive again after one restart: the metrics then."""
+def _wait_restarted(pd, engine: str, times: int = 1, timeout: float = 120.0) -> dict[str, float]:
+    """Until `engine`, failed `times` times, is alive again after as many restarts: the metrics then."""
     deadline = time.monotonic() + timeout
     while True:
         m = pdh.metrics(pd.url)
         if pdh.engine_metric(m, "flotilla_engine_alive", engine) == 1 and any(
-                f"engine {engine} restarted (1 since start)" in x for x in pd.log):
+                f"engine {engine} restarted ({times} since start)" in x for x in pd.log):
             break
         assert time.monotonic() < deadline, f"engine {engine} was not restarted: " + "".join(pd.log[-20:])
         time.sleep(0.1)
-    assert pdh.engine_metric(m, "flotilla_engine_failures_total", engine) == 1
-    assert pdh.engine_metric(m, "flotilla_engine_restarts_total", engine) == 1
+    assert pdh.engine_metric(m, "flotilla_engine_failures_total", engine) == times
+    assert pdh.engine_metric(m, "flotilla_engine_restarts_total", engine) == times
     return m
+
+
+def test_a_decode_engine_killed_mid_migration_leaves_nothing_pinned_on_the_prefill_engine(servers):
+    """decode-1's KV-migration actor is stopped (SIGSTOP), so the transfers routed to it wait mid-migration with the
+    prompts' blocks pinned on prefill-0; then it is killed. Every request still ends (those without a token yet are
+    routed again, to decode-0, with the colocated outputs; any other with an error naming decode-1), prefill-0 holds
+    no block and no transfer afterwards, and decode-1 comes back."""
+    pd, colocated = servers
+    line = [x for x in pd.log if "engine decode-1 (decode) registered" in x][-1]
+    kv_pid = int(re.search(r"kv_migration/0=pid:(\d+)", line).group(1))
+    reqs = [{"kind": "completion", "stream": False, "prompt": pdh.prompt(140 + i), "max_tokens": 20,
+             "extra_body": {"ignore_eos": True}} for i in range(8)]
+    expected = pdh.run_all(colocated.url, reqs)
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def outcome(r: dict) -> str:
+        try:
+            return pdh.run(client, r)
+        except openai.APIError as e:
+            return f"error: {e}"
+
+    routed = pdh.engine_metric(pdh.metrics(pd.url), "flotilla_engine_requests_routed_total", "decode-1")
+    os.kill(kv_pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            running = [pool.submit(outcome, r) for r in reqs]
+            deadline = time.monotonic() + 30
+            while True:  # until a transfer to decode-1 holds its prompt's blocks on prefill-0
+                m = pdh.metrics(pd.url)
+                if (pdh.engine_metric(m, "flotilla_engine_requests_routed_total", "decode-1") > routed
+                        and pdh.engine_metric(m, "flotilla_kv_transfers_in_flight", "prefill-0") > 0):
+                    break
+                assert time.monotonic() < deadline, "no transfer waited on the stopped migration"
+                time.sleep(0.02)
+            os.kill(kv_pid, signal.SIGKILL)
+            outcomes = [f.result(timeout=120) for f in running]
+    finally:
+        try:
+            os.kill(kv_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for o, e in zip(outcomes, expected):
+        assert o == e or ("engine decode-1" in o and "kv_migration/0" in o), (o, e)
+    pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])  # nothing pinned for the dead engine's transfers
+    _wait_restarted(pd, "decode-1", times=2)
+    pdh.wait_idle(pd.url, ["prefill-0", "decode-0", "decode-1"])
 
 
 def test_requests_past_their_migration_outlive_the_prefill_engine(servers):
