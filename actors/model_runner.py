@@ -65,6 +65,8 @@ class SeqState:
     """position -> (device tensor, row) for each token sampled by a step not yet finished."""
     drafts: list[int] = field(default_factory=list)
     """Speculative decoding: the draft tokens the next step verifies (actors/spec_decode.py)."""
+    state_slot: int = -1
+    """A hybrid model's recurrent-state slot (ModelRunner.num_state_slots); -1 without one."""
 
     @classmethod
     def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
@@ -171,6 +173,11 @@ class ModelRunner:
         self.generator.manual_seed(config.model.seed)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype,
                                              self.model.attention_backend_name, self.device)
+        self.num_state_slots = 0
+        """Sequences whose recurrent state (a hybrid model's linear-attention layers) the runner holds; 0: none."""
+        self._free_state_slots: list[int] = []
+        if hasattr(self.model, "allocate_state"):
+            self._allocate_state()
         self.num_blocks = self._num_kv_blocks()
         # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
         shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
@@ -189,7 +196,8 @@ class ModelRunner:
         tp_ok = self.tp_size == 1 or (config.worker.tp_cuda_graphs and (not config.parallel.enable_expert_parallel
                                                                         or config.parallel.data_parallel_size == 1))
         static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS
-        graphs_ok = self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
+        # (a hybrid model's state slots are not graph inputs yet: its steps run eager)
+        graphs_ok = self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok and not self.num_state_slots
         max_blocks = -(-self.max_model_len // self.block_size)
         if self.spec is not None:
             # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the
@@ -211,11 +219,33 @@ class ModelRunner:
             self.prefill_graphs = PrefillGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
                                                 self.max_model_len, config.scheduler.max_num_batched_tokens,
                                                 self.device)  # fmt: skip
-        log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens (%s)",
+        log.info("model %s loaded in %.2f s on %s (%s%s); KV cache %d blocks x %d = %d tokens (%s)%s",
                  self.loaded.model_dir.name, self.load_seconds, self.device, str(self.dtype).removeprefix("torch."),
                  f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
-                 str(self.kv_dtype).removeprefix("torch."))
+                 str(self.kv_dtype).removeprefix("torch."),
+                 f"; recurrent state for {self.num_state_slots} sequences ({self.state_bytes / 2**30:.2f} GiB)"
+                 if self.num_state_slots else "")
+
+    def _allocate_state(self) -> None:
+        """A hybrid model: one recurrent-state slot per sequence the scheduler may run at once (max_num_seqs),
+        allocated before the KV cache is sized so that it comes out of the same budget."""
+        config = self.config
+        name = type(self.model).__name__
+        if config.disagg.role != "both":
+            raise NotImplementedError(f"{name}: prefill-decode disaggregation of a model with recurrent state (gated "
+                                      "delta net layers) is not supported yet: its KV migration does not carry the "
+                                      "state")
+        self.num_state_slots = config.scheduler.max_num_seqs
+        self.model.allocate_state(self.num_state_slots, self.dtype, self.device)
+        self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent-state slots (0 without them)."""
+        if not self.num_state_slots:
+            return 0
+        return self.num_state_slots * self.model.state_bytes_per_slot(self.dtype)
 
     # ---- sizing -------------------------------------------------------------------------------------
 
@@ -230,8 +260,8 @@ class ModelRunner:
             return cache.kv_cache_blocks
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget()
-        else:
-            budget = cache.cpu_kv_cache_gib * 2**30
+        else:  # (the GPU's profiling run counts the state pools, allocated already, in its peak)
+            budget = cache.cpu_kv_cache_gib * 2**30 - self.state_bytes
         blocks = int(budget // self.kv_bytes_per_block)
         if blocks < 2:
             raise RuntimeError(f"not enough memory for a KV cache: {budget / 2**30:.2f} GiB left for it; "
@@ -259,6 +289,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         meta = AttentionMetadata.from_lists([0] * len(lens), lens, tables, self.block_size, device=self.device)
+        if self.num_state_slots:  # (scratch state: every slot is zeroed when a sequence gets it)
+            meta.state_slots = torch.arange(len(lens), device=self.device) % self.num_state_slots
         positions = positions_from_lists([0] * len(lens), lens, device=self.device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         with ep_step(tokens):  # every expert-parallel rank runs it alike
@@ -353,12 +385,16 @@ class ModelRunner:
         with an error; the runner stays usable.
         """
         for rid in plan.finished_rids:
-            self.seqs.pop(rid, None)
+            gone = self.seqs.pop(rid, None)
+            if gone is not None and gone.state_slot >= 0:
+                self._free_state_slots.append(gone.state_slot)
         for ns in plan.new_seqs:
             self.seqs[ns.rid] = SeqState.new(
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling))
+        if self.num_state_slots and plan.new_seqs:
+            self._assign_state_slots([self.seqs[ns.rid] for ns in plan.new_seqs])
         if not plan.rids:
             self._pending.append(_Pending.done(StepResult(step=plan.step)))
             return
@@ -394,6 +430,9 @@ class ModelRunner:
                 _apply_patch(input_ids, patch, self.device)
                 meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
                                                     device=self.device)
+                if self.num_state_slots:
+                    meta.state_slots = upload(np.fromiter((s.state_slot for s in seqs), dtype=np.int64,
+                                                          count=len(seqs)), self.device)
                 positions = positions_from_lists(cached, num_new, device=self.device)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             # a sequence samples when this step reaches the end of its known tokens
@@ -417,6 +456,19 @@ class ModelRunner:
             s.device_tokens[s.length] = (token_ids, row)
             s.length += 1
         self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device))
+
+    def _assign_state_slots(self, seqs: list[SeqState]) -> None:
+        """Give each new sequence a free recurrent-state slot, zeroed (it starts from no history: a hybrid model
+        has no prefix cache, so every new sequence computes from its first token)."""
+        if len(seqs) > len(self._free_state_slots):
+            raise RuntimeError(f"{len(seqs)} new sequences but {len(self._free_state_slots)} free recurrent-state "
+                               f"slots of {self.num_state_slots}: the scheduler ran more than max_num_seqs")
+        for s in seqs:
+            if s.num_computed:
+                raise RuntimeError("a sequence with cached tokens reached a model with recurrent state, which has "
+                                   "no prefix cache")
+            s.state_slot = self._free_state_slots.pop()
+        self.model.reset_state(upload(np.array([s.state_slot for s in seqs], dtype=np.int64), self.device))
 
     def _sample(self, sampled: list[SeqState], rids: list[str], logits: torch.Tensor,
                 greedy: torch.Tensor | None = None) -> tuple[SamplerOutput, int | None]:

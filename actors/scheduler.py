@@ -116,7 +116,17 @@ class SchedulerActor(Actor):
                         "(raise kv_cache_blocks / gpu_memory_utilization / max_num_batched_tokens, or lower "
                         "max_model_len)", why, max_len, limit)
             max_len = limit
-        blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=self.config.cache.enable_prefix_caching,
+        prefix_caching = self.config.cache.enable_prefix_caching
+        slots = min(e.num_state_slots for e in self._kv_info.values())
+        if slots:  # a hybrid model: one state slot per running sequence, and no prefix cache
+            if prefix_caching:
+                log.info("prefix caching is off: the model's linear-attention layers keep a recurrent state, which is "
+                         "valid at one position only, so a cached prefix could not be resumed")
+                prefix_caching = False
+            if slots < sched.max_num_seqs:  # (the workers size their slots by max_num_seqs)
+                raise RuntimeError(f"the workers hold recurrent state for {slots} sequences, fewer than max_num_seqs "
+                                   f"{sched.max_num_seqs}")
+        blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=prefix_caching,
                               recompute_last_hit=self.config.scheduler.speculative_config is not None)
         if self.role == "prefill":
             self.core = PrefillBatchScheduler(self.config.scheduler, blocks, max_len, engine=self.engine_id)

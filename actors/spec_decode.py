@@ -64,6 +64,9 @@ def check_speculative_config(config: EngineConfig) -> None:
         raise ValueError("speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
                          "num_nextn_predict_layers); the embedded default model has none")
     hf = load_hf_config(config.model.model)
+    if hf.linear_attention is not None:
+        raise NotImplementedError("multi-token prediction of Qwen3.5-MoE is not supported yet (the delta nets' "
+                                  "states of rejected drafts would need rolling back)")
     if hf.num_nextn_predict_layers < 1 or hf.mla is None:
         raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
                          f"num_nextn_predict_layers in config.json); {config.model.model} "

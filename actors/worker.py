@@ -99,10 +99,12 @@ class GPUWorkerActor(Actor):
         if self.ep_layers and self.rank == 0:
             self._reporter = asyncio.create_task(self._report_expert_loads(), name=f"{self.label}-expert-loads")
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.rank, num_blocks=r.num_blocks,
-                                                         block_size=r.block_size, max_model_len=r.max_model_len),
+                                                         block_size=r.block_size, max_model_len=r.max_model_len,
+                                                         num_state_slots=r.num_state_slots),
                         instance=self.dp_rank)
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+                "state_slots": str(r.num_state_slots),
                 "attention": r.model.attention_backend_name,
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
                 "fp8": getattr(r.model, "fp8_backend_name", None) or "-",

@@ -51,11 +51,35 @@ class MoEConfig:
     """DeepSeek: how router logits become scores ("sigmoid" in V3); None when the config does not say."""
     topk_method: str | None = None
     """DeepSeek: the top-k rule ("noaux_tc" in V3: grouped, with e_score_correction_bias); None when unsaid."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen-MoE: a shared expert's SwiGLU MLP of this size beside the routed ones, scaled per token by
+    sigmoid(shared_expert_gate); 0 without one."""
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the MoE block (HF's rules: Qwen's and DeepSeek's)."""
         return (layer_idx >= self.first_k_dense_replace and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers of a hybrid model (Qwen3.5): which layers they are and their sizes."""
+
+    layer_types: tuple[str, ...]
+    """Per decoder layer: "linear_attention" (gated delta net) or "full_attention" (paged KV)."""
+    conv_kernel: int
+    """Width of the depthwise causal conv1d over the q/k/v channels (linear_conv_kernel_dim)."""
+    num_key_heads: int
+    """q/k heads of a linear-attention layer (linear_num_key_heads)."""
+    num_value_heads: int
+    """Value heads (linear_num_value_heads); each q/k head serves num_value_heads / num_key_heads of them."""
+    key_head_dim: int
+    """q/k dims per head (linear_key_head_dim)."""
+    value_head_dim: int
+    """Value dims per head (linear_value_head_dim)."""
+
+    def is_linear(self, layer_idx: int) -> bool:
+        return self.layer_types[layer_idx] == "linear_attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +145,10 @@ class HFModelConfig:
     """FP8 block-scaled weights (quant_method "fp8" with weight_block_size); None for unquantized weights."""
     num_nextn_predict_layers: int = 0
     """Multi-token-prediction layers stored after the decoder stack (DeepSeek-V3: 1, at index num_hidden_layers)."""
+    linear_attention: LinearAttentionConfig | None = None
+    """Gated DeltaNet layers (a hybrid model); None when every layer is full attention."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dims that RoPE rotates (the first ones); Qwen3.5: 0.25."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -146,7 +174,10 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
     legacy = raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", legacy.get("rope_theta", 10000.0))))
-    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in ("rope_theta", "type")}
+    # (partial_rotary_factor is a field of its own; M-RoPE's sections matter for images only: text positions are equal
+    # in all three rows, which is plain RoPE)
+    skip = ("rope_theta", "type", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    scaling = {k: v for k, v in {**legacy, **params}.items() if k not in skip}
     kind = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
     if kind in (None, "default") and not set(scaling) - {"rope_type"}:
         return theta, None
@@ -194,7 +225,47 @@ def _moe(raw: Mapping[str, Any]) -> MoEConfig | None:
         topk_groups=int(raw.get("topk_group") or 1),
         scoring_func=raw.get("scoring_func"),
         topk_method=raw.get("topk_method"),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _linear_attention(raw: Mapping[str, Any]) -> LinearAttentionConfig | None:
+    """The gated delta net layers of a hybrid config (layer_types with "linear_attention"); None without them."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None and "linear_num_value_heads" in raw:  # HF's default: every full_attention_interval-th
+        interval = int(raw.get("full_attention_interval") or 4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                       for i in range(int(raw["num_hidden_layers"]))]
+    if not layer_types or "linear_attention" not in layer_types:
+        return None
+    if len(layer_types) != int(raw["num_hidden_layers"]):
+        raise ValueError(f"config.json's layer_types names {len(layer_types)} layers, num_hidden_layers is "
+                         f"{raw['num_hidden_layers']}")
+    unknown = set(layer_types) - {"linear_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"config.json's layer_types has unsupported kinds {sorted(unknown)}")
+    missing = [k for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                           "linear_value_head_dim") if k not in raw]
+    if missing:
+        raise ValueError(f"config.json has linear_attention layers but lacks {', '.join(missing)}")
+    config = LinearAttentionConfig(
+        layer_types=tuple(layer_types), conv_kernel=int(raw.get("linear_conv_kernel_dim") or 4),
+        num_key_heads=int(raw["linear_num_key_heads"]), num_value_heads=int(raw["linear_num_value_heads"]),
+        key_head_dim=int(raw["linear_key_head_dim"]), value_head_dim=int(raw["linear_value_head_dim"]))
+    if config.num_value_heads % config.num_key_heads:
+        raise ValueError(f"linear_num_value_heads={config.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={config.num_key_heads}")
+    return config
+
+
+def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal checkpoint's config (Qwen3.5's ForConditionalGeneration) as its language model's: the
+    text_config's keys, with the top level's architectures and anything the text_config leaves out."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping) or "hidden_size" in raw:
+        return raw
+    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text,
+            "architectures": raw.get("architectures") or text.get("architectures") or ()}
 
 
 def _mla(raw: Mapping[str, Any]) -> MLAConfig | None:
@@ -238,11 +309,11 @@ def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
 
 def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     """Parse a config.json dict; raises ValueError naming the missing key."""
-    missing = [
-        k
-        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-        if k not in raw
-    ]
+    raw = _text_config(raw)
+    required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+    if "moe_intermediate_size" not in raw:  # (an all-MoE model may have no dense MLP size: Qwen3.5)
+        required.insert(2, "intermediate_size")
+    missing = [k for k in required if k not in raw]
     if missing:
         raise ValueError(f"config.json lacks required keys: {', '.join(missing)}")
     heads = int(raw["num_attention_heads"])
@@ -254,7 +325,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         model_type=str(raw.get("model_type", "")),
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
+        intermediate_size=int(raw.get("intermediate_size") or raw["moe_intermediate_size"]),
         num_hidden_layers=int(raw["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
@@ -274,7 +345,10 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         moe=_moe(raw),
         mla=_mla(raw),
         quantization=_quantization(raw),
-        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
+        num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0),
+        linear_attention=_linear_attention(raw),
+        partial_rotary_factor=float((raw.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
     )
 
 

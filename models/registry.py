@@ -9,6 +9,7 @@ from torch import nn
 from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
 from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
+from flotilla.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -19,6 +20,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    # the released Qwen3.5 checkpoints: its language model (the vision tower is not loaded)
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 }
 
 

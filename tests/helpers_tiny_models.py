@@ -106,20 +106,29 @@ class PagedRunner:
     """Drives a flotilla model over a paged KV cache with per-sequence block tables, like the worker."""
 
     def __init__(self, model: nn.Module, num_blocks: int = 128, block_size: int = 4, seed: int = 0,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        """kv_dtype: the cache's (default: the model's), e.g. torch.float8_e4m3fn for an FP8 KV cache."""
+                 kv_dtype: torch.dtype | None = None, device: str = "cpu") -> None:
+        """kv_dtype: the cache's (default: the model's), e.g. torch.float8_e4m3fn for an FP8 KV cache; device: the
+        model's (the logits come back on the CPU)."""
         self.model = model
         self.block_size = block_size
+        self.device = device
         dtype = kv_dtype or next(model.parameters()).dtype
         # NaN-filled so reading any slot that was never written poisons the result and fails the test.
         self.kv_caches = [
-            torch.full(model.kv_cache_shape(num_blocks, block_size), float("nan"), dtype=dtype)
+            torch.full(model.kv_cache_shape(num_blocks, block_size), float("nan"), dtype=dtype, device=device)
             for _ in range(model.num_layers)
         ]
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.blocks: dict[int, list[int]] = {}
         self.num_cached: dict[int, int] = {}
+        self.state_slots: dict[int, int] = {}
+        """A hybrid model's (allocate_state): seq id -> its recurrent-state slot, handed out in shuffled order."""
+        self.free_slots: list[int] = []
+        if hasattr(model, "allocate_state"):
+            model.allocate_state(16, dtype, torch.device(device))
+            self.free_slots = list(range(16))
+            random.Random(seed).shuffle(self.free_slots)
 
     @torch.inference_mode()
     def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -135,11 +144,18 @@ class PagedRunner:
             cached.append(num_cached)
             new.append(len(token_ids))
             tables.append(blocks)
-        meta = AttentionMetadata.from_lists(cached, new, tables, self.block_size)
-        input_ids = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64)
-        positions = positions_from_lists(cached, new)
+        device = self.device
+        meta = AttentionMetadata.from_lists(cached, new, tables, self.block_size, device=device)
+        if hasattr(self.model, "allocate_state"):
+            for seq_id, _ in batch:
+                if seq_id not in self.state_slots:
+                    self.state_slots[seq_id] = slot = self.free_slots.pop()
+                    self.model.reset_state(torch.tensor([slot], device=device))
+            meta.state_slots = torch.tensor([self.state_slots[seq_id] for seq_id, _ in batch], device=device)
+        input_ids = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64, device=device)
+        positions = positions_from_lists(cached, new, device=device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden).cpu()
         for seq_id, token_ids in batch:
             self.num_cached[seq_id] += len(token_ids)
         return list(logits.split(new))
@@ -148,6 +164,8 @@ class PagedRunner:
         """Return a finished sequence's blocks to the pool."""
         self.free_blocks.extend(self.blocks.pop(seq_id))
         del self.num_cached[seq_id]
+        if seq_id in self.state_slots:
+            self.free_slots.append(self.state_slots.pop(seq_id))
 
 
 # Qwen3-MoE: name -> config overrides of transformers' Qwen3MoeConfig (kept apart from TINY_CONFIGS so
@@ -187,6 +205,43 @@ def write_tiny_moe_model(model_dir: str | Path, name: str = "qwen3_moe", seed: i
     config = transformers.Qwen3MoeConfig(**{**_COMMON, **TINY_MOE_CONFIGS[name]})
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(config).float().eval()
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+# Qwen3.5-MoE: name -> config overrides of transformers' Qwen3_5MoeTextConfig (tests/test_qwen3_5_moe.py runs these)
+TINY_QWEN35_CONFIGS: dict[str, dict[str, Any]] = {
+    # 3 gated delta net layers + 1 gated attention layer, 8 experts top-2 and a shared expert, grouped value heads
+    "qwen3_5_moe": dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=4,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        eos_token_id=None,  # (generate's min_new_tokens would mask the EOS ids the engine's ignore_eos keeps)
+    ),
+}
+
+
+def write_tiny_qwen35_model(model_dir: str | Path, name: str = "qwen3_5_moe", seed: int = 0) -> Path:
+    """Save the tiny random Qwen3.5-MoE text model `name` (a TINY_QWEN35_CONFIGS key) as a checkpoint folder; the
+    zero-centred norms' weights (zeros at init) and the delta nets' dt_bias are drawn at random so they matter."""
+    overrides = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
+    config = transformers.Qwen3_5MoeTextConfig(**{**overrides, **TINY_QWEN35_CONFIGS[name]})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight", "dt_bias")):
+                p.normal_(0.0, 0.2)
     model_dir = Path(model_dir)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model_dir
@@ -344,9 +399,9 @@ def check_greedy_matches_generate(model: nn.Module, hf_model: nn.Module, num_tok
     assert generated == hf_out[0, len(prompt) :].tolist()
 
 
-def check_mixed_batch_equals_each_alone(model: nn.Module, hf_model: nn.Module,
-                                        schedule: list = MIXED_SCHEDULE) -> None:  # fmt: skip
-    """Sequences batched by `schedule` get the logits each gets alone, and transformers' logits."""
+def check_mixed_batch_equals_each_alone(model: nn.Module, hf_model: nn.Module, schedule: list = MIXED_SCHEDULE,
+                                        alone_atol: float = 1e-5) -> None:
+    """Sequences batched by `schedule` get the logits each gets alone (within alone_atol), and transformers'."""
     seqs = {0: random_tokens(8, seed=10), 1: random_tokens(16, seed=11), 2: random_tokens(12, seed=12)}
     together = PagedRunner(model, block_size=4, seed=3)
     batched: dict[int, list[torch.Tensor]] = {i: [] for i in seqs}
@@ -356,7 +411,7 @@ def check_mixed_batch_equals_each_alone(model: nn.Module, hf_model: nn.Module,
     for i, tokens in seqs.items():
         alone = PagedRunner(model, block_size=4, seed=100 + i).step([(0, tokens)])[0]
         got = torch.cat(batched[i])
-        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, alone, atol=alone_atol, rtol=0)
         torch.testing.assert_close(got, hf_logits(hf_model, tokens), atol=ATOL, rtol=0)
 
 

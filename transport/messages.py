@@ -236,6 +236,9 @@ class KVCacheInfoEvent(Message):
     """Tokens per block."""
     max_model_len: int
     """Longest sequence the worker accepts, tokens."""
+    num_state_slots: int = 0
+    """Sequences whose recurrent state the worker holds (a hybrid model's linear-attention layers): the scheduler
+    runs no more at once, and has no prefix cache (a state is valid at one position only); 0: no such state."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ class AttentionMetadata:
     """The same layout in host memory, for kernels that plan on the CPU (flashinfer) without a device sync."""
     backend_state: dict = field(default_factory=dict)
     """What an attention backend computes once per step and every layer reuses (FlashMLA's scheduler metadata)."""
+    state_slots: torch.Tensor | None = None
+    """int64 [B]: each sequence's slot in the recurrent-state pools of a hybrid model's linear-attention layers
+    (kernels/gdn.py); None for models without recurrent state."""
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,130 @@
+"""Triton kernels of a gated delta net's decode step, over the per-sequence state slots in place.
+
+- causal_conv1d_update: one token per sequence through the depthwise causal conv1d (SiLU), its history read from
+  and shifted in its conv-state slot;
+- gated_delta_rule_update: one token per sequence through the delta rule, the decay and beta computed from the raw
+  projections (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), q and k L2-normalised, the float32
+  recurrent state read and written in its slot (no gather, no scatter).
+
+A slot of -1 is a padded row (CUDA graphs): nothing is read or written for it. The semantics are kernels/gdn.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, stride_x, stride_s0, stride_s1, stride_o,
+                        channels, K: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = offs < channels
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot < 0:
+        return
+    x = tl.load(x_ptr + b * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    row = state_ptr + slot * stride_s0 + offs * stride_s1
+    acc = x * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 1):  # history oldest first; each step shifts it one place
+        h = tl.load(row + j, mask=mask, other=0.0).to(tl.float32)
+        acc += h * tl.load(w_ptr + offs * K + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(row + (j - 1), h.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(row + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + b * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                         slots: torch.Tensor) -> torch.Tensor:
+    """x [B, C] (one token per sequence), weight [C, K], conv_state [S, C, K-1] (updated in place), slots int [B]
+    -> SiLU(conv) [B, C] in x's dtype."""
+    batch, channels = x.shape
+    k = weight.shape[1]
+    assert k >= 2 and conv_state.stride(2) == 1 and weight.is_contiguous()
+    out = torch.empty_like(x)
+    block = 256
+    _conv_update_kernel[(batch, triton.cdiv(channels, block))](
+        x, weight, conv_state, slots, out, x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
+        channels, K=k, BLOCK_C=block)
+    return out
+
+
+@triton.jit
+def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
+                         stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_s0, stride_s1,
+                         scale, HV_PER_HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_V: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, DK)
+    mask_v = offs_v < DV
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot < 0:
+        return
+    hk = h // HV_PER_HK
+    q = tl.load(q_ptr + b * stride_q + hk * DK + offs_k).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_k + hk * DK + offs_k).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    v = tl.load(v_ptr + b * stride_v + h * DV + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + b * stride_a + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    decay = tl.exp(-tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus)
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + b * stride_b + h).to(tl.float32)))
+    tile = state_ptr + slot * stride_s0 + h * stride_s1 + offs_k[:, None] * DV + offs_v[None, :]
+    s = tl.load(tile, mask=mask_v[None, :], other=0.0) * decay  # [DK, BLOCK_V]
+    recalled = tl.sum(s * k[:, None], 0)
+    s += k[:, None] * ((v - recalled) * beta)[None, :]
+    tl.store(tile, s, mask=mask_v[None, :])
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(out_ptr + b * stride_o + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                            A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                            slots: torch.Tensor) -> torch.Tensor:
+    """One token per sequence: q, k [B, Hk, Dk] and v [B, Hv, Dv] (the conv's output, before the L2 norm), a and b
+    [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, updated in place at
+    `slots` [B]. Returns o [B, Hv, Dv] in v's dtype."""
+    batch, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == dv
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.stride(1) == k.stride(1) == dk
+    assert v.stride(1) == dv and dk & (dk - 1) == 0, "Dk must be a power of two"
+    out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(dv))
+    _delta_update_kernel[(batch, hv, triton.cdiv(dv, block_v))](
+        q, k, v, a, b, A_log, dt_bias, state, slots, out, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
+        b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5, HV_PER_HK=hv // hk, DK=dk, DV=dv,
+        BLOCK_V=block_v)
+    return out
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's chunked kernel (the fla-core package) is installed."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
+                           query_start_loc_host) -> torch.Tensor:
+    """kernels/gdn.py's gated_delta_rule for prefill chunks, by flash-linear-attention's chunked kernel (varlen
+    over the flat batch): each sequence starts from its slot's state, and its final state goes back there."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    cu = query_start_loc.to(torch.int64)
+    cu_cpu = torch.from_numpy(query_start_loc_host).to(torch.int64)
+    o, final = fla_chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                         initial_state=state.index_select(0, slots), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    state.index_copy_(0, slots, final.to(state.dtype))
+    return o[0]

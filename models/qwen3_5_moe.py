@@ -1,0 +1,358 @@
+"""Qwen3.5-MoE (Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B): a hybrid of gated DeltaNet layers and gated attention,
+every layer's MLP sparse with a shared expert.
+
+- Layer i is full attention when config.layer_types says so (every 4th), a gated delta net otherwise
+  (kernels/gdn.py): in_proj -> depthwise causal conv1d (SiLU) over q/k/v -> L2-normalised q, k; the decay
+  g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) -> the delta rule over the sequence's recurrent
+  state -> RMSNormGated(o) * SiLU(z) -> out_proj.
+- Gated attention: q_proj gives each head's query and an output gate ([q_h, gate_h] per head); zero-centred
+  q/k RMSNorms; RoPE on the first partial_rotary_factor of each head's dims (M-RoPE, whose three rows are equal
+  for text: plain RoPE); the paged KV cache; output * sigmoid(gate) -> o_proj.
+- MoE: softmax top-k, renormalised, plus a shared expert scaled per token by sigmoid(shared_expert_gate).
+- Every RMSNorm but the delta net's is zero-centred (x * (1 + w)): 1 is added to those weights at load.
+
+Only the attention layers hold paged KV (`num_layers` counts them); each delta-net layer holds a state pool of
+`allocate_state(num_slots)` slots, one per running sequence, addressed by AttentionMetadata.state_slots. Loads the
+text model's checkpoints (Qwen3_5MoeForCausalLM) and the released multimodal ones
+(Qwen3_5MoeForConditionalGeneration: the language model under `model.language_model.`; the vision tower and the
+MTP layer are skipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.kernels import gdn
+from flotilla.kernels.attention import AttentionBackend, AttentionMetadata, get_attention_backend, kv_cache_shape
+from flotilla.kernels.moe import MoEBackend, get_moe_backend, select_experts
+from flotilla.kernels.ops import current_ops, get_ops, use_ops
+from flotilla.models.hf_config import HFModelConfig, LinearAttentionConfig
+from flotilla.models.llama import Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from flotilla.models.parallel import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce,
+    tp_group,
+)
+from flotilla.models.qwen3_moe import ExpertTensors, StackedExperts
+
+_ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+"""Checkpoint norms stored as w of x * (1 + w) (with model.norm.weight)."""
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+"""A multimodal checkpoint's vision tower, and the MTP layer: not part of the text model."""
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; its conv and recurrent state live in slots (allocate_state)."""
+
+    def __init__(self, config: HFModelConfig, la: LinearAttentionConfig, kernels: str = "torch") -> None:
+        """kernels: gdn_kernels' choice."""
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = la.num_key_heads, la.num_value_heads
+        self.head_k_dim, self.head_v_dim = la.key_head_dim, la.value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = la.conv_kernel
+        hv = self.num_v_heads
+        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one GEMM
+        self.in_proj = ColumnParallelLinear(config.hidden_size, {
+            "qkv": (self.conv_dim, self.conv_dim, 0), "z": (self.value_dim, self.value_dim, 0),
+            "b": (hv, hv, 0), "a": (hv, hv, 0)}, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(hv), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.head_v_dim), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(self.value_dim, config.hidden_size, bias=False)
+        self.kernels = kernels
+        self.conv_state: torch.Tensor | None = None
+        """[slots, conv_dim, conv_kernel - 1], the model's dtype."""
+        self.recurrent_state: torch.Tensor | None = None
+        """[slots, Hv, Dk, Dv] float32."""
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
+        return conv + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.conv_kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                           dtype=torch.float32, device=device)
+
+    def reset_state(self, slots: torch.Tensor) -> None:
+        """Zero the slots a new sequence starts in."""
+        self.conv_state.index_fill_(0, slots, 0)
+        self.recurrent_state.index_fill_(0, slots, 0)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state_slots is None or self.conv_state is None:
+            raise RuntimeError("a gated delta net layer needs state slots: allocate_state, and meta.state_slots")
+        t, slots = hidden.shape[0], meta.state_slots
+        qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, self.num_v_heads,
+                                                   self.num_v_heads], dim=-1)
+        weight = self.conv1d.weight[:, 0]
+        if self.kernels != "torch" and meta.max_query_len == 1:  # a decode step: two launches over the slots
+            from flotilla.kernels.triton import gdn as triton_gdn
+
+            qkv = triton_gdn.causal_conv1d_update(qkv, weight, self.conv_state, slots)
+            q, k, v = self._heads(qkv, t)
+            o = triton_gdn.gated_delta_rule_update(q, k, v, a, b, self.A_log, self.dt_bias, self.recurrent_state,
+                                                   slots)
+        else:
+            qsl = meta.host.query_start_loc if meta.host is not None else meta.query_start_loc.cpu().numpy()
+            qkv = gdn.causal_conv1d(qkv, weight, self.conv_state, slots, qsl)
+            q, k, v = self._heads(qkv, t)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            if self.kernels == "triton+fla":
+                from flotilla.kernels.triton import gdn as triton_gdn
+
+                o = triton_gdn.chunk_gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots,
+                                                      meta.query_start_loc, qsl)
+            else:
+                o = gdn.gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots, qsl)
+        o = gdn.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
+                               self.eps)
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
+                v.reshape(t, self.num_v_heads, self.head_v_dim))
+
+
+def gdn_kernels(device: torch.device) -> str:
+    """The delta nets' kernels for `device`: "torch" (kernels/gdn.py) on the CPU; on CUDA triton's decode kernels
+    (kernels/triton/gdn.py) with flash-linear-attention's chunked prefill ("triton+fla", when fla-core is
+    installed) or the torch reference's prefill ("triton")."""
+    if device.type != "cuda":
+        return "torch"
+    from flotilla.kernels.triton import gdn as triton_gdn  # (triton: on CUDA only)
+
+    return "triton+fla" if triton_gdn.fla_available() else "triton"
+
+
+class GatedAttention(nn.Module):
+    """q (and its output gate) / k / v in one GEMM -> zero-centred q/k RMSNorm -> partial RoPE -> paged attention
+    -> * sigmoid(gate) -> o_proj."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        # q_proj's rows are [q_h, gate_h] per head: as 2 * heads "heads" of head_dim they split over ranks in pairs
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotary_dim = int(self.head_dim * config.partial_rotary_factor)
+        self.scale = self.head_dim**-0.5
+        self.k_scale = self.v_scale = 1.0
+        self.backend = backend
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.ops = current_ops()
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        qg, k, v = self.qkv_proj(hidden).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = qg.view(t, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        r = self.rotary_dim
+        q_rot, k_rot = self.ops.apply_rope(positions, q[..., :r].contiguous(), k[..., :r].contiguous(), cos_sin_cache)
+        q = torch.cat((q_rot, q[..., r:]), dim=-1)
+        k = torch.cat((k_rot, k[..., r:]), dim=-1)
+        self.backend.store_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        out = out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size))
+        return self.o_proj(out)
+
+
+class SharedExpertMoE(nn.Module):
+    """Routed experts (softmax top-k, renormalised) plus a shared SwiGLU expert gated per token by
+    sigmoid(shared_expert_gate(x)); one all-reduce of the sum under tensor parallelism."""
+
+    def __init__(self, config: HFModelConfig, backend: MoEBackend) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.top_k = moe.num_experts_per_tok
+        self.gate = Linear(config.hidden_size, moe.num_experts)
+        self.experts = StackedExperts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size, backend,
+                                      expert_parallel=True, top_k=moe.num_experts_per_tok)
+        self.shared_expert = nn.Module()
+        inter = moe.shared_expert_intermediate_size
+        self.shared_expert.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, inter, ("gate", "up"),
+                                                                     bias=False)
+        self.shared_expert.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, reduce_results=False)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)
+        self.ops = current_ops()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, True)
+        routed = self.experts(hidden, topk_weights, topk_ids)
+        shared = self.shared_expert.down_proj(self.ops.silu_and_mul(self.shared_expert.gate_up_proj(hidden)))
+        # (each rank's partial shared sum is scaled alike: the gate's input is the whole hidden state)
+        return all_reduce(routed + torch.sigmoid(self.shared_expert_gate(hidden)) * shared)
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm block around a gated delta net (`linear_attn`) or gated attention (`self_attn`) and the MoE."""
+
+    def __init__(self, config: HFModelConfig, mixer: nn.Module, mlp: nn.Module, linear: bool) -> None:
+        super().__init__()
+        self.is_linear = linear
+        if linear:
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.is_linear:
+            hidden = self.linear_attn(hidden, meta)
+        else:
+            hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen35MoeModel(nn.Module):
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, moe_backend: MoEBackend,
+                 gdn: str = "torch") -> None:
+        super().__init__()
+        la = config.linear_attention
+        assert la is not None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(config, GatedDeltaNet(config, la, gdn) if la.is_linear(i)
+                               else GatedAttention(config, backend),
+                               SharedExpertMoE(config, moe_backend), la.is_linear(i))
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, int(config.head_dim * config.partial_rotary_factor))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        cos_sin_cache = self.rotary_emb.cos_sin_cache
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            kv = None if layer.is_linear else next(caches)
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3.5-MoE's text model over the paged KV cache (attention layers) and state slots (delta-net layers)."""
+
+    stacked_params: ClassVar[tuple[tuple[str, str, str], ...]] = LlamaForCausalLM.stacked_params + (
+        ("in_proj", "in_proj_qkv", "qkv"),
+        ("in_proj", "in_proj_z", "z"),
+        ("in_proj", "in_proj_b", "b"),
+        ("in_proj", "in_proj_a", "a"),
+    )
+
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
+                 moe_backend: str = "auto") -> None:  # fmt: skip
+        nn.Module.__init__(self)
+        if config.linear_attention is None or config.moe is None:
+            raise ValueError("config.json has no linear_attention layers or no experts: not a Qwen3.5-MoE checkpoint")
+        if config.moe.shared_expert_intermediate_size <= 0:
+            raise ValueError("config.json lacks shared_expert_intermediate_size (Qwen3.5-MoE has a shared expert)")
+        if tp_group().size > 1:
+            raise NotImplementedError("Qwen3.5-MoE under tensor parallelism is not supported yet")
+        self.config = config
+        self.linear_attention = config.linear_attention
+        self.head_dim = config.head_dim
+        device = torch.get_default_device()
+        backend = get_attention_backend(attention_backend, device=device, head_dim=config.head_dim)
+        self.attention_backend_name = backend.name
+        ops = get_ops(fused_ops, device=device)
+        self.fused_ops_name = ops.name
+        self.moe_backend = get_moe_backend(moe_backend, device=device, dtype=torch.get_default_dtype())
+        self.moe_backend_name = self.moe_backend.name
+        self.gdn_backend_name = gdn_kernels(device)
+        """The delta nets' kernels (gdn_kernels)."""
+        with use_ops(ops):
+            self.model = Qwen35MoeModel(config, backend, self.moe_backend, self.gdn_backend_name)
+        attention = [layer.self_attn for layer in self.model.layers if not layer.is_linear]
+        self.num_layers = len(attention)
+        """Layers that hold paged KV (the full-attention ones)."""
+        self.num_kv_heads = attention[0].num_kv_heads
+        self.lm_head = (None if config.tie_word_embeddings
+                        else VocabParallelEmbedding(config.vocab_size, config.hidden_size))
+
+    # ---- recurrent state ------------------------------------------------------------------------------
+
+    def _delta_nets(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """Bytes of every delta-net layer's conv and recurrent state for one sequence."""
+        return sum(layer.state_bytes_per_slot(dtype) for layer in self._delta_nets())
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Every delta-net layer's state pools: `num_slots` sequences' worth, zeroed."""
+        for layer in self._delta_nets():
+            layer.allocate_state(num_slots, dtype, device)
+
+    def reset_state(self, slots: torch.Tensor) -> None:
+        """Zero slots (int64 [n], on the state's device) for the sequences that start in them."""
+        for layer in self._delta_nets():
+            layer.reset_state(slots)
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF names (text-only or the multimodal checkpoint's language model), zero-centred norms made plain
+        (1 + w), routed experts stacked (ExpertTensors)."""
+        experts = ExpertTensors(self)
+        loaded = super().load_weights(
+            (name, tensor) for name, tensor in _text_weights(weights) if not experts.load(name, tensor))
+        return loaded | experts.loaded
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        keep = ExpertTensors(self).keep
+        return lambda name: not name.startswith(_SKIPPED_PREFIXES) and keep(name)
+
+
+def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith(_SKIPPED_PREFIXES):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        if name.endswith(_ZERO_CENTRED) or name in ("model.norm.weight", "norm.weight"):
+            tensor = tensor.float() + 1.0
+        yield name, tensor

@@ -1,0 +1,306 @@
+"""Qwen3.5-MoE (gated delta net + gated attention + MoE with a shared expert) against transformers on a tiny random
+checkpoint with identical weights (fp32): the delta-net kernels against transformers' own, prefill and paged decode
+logits, greedy tokens, mixed batches and chunked prefill over state slots, the multimodal checkpoint's layout; and
+the engine end to end (greedy equal to transformers' generate, concurrent, chunked, preempted, no prefix cache)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers_engine import write_tiny_tokenizer
+from helpers_tiny_models import (
+    PagedRunner,
+    check_greedy_matches_generate,
+    check_mixed_batch_equals_each_alone,
+    check_prefill_then_paged_decode,
+    hf_logits,
+    load_flotilla_model,
+    load_hf_model,
+    random_tokens,
+    write_tiny_qwen35_model,
+)
+from safetensors.torch import load_file, save_file
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf_q35
+
+from flotilla import LLM, SamplingParams
+from flotilla.kernels import gdn
+from flotilla.models.hf_config import parse_hf_config
+from flotilla.models.qwen3_5_moe import GatedAttention, GatedDeltaNet, Qwen3_5MoeForCausalLM
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = write_tiny_qwen35_model(tmp_path_factory.mktemp("q35") / "m")
+    write_tiny_tokenizer(d, vocab_size=320)
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(model_dir):
+    return load_flotilla_model(model_dir), load_hf_model(model_dir)
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------------
+
+
+def test_the_delta_rule_over_slots_equals_transformers_chunked_one_from_each_initial_state():
+    g = torch.Generator().manual_seed(0)
+    hk, hv, dk, dv, lens = 2, 4, 16, 8, [5, 1, 70]
+    t = sum(lens)
+    q, k = torch.randn(t, hk, dk, generator=g), torch.randn(t, hk, dk, generator=g)
+    v = torch.randn(t, hv, dv, generator=g)
+    decay = -torch.rand(t, hv, generator=g) * 2
+    beta = torch.rand(t, hv, generator=g)
+    state = torch.randn(6, hv, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    before = state.clone()
+    qsl = np.concatenate(([0], np.cumsum(lens)))
+    out = gdn.gated_delta_rule(q, k, v, decay, beta, state, slots, qsl)
+    for b, slot in enumerate(slots.tolist()):
+        s, e = qsl[b], qsl[b + 1]
+        ref, final = hf_q35.torch_chunk_gated_delta_rule(
+            q[None, s:e], k[None, s:e], v[None, s:e], decay[None, s:e], beta[None, s:e],
+            initial_state=before[slot:slot + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[s:e], ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state[slot], final[0], atol=1e-4, rtol=1e-4)
+    untouched = [1, 3, 5]
+    assert torch.equal(state[untouched], before[untouched])
+    # a decode step (one token each) takes the batched path: the same as one token through the loop
+    state2, one = before.clone(), torch.tensor([0, 3, 5, 1, 2])
+    got = gdn.gated_delta_rule(q[:5], k[:5], v[:5], decay[:5], beta[:5], state2, slots := one, np.arange(6))
+    for i, slot in enumerate(slots.tolist()):
+        s1 = before[slot:slot + 1].clone()
+        ref = gdn.gated_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], decay[i:i + 1], beta[i:i + 1], s1,
+                                   torch.tensor([0]), np.array([0, 1]))
+        torch.testing.assert_close(got[i:i + 1], ref)
+
+
+def test_the_causal_conv_over_slots_equals_one_conv_over_the_whole_sequence():
+    g = torch.Generator().manual_seed(1)
+    c, kernel = 12, 4
+    weight = torch.randn(c, kernel, generator=g)
+    x = torch.randn(20, c, generator=g)
+    whole = hf_q35.causal_conv1d_fn(x.t()[None], weight, activation="silu")[0].t()
+    # the same sequence in three pieces (a prefill chunk, a second chunk, then decodes), its history in slot 3
+    state = torch.zeros(5, c, kernel - 1)
+    got = [gdn.causal_conv1d(x[:7], weight, state, torch.tensor([3]), np.array([0, 7])),
+           gdn.causal_conv1d(x[7:9], weight, state, torch.tensor([3]), np.array([0, 2]))]
+    for i in range(9, 20):  # a decode batch of two sequences: ours and one in slot 1
+        got.append(gdn.causal_conv1d(torch.stack((x[i], x[i])), weight, state, torch.tensor([3, 1]),
+                                     np.array([0, 1, 2]))[:1])
+    torch.testing.assert_close(torch.cat(got), whole, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state[[0, 2, 4]], torch.zeros(3, c, kernel - 1))
+
+
+def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_skip_padded_rows():
+    """(under TRITON_INTERPRET on a CPU; compiled on a GPU)"""
+    tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    b, c, kernel, s, hk, hv, dk, dv = 4, 40, 4, 7, 2, 4, 16, 24  # (dv: not a power of two)
+    x, weight = torch.randn(b, c, generator=g), torch.randn(c, kernel, generator=g)
+    conv = torch.randn(s, c, kernel - 1, generator=g)
+    q, k = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g)
+    v = torch.randn(b, hv, dv, generator=g)
+    a, beta_raw = torch.randn(b, hv, generator=g), torch.randn(b, hv, generator=g)
+    a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
+    state = torch.randn(s, hv, dk, dv, generator=g)
+    slots, real = torch.tensor([5, -1, 0, 3]), [0, 2, 3]
+    want_conv, want_state = conv.clone(), state.clone()
+    used = torch.tensor([5, 0, 3])
+    want_x = gdn.causal_conv1d(x[real], weight, want_conv, used, np.arange(4))
+    decay = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    want_o = gdn.gated_delta_rule(q[real], k[real], v[real], decay[real], beta_raw[real].sigmoid(), want_state, used,
+                                  np.arange(4))
+    on = [t.to(device) for t in (x, weight, conv, q, k, v, a, beta_raw, a_log, dt_bias, state, slots)]
+    x_d, w_d, conv_d, q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d = on
+    got_x = tg.causal_conv1d_update(x_d, w_d, conv_d, slots_d)
+    got_o = tg.gated_delta_rule_update(q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d)
+    torch.testing.assert_close(got_x.cpu()[real], want_x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_d.cpu(), want_conv, atol=1e-6, rtol=0)  # slots 1, 2, 4, 6 untouched
+    torch.testing.assert_close(got_o.cpu()[real], want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state_d.cpu(), want_state, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_decode_kernels_compile_for_sm90_at_qwen35_shapes(tmp_path):
+    pytest.importorskip("triton", reason="triton is not installed")
+    from helpers_triton import compile_for_sm90
+
+    mod = "flotilla.kernels.triton.gdn"
+    conv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "state_ptr": "*bf16", "slot_ptr": "*i64", "out_ptr": "*bf16"}
+    delta = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "out_ptr")},
+             "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64"}
+    compile_for_sm90([(mod, "_conv_update_kernel", conv, [], dict(K=4, BLOCK_C=256), 4),
+                      (mod, "_delta_update_kernel", delta, ["scale"], dict(HV_PER_HK=2, DK=128, DV=128, BLOCK_V=32),
+                       4)], tmp_path)
+
+
+# ---- the model --------------------------------------------------------------------------------------------------
+
+
+def test_layers_follow_layer_types_and_only_attention_holds_paged_kv(models):
+    model, _ = models
+    kinds = [type(layer.linear_attn if layer.is_linear else layer.self_attn) for layer in model.model.layers]
+    assert kinds == [GatedDeltaNet, GatedDeltaNet, GatedDeltaNet, GatedAttention]
+    assert model.num_layers == 1
+    # conv state: (2 * 32 + 64) channels x 3 steps (fp32); recurrent state: 4 value heads x 16 x 16 fp32
+    assert model.state_bytes_per_slot(torch.float32) == 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+
+
+def test_prefill_then_paged_decode_match_transformers(models):
+    check_prefill_then_paged_decode(*models)
+
+
+def test_greedy_tokens_match_transformers_generate(models):
+    check_greedy_matches_generate(*models, num_tokens=32)
+
+
+def test_mixed_batches_and_prefill_chunks_equal_each_sequence_alone(models):
+    # (each sequence's own slot: batched and chunked runs differ from one-shot ones by float rounding only)
+    check_mixed_batch_equals_each_alone(*models, alone_atol=5e-5)
+
+
+def test_a_prompt_in_chunks_equals_it_in_one_piece(models):
+    model, hf = models
+    tokens = random_tokens(23, seed=5)
+    whole = PagedRunner(model, block_size=4).step([(0, tokens)])[0]
+    runner = PagedRunner(model, block_size=4, seed=7)
+    parts = [runner.step([(0, tokens[a:b])])[0] for a, b in ((0, 8), (8, 9), (9, 23))]
+    torch.testing.assert_close(torch.cat(parts), whole, atol=5e-5, rtol=0)
+    torch.testing.assert_close(whole, hf_logits(hf, tokens), atol=2e-4, rtol=0)
+
+
+def test_the_multimodal_checkpoint_loads_its_language_model(model_dir, models, tmp_path):
+    """Qwen3_5MoeForConditionalGeneration's folder: text_config, weights under model.language_model., a vision
+    tower and an MTP layer beside them (skipped)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    outer = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+             "text_config": {**config, "architectures": None}, "vision_config": {"depth": 1}}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    weights = {(f"model.language_model.{k.removeprefix('model.')}" if k.startswith("model.") else k): v
+               for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    weights["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    weights["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    assert parse_hf_config(outer).linear_attention is not None
+    multimodal = load_flotilla_model(tmp_path)
+    assert isinstance(multimodal, Qwen3_5MoeForCausalLM)
+    tokens = random_tokens(9, seed=6)
+    got = PagedRunner(multimodal, block_size=4).step([(0, tokens)])[0]
+    torch.testing.assert_close(got, PagedRunner(models[0], block_size=4).step([(0, tokens)])[0])
+
+
+def test_layer_types_default_to_every_fourth_layer_full_attention():
+    raw = {"architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 8,
+           "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+           "linear_num_key_heads": 1, "linear_num_value_heads": 2, "linear_key_head_dim": 4,
+           "linear_value_head_dim": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                                           "partial_rotary_factor": 0.25,
+                                                           "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+    config = parse_hf_config(raw)
+    assert config.linear_attention.layer_types == ("linear_attention",) * 3 + ("full_attention",) + (
+        "linear_attention",) * 3 + ("full_attention",)
+    assert config.partial_rotary_factor == 0.25 and config.rope_scaling is None and config.rope_theta == 1e7
+    with pytest.raises(ValueError, match="not a multiple of linear_num_key_heads"):
+        parse_hf_config({**raw, "linear_num_key_heads": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
+    """On CUDA the delta nets run triton's decode kernels and (with fla-core) flash-linear-attention's chunked
+    prefill: a prefill, a second chunk, then decodes of two sequences, against transformers in float32."""
+    from flotilla.models.qwen3_5_moe import gdn_kernels
+
+    model = load_flotilla_model(model_dir).to("cuda")
+    kernels = gdn_kernels(torch.device("cuda"))
+    for layer in model._delta_nets():
+        layer.kernels = kernels
+    runner = PagedRunner(model, block_size=4, device="cuda")
+    a, b = random_tokens(30, seed=8), random_tokens(7, seed=9)
+    got = {0: [], 1: []}
+    for step in ([(0, a[:20]), (1, b)], [(0, a[20:])]):
+        for (i, _), logits in zip(step, runner.step(step)):
+            got[i].append(logits)
+    for _ in range(8):  # decodes of both at once: the triton path
+        step = [(i, [int(got[i][-1][-1].argmax())]) for i in (0, 1)]
+        a, b = a + step[0][1], b + step[1][1]
+        for (i, _), logits in zip(step, runner.step(step)):
+            got[i].append(logits)
+    hf = models[1]
+    for i, tokens in ((0, a), (1, b)):  # (fla and triton's dots run in TF32)
+        torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens), atol=5e-3, rtol=0)
+
+
+# ---- the engine -------------------------------------------------------------------------------------------------
+
+
+def _run(engine: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _reference(hf, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
+                              max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [random_tokens(n, seed=20 + n) for n in (3, 9, 17, 30, 41, 6)]
+
+
+def test_the_engine_gives_transformers_greedy_tokens_with_chunks_and_concurrency(model_dir, models, prompts,
+                                                                               caplog):
+    want = _reference(models[1], prompts)
+    with caplog.at_level(logging.INFO), LLM(str(model_dir), block_size=4, max_num_batched_tokens=16,
+                                            kv_cache_blocks=128, max_num_seqs=4) as llm:
+        assert _run(llm, prompts) == want  # 6 requests over 4 state slots, prompts cut into 16-token chunks
+        core = llm.client.runtime.actors["scheduler/0"].core
+        assert not core.blocks.enable_prefix_caching
+        again = llm.generate([{"prompt_token_ids": prompts[4]}], SamplingParams(max_tokens=12, **GREEDY),
+                             use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == want[4] and again.num_cached_tokens == 0
+        runner = llm.client.runtime.actors["worker/0"].runner
+        assert runner.num_state_slots == 4
+        deadline = time.monotonic() + 10  # (the worker hears of the last finished sequence in the next plan)
+        while len(runner._free_state_slots) < 4:
+            assert time.monotonic() < deadline, f"state slots still held: {runner._free_state_slots}"
+            time.sleep(0.01)
+    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
+def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model_dir, models, prompts):
+    long = [random_tokens(20, seed=40 + i) for i in range(6)]
+    want = _reference(models[1], long, max_tokens=16)
+    with LLM(str(model_dir), block_size=4, kv_cache_blocks=24, max_num_seqs=6) as small:
+        assert _run(small, long, max_tokens=16) == want
+        core = small.client.runtime.actors["scheduler/0"].core
+        assert core.num_preemptions > 0 and core.blocks.num_free_blocks == 24
+
+
+def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir, tmp_path):
+    mtp = tmp_path / "mtp"
+    shutil.copytree(model_dir, mtp)
+    config = json.loads((mtp / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))  # (the released configs')
+    with pytest.raises(Exception, match="multi-token prediction of Qwen3.5-MoE is not supported yet"):
+        LLM(str(mtp), kv_cache_blocks=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(Exception, match="prefill-decode disaggregation of a model with recurrent state"):
+        LLM(str(model_dir), kv_cache_blocks=32, role="decode")
