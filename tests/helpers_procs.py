@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 from pathlib import Path
 
@@ -38,20 +36,3 @@ def describe_process(pid: int) -> str:
            f"sigcgt={status.get('SigCgt')} sigblk={status.get('SigBlk')} wchan={wchan}"
 
 
-def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """The first of `n` consecutive free ports, below the kernel's ephemeral range: there no outgoing connection
-    takes one of them between this check and the bind (``free_tcp_port`` can only promise its one port)."""
-    low = 20000
-    high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
-        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(low, max(low + n, high - n))
-        try:
-            for port in range(base, base + n):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((host, port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports in [{low}, {high})")

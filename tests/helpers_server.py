@@ -51,13 +51,24 @@ class Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"the server (pid {self.proc.pid}, children {children}) did not stop within "
-                                 f"{timeout} s of SIGTERM; its stacks and log:\n" + "".join(self.log[-120:]))
+                                 f"{timeout} s of SIGTERM; its stacks and log:\n" + "".join(self.log[-600:]))
 
 
 def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> Server:
     """`flotilla serve ARGS --port <free>` (or another command that ends up serving, e.g. `launch` of a
-    deployment file); returns once the ready line is logged (fails with the log if not)."""
-    port = free_tcp_port()
+    deployment file); returns once the ready line is logged (fails with the log if not). A port that another process
+    took between its pick and the server's bind is picked again."""
+    for _ in range(3):
+        server = _start_server(free_tcp_port(), args, timeout, command)
+        if server.proc.returncode is None:
+            return server
+        if not any(f"('127.0.0.1', {server.port}): address already in use" in line for line in server.log):
+            break
+    raise AssertionError("server did not become ready:\n" + "".join(server.log[-40:]))
+
+
+def _start_server(port: int, args: Sequence[str], timeout: float, command: str) -> Server:
+    """The server, ready; or, when it did not become ready, killed (its returncode set)."""
     proc = subprocess.Popen([sys.executable, "-m", "flotilla", command, "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -69,7 +80,8 @@ def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> 
             server.log.append(line)
             lines.put(line)
 
-    threading.Thread(target=pump, daemon=True).start()
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -81,7 +93,9 @@ def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> 
         if re.search(r"flotilla ready: http://", line):
             return server
     proc.kill()
-    raise AssertionError("server did not become ready:\n" + "".join(server.log[-40:]))
+    proc.wait()
+    pumping.join(timeout=10)  # the whole log, for the caller's message
+    return server
 
 
 def start_servers(*specs: tuple[Sequence[str], dict[str, Any]]) -> list[Server]:

@@ -19,9 +19,8 @@ import zmq
 from flotilla.transport import auth
 from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
 from flotilla.transport.codec import Encoder
-from flotilla.transport.endpoints import free_tcp_port
+from flotilla.transport.endpoints import free_port_block, free_tcp_port
 from flotilla.transport.messages import PingRequest, PongResult
-from helpers_procs import free_port_block
 
 REFUSALS = {"no key": "it sent no key|it broke the handshake off", "wrong server key": "its key is not the cluster key",
             "own client key": "presented another key than the cluster key"}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 import uvloop
 import zmq
 
+from flotilla.transport import endpoints as ep
 from flotilla.transport.channels import ChannelOptions, Dealer, Inbox, Outbox, Router, new_context, rank_identity
 from flotilla.transport.messages import AbortCmd, PingRequest, PongResult
 
@@ -92,3 +94,17 @@ def test_bench_transports_send_recv_rows_time_both_paths():
     rows = uvloop.run(bench_transport._send_recv_costs(50, reps=3))
     assert [r["message"] for r in rows] == ["StepResult, 1 token", "StepPlan, 256 sequences"]
     assert all(r["channels_us"] > 0 and r["zmq_asyncio_us"] > 0 for r in rows)
+
+
+def test_free_ports_are_picked_below_the_ephemeral_range_where_no_outgoing_connection_takes_them():
+    high = ep._ephemeral_start()
+    for n in (1, 3):
+        base = ep.free_port_block(n)
+        assert ep.FIRST_FREE_PORT <= base and base + n <= high, (base, high)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s, port in zip(socks, range(base, base + n)):
+                s.bind(("127.0.0.1", port))  # each of them free, as promised
+        finally:
+            for s in socks:
+                s.close()

@@ -21,9 +21,9 @@ import uvloop
 
 from flotilla.transport import auth
 from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
-from flotilla.transport.endpoints import free_tcp_port
+from flotilla.transport.endpoints import free_port_block, free_tcp_port
 from flotilla.transport.messages import PingRequest, PongResult
-from helpers_procs import alive, describe_process, free_port_block, wait_gone
+from helpers_procs import alive, describe_process, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = """

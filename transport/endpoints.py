@@ -9,6 +9,7 @@ processes as JSON, so every process agrees on every address.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -82,8 +83,42 @@ def new_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="flotilla-", dir=base))
 
 
+FIRST_FREE_PORT = 20000
+"""Free ports are picked at or above this (clear of the common services' ports) and below the kernel's ephemeral
+range: a port the OS hands out from that range may be taken by any outgoing connection (a ZeroMQ connect, an HTTP
+client) in the moment between the check and the bind of the actor it was given to."""
+
+_rng = random.Random()  # its own generator: a program that seeds `random` must not make two processes pick alike
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default (elsewhere the IANA range starts higher)
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now (tests and auto-assigned topologies)."""
+    """A port that is free right now (tests and auto-assigned topologies)."""
+    return free_port_block(1, host)
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive ports that are free right now, below the ephemeral range (FIRST_FREE_PORT says
+    why); where that range leaves no room, a port the OS picks (n == 1 only)."""
+    high = _ephemeral_start()
+    if high - n > FIRST_FREE_PORT:
+        for _ in range(200):
+            base = _rng.randrange(FIRST_FREE_PORT, high - n)
+            try:
+                for port in range(base, base + n):
+                    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                        s.bind((host, port))
+            except OSError:
+                continue
+            return base
+    if n != 1:
+        raise RuntimeError(f"no {n} consecutive free ports on {host} in [{FIRST_FREE_PORT}, {high})")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
