@@ -412,6 +412,9 @@ class EngineClient:
     async def _recover(self) -> None:
         """Stop what is left of the dead engine, then start a fresh one after a backoff (or give up)."""
         await self._close_channels()
+        # again, now that nothing is received: a report the dying schedulers sent after the failure may have come
+        # in since, and the restarted engine, idle, may not report for a while (the router would see its old load)
+        self.coordinator.stats = [None] * self.coordinator.dp_size
         await self.runtime.stop("engine failed")  # the hung or surviving actors go too: a restart is whole
         while True:
             if time.monotonic() - self._up_since >= STABLE_S:

@@ -85,10 +85,12 @@ class HandOffError(EngineDeadError):
 
 class RegistryView:
     """The registry as the router reads it: answers cached for `max_age_s` (no Redis round trip per request),
-    and engines this process saw die left out at once, before their entry is gone."""
+    engines this process saw die left out at once, before their entry is gone, and this process's own engines with
+    their load as it is now (`local_load`; the registry's is as old as the last heartbeat)."""
 
-    def __init__(self, registry: Registry, alive: Callable[[str], bool], max_age_s: float) -> None:
-        self.registry, self.alive, self.max_age_s = registry, alive, max_age_s
+    def __init__(self, registry: Registry, alive: Callable[[str], bool], max_age_s: float,
+                 local_load: Callable[[str], float | None] = lambda engine_id: None) -> None:
+        self.registry, self.alive, self.max_age_s, self.local_load = registry, alive, max_age_s, local_load
         self._cache: dict[tuple[str | None, str | None], tuple[float, list[EngineInfo]]] = {}
 
     async def engines(self, role: Role | None = None, model: str | None = None) -> list[EngineInfo]:
@@ -96,7 +98,12 @@ class RegistryView:
         hit = self._cache.get((role, model))
         if hit is None or now - hit[0] > self.max_age_s:
             hit = self._cache[(role, model)] = (now, await self.registry.engines(role, model))
-        return [e for e in hit[1] if self.alive(e.engine_id)]
+        out = []
+        for e in hit[1]:
+            if self.alive(e.engine_id):
+                load = self.local_load(e.engine_id)
+                out.append(e if load is None else msgspec.structs.replace(e, load=load))
+        return out
 
 
 def open_registry(url: str | None, ttl_s: float) -> Registry:
@@ -142,7 +149,8 @@ class Fleet:
         """The inbox other nodes' engines answer this front end's requests at (shared registry only)."""
         self._remote_schedulers: dict[str, Outbox] = {}
         self._loops: list[asyncio.Task] = []
-        self.view = RegistryView(self.registry, self._alive, max_age_s=heartbeat_interval_s / 4)
+        self.view = RegistryView(self.registry, self._alive, max_age_s=heartbeat_interval_s / 4,
+                                 local_load=lambda name: self._load(self.clients[name]) if name in self.clients else None)
         self.router = Router(self.view, model_name)
         self._heartbeats: dict[str, Heartbeat] = {}
         self._schedulers: dict[str, Outbox] = {}

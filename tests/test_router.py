@@ -7,6 +7,7 @@ import collections
 import pytest
 import uvloop
 
+from flotilla.server.fleet import RegistryView
 from flotilla.server.router import NoEngineError, Router
 from flotilla.transport.registry import EngineInfo, InMemoryRegistry
 
@@ -51,5 +52,21 @@ def test_pairs_prefer_dedicated_roles_and_fall_back_to_colocated_engines():
         assert (prefill.engine_id, decode.engine_id) == ("p2", "d1")
         with pytest.raises(NoEngineError, match="both"):
             await Router(reg, "other").pick()
+
+    uvloop.run(main())
+
+
+def test_the_view_gives_this_front_ends_own_engines_their_load_as_it_is_now():
+    # the registry holds a load as old as the engine's last heartbeat (here: busy); the front end knows its own
+    # engines' load now (idle again), another node's engine keeps the registry's, and a dead engine is left out
+    async def main():
+        reg = InMemoryRegistry()
+        for e in (info("mine", "both", 10), info("theirs", "both", 3), info("dead", "both", 0)):
+            await reg.register(e)
+        view = RegistryView(reg, alive=lambda name: name != "dead", max_age_s=60,
+                            local_load=lambda name: 0.0 if name == "mine" else None)
+        assert {e.engine_id: e.load for e in await view.engines(model="m")} == {"mine": 0.0, "theirs": 3}
+        router = Router(view, "m")
+        assert [(await router.pick()).engine_id for _ in range(5)] == ["mine"] * 4 + ["theirs"]  # (ties: by id)
 
     uvloop.run(main())
