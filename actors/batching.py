@@ -394,6 +394,11 @@ class BatchScheduler:
         """A sampled token that leaves this engine (disaggregated prefill); True = handled, no delta."""
         return False
 
+    def released_before_arrival(self, transfer_id: str) -> bool:
+        """Whether a disaggregated request arriving now was released already (its partner engine died while the
+        request was on its way here): it is dropped, nothing is held for it."""
+        return False
+
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         n_out = len(seq.output_ids)
         if tok in seq.stop_ids and n_out > seq.sampling.min_tokens:

@@ -52,7 +52,9 @@ class PrefillBatchScheduler(BatchScheduler):
         self.outbox: list[Message] = []
         """KVReadyEvents for the decode side, drained by the actor after each call."""
         self._transfers: set[str] = set()  # rids of disaggregated requests: the decode side streams them
-        self._released_early: set[str] = set()  # transfer ids released before their hand-off (decode side died)
+        self._released_early: OrderedDict[str, None] = OrderedDict()
+        """Transfer ids released before their hand-off (the decode side died), the last ENDED_MEMORY of them: their
+        request may be running here, or still on its way."""
 
     def add(self, req: TokenizedRequest) -> bool:
         if req.transfer_id is not None:  # only the first token is sampled here
@@ -86,8 +88,7 @@ class PrefillBatchScheduler(BatchScheduler):
     def _hand_off(self, seq: Sequence, tok: int) -> bool:
         if seq.transfer_id is None:
             return False
-        if seq.transfer_id in self._released_early:  # nobody will read these blocks: no pin, no KVReady
-            self._released_early.discard(seq.transfer_id)
+        if self._released_early.pop(seq.transfer_id, 0) is None:  # nobody will read these blocks: no pin, no KVReady
             self._release(seq)
             self._transfers.discard(seq.rid)
             return True
@@ -101,9 +102,8 @@ class PrefillBatchScheduler(BatchScheduler):
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> SeqTokens:
-        if seq.transfer_id in self._released_early:
-            self._released_early.discard(seq.transfer_id)
-        elif seq.transfer_id is not None:  # aborted or failed before the hand-off: the decode side must not wait
+        released = self._released_early.pop(seq.transfer_id, 0) is None
+        if seq.transfer_id is not None and not released:  # ended before the hand-off: the decode side must not wait
             self.outbox.append(KVReadyEvent(transfer_id=seq.transfer_id, block_ids=np.zeros(0, np.int32),
                                             num_tokens=0, first_token=-1, src_engine=self.engine,
                                             error=f"prefill ended: {reason}"))
@@ -112,9 +112,14 @@ class PrefillBatchScheduler(BatchScheduler):
     def on_blocks_released(self, ev: BlocksReleasedEvent) -> None:
         if self.blocks.unpin(ev.transfer_id):
             return
-        # no pin yet: the front end releases a transfer whose decode engine died before the hand-off
-        if any(self.seqs[rid].transfer_id == ev.transfer_id for rid in self._transfers if rid in self.seqs):
-            self._released_early.add(ev.transfer_id)
+        # no pin yet: the front end releases a transfer whose decode engine died before the hand-off, whose request
+        # runs here or is still on its way (or one that ended here already: remembered for nothing, and forgotten)
+        self._released_early[ev.transfer_id] = None
+        if len(self._released_early) > ENDED_MEMORY:
+            self._released_early.popitem(last=False)
+
+    def released_before_arrival(self, transfer_id: str) -> bool:
+        return self._released_early.pop(transfer_id, 0) is None
 
 
 @dataclass(slots=True)

@@ -151,6 +151,10 @@ class SchedulerActor(Actor):
                     rid=req.rid, status=400, message=f"engine {self.engine_id} (role {self.role}) cannot take a "
                                                      "disaggregated request" + ("" if req.peer else " without a peer")))
                 return
+            if self.core.released_before_arrival(req.transfer_id):
+                log.info("scheduler %s: request %s dropped: its transfer was released before it arrived (the other "
+                         "engine died)", self.engine_id, req.rid)
+                return
             self._peers[req.transfer_id] = req.peer
         if len(req.prompt_ids) >= self.core.max_model_len:  # only under a _length_limit (the tokenizer checks the rest)
             await self.reply(req.reply_to, RequestFailedEvent(

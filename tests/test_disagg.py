@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flotilla.actors.block_manager import BlockManager
-from flotilla.actors.disagg import DecodeBatchScheduler, PrefillBatchScheduler
+from flotilla.actors.disagg import ENDED_MEMORY, DecodeBatchScheduler, PrefillBatchScheduler
 from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import (
@@ -225,8 +225,21 @@ def test_a_release_before_the_hand_off_leaves_no_pin_behind():
     assert pre.step() == []
     assert pre.sched.outbox == [] and not pre.blocks._pins and not pre.sched.seqs
     assert pre.blocks.num_free_blocks == 50
-    pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id="unknown"))  # and a stray one is harmless
     assert not pre.sched._released_early
+
+
+def test_a_release_before_the_request_arrives_drops_the_request_and_holds_nothing():
+    pre = Engine(PrefillBatchScheduler, 50, 1, engine="p")
+    # the decode engine died while the request was still on its way to this engine: the front end released it
+    pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id="r"))
+    assert pre.sched.released_before_arrival("r")
+    assert not pre.sched.released_before_arrival("r")  # said once: a second request of that id would run
+    assert not pre.sched.released_before_arrival("other")
+    # the memory of such releases is bounded (most are of requests that ended here already)
+    for i in range(ENDED_MEMORY + 10):
+        pre.sched.on_blocks_released(BlocksReleasedEvent(transfer_id=f"stray-{i}"))
+    assert len(pre.sched._released_early) == ENDED_MEMORY
+    assert not pre.sched.released_before_arrival("stray-0") and pre.sched.released_before_arrival("stray-10")
 
 
 def test_a_prefill_death_notice_after_the_migration_finished_leaves_nothing_behind():
