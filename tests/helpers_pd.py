@@ -125,3 +125,18 @@ def wait_health(url: str, status: int, timeout: float = 20.0) -> None:
             return
         assert time.monotonic() < deadline, f"/health still answers {got}, not {status}"
         time.sleep(0.05)
+
+
+def wait_restarted(pd, engine: str, times: int = 1, timeout: float = 120.0) -> dict[str, float]:
+    """Until `engine`, failed `times` times, is alive again after as many restarts: the metrics then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(pd.url)
+        if engine_metric(m, "flotilla_engine_alive", engine) == 1 and any(
+                f"engine {engine} restarted ({times} since start)" in x for x in pd.log):
+            break
+        assert time.monotonic() < deadline, f"engine {engine} was not restarted: " + "".join(pd.log[-20:])
+        time.sleep(0.1)
+    assert engine_metric(m, "flotilla_engine_failures_total", engine) == times
+    assert engine_metric(m, "flotilla_engine_restarts_total", engine) == times
+    return m
