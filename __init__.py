@@ -6,8 +6,9 @@ import sys as _sys
 
 def _keep_checkout_root_off_sys_path() -> None:
     # The repository root is this package, so its folders (kernels, models, server, ...) are never top-level
-    # modules. `python -m ...` started in the root puts the root on sys.path, where `kernels/` would shadow
-    # Hugging Face's `kernels` package that transformers imports: drop that entry before anything imports it.
+    # modules. They are namespace packages, which any installed package of the same name wins over (Hugging Face's
+    # `kernels`, which transformers imports); and `python -m ...` started in the root puts the root on sys.path,
+    # which is dropped here so that nothing imported after flotilla can resolve to a folder of the checkout.
     root = _os.path.realpath(_os.path.dirname(__file__))
     _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != root]
 
