@@ -55,6 +55,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """KV cache size on CPU, in GiB, when kv_cache_blocks is not given."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    num_state_snapshots: int | None = None
+    """Hybrid models (gated delta nets): recurrent-state snapshots kept for prefix caching, one taken where each
+    prompt's last full block ends (a cached prefix resumes only from a snapshot); default: max_num_seqs; 0: no
+    prefix caching for such models. Each costs what one running sequence's state does."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     """KV cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (e4m3 with per-layer K and V scales, 1.0
     unless calibrated: half the bytes of a 16-bit cache, so twice the tokens, at a small accuracy cost)."""
@@ -66,6 +70,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError("kv_cache_blocks must be at least 2")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError("num_state_snapshots must be >= 0")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

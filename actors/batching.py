@@ -74,6 +74,8 @@ class Sequence:
     """Disaggregated requests: the id shared by the prefill and the decode side."""
     num_drafts: int = 0
     """Speculative decoding: draft tokens the step in flight verifies for it."""
+    state_snapshot: int = -1
+    """Hybrid models: the snapshot slot its state resumes from (a prefix hit), sent with its first plan."""
     _ids: np.ndarray | None = None
     """Prompt + output tokens as int32 with spare capacity, filled up to _ids_len (see token_ids)."""
     _ids_len: int = 0
@@ -184,7 +186,7 @@ class BatchScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens + seq.pending - seq.num_computed, budget)
+            n = self._cut(seq, min(seq.num_tokens + seq.pending - seq.num_computed, budget))
             if n <= 0 or seq.aborted or self._will_finish(seq):
                 i += 1
                 continue
@@ -261,11 +263,13 @@ class BatchScheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence its blocks (prefix hits first); returns the tokens it runs now, 0 = not now."""
         tokens = seq.token_ids()
-        cached = self.blocks.match_prefix(tokens).num_cached_tokens
+        hit = self.blocks.match_prefix(tokens)
+        cached = hit.num_cached_tokens
         remaining = len(tokens) - cached
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
-        n = min(remaining, budget)
+        points = self.blocks.snapshot_points(tokens, hit)  # (a hybrid model: its chunks end at each)
+        n = min(remaining, budget, points[0] - cached if points else remaining)
         alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n)
         if alloc is None:
             return 0
@@ -275,9 +279,19 @@ class BatchScheduler:
         seq.full_blocks_offered = 0
         seq.new_blocks = []
         seq.num_drafts = 0
+        seq.state_snapshot = alloc.state_snapshot
+        for at in points:
+            self.blocks.reserve_snapshot(seq.rid, at)  # (-1 when every slot awaits a save: no snapshot there)
         if self.num_speculative_tokens > 1:  # room for the further drafts' MTP KV (skipped when not there)
             self.blocks.append_slots(seq.rid, self.num_speculative_tokens - 1)
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
+
+    def _cut(self, seq: Sequence, n: int) -> int:
+        """The sequence's next chunk of n tokens, ended where its state is to be saved if it crosses that point."""
+        snapshot = self.blocks.snapshot_after(seq.rid, seq.num_computed)
+        if snapshot is not None and snapshot[0] < seq.num_computed + n:
+            return snapshot[0] - seq.num_computed
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -292,20 +306,24 @@ class BatchScheduler:
 
     def _plan(self, batch: list[tuple[Sequence, int]]) -> StepPlan:
         step = next(self._step)
-        new_seqs, rids, counts, appended = [], [], [], []
-        for seq, n in batch:
+        new_seqs, rids, counts, appended, save_rows, save_slots = [], [], [], [], [], []
+        for row, (seq, n) in enumerate(batch):
             rids.append(seq.rid)
             if not seq.in_worker:
                 new_seqs.append(NewSequence(
                     rid=seq.rid, token_ids=seq.token_ids(), num_computed_tokens=seq.num_computed,
                     block_ids=np.asarray(self.blocks.block_ids(seq.rid), dtype=np.int32), sampling=seq.sampling,
-                    num_output_tokens=len(seq.output_ids)))
+                    num_output_tokens=len(seq.output_ids), state_snapshot=seq.state_snapshot))
                 seq.in_worker = True
                 counts.append(0)
             else:
                 counts.append(len(seq.new_blocks))
                 appended.extend(seq.new_blocks)
             seq.new_blocks = []
+            snapshot = self.blocks.snapshot_after(seq.rid, seq.num_computed)
+            if snapshot is not None and snapshot[0] == seq.num_computed + n:  # (_cut ends chunks there)
+                save_rows.append(row)
+                save_slots.append(snapshot[1])
             if seq.num_computed + n >= seq.num_tokens + seq.pending:  # reaches its end (drafts: beyond): samples
                 seq.pending += 1
             seq.num_computed += n
@@ -313,7 +331,9 @@ class BatchScheduler:
         plan = StepPlan(step=step, new_seqs=new_seqs, rids=rids,
                         num_new_tokens=np.asarray([n for _, n in batch], dtype=np.int32),
                         new_block_counts=np.asarray(counts, dtype=np.int32),
-                        new_block_ids=np.asarray(appended, dtype=np.int32), finished_rids=self._forget)
+                        new_block_ids=np.asarray(appended, dtype=np.int32), finished_rids=self._forget,
+                        state_save_rows=np.asarray(save_rows, dtype=np.int32) if save_rows else None,
+                        state_save_slots=np.asarray(save_slots, dtype=np.int32) if save_rows else None)
         self._forget = []
         self.inflight[step] = batch
         return plan

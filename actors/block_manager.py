@@ -15,6 +15,14 @@ is driven by the batching policy, one call per decision:
 - KV migration: ``pin(seq_id, pin_id)`` holds the sequence's blocks while a transfer reads (prefill side)
             or writes (decode side) them; ``free`` during a pin releases only the table's references,
             the blocks return to the free pool at ``unpin(pin_id)``.
+- recurrent state (hybrid models, ``num_state_snapshots`` > 0): a gated delta net's state is valid at one
+            position only, so a cached prefix is reusable only up to a block whose end has a state snapshot.
+            ``snapshot_points`` says where a new sequence's state is worth saving: where its cached prefix stops
+            being resumable (another prompt's blocks shared this far: a system prompt) and where its prompt's last
+            full block ends (the next turn of a conversation). ``reserve_snapshot(seq_id, at)`` gives the slot
+            the worker saves into when the sequence's KV reaches ``at``; ``commit`` makes that snapshot a prefix
+            hit's ``Allocation.state_snapshot``. Snapshots are evicted least recently used, and with the block
+            whose hash keys them.
 
 Choices, and why:
 
@@ -64,6 +72,10 @@ class Allocation(NamedTuple):
     """The sequence's block table: cached prefix blocks first, then fresh ones."""
     num_cached_tokens: int
     """Leading tokens whose KV is already in those blocks (a multiple of block_size), tokens."""
+    state_snapshot: int = -1
+    """With state snapshots: the snapshot slot holding the recurrent state after those tokens; -1: none."""
+    num_shared_tokens: int = 0
+    """match_prefix: leading tokens whose KV is cached, resumable or not (>= num_cached_tokens), tokens."""
 
 
 @dataclass(slots=True)
@@ -80,16 +92,19 @@ class _SeqBlocks:
     """Leading blocks already offered to the prefix cache (prefix hits count as offered)."""
     cacheable: bool = True
     """False after reset_prefix_cache(): KV computed before the reset must not be cached again."""
+    snapshots: list[tuple[int, int]] | None = None
+    """(position, slot) ascending: where the worker saves the recurrent state once the KV reaches position."""
 
 
 class BlockManager:
     """Paged KV-block allocator with refcounted sharing, a hash-chain prefix cache and migration pins."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 recompute_last_hit: bool = False) -> None:
+                 recompute_last_hit: bool = False, num_state_snapshots: int = 0) -> None:
         """recompute_last_hit: a prefix hit leaves its last block to be recomputed (speculative decoding with MTP:
         that layer's KV at a block's last position depends on the token after it, which differs between the
-        sequences sharing the block; vLLM does the same for EAGLE)."""
+        sequences sharing the block; vLLM does the same for EAGLE). num_state_snapshots: a hybrid model's
+        recurrent-state snapshot slots; prefix hits then end where a snapshot does (the module docstring)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -109,6 +124,9 @@ class BlockManager:
         """Of those, tokens served from the prefix cache, tokens."""
         self.num_evictions = 0
         """Cached blocks dropped from the prefix cache to make room, blocks."""
+        self.num_state_snapshots = num_state_snapshots
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot of the state at its end, LRU
+        self._free_snapshots: list[int] = list(range(num_state_snapshots - 1, -1, -1))
 
     # ------------------------------------------------------------------ read-only views
 
@@ -166,11 +184,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix lookup
 
-    def _match(self, token_ids: TokenIds) -> tuple[list[int], list[bytes]]:
+    def _match(self, token_ids: TokenIds) -> tuple[list[int], list[bytes], int]:
         """Cached blocks of the longest full-block prefix, leaving at least the last token uncached.
 
-        Returns the hit block ids and the chain hashes computed on the way (the hits' hashes plus, when
-        the walk stopped at a miss, that block's hash, so commit() need not hash it again).
+        Returns the hit block ids, the chain hashes computed on the way (the hits' hashes plus, when
+        the walk stopped at a miss, that block's hash, so commit() need not hash it again), and how many
+        blocks were cached before a hybrid model's hit was cut back to its last state snapshot.
         """
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
@@ -186,14 +205,22 @@ class BlockManager:
             blocks.append(block)
         if self.recompute_last_hit and blocks:
             blocks.pop()  # (its hash stays in `hashes`: commit() then finds it cached and keeps this copy private)
-        return blocks, hashes
+        shared = len(blocks)
+        if self.num_state_snapshots:  # a recurrent state resumes only where a snapshot of it was taken
+            while blocks and hashes[len(blocks) - 1] not in self._snapshots:
+                blocks.pop()
+        return blocks, hashes, shared
 
     def match_prefix(self, token_ids: TokenIds) -> Allocation:
         """Which cached blocks a sequence with these tokens would reuse now; changes nothing."""
         if not self.enable_prefix_caching or len(token_ids) == 0:
             return Allocation([], 0)
-        blocks, _ = self._match(token_ids)
-        return Allocation(blocks, len(blocks) * self.block_size)
+        blocks, hashes, shared = self._match(token_ids)
+        return Allocation(blocks, len(blocks) * self.block_size, self._snapshot_of(blocks, hashes),
+                          shared * self.block_size)
+
+    def _snapshot_of(self, blocks: list[int], hashes: list[bytes]) -> int:
+        return self._snapshots[hashes[len(blocks) - 1]] if self.num_state_snapshots and blocks else -1
 
     # ------------------------------------------------------------------ sequence lifecycle
 
@@ -214,7 +241,7 @@ class BlockManager:
             raise ValueError("cannot allocate a sequence with no tokens")
         if num_new_tokens is not None and num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        hit_blocks, hashes = self._match(token_ids) if self.enable_prefix_caching else ([], [])
+        hit_blocks, hashes, _ = self._match(token_ids) if self.enable_prefix_caching else ([], [], 0)
         num_cached = len(hit_blocks) * self.block_size
         rest = num_tokens - num_cached
         num_slots = num_cached + (rest if num_new_tokens is None else min(num_new_tokens, rest))
@@ -226,12 +253,15 @@ class BlockManager:
             if self._ref[block] == 0:
                 del self._evictable[block]
             self._ref[block] += 1
+        snapshot = self._snapshot_of(hit_blocks, hashes)
+        if snapshot >= 0:
+            self._snapshots.move_to_end(hashes[len(hit_blocks) - 1])
         table = hit_blocks + self._pop_free(num_fresh)
         self._seqs[seq_id] = _SeqBlocks(table, num_slots, hashes, len(hit_blocks))
         if self.enable_prefix_caching:
             self.queried_tokens += num_tokens
             self.hit_tokens += num_cached
-        return Allocation(list(table), num_cached)
+        return Allocation(list(table), num_cached, snapshot)
 
     def append_slots(self, seq_id: str, num_new_tokens: int) -> list[int] | None:
         """Grow the table to cover num_new_tokens more tokens; returns the appended block ids.
@@ -270,6 +300,7 @@ class BlockManager:
         num_full = num_computed_tokens // self.block_size
         if not (self.enable_prefix_caching and seq.cacheable) or num_full <= seq.num_committed_blocks:
             seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+            self._commit_snapshots(seq, num_computed_tokens)
             return 0
         bs = self.block_size
         hashes = seq.block_hashes
@@ -284,7 +315,55 @@ class BlockManager:
                 self._cache[block_hash] = block
                 newly_cached += 1
         seq.num_committed_blocks = num_full
+        self._commit_snapshots(seq, num_computed_tokens)
         return newly_cached
+
+    # ------------------------------------------------------------------ recurrent-state snapshots
+
+    def snapshot_points(self, token_ids: TokenIds, hit: Allocation) -> list[int]:
+        """Where a sequence admitted with these tokens and this hit (match_prefix) should save its state, ascending:
+        where its cached prefix stops being resumable, and the end of its last full block before its last token;
+        [] without snapshots."""
+        if not (self.num_state_snapshots and self.enable_prefix_caching):
+            return []
+        last = (len(token_ids) - 1) // self.block_size * self.block_size
+        return sorted({p for p in (hit.num_shared_tokens, last) if p > hit.num_cached_tokens})
+
+    def snapshot_after(self, seq_id: str, position: int) -> tuple[int, int] | None:
+        """(position, slot) of the sequence's first reserved snapshot past `position` (those before it may be in a
+        step in flight, not yet committed); None when there is none."""
+        return next((s for s in self._seqs[seq_id].snapshots or () if s[0] > position), None)
+
+    def reserve_snapshot(self, seq_id: str, at: int) -> int:
+        """A slot the worker saves the sequence's state into when its KV reaches `at` (past any reserved before),
+        evicting the least recently used snapshot if need be; -1 when every slot awaits a save."""
+        seq = self._seqs[seq_id]
+        if seq.snapshots and seq.snapshots[-1][0] >= at:
+            raise ValueError(f"{seq_id!r}: snapshots are reserved in position order")
+        if not self._free_snapshots and self._snapshots:
+            _, slot = self._snapshots.popitem(last=False)
+            self._free_snapshots.append(slot)
+        if not self._free_snapshots:
+            return -1
+        slot = self._free_snapshots.pop()
+        seq.snapshots = [*(seq.snapshots or []), (at, slot)]
+        return slot
+
+    def _commit_snapshots(self, seq: _SeqBlocks, num_computed_tokens: int) -> None:
+        """The snapshots taken by now: a prefix hit up to their blocks may resume from them."""
+        while seq.snapshots and seq.snapshots[0][0] <= num_computed_tokens:
+            at, slot = seq.snapshots.pop(0)
+            i = at // self.block_size - 1
+            block_hash = seq.block_hashes[i] if seq.cacheable and i < len(seq.block_hashes) else None
+            if block_hash is None or block_hash not in self._cache or block_hash in self._snapshots:
+                self._free_snapshots.append(slot)  # its block is not cached (or has a snapshot already)
+            else:
+                self._snapshots[block_hash] = slot
+
+    def _drop_snapshot(self, block_hash: bytes) -> None:
+        slot = self._snapshots.pop(block_hash, None)
+        if slot is not None:
+            self._free_snapshots.append(slot)
 
     def free(self, seq_id: str) -> bool:
         """Drop the sequence's table (finish, abort, or preemption by recompute).
@@ -296,6 +375,8 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
+        if seq.snapshots:  # never taken (or taken by a step whose result is dropped): the slots are free
+            self._free_snapshots.extend(slot for _, slot in seq.snapshots)
         self._release(seq.block_ids)
         return True
 
@@ -338,6 +419,8 @@ class BlockManager:
         for block in self._cache.values():
             self._hash[block] = None
         self._cache.clear()
+        self._free_snapshots.extend(self._snapshots.values())
+        self._snapshots.clear()
         self._free_uncached.extend(self._evictable)
         self._evictable.clear()
         for seq in self._seqs.values():
@@ -354,6 +437,8 @@ class BlockManager:
         while len(taken) < n:
             block, _ = self._evictable.popitem(last=False)
             del self._cache[self._hash[block]]  # type: ignore[arg-type]
+            if self._snapshots:
+                self._drop_snapshot(self._hash[block])  # type: ignore[arg-type]
             self._hash[block] = None
             self.num_evictions += 1
             taken.append(block)
@@ -405,3 +490,7 @@ class BlockManager:
             check(self._hash[block] == block_hash, f"cache entry points at block {block} of another hash")
         hashed = sum(h is not None for h in self._hash)
         check(hashed == len(self._cache), "a block carries a hash the cache does not map to it")
+        check(all(h in self._cache for h in self._snapshots), "a snapshot outlived its block")
+        reserved = [slot for seq in self._seqs.values() for _, slot in seq.snapshots or ()]
+        slots = [*self._snapshots.values(), *self._free_snapshots, *reserved]
+        check(sorted(slots) == list(range(self.num_state_snapshots)), "snapshot slots lost or held twice")

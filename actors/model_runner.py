@@ -35,7 +35,7 @@ from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
 from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
-from flotilla.transport.messages import StepPlan, StepResult
+from flotilla.transport.messages import NewSequence, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ class ModelRunner:
                                              self.model.attention_backend_name, self.device)
         self.num_state_slots = 0
         """Sequences whose recurrent state (a hybrid model's linear-attention layers) the runner holds; 0: none."""
+        self.num_state_snapshots = 0
+        """Snapshots of such states for prefix caching (rows num_state_slots.. of the state pools)."""
         self._free_state_slots: list[int] = []
         if hasattr(self.model, "allocate_state"):
             self._allocate_state()
@@ -224,8 +226,8 @@ class ModelRunner:
                  f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
-                 f"; recurrent state for {self.num_state_slots} sequences ({self.state_bytes / 2**30:.2f} GiB)"
-                 if self.num_state_slots else "")
+                 f"; recurrent state for {self.num_state_slots} sequences and {self.num_state_snapshots} prefix "
+                 f"snapshots ({self.state_bytes / 2**30:.2f} GiB)" if self.num_state_slots else "")
 
     def _allocate_state(self) -> None:
         """A hybrid model: one recurrent-state slot per sequence the scheduler may run at once (max_num_seqs),
@@ -237,15 +239,18 @@ class ModelRunner:
                                       "delta net layers) is not supported yet: its KV migration does not carry the "
                                       "state")
         self.num_state_slots = config.scheduler.max_num_seqs
-        self.model.allocate_state(self.num_state_slots, self.dtype, self.device)
+        snapshots = config.cache.num_state_snapshots
+        self.num_state_snapshots = ((self.num_state_slots if snapshots is None else snapshots)
+                                    if config.cache.enable_prefix_caching else 0)
+        self.model.allocate_state(self.num_state_slots + self.num_state_snapshots, self.dtype, self.device)
         self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state slots (0 without them)."""
+        """Bytes of the recurrent-state slots and snapshots (0 without them)."""
         if not self.num_state_slots:
             return 0
-        return self.num_state_slots * self.model.state_bytes_per_slot(self.dtype)
+        return (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot(self.dtype)
 
     # ---- sizing -------------------------------------------------------------------------------------
 
@@ -394,7 +399,7 @@ class ModelRunner:
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling))
         if self.num_state_slots and plan.new_seqs:
-            self._assign_state_slots([self.seqs[ns.rid] for ns in plan.new_seqs])
+            self._assign_state_slots(plan.new_seqs)
         if not plan.rids:
             self._pending.append(_Pending.done(StepResult(step=plan.step)))
             return
@@ -435,6 +440,9 @@ class ModelRunner:
                                                           count=len(seqs)), self.device)
                 positions = positions_from_lists(cached, num_new, device=self.device)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            if plan.state_save_rows is not None:  # states at a prompt's last full block, for prefix hits
+                self._copy_states([seqs[i].state_slot for i in plan.state_save_rows.tolist()],
+                                  (plan.state_save_slots + self.num_state_slots).tolist())
             # a sequence samples when this step reaches the end of its known tokens
             sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
             for s, n in zip(seqs, num_new):
@@ -457,18 +465,33 @@ class ModelRunner:
             s.length += 1
         self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device))
 
-    def _assign_state_slots(self, seqs: list[SeqState]) -> None:
-        """Give each new sequence a free recurrent-state slot, zeroed (it starts from no history: a hybrid model
-        has no prefix cache, so every new sequence computes from its first token)."""
-        if len(seqs) > len(self._free_state_slots):
-            raise RuntimeError(f"{len(seqs)} new sequences but {len(self._free_state_slots)} free recurrent-state "
+    def _assign_state_slots(self, new_seqs: list[NewSequence]) -> None:
+        """Give each new sequence a free recurrent-state slot: zeroed, or a copy of the snapshot its prefix hit
+        resumes from."""
+        if len(new_seqs) > len(self._free_state_slots):
+            raise RuntimeError(f"{len(new_seqs)} new sequences but {len(self._free_state_slots)} free recurrent-state "
                                f"slots of {self.num_state_slots}: the scheduler ran more than max_num_seqs")
-        for s in seqs:
-            if s.num_computed:
-                raise RuntimeError("a sequence with cached tokens reached a model with recurrent state, which has "
-                                   "no prefix cache")
+        zeroed, restored, snapshots = [], [], []
+        for ns in new_seqs:
+            s = self.seqs[ns.rid]
             s.state_slot = self._free_state_slots.pop()
-        self.model.reset_state(upload(np.array([s.state_slot for s in seqs], dtype=np.int64), self.device))
+            if ns.state_snapshot >= 0:
+                restored.append(s.state_slot)
+                snapshots.append(self.num_state_slots + ns.state_snapshot)
+            elif ns.num_computed_tokens:
+                raise RuntimeError(f"sequence {ns.rid} has {ns.num_computed_tokens} cached tokens but no state "
+                                   "snapshot to resume its recurrent state from")
+            else:
+                zeroed.append(s.state_slot)
+        if zeroed:
+            self.model.reset_state(upload(np.array(zeroed, dtype=np.int64), self.device))
+        if restored:
+            self._copy_states(snapshots, restored)
+
+    def _copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Recurrent-state rows src -> dst (running slots and snapshots share the pools)."""
+        self.model.copy_state(upload(np.array(src, dtype=np.int64), self.device),
+                              upload(np.array(dst, dtype=np.int64), self.device))
 
     def _sample(self, sampled: list[SeqState], rids: list[str], logits: torch.Tensor,
                 greedy: torch.Tensor | None = None) -> tuple[SamplerOutput, int | None]:

@@ -118,16 +118,18 @@ class SchedulerActor(Actor):
             max_len = limit
         prefix_caching = self.config.cache.enable_prefix_caching
         slots = min(e.num_state_slots for e in self._kv_info.values())
-        if slots:  # a hybrid model: one state slot per running sequence, and no prefix cache
-            if prefix_caching:
+        snapshots = min(e.num_state_snapshots for e in self._kv_info.values())
+        if slots:  # a hybrid model: one state slot per running sequence; prefix hits resume state snapshots
+            if prefix_caching and not snapshots:
                 log.info("prefix caching is off: the model's linear-attention layers keep a recurrent state, which is "
-                         "valid at one position only, so a cached prefix could not be resumed")
+                         "valid at one position only, and num_state_snapshots is 0")
                 prefix_caching = False
             if slots < sched.max_num_seqs:  # (the workers size their slots by max_num_seqs)
                 raise RuntimeError(f"the workers hold recurrent state for {slots} sequences, fewer than max_num_seqs "
                                    f"{sched.max_num_seqs}")
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=prefix_caching,
-                              recompute_last_hit=self.config.scheduler.speculative_config is not None)
+                              recompute_last_hit=self.config.scheduler.speculative_config is not None,
+                              num_state_snapshots=snapshots if slots and prefix_caching else 0)
         if self.role == "prefill":
             self.core = PrefillBatchScheduler(self.config.scheduler, blocks, max_len, engine=self.engine_id)
         elif self.role == "decode":

@@ -100,7 +100,8 @@ class GPUWorkerActor(Actor):
             self._reporter = asyncio.create_task(self._report_expert_loads(), name=f"{self.label}-expert-loads")
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.rank, num_blocks=r.num_blocks,
                                                          block_size=r.block_size, max_model_len=r.max_model_len,
-                                                         num_state_slots=r.num_state_slots),
+                                                         num_state_slots=r.num_state_slots,
+                                                         num_state_snapshots=r.num_state_snapshots),
                         instance=self.dp_rank)
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),

@@ -95,6 +95,11 @@ class GatedDeltaNet(nn.Module):
         self.conv_state.index_fill_(0, slots, 0)
         self.recurrent_state.index_fill_(0, slots, 0)
 
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots src -> dst (int64 [n] each, disjoint)."""
+        self.conv_state.index_copy_(0, dst, self.conv_state.index_select(0, src))
+        self.recurrent_state.index_copy_(0, dst, self.recurrent_state.index_select(0, src))
+
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_slots is None or self.conv_state is None:
             raise RuntimeError("a gated delta net layer needs state slots: allocate_state, and meta.state_slots")
@@ -328,6 +333,11 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
         """Zero slots (int64 [n], on the state's device) for the sequences that start in them."""
         for layer in self._delta_nets():
             layer.reset_state(slots)
+
+    def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every delta-net layer's state slots src -> dst (a prefix snapshot saved, or resumed)."""
+        for layer in self._delta_nets():
+            layer.copy_state(src, dst)
 
     # ---- weights --------------------------------------------------------------------------------------
 

@@ -18,12 +18,17 @@ def next_token(tokens: list[int]) -> int:
 
 
 class FakeWorker:
-    """Executes plans like the GPU worker; its KV cache stores (position, token) so reads can be checked."""
+    """Executes plans like the GPU worker; its KV cache stores (position, token) so reads can be checked. `hybrid`:
+    also a recurrent state per sequence (the tokens it consumed), valid at one position only: saved into snapshot
+    slots where the plan says, and a sequence with cached tokens must resume a snapshot of exactly those."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, hybrid: bool = False) -> None:
         self.bs = block_size
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.seqs: dict[str, dict] = {}
+        self.hybrid = hybrid
+        self.snapshots: dict[int, tuple[int, ...]] = {}
+        self.resumed = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_rids:
@@ -31,6 +36,10 @@ class FakeWorker:
         for ns in plan.new_seqs:
             self.seqs[ns.rid] = {"tokens": ns.token_ids.tolist(), "done": ns.num_computed_tokens,
                                  "blocks": ns.block_ids.tolist()}
+            if self.hybrid and ns.num_computed_tokens:
+                cached = tuple(ns.token_ids[:ns.num_computed_tokens].tolist())
+                assert self.snapshots.get(ns.state_snapshot) == cached, f"{ns.rid}: resumed a wrong state"
+                self.resumed += 1
         counts = plan.new_block_counts.tolist() if plan.new_block_counts is not None else [0] * len(plan.rids)
         appended = plan.new_block_ids.tolist() if plan.new_block_ids is not None else []
         at = 0
@@ -51,6 +60,10 @@ class FakeWorker:
                 s["tokens"].append(tok)
                 sampled.append(rid)
                 tokens.append(tok)
+        if plan.state_save_rows is not None:
+            for row, slot in zip(plan.state_save_rows.tolist(), plan.state_save_slots.tolist()):
+                s = self.seqs[plan.rids[row]]
+                self.snapshots[slot] = tuple(s["tokens"][:s["done"]])
         return StepResult(step=plan.step, rids=sampled, token_ids=np.asarray(tokens, dtype=np.int32))
 
     def slot(self, s: dict, pos: int) -> int:

@@ -18,13 +18,15 @@ from flotilla.transport.messages import StepPlan, TokenizedRequest
 from helpers_batching import EOS, VOCAB, FakeWorker, reference
 
 def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
-          chunked: bool = True, prefix: bool = True, abort: set[str] = frozenset(), seed: int = 0):
+          chunked: bool = True, prefix: bool = True, abort: set[str] = frozenset(), seed: int = 0,
+          snapshots: int = 0):
+    """snapshots > 0: a hybrid model's worker, whose prefix hits resume recurrent-state snapshots."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                           max_steps_in_flight=depth)
-    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, num_state_snapshots=snapshots)
     sched = BatchScheduler(cfg, blocks, max_model_len=512)
-    worker = FakeWorker(num_blocks, block_size)
+    worker = sched.worker = FakeWorker(num_blocks, block_size, hybrid=snapshots > 0)
     for rid, prompt, max_tokens in requests:
         sched.add(TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS],
                                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0)))
@@ -124,3 +126,30 @@ def test_a_sequence_that_stops_with_a_step_in_flight_keeps_its_blocks_until_that
     assert sched.update(StepResult(step=second.step, rids=["a"], token_ids=np.asarray([3], np.int32))) == []
     assert blocks.num_free_blocks == 8  # back with it
     blocks.check_invariants()
+
+
+def conversations(n: int = 6, turns: int = 3, seed: int = 7):
+    """Multi-turn chats: each turn's prompt is the last one, its reply and a new message (hits past a snapshot
+    of the last turn, and past blocks another turn cached without one)."""
+    rng = random.Random(seed)
+    reqs = []
+    for c in range(n):
+        prompt = [rng.randrange(8, VOCAB) for _ in range(rng.randrange(5, 20))]
+        for t in range(turns):
+            max_tokens = rng.randrange(3, 12)
+            reqs.append((f"c{c}t{t}", list(prompt), max_tokens))
+            prompt += reference(prompt, max_tokens) + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 9))]
+    return reqs
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("work,num_blocks,budget,snapshots,max_seqs", [
+    ("shared", 400, 16, 4, 8), ("shared", 30, 16, 2, 8), ("shared", 400, 64, 1, 8),
+    ("chats", 400, 8, 6, 2), ("chats", 400, 32, 3, 3), ("chats", 40, 8, 4, 4)])
+def test_a_hybrid_models_prefix_hits_resume_state_snapshots_taken_where_chunks_end(depth, work, num_blocks, budget,
+                                                                                   snapshots, max_seqs):
+    reqs = workload(24, seed=5) if work == "shared" else conversations()
+    outputs, finished, sched = drive(reqs, num_blocks, depth, budget=budget, snapshots=snapshots, max_seqs=max_seqs)
+    for rid, prompt, max_tokens in reqs:
+        assert outputs[rid] == reference(prompt, max_tokens), rid
+    assert sched.worker.resumed > 0 and sched.blocks.hit_tokens > 0

@@ -205,9 +205,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
     pins = Bundle("pins")
 
-    @initialize(num_blocks=st.integers(4, 16), caching=st.sampled_from([True, False]))
-    def setup(self, num_blocks: int, caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+    @initialize(num_blocks=st.integers(4, 16), caching=st.sampled_from([True, False]), snapshots=st.integers(0, 3))
+    def setup(self, num_blocks: int, caching: bool, snapshots: int = 0) -> None:
+        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching, num_state_snapshots=snapshots)
+        self.state: dict[int, tuple[int, ...]] = {}  # snapshot slot -> token prefix its saved state was computed for
+        self.saves: dict[str, list[tuple[int, int]]] = {}  # seq -> (position, slot) where the worker saves its state
+        self.state_hits = 0
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.content: dict[int, tuple[int, ...]] = {}  # block -> token prefix its KV was computed for
@@ -246,6 +249,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert alloc.num_cached_tokens % BS == 0 and alloc.num_cached_tokens <= len(tokens) - 1
         for i, block in enumerate(alloc.block_ids[: alloc.num_cached_tokens // BS]):
             assert self.content.get(block) == tuple(tokens[: (i + 1) * BS]), "prefix hit on wrong KV"
+        if self.bm.num_state_snapshots and alloc.num_cached_tokens:  # a hybrid model resumes from a saved state
+            assert self.state.get(alloc.state_snapshot) == tuple(tokens[: alloc.num_cached_tokens]), "wrong state"
+            self.state_hits += 1
+        else:
+            assert alloc.state_snapshot == -1
+        for at in self.bm.snapshot_points(tokens, expected):
+            slot = self.bm.reserve_snapshot(seq_id, at)
+            if slot >= 0:
+                self.saves.setdefault(seq_id, []).append((at, slot))
         for block in alloc.block_ids[alloc.num_cached_tokens // BS :]:
             self.content.pop(block, None)  # fresh: will be overwritten
         self.tokens[seq_id] = tokens
@@ -260,6 +272,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if done == len(tokens):
             tokens.append(sampled)  # the previous step sampled a token; this step computes it
         new = min(budget, len(tokens) - done)
+        at, slot = self.saves[seq_id][0] if self.saves.get(seq_id) else (0, -1)
+        assert (at, slot) == (self.bm.snapshot_after(seq_id, done) or (0, -1))
+        if done < at < done + new:
+            new = at - done  # the chunk ends where the state is saved
         before = self.bm.block_ids(seq_id)
         appended = self.bm.append_slots(seq_id, max(0, done + new - self.bm.num_slots(seq_id)))
         if appended is None:
@@ -270,11 +286,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.content.pop(block, None)
         self._record(seq_id, done, done + new)
         self.computed[seq_id] = done + new
+        if done + new == at:  # the worker saves the state after the step
+            self.state[slot] = tuple(tokens[:at])
+            self.saves[seq_id].pop(0)
         self.bm.commit(seq_id, tokens, done + new)
 
     def _finish(self, seq_id: str) -> None:
         assert self.bm.free(seq_id)
         del self.tokens[seq_id], self.computed[seq_id]
+        self.saves.pop(seq_id, None)
 
     @rule(seq_id=seqs)
     def finish(self, seq_id: str | None) -> None:
@@ -339,12 +359,13 @@ BlockManagerMachine.TestCase.settings = settings(
 test_block_manager_state_machine = BlockManagerMachine.TestCase
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_long_scheduler_like_runs(seed: int) -> None:
-    """Long runs of the same rules (hypothesis favours short ones): many hits, evictions, preemptions."""
+@pytest.mark.parametrize("seed,snapshots", [(0, 0), (1, 0), (2, 0), (3, 2), (4, 3)])
+def test_long_scheduler_like_runs(seed: int, snapshots: int) -> None:
+    """Long runs of the same rules (hypothesis favours short ones): many hits, evictions, preemptions (and with
+    state snapshots, hits that resume a recurrent state)."""
     rng = random.Random(seed)
     machine = BlockManagerMachine()
-    machine.setup(num_blocks=rng.randint(8, 20), caching=True)
+    machine.setup(num_blocks=rng.randint(8, 20), caching=True, snapshots=snapshots)
     live: list[str] = []
     pins: list[str] = []
     for _ in range(1500):
@@ -366,4 +387,51 @@ def test_long_scheduler_like_runs(seed: int) -> None:
         machine.consistent()
     bm = machine.bm
     assert bm.hit_tokens > 0 and bm.num_evictions > 0
+    assert (machine.state_hits > 0) == (snapshots > 0)
     machine.teardown()
+
+
+def test_a_hybrid_models_prefix_hit_ends_where_a_state_snapshot_was_taken():
+    bm = BlockManager(16, BS, num_state_snapshots=2)
+    first = _prompt(11)  # blocks [0-3] [4-7], then 8, 9, 10: the state is saved at 8
+    hit = bm.match_prefix(first)
+    assert bm.snapshot_points(first, hit) == [8]
+    assert bm.allocate("a", first, num_new_tokens=8).num_cached_tokens == 0
+    assert bm.reserve_snapshot("a", 8) == 0 and bm.snapshot_after("a", 0) == (8, 0)
+    bm.commit("a", first, 8)  # the chunk that ends at 8 is back: its state is saved, the hit may resume it
+    assert bm.snapshot_after("a", 0) is None
+    bm.append_slots("a", 3)
+    bm.commit("a", first, 11)
+    # a longer prompt with the same head: its blocks [0-3] [4-7] are cached and the state after 8 is there
+    second = _prompt(22)
+    hit = bm.match_prefix(second)
+    assert (hit.num_cached_tokens, hit.state_snapshot, hit.num_shared_tokens) == (8, 0, 8)
+    assert bm.snapshot_points(second, hit) == [20]
+    bm.free("a")
+    # a prompt that shares only the first block: cached, not resumable; its state is worth saving there
+    third = _prompt(4) + [99] * 9
+    hit = bm.match_prefix(third)
+    assert (hit.num_cached_tokens, hit.num_shared_tokens) == (0, 4)
+    assert bm.snapshot_points(third, hit) == [4, 12]
+    bm.allocate("c", third, num_new_tokens=4)
+    assert [bm.reserve_snapshot("c", at) for at in (4, 12)] == [1, 0]  # the second evicts the state after 8
+    assert bm.match_prefix(second).num_cached_tokens == 0 and bm.num_cached_blocks == 2
+    bm.commit("c", third, 4)
+    assert bm.match_prefix(second).num_cached_tokens == 4  # resumes the state after 4 now
+    bm.check_invariants()
+    bm.free("c")  # before its second save: that slot is free again
+    assert bm.match_prefix(third).num_cached_tokens == 4
+    bm.check_invariants()
+
+
+def test_a_state_snapshot_goes_with_the_evicted_block_it_ends():
+    bm = BlockManager(3, BS, num_state_snapshots=2)
+    tokens = _prompt(9)
+    bm.allocate("a", tokens, num_new_tokens=8)
+    assert bm.reserve_snapshot("a", 8) >= 0
+    bm.commit("a", tokens, 8)
+    bm.free("a")
+    assert bm.match_prefix(tokens).num_cached_tokens == 8
+    assert bm.allocate("b", _prompt(9, base=100)) is not None  # takes all three blocks: the cached ones evicted
+    assert bm.match_prefix(tokens).num_cached_tokens == 0
+    bm.check_invariants()  # (the snapshot's slot is free again)

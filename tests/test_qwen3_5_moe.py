@@ -270,20 +270,61 @@ def test_the_engine_gives_transformers_greedy_tokens_with_chunks_and_concurrency
                                                                                caplog):
     want = _reference(models[1], prompts)
     with caplog.at_level(logging.INFO), LLM(str(model_dir), block_size=4, max_num_batched_tokens=16,
-                                            kv_cache_blocks=128, max_num_seqs=4) as llm:
+                                            kv_cache_blocks=128, max_num_seqs=4, num_state_snapshots=0) as llm:
         assert _run(llm, prompts) == want  # 6 requests over 4 state slots, prompts cut into 16-token chunks
         core = llm.client.runtime.actors["scheduler/0"].core
-        assert not core.blocks.enable_prefix_caching
+        assert not core.blocks.enable_prefix_caching  # no snapshot to resume a state from: no prefix cache
         again = llm.generate([{"prompt_token_ids": prompts[4]}], SamplingParams(max_tokens=12, **GREEDY),
                              use_tqdm=False)[0]
         assert again.outputs[0].token_ids == want[4] and again.num_cached_tokens == 0
         runner = llm.client.runtime.actors["worker/0"].runner
         assert runner.num_state_slots == 4
-        deadline = time.monotonic() + 10  # (the worker hears of the last finished sequence in the next plan)
-        while len(runner._free_state_slots) < 4:
-            assert time.monotonic() < deadline, f"state slots still held: {runner._free_state_slots}"
-            time.sleep(0.01)
+        _wait_for_free_state_slots(runner)
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+
+
+def _wait_for_free_state_slots(runner) -> None:
+    deadline = time.monotonic() + 10  # (the worker hears of the last finished sequence in the next plan)
+    while len(runner._free_state_slots) < runner.num_state_slots:
+        assert time.monotonic() < deadline, f"state slots still held: {runner._free_state_slots}"
+        time.sleep(0.01)
+
+
+def test_a_prefix_hit_resumes_the_state_snapshot_where_the_cached_prefix_ends(model_dir, models):
+    """The first turn's state is saved where its prompt's last full block ends (its chunks cut there); later
+    requests sharing that head resume it, concurrently and turn after turn, with transformers' greedy tokens."""
+    first = random_tokens(22, seed=70)  # block_size 4: its state is saved after token 20
+    with LLM(str(model_dir), block_size=4, max_num_batched_tokens=8, kv_cache_blocks=128, max_num_seqs=4,
+             num_state_snapshots=6) as llm:
+        reply = _run(llm, [first])[0]
+        assert reply == _reference(models[1], [first])[0]
+        branches = [first[:20] + random_tokens(5 + i, seed=80 + i) for i in range(3)]
+        turn2 = first + reply + random_tokens(7, seed=90)  # a second turn of the same conversation
+        prompts = [*branches, turn2]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, **GREEDY),
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == _reference(models[1], prompts)
+        assert [o.num_cached_tokens for o in outs] == [20, 20, 20, 20]
+        core = llm.client.runtime.actors["scheduler/0"].core
+        assert core.blocks.prefix_cache_hit_rate > 0
+        # turn2's own snapshot (after token 40) is there now: its third turn resumes from it
+        turn3 = turn2 + outs[3].outputs[0].token_ids + random_tokens(3, seed=91)
+        out3 = llm.generate([{"prompt_token_ids": turn3}], SamplingParams(max_tokens=12, **GREEDY),
+                            use_tqdm=False)[0]
+        assert out3.num_cached_tokens == (len(turn2) - 1) // 4 * 4
+        assert out3.outputs[0].token_ids == _reference(models[1], [turn3])[0]
+        # a shared system prompt (12 tokens) with other users' tails: the second request finds its blocks cached
+        # but no state there, and saves one; from the third on, requests resume it
+        system = random_tokens(12, seed=95)
+        users = [system + random_tokens(6 + i, seed=96 + i) for i in range(4)]
+        got = [llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=12, **GREEDY),
+                            use_tqdm=False)[0] for p in users]
+        assert [o.num_cached_tokens for o in got] == [0, 0, 12, 12]
+        assert [o.outputs[0].token_ids for o in got] == _reference(models[1], users)
+        runner = llm.client.runtime.actors["worker/0"].runner
+        assert runner.num_state_snapshots == 6
+        _wait_for_free_state_slots(runner)
+        core.blocks.check_invariants()
 
 
 def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model_dir, models, prompts):
@@ -304,3 +345,4 @@ def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir, tmp_pat
         LLM(str(mtp), kv_cache_blocks=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(Exception, match="prefill-decode disaggregation of a model with recurrent state"):
         LLM(str(model_dir), kv_cache_blocks=32, role="decode")
+

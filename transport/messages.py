@@ -161,6 +161,9 @@ class NewSequence(Message):
     """Sampling options (seed, penalties, logprobs)."""
     num_output_tokens: int = 0
     """How many of token_ids are earlier output (a resumed sequence), tokens."""
+    state_snapshot: int = -1
+    """Hybrid models: the snapshot slot holding the recurrent state after the cached tokens (a prefix hit);
+    -1: the state starts from zeros."""
 
 
 class StepPlan(Message):
@@ -180,6 +183,10 @@ class StepPlan(Message):
     """The appended block ids of all rids, concatenated in rid order, int32."""
     finished_rids: list[str] = []
     """Sequences the worker forgets before running this step (finished, aborted, preempted)."""
+    state_save_rows: Array | None = None
+    """Hybrid models: rows of `rids` whose recurrent state the worker saves after this step, int32."""
+    state_save_slots: Array | None = None
+    """The snapshot slot each of those rows saves into, int32 (BlockManager.reserve_snapshot)."""
 
 
 class StepResult(Message):
@@ -238,7 +245,10 @@ class KVCacheInfoEvent(Message):
     """Longest sequence the worker accepts, tokens."""
     num_state_slots: int = 0
     """Sequences whose recurrent state the worker holds (a hybrid model's linear-attention layers): the scheduler
-    runs no more at once, and has no prefix cache (a state is valid at one position only); 0: no such state."""
+    runs no more at once; 0: no such state."""
+    num_state_snapshots: int = 0
+    """Snapshots of such states the worker keeps for prefix caching (a state is valid at one position only, so a
+    cached prefix resumes from a snapshot taken where it ends); 0: none, and no prefix cache for a hybrid model."""
 
 
 # ---------------------------------------------------------------------------------------------
