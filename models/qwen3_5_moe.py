@@ -35,6 +35,8 @@ from flotilla.models.hf_config import HFModelConfig, LinearAttentionConfig
 from flotilla.models.llama import Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from flotilla.models.parallel import (
     ColumnParallelLinear,
+    check_shape,
+    divide,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -50,36 +52,85 @@ _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 """A multimodal checkpoint's vision tower, and the MTP layer: not part of the text model."""
 
 
+class GDNInProj(ColumnParallelLinear):
+    """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one GEMM, split by heads under tensor parallelism: each
+    rank keeps its key heads' q and k and its value heads' v, z, b and a (value heads are grouped: value head i
+    reads key head i // (value heads / key heads), so a rank's value heads read its own key heads)."""
+
+    def __init__(self, hidden_size: int, la: LinearAttentionConfig) -> None:
+        tp = tp_group()
+        kd = divide(la.num_key_heads, tp.size, "linear_num_key_heads") * la.key_head_dim
+        hv = divide(la.num_value_heads, tp.size, "linear_num_value_heads")
+        vd = hv * la.value_head_dim
+        self.full = {"q": la.num_key_heads * la.key_head_dim, "k": la.num_key_heads * la.key_head_dim,
+                     "v": la.num_value_heads * la.value_head_dim}
+        super().__init__(hidden_size, {
+            "q": (self.full["q"], kd, tp.rank * kd), "k": (self.full["k"], kd, tp.rank * kd),
+            "v": (self.full["v"], vd, tp.rank * vd), "z": (self.full["v"], vd, tp.rank * vd),
+            "b": (la.num_value_heads, hv, tp.rank * hv), "a": (la.num_value_heads, hv, tp.rank * hv)}, bias=False)
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str) -> None:
+        if shard != "qkv":
+            return super().load(param, src, names, shard)
+        for part, rows in zip("qkv", src.split([self.full["q"], self.full["k"], self.full["v"]])):
+            super().load(param, rows, names, part)
+
+    def split_qkv(self, src: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's q, k and v rows (along `dim`) of a tensor laid out as the checkpoint's qkv channels."""
+        parts = src.split([self.full["q"], self.full["k"], self.full["v"]], dim=dim)
+        return torch.cat([p.narrow(dim, self.parts[c][2], self.parts[c][1]) for c, p in zip("qkv", parts)], dim)
+
+
+class _Conv1dWeight(nn.Module):
+    """The depthwise conv's weight [channels, 1, kernel], cut to this rank's qkv channels at load."""
+
+    def __init__(self, in_proj: GDNInProj, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.split_qkv = in_proj.split_qkv
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        src = self.split_qkv(src)
+        check_shape(src, tuple(param.shape), *names)
+        param.data.copy_(src)
+
+
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer; its conv and recurrent state live in slots (allocate_state)."""
+    """One linear-attention layer; its conv and recurrent state live in slots (allocate_state). Under tensor
+    parallelism each rank runs its share of the heads (GDNInProj), with their state."""
 
     def __init__(self, config: HFModelConfig, la: LinearAttentionConfig, kernels: str = "torch") -> None:
         """kernels: gdn_kernels' choice."""
         super().__init__()
-        self.num_k_heads, self.num_v_heads = la.num_key_heads, la.num_value_heads
+        self.in_proj = GDNInProj(config.hidden_size, la)
+        tp = tp_group()
+        self.num_k_heads = la.num_key_heads // tp.size
+        self.num_v_heads = la.num_value_heads // tp.size
         self.head_k_dim, self.head_v_dim = la.key_head_dim, la.value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = la.conv_kernel
         hv = self.num_v_heads
-        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one GEMM
-        self.in_proj = ColumnParallelLinear(config.hidden_size, {
-            "qkv": (self.conv_dim, self.conv_dim, 0), "z": (self.value_dim, self.value_dim, 0),
-            "b": (hv, hv, 0), "a": (hv, hv, 0)}, bias=False)
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel), requires_grad=False)
+        self.first_v_head = tp.rank * hv
+        self.conv1d = _Conv1dWeight(self.in_proj, self.conv_dim, self.conv_kernel)
         self.A_log = nn.Parameter(torch.empty(hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(hv), requires_grad=False)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.head_v_dim), requires_grad=False)
         self.eps = config.rms_norm_eps
-        self.out_proj = RowParallelLinear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(la.num_value_heads * self.head_v_dim, config.hidden_size, bias=False)
         self.kernels = kernels
         self.conv_state: torch.Tensor | None = None
         """[slots, conv_dim, conv_kernel - 1], the model's dtype."""
         self.recurrent_state: torch.Tensor | None = None
         """[slots, Hv, Dk, Dv] float32."""
+
+    def load(self, param: nn.Parameter, src: torch.Tensor, names: tuple[str, str], shard: str | None = None) -> None:
+        """This rank's value heads of A_log and dt_bias."""
+        src = src.narrow(0, self.first_v_head, self.num_v_heads)
+        check_shape(src, tuple(param.shape), *names)
+        param.data.copy_(src)
 
     def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
         conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty(0, dtype=dtype).element_size()
@@ -279,7 +330,7 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
     """Qwen3.5-MoE's text model over the paged KV cache (attention layers) and state slots (delta-net layers)."""
 
     stacked_params: ClassVar[tuple[tuple[str, str, str], ...]] = LlamaForCausalLM.stacked_params + (
-        ("in_proj", "in_proj_qkv", "qkv"),
+        ("in_proj", "in_proj_qkv", "qkv"),  # (GDNInProj loads it as its q, k and v parts)
         ("in_proj", "in_proj_z", "z"),
         ("in_proj", "in_proj_b", "b"),
         ("in_proj", "in_proj_a", "a"),
@@ -292,8 +343,6 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
             raise ValueError("config.json has no linear_attention layers or no experts: not a Qwen3.5-MoE checkpoint")
         if config.moe.shared_expert_intermediate_size <= 0:
             raise ValueError("config.json lacks shared_expert_intermediate_size (Qwen3.5-MoE has a shared expert)")
-        if tp_group().size > 1:
-            raise NotImplementedError("Qwen3.5-MoE under tensor parallelism is not supported yet")
         self.config = config
         self.linear_attention = config.linear_attention
         self.head_dim = config.head_dim

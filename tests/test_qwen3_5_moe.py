@@ -346,3 +346,19 @@ def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir, tmp_pat
     with pytest.raises(Exception, match="prefill-decode disaggregation of a model with recurrent state"):
         LLM(str(model_dir), kv_cache_blocks=32, role="decode")
 
+
+def test_tensor_parallel_ranks_split_the_heads_and_their_state_and_give_transformers_tokens(model_dir, models,
+                                                                                         prompts):
+    """TP=2 (two worker processes over gloo): each rank runs half the delta nets' key and value heads with their
+    state slots and snapshots, half the attention heads and half of each expert; the greedy tokens stay
+    transformers', prefix hits included."""
+    head = random_tokens(16, seed=60)
+    shared = [head + random_tokens(5 + i, seed=61 + i) for i in range(3)]
+    with LLM(str(model_dir), tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16, kv_cache_blocks=128,
+             max_num_seqs=4) as llm:
+        assert _run(llm, prompts) == _reference(models[1], prompts)
+        outs = [llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=12, **GREEDY),
+                             use_tqdm=False)[0] for p in shared]
+        assert [o.outputs[0].token_ids for o in outs] == _reference(models[1], shared)
+        assert [o.num_cached_tokens for o in outs] == [0, 0, 16]
+        assert {"worker/0", "worker/1"} <= set(llm.client.ready_detail)
