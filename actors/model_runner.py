@@ -177,6 +177,8 @@ class ModelRunner:
         """Sequences whose recurrent state (a hybrid model's linear-attention layers) the runner holds; 0: none."""
         self.num_state_snapshots = 0
         """Snapshots of such states for prefix caching (rows num_state_slots.. of the state pools)."""
+        self.state_history_rows = 0
+        """Speculative decoding: rows after the snapshots that hold a verify step's states token by token."""
         self._free_state_slots: list[int] = []
         if hasattr(self.model, "allocate_state"):
             self._allocate_state()
@@ -242,15 +244,20 @@ class ModelRunner:
         snapshots = config.cache.num_state_snapshots
         self.num_state_snapshots = ((self.num_state_slots if snapshots is None else snapshots)
                                     if config.cache.enable_prefix_caching else 0)
-        self.model.allocate_state(self.num_state_slots + self.num_state_snapshots, self.dtype, self.device)
+        spec = config.scheduler.speculative_config
+        self.state_history_rows = self.num_state_slots * (spec.num_speculative_tokens + 1) if spec else 0
+        self.model.allocate_state(self.num_state_rows, self.dtype, self.device)
         self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
 
     @property
+    def num_state_rows(self) -> int:
+        """Rows of the state pools: running slots, then snapshots, then a verify step's history."""
+        return self.num_state_slots + self.num_state_snapshots + self.state_history_rows
+
+    @property
     def state_bytes(self) -> int:
-        """Bytes of the recurrent-state slots and snapshots (0 without them)."""
-        if not self.num_state_slots:
-            return 0
-        return (self.num_state_slots + self.num_state_snapshots) * self.model.state_bytes_per_slot(self.dtype)
+        """Bytes of the recurrent-state pools (0 without them)."""
+        return self.num_state_rows * self.model.state_bytes_per_slot(self.dtype) if self.num_state_slots else 0
 
     # ---- sizing -------------------------------------------------------------------------------------
 
@@ -413,7 +420,9 @@ class ModelRunner:
             for i in np.flatnonzero(counts).tolist():  # only the sequences that got blocks (~1 in 16 at decode)
                 seqs[i].add_blocks(plan.new_block_ids[ends[i] - counts[i]:ends[i]])
         if self.spec is not None:
-            self._pending.append(_Pending.done(self.spec.step(plan.step, plan.rids, seqs, num_new)))
+            result = self.spec.step(plan.step, plan.rids, seqs, num_new)
+            self._save_states(plan, seqs)  # (prefill chunks only: no draft rolls their state back)
+            self._pending.append(_Pending.done(result))
             return
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
@@ -440,9 +449,7 @@ class ModelRunner:
                                                           count=len(seqs)), self.device)
                 positions = positions_from_lists(cached, num_new, device=self.device)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            if plan.state_save_rows is not None:  # states at a prompt's last full block, for prefix hits
-                self._copy_states([seqs[i].state_slot for i in plan.state_save_rows.tolist()],
-                                  (plan.state_save_slots + self.num_state_slots).tolist())
+            self._save_states(plan, seqs)
             # a sequence samples when this step reaches the end of its known tokens
             sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
             for s, n in zip(seqs, num_new):
@@ -486,9 +493,15 @@ class ModelRunner:
         if zeroed:
             self.model.reset_state(upload(np.array(zeroed, dtype=np.int64), self.device))
         if restored:
-            self._copy_states(snapshots, restored)
+            self.copy_states(snapshots, restored)
 
-    def _copy_states(self, src: list[int], dst: list[int]) -> None:
+    def _save_states(self, plan: StepPlan, seqs: list[SeqState]) -> None:
+        """The snapshots the plan asks for, after its step (where cached prefixes end, for prefix hits)."""
+        if plan.state_save_rows is not None:
+            self.copy_states([seqs[i].state_slot for i in plan.state_save_rows.tolist()],
+                              (plan.state_save_slots + self.num_state_slots).tolist())
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Recurrent-state rows src -> dst (running slots and snapshots share the pools)."""
         self.model.copy_state(upload(np.array(src, dtype=np.int64), self.device),
                               upload(np.array(dst, dtype=np.int64), self.device))

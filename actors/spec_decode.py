@@ -1,5 +1,6 @@
 """MTP speculative decoding, the worker's side: draft with the model's multi-token-prediction layer (DeepSeek-V3's,
-models/deepseek_v3.py), verify with the main model. actors/batching.py plans the steps.
+models/deepseek_v3.py; Qwen3.5's, models/qwen3_5_moe.py), verify with the main model. actors/batching.py plans the
+steps.
 
 A decoding sequence comes to a step with its last token and k drafts (k <= num_speculative_tokens), at
 positions L-1 .. L-1+k. The main model runs them as one chunk and samples a token y_j at each of the k+1
@@ -25,6 +26,10 @@ Steps run one at a time (the scheduler plans a decode only when it knows how man
 launch() under speculation finishes its step at once. The drafts are argmax tokens of the MTP head, kept on
 the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
 the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py).
+
+A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
+verify pass keeps the state after each token of a drafting sequence in rows of the state pools, and the slot gets
+back the one after its last accepted token (vLLM keeps per-draft states the same way).
 """
 
 from __future__ import annotations
@@ -64,17 +69,18 @@ def check_speculative_config(config: EngineConfig) -> None:
         raise ValueError("speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
                          "num_nextn_predict_layers); the embedded default model has none")
     hf = load_hf_config(config.model.model)
-    if hf.linear_attention is not None:
-        raise NotImplementedError("multi-token prediction of Qwen3.5-MoE is not supported yet (the delta nets' "
-                                  "states of rejected drafts would need rolling back)")
-    if hf.num_nextn_predict_layers < 1 or hf.mla is None:
+    if hf.num_nextn_predict_layers < 1 or (hf.mla is None and hf.linear_attention is None):
         raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
-                         f"num_nextn_predict_layers in config.json); {config.model.model} "
-                         f"({', '.join(hf.architectures) or hf.model_type}) has none")
-    layer = re.compile(rf"^(?:model\.)?layers\.{hf.num_hidden_layers}\.eh_proj\.")
+                         f"num_nextn_predict_layers or Qwen3.5's mtp_num_hidden_layers in config.json); "
+                         f"{config.model.model} ({', '.join(hf.architectures) or hf.model_type}) has none")
+    if hf.linear_attention is not None:  # Qwen3.5: `mtp.*`
+        layer, first = re.compile(r"^(?:model\.)?mtp\.fc\."), "mtp.fc.weight"
+    else:  # DeepSeek-V3: the layer after the decoder stack
+        layer = re.compile(rf"^(?:model\.)?layers\.{hf.num_hidden_layers}\.eh_proj\.")
+        first = f"model.layers.{hf.num_hidden_layers}.eh_proj.weight"
     if config.model.load_format != "dummy" and not any(map(layer.match, _checkpoint_names(Path(config.model.model)))):
-        raise ValueError(f"speculative method 'mtp': {config.model.model} declares num_nextn_predict_layers but its "
-                         f"checkpoint has no MTP layer (no model.layers.{hf.num_hidden_layers}.eh_proj.weight)")
+        raise ValueError(f"speculative method 'mtp': {config.model.model} declares multi-token-prediction layers but "
+                         f"its checkpoint has no MTP layer (no {first})")
 
 
 def _checkpoint_names(model_dir: Path) -> list[str]:
@@ -141,6 +147,10 @@ class MTPSpeculator:
         else:
             meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
             positions = positions_from_lists(cached, num_new, device=dev)
+            history = None
+            if r.num_state_slots:  # a hybrid model: its delta nets keep each verify token's state (_roll_back)
+                meta.state_slots = upload(np.asarray([s.state_slot for s in seqs], dtype=np.int64), dev)
+                history = meta.state_history = self._history_rows(num_new, num_drafts, starts)
             hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
         for s, n in zip(seqs, num_new):
             s.num_computed += n
@@ -191,6 +201,8 @@ class MTPSpeculator:
             first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
             drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
 
+        if r.num_state_slots:
+            self._roll_back(seqs, samplers, accepted, num_drafts, num_new, starts, history)
         tokens = y[keep].astype(np.int32)
         at = 0
         for i, a, d in zip(samplers, accepted.tolist(), drafts):
@@ -208,6 +220,31 @@ class MTPSpeculator:
             result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
             result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
         return result
+
+    def _history_rows(self, num_new: list[int], num_drafts: list[int], starts: np.ndarray) -> np.ndarray | None:
+        """int64 [T]: a state-pool row per token of a sequence that verifies drafts (-1 elsewhere); None without
+        drafts. The rows follow the running slots and the snapshots (ModelRunner.state_history_rows)."""
+        if not any(num_drafts):
+            return None
+        r = self.runner
+        history = np.full(int(starts[-1]), -1, dtype=np.int64)
+        row = r.num_state_slots + r.num_state_snapshots
+        for i in np.flatnonzero(num_drafts).tolist():
+            history[starts[i]:starts[i] + num_new[i]] = np.arange(row, row + num_new[i])
+            row += num_new[i]
+        return history
+
+    def _roll_back(self, seqs: list[SeqState], samplers: list[int], accepted: np.ndarray, num_drafts: list[int],
+                   num_new: list[int], starts: np.ndarray, history: np.ndarray | None) -> None:
+        """A hybrid model's recurrent states back to where each sequence's accepted tokens end: the slot holds the
+        state after its last draft; one that rejected some gets the state after its last accepted one."""
+        src, dst = [], []
+        for i, a in zip(samplers, accepted.tolist()):
+            if a < num_drafts[i]:  # token a of the drafts' part (the last known token is draft part's -1)
+                src.append(int(history[starts[i] + num_new[i] - num_drafts[i] - 1 + a]))
+                dst.append(seqs[i].state_slot)
+        if src:
+            self.runner.copy_states(src, dst)
 
     def _sample(self, seqs: list[SeqState], samplers: list[int], seg: np.ndarray, local: np.ndarray,
                 hidden: torch.Tensor):

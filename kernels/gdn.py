@@ -9,6 +9,9 @@ slot of a layer's two state pools, which carry it from one step (or chunk) to th
 A slot is zeroed when a sequence gets it (its first token then sees zero history, as a fresh prompt does). These
 are the semantics of transformers' torch_recurrent_gated_delta_rule and causal_conv1d_update; GPU kernels are
 checked against them.
+
+`history` (speculative decoding's verify steps): int64 [T], for each token a pool row that receives the state as
+it is after that token (-1: none), so that the state after the last accepted draft can be put back in the slot.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import torch.nn.functional as F
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                  query_start_loc: np.ndarray) -> torch.Tensor:
+                  query_start_loc: np.ndarray, history: np.ndarray | None = None) -> torch.Tensor:
     """SiLU(depthwise causal conv1d) of x [T, C] with weight [C, K], each sequence continuing from its slot's
     history in conv_state [S, C, K-1] (updated in place to the last K-1 inputs); returns [T, C] in x's dtype."""
     k = weight.shape[1]
     w = weight.float()
-    if len(query_start_loc) - 1 == x.shape[0]:  # one token per sequence: a decode step, all at once
+    if len(query_start_loc) - 1 == x.shape[0] and history is None:  # one token per sequence: a decode step
         window = torch.cat((conv_state[slots].float(), x.float().unsqueeze(-1)), dim=-1)  # [B, C, K]
         conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
         return F.silu((window * w).sum(-1)).to(x.dtype)
@@ -33,6 +36,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
         window = torch.cat((conv_state[slot].float(), x[start:end].float().t()), dim=-1)  # [C, K-1+n]
         conv_state[slot] = window[:, window.shape[1] - (k - 1):].to(conv_state.dtype)
+        for t in range(start, end) if history is not None else ():
+            if history[t] >= 0:  # the last K-1 inputs up to token t
+                conv_state[history[t]] = window[:, t - start + 1:t - start + k].to(conv_state.dtype)
         y = F.conv1d(window.unsqueeze(0), w.unsqueeze(1), groups=w.shape[0])[0]  # [C, n]
         out[start:end] = F.silu(y).t().to(x.dtype)
     return out
@@ -45,7 +51,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, slots: torch.Tensor, query_start_loc: np.ndarray) -> torch.Tensor:
+                     state: torch.Tensor, slots: torch.Tensor, query_start_loc: np.ndarray,
+                     history: np.ndarray | None = None) -> torch.Tensor:
     """The gated delta rule over a flat batch: q, k [T, Hk, Dk], v [T, Hv, Dv], g (log decay, <= 0) and beta
     [T, Hv]; state [S, Hv, Dk, Dv] float32 (each sequence's slot read, then updated in place). q and k are
     L2-normalised here, q scaled by Dk^-0.5; each q/k head serves Hv / Hk consecutive value heads. Returns the
@@ -58,7 +65,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     v, decay, beta = v.float(), g.float().exp(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     num_seqs = len(query_start_loc) - 1
-    if num_seqs == v.shape[0]:  # a decode step: every sequence's one token at once
+    if num_seqs == v.shape[0] and history is None:  # a decode step: every sequence's one token at once
         s = state[slots]
         out[:] = _delta_step(s, q, k, v, decay, beta)
         state[slots] = s
@@ -68,6 +75,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         s = state[slot].unsqueeze(0)
         for t in range(start, end):
             out[t] = _delta_step(s, q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1])[0]
+            if history is not None and history[t] >= 0:
+                state[history[t]] = s[0]
         state[slot] = s[0]
     return out.to(dtype)
 

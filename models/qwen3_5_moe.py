@@ -14,8 +14,8 @@ every layer's MLP sparse with a shared expert.
 Only the attention layers hold paged KV (`num_layers` counts them); each delta-net layer holds a state pool of
 `allocate_state(num_slots)` slots, one per running sequence, addressed by AttentionMetadata.state_slots. Loads the
 text model's checkpoints (Qwen3_5MoeForCausalLM) and the released multimodal ones
-(Qwen3_5MoeForConditionalGeneration: the language model under `model.language_model.`; the vision tower and the
-MTP layer are skipped).
+(Qwen3_5MoeForConditionalGeneration: the language model under `model.language_model.`; the vision tower is
+skipped), and with `mtp=True` the MTP layer (`mtp.*`, Qwen35MTP) for speculative decoding.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ from flotilla.models.parallel import (
 )
 from flotilla.models.qwen3_moe import ExpertTensors, StackedExperts
 
-_ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
-"""Checkpoint norms stored as w of x * (1 + w) (with model.norm.weight)."""
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-"""A multimodal checkpoint's vision tower, and the MTP layer: not part of the text model."""
+_ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
+                 ".pre_fc_norm_embedding.weight", ".pre_fc_norm_hidden.weight")
+"""Checkpoint norms stored as w of x * (1 + w) (with model.norm.weight and mtp.norm.weight)."""
+_VISION_PREFIXES = ("model.visual.", "visual.")
+"""A multimodal checkpoint's vision tower: not part of the text model."""
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
+"""The multi-token-prediction layer: built and loaded for speculative decoding only."""
 
 
 class GDNInProj(ColumnParallelLinear):
@@ -158,7 +161,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, self.num_v_heads,
                                                    self.num_v_heads], dim=-1)
         weight = self.conv1d.weight[:, 0]
-        if self.kernels != "torch" and meta.max_query_len == 1:  # a decode step: two launches over the slots
+        history = meta.state_history
+        if self.kernels != "torch" and meta.max_query_len == 1 and history is None:  # a decode step: two launches
             from flotilla.kernels.triton import gdn as triton_gdn
 
             qkv = triton_gdn.causal_conv1d_update(qkv, weight, self.conv_state, slots)
@@ -167,16 +171,16 @@ class GatedDeltaNet(nn.Module):
                                                    slots)
         else:
             qsl = meta.host.query_start_loc if meta.host is not None else meta.query_start_loc.cpu().numpy()
-            qkv = gdn.causal_conv1d(qkv, weight, self.conv_state, slots, qsl)
+            qkv = gdn.causal_conv1d(qkv, weight, self.conv_state, slots, qsl, history)
             q, k, v = self._heads(qkv, t)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-            if self.kernels == "triton+fla":
+            if self.kernels == "triton+fla" and history is None:
                 from flotilla.kernels.triton import gdn as triton_gdn
 
                 o = triton_gdn.chunk_gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots,
                                                       meta.query_start_loc, qsl)
             else:
-                o = gdn.gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots, qsl)
+                o = gdn.gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots, qsl, history)
         o = gdn.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                                self.eps)
         return self.out_proj(o.reshape(t, self.value_dim))
@@ -326,6 +330,27 @@ class Qwen35MoeModel(nn.Module):
         return hidden
 
 
+class Qwen35MTP(nn.Module):
+    """The multi-token-prediction layer (`mtp.*`; vLLM's qwen3_5_mtp): fc(cat[norm(embed(token)), norm(h)]) -> one
+    full-attention MoE decoder layer with its own paged KV -> norm; the LM head is the main model's."""
+
+    def __init__(self, config: HFModelConfig, backend: AttentionBackend, moe_backend: MoEBackend) -> None:
+        super().__init__()
+        self.fc = Linear(2 * config.hidden_size, config.hidden_size)
+        self.pre_fc_norm_embedding = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList([HybridDecoderLayer(config, GatedAttention(config, backend),
+                                                        SharedExpertMoE(config, moe_backend), linear=False)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, embedded: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = self.fc(torch.cat((self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(prev_hidden)), dim=-1))
+        hidden, residual = self.layers[0](h, None, positions, cos_sin_cache, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
     """Qwen3.5-MoE's text model over the paged KV cache (attention layers) and state slots (delta-net layers)."""
 
@@ -337,8 +362,12 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
     )
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
-                 moe_backend: str = "auto") -> None:  # fmt: skip
+                 moe_backend: str = "auto", mtp: bool = False) -> None:  # fmt: skip
+        """mtp: also build and load the checkpoint's MTP layer (`mtp.*`), for speculative decoding."""
         nn.Module.__init__(self)
+        if mtp and config.num_nextn_predict_layers < 1:
+            raise ValueError("speculative method 'mtp' needs the checkpoint's multi-token-prediction layer, but "
+                             "config.json declares none (mtp_num_hidden_layers)")
         if config.linear_attention is None or config.moe is None:
             raise ValueError("config.json has no linear_attention layers or no experts: not a Qwen3.5-MoE checkpoint")
         if config.moe.shared_expert_intermediate_size <= 0:
@@ -357,9 +386,10 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
         """The delta nets' kernels (gdn_kernels)."""
         with use_ops(ops):
             self.model = Qwen35MoeModel(config, backend, self.moe_backend, self.gdn_backend_name)
+            self.mtp = Qwen35MTP(config, backend, self.moe_backend) if mtp else None
         attention = [layer.self_attn for layer in self.model.layers if not layer.is_linear]
-        self.num_layers = len(attention)
-        """Layers that hold paged KV (the full-attention ones)."""
+        self.num_layers = len(attention) + (self.mtp is not None)
+        """Layers that hold paged KV (the full-attention ones, then the MTP layer's)."""
         self.num_kv_heads = attention[0].num_kv_heads
         self.lm_head = (None if config.tie_word_embeddings
                         else VocabParallelEmbedding(config.vocab_size, config.hidden_size))
@@ -384,9 +414,25 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
             layer.reset_state(slots)
 
     def copy_state(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every delta-net layer's state slots src -> dst (a prefix snapshot saved, or resumed)."""
+        """Every delta-net layer's state slots src -> dst (a prefix snapshot saved or resumed, a verify step's state
+        after its last accepted token)."""
         for layer in self._delta_nets():
             layer.copy_state(src, dst)
+
+    # ---- speculative decoding -------------------------------------------------------------------------
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
+                    kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """The MTP layer at `positions`: input_ids int64 [T] are the tokens one position ahead, prev_hidden [T, H]
+        the main model's final hidden states there (or this layer's own output when drafting further); writes its
+        KV into its cache layer (the last of kv_caches); returns its normed output [T, H]."""
+        assert self.mtp is not None
+        return self.mtp(self.model.embed_tokens(input_ids), prev_hidden, positions, self.model.rotary_emb.cos_sin_cache,
+                        kv_caches[-1], meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's output rows [N, H] -> float32 logits [N, vocab] of the token two positions ahead."""
+        return self.compute_logits(hidden)
 
     # ---- weights --------------------------------------------------------------------------------------
 
@@ -397,21 +443,24 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
         """HF names (text-only or the multimodal checkpoint's language model), zero-centred norms made plain
         (1 + w), routed experts stacked (ExpertTensors)."""
         experts = ExpertTensors(self)
-        loaded = super().load_weights(
-            (name, tensor) for name, tensor in _text_weights(weights) if not experts.load(name, tensor))
+        loaded = super().load_weights((name, tensor) for name, tensor in _text_weights(weights, self.mtp is not None)
+                                      if not experts.load(name, tensor))
         return loaded | experts.loaded
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
         keep = ExpertTensors(self).keep
-        return lambda name: not name.startswith(_SKIPPED_PREFIXES) and keep(name)
+        skipped = _VISION_PREFIXES + (() if self.mtp is not None else _MTP_PREFIXES)
+        return lambda name: not name.startswith(skipped) and keep(name)
 
 
-def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _text_weights(weights: Iterable[tuple[str, torch.Tensor]], mtp: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped = _VISION_PREFIXES + (() if mtp else _MTP_PREFIXES)
     for name, tensor in weights:
-        if name.startswith(_SKIPPED_PREFIXES):
+        if name.startswith(skipped):
             continue
         if name.startswith("model.language_model."):
             name = "model." + name.removeprefix("model.language_model.")
-        if name.endswith(_ZERO_CENTRED) or name in ("model.norm.weight", "norm.weight"):
+        name = name.removeprefix("model.") if name.startswith("model.mtp.") else name
+        if name.endswith(_ZERO_CENTRED) or name in ("model.norm.weight", "norm.weight", "mtp.norm.weight"):
             tensor = tensor.float() + 1.0
         yield name, tensor

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_engine import write_tiny_tokenizer
+from helpers_spec import VOCAB, add_qwen35_mtp_layer, check_same, make_runner, oracle, run
 from helpers_tiny_models import (
     PagedRunner,
     check_greedy_matches_generate,
@@ -336,15 +337,54 @@ def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model
         assert core.num_preemptions > 0 and core.blocks.num_free_blocks == 24
 
 
-def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir, tmp_path):
-    mtp = tmp_path / "mtp"
-    shutil.copytree(model_dir, mtp)
-    config = json.loads((mtp / "config.json").read_text())
-    (mtp / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))  # (the released configs')
-    with pytest.raises(Exception, match="multi-token prediction of Qwen3.5-MoE is not supported yet"):
-        LLM(str(mtp), kv_cache_blocks=32, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir):
     with pytest.raises(Exception, match="prefill-decode disaggregation of a model with recurrent state"):
         LLM(str(model_dir), kv_cache_blocks=32, role="decode")
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("q35mtp") / "m"
+    shutil.copytree(write_tiny_qwen35_model(tmp_path_factory.mktemp("q35base") / "m"), d)
+    write_tiny_tokenizer(d, vocab_size=VOCAB)
+    return add_qwen35_mtp_layer(d)
+
+
+@pytest.fixture(scope="module")
+def plain_q35(mtp_dir):
+    tokens, logprobs, sched, verified = run(make_runner(mtp_dir, None))
+    assert not verified
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_mtp_speculation_rolls_the_delta_nets_back_and_gives_the_tokens_of_plain_decoding(mtp_dir, plain_q35,
+                                                                                         num_spec):
+    """The MTP layer drafts (the oracle hook replaces its random drafts with plain decoding's tokens, some wrong),
+    the verify pass keeps each token's state, and a rejected draft's state is never kept: greedy tokens, seeded
+    samples and logprobs equal plain decoding's, prefix hits (resuming state snapshots) included."""
+    runner = make_runner(mtp_dir, num_spec)
+    assert runner.model.num_layers == 2 and len(runner.kv_caches) == 2  # one attention layer, then the MTP layer's
+    runner.spec.draft_hook = oracle(plain_q35[0], corrupt=True)
+    tokens, logprobs, sched, verified = run(runner)
+    check_same((tokens, logprobs), plain_q35)
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
+
+
+def test_mtp_through_the_engine_gives_transformers_greedy_tokens(mtp_dir, prompts):
+    hf = load_hf_model(mtp_dir)  # (transformers drops mtp.*)
+    turn = random_tokens(22, seed=75)
+    with LLM(str(mtp_dir), block_size=4, kv_cache_blocks=128, max_num_seqs=4,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        assert _run(llm, prompts) == _reference(hf, prompts)
+        # a second turn resumes the first's state snapshot (a hit under MTP leaves its last block to recompute)
+        first = llm.generate([{"prompt_token_ids": turn}], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+        second = turn + first.outputs[0].token_ids + random_tokens(5, seed=76)
+        out = llm.generate([{"prompt_token_ids": second}], SamplingParams(max_tokens=12, **GREEDY),
+                           use_tqdm=False)[0]
+        assert out.num_cached_tokens > 0
+        assert out.outputs[0].token_ids == _reference(hf, [second])[0]
 
 
 def test_tensor_parallel_ranks_split_the_heads_and_their_state_and_give_transformers_tokens(model_dir, models,

@@ -62,6 +62,9 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     """int64 [B]: each sequence's slot in the recurrent-state pools of a hybrid model's linear-attention layers
     (kernels/gdn.py); None for models without recurrent state."""
+    state_history: np.ndarray | None = None
+    """int64 [T] on the host: per token, the pool row that gets the state after it (-1: none); a speculative verify
+    step's (kernels/gdn.py)."""
 
     @property
     def num_seqs(self) -> int:
