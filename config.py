@@ -56,9 +56,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     num_state_snapshots: int | None = None
-    """Hybrid models (gated delta nets): recurrent-state snapshots kept for prefix caching, one taken where each
-    prompt's last full block ends (a cached prefix resumes only from a snapshot); default: max_num_seqs; 0: no
-    prefix caching for such models. Each costs what one running sequence's state does."""
+    """Hybrid models (gated delta nets): recurrent-state snapshots kept for prefix caching (a cached prefix resumes
+    only from a snapshot, taken where prompts' cached prefixes end) and, on a disaggregated engine, for the prompts'
+    states in transfer; default: max_num_seqs; 0: no prefix caching for such models. Each costs what one running
+    sequence's state does."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     """KV cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (e4m3 with per-layer K and V scales, 1.0
     unless calibrated: half the bytes of a 16-bit cache, so twice the tokens, at a small accuracy cost)."""

@@ -273,6 +273,9 @@ class BatchScheduler:
         alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n)
         if alloc is None:
             return 0
+        if not self._reserve_states(seq, points):
+            self.blocks.free(seq.rid)
+            return 0
         if not seq.output_ids:
             seq.num_cached = alloc.num_cached_tokens
         seq.num_computed = seq.num_done = alloc.num_cached_tokens
@@ -280,11 +283,16 @@ class BatchScheduler:
         seq.new_blocks = []
         seq.num_drafts = 0
         seq.state_snapshot = alloc.state_snapshot
-        for at in points:
-            self.blocks.reserve_snapshot(seq.rid, at)  # (-1 when every slot awaits a save: no snapshot there)
         if self.num_speculative_tokens > 1:  # room for the further drafts' MTP KV (skipped when not there)
             self.blocks.append_slots(seq.rid, self.num_speculative_tokens - 1)
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
+
+    def _reserve_states(self, seq: Sequence, points: list[int]) -> bool:
+        """A hybrid model's state snapshots for a sequence just given its blocks (BlockManager.snapshot_points);
+        False: it cannot run now."""
+        for at in points:
+            self.blocks.reserve_snapshot(seq.rid, at)  # (-1 when every slot is taken: no snapshot there)
+        return True
 
     def _cut(self, seq: Sequence, n: int) -> int:
         """The sequence's next chunk of n tokens, ended where its state is to be saved if it crosses that point."""
@@ -348,6 +356,9 @@ class BatchScheduler:
         for seq, n in batch:
             seq.inflight -= 1
             seq.num_done += n
+            if seq.state_snapshot >= 0:  # its first step is back: the state it resumed from may be reused now
+                self.blocks.resumed(seq.rid)
+                seq.state_snapshot = -1
             if seq.rid in sampled:
                 seq.pending -= 1
             if seq.num_drafts:

@@ -22,7 +22,9 @@ is driven by the batching policy, one call per decision:
             full block ends (the next turn of a conversation). ``reserve_snapshot(seq_id, at)`` gives the slot
             the worker saves into when the sequence's KV reaches ``at``; ``commit`` makes that snapshot a prefix
             hit's ``Allocation.state_snapshot``. Snapshots are evicted least recently used, and with the block
-            whose hash keys them.
+            whose hash keys them. A disaggregated transfer's state is a snapshot slot the sequence owns instead
+            (``reserve_snapshot(..., owned=True)`` on the prefill side, ``own_state`` on the decode side): ``pin``
+            holds it with the blocks until ``unpin``.
 
 Choices, and why:
 
@@ -92,8 +94,13 @@ class _SeqBlocks:
     """Leading blocks already offered to the prefix cache (prefix hits count as offered)."""
     cacheable: bool = True
     """False after reset_prefix_cache(): KV computed before the reset must not be cached again."""
-    snapshots: list[tuple[int, int]] | None = None
-    """(position, slot) ascending: where the worker saves the recurrent state once the KV reaches position."""
+    snapshots: list[tuple[int, int, bool]] | None = None
+    """(position, slot, owned) ascending: where the worker saves the recurrent state once the KV reaches position;
+    owned: for the sequence itself (a transfer's), not the prefix cache."""
+    state: int = -1
+    """A snapshot slot the sequence owns: its transfer's state (saved here, or migrated in); -1: none."""
+    resumes: int = -1
+    """The snapshot slot its first step resumes its state from, held until that step is back (resumed()); -1: none."""
 
 
 class BlockManager:
@@ -127,6 +134,11 @@ class BlockManager:
         self.num_state_snapshots = num_state_snapshots
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot of the state at its end, LRU
         self._free_snapshots: list[int] = list(range(num_state_snapshots - 1, -1, -1))
+        self._pinned_states: dict[str, int] = {}  # pin id -> the snapshot slot it holds with its blocks
+        self._slot_hash: dict[int, bytes] = {}  # a cached snapshot's slot -> its key in _snapshots
+        self._readers: dict[int, int] = {}
+        """snapshot slot -> sequences whose first step, not back yet, resumes from it: the slot is neither evicted nor
+        reused until then (a KV migration writes a slot it is given at once, out of the worker's step order)."""
 
     # ------------------------------------------------------------------ read-only views
 
@@ -256,8 +268,9 @@ class BlockManager:
         snapshot = self._snapshot_of(hit_blocks, hashes)
         if snapshot >= 0:
             self._snapshots.move_to_end(hashes[len(hit_blocks) - 1])
+            self._readers[snapshot] = self._readers.get(snapshot, 0) + 1
         table = hit_blocks + self._pop_free(num_fresh)
-        self._seqs[seq_id] = _SeqBlocks(table, num_slots, hashes, len(hit_blocks))
+        self._seqs[seq_id] = _SeqBlocks(table, num_slots, hashes, len(hit_blocks), resumes=snapshot)
         if self.enable_prefix_caching:
             self.queried_tokens += num_tokens
             self.hit_tokens += num_cached
@@ -332,38 +345,90 @@ class BlockManager:
     def snapshot_after(self, seq_id: str, position: int) -> tuple[int, int] | None:
         """(position, slot) of the sequence's first reserved snapshot past `position` (those before it may be in a
         step in flight, not yet committed); None when there is none."""
-        return next((s for s in self._seqs[seq_id].snapshots or () if s[0] > position), None)
+        return next(((at, slot) for at, slot, _ in self._seqs[seq_id].snapshots or () if at > position), None)
 
-    def reserve_snapshot(self, seq_id: str, at: int) -> int:
-        """A slot the worker saves the sequence's state into when its KV reaches `at` (past any reserved before),
-        evicting the least recently used snapshot if need be; -1 when every slot awaits a save."""
+    def reserve_snapshot(self, seq_id: str, at: int, owned: bool = False) -> int:
+        """A slot the worker saves the sequence's state into when its KV reaches `at`, evicting the least recently
+        used snapshot if need be; -1 when every slot is taken. owned: the state is the sequence's own (a transfer's:
+        pin() holds it), not the prefix cache's."""
         seq = self._seqs[seq_id]
-        if seq.snapshots and seq.snapshots[-1][0] >= at:
-            raise ValueError(f"{seq_id!r}: snapshots are reserved in position order")
-        if not self._free_snapshots and self._snapshots:
-            _, slot = self._snapshots.popitem(last=False)
-            self._free_snapshots.append(slot)
-        if not self._free_snapshots:
-            return -1
-        slot = self._free_snapshots.pop()
-        seq.snapshots = [*(seq.snapshots or []), (at, slot)]
+        if any(p == at for p, _, _ in seq.snapshots or ()):
+            raise ValueError(f"{seq_id!r}: a snapshot at {at} is reserved already")
+        slot = self._take_snapshot_slot()
+        if slot >= 0:
+            seq.snapshots = sorted([*(seq.snapshots or []), (at, slot, owned)])
         return slot
+
+    def own_state(self, seq_id: str) -> int:
+        """A snapshot slot the sequence owns from now on (a decode engine's migrated state lands there); -1 when
+        every slot is taken."""
+        seq = self._seqs[seq_id]
+        if seq.state >= 0:
+            raise ValueError(f"{seq_id!r} owns a state slot already")
+        seq.state = self._take_snapshot_slot()
+        return seq.state
+
+    def state_of(self, seq_id: str) -> int:
+        """The snapshot slot the sequence owns (own_state, or an owned snapshot taken); -1: none."""
+        return self._seqs[seq_id].state
+
+    def resume_own_state(self, seq_id: str) -> int:
+        """The sequence's first step resumes the state it owns (a migrated one): returns that slot, which is freed
+        once the step is back (resumed()); -1 when it owns none."""
+        seq = self._seqs[seq_id]
+        slot, seq.state = seq.state, -1
+        if slot >= 0:
+            seq.resumes = slot
+            self._readers[slot] = self._readers.get(slot, 0) + 1
+        return slot
+
+    def resumed(self, seq_id: str) -> None:
+        """The sequence's first step is back: the state it resumed is in its running slot now."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.resumes >= 0:
+            self._drop_reader(seq.resumes)
+            seq.resumes = -1
+
+    def _drop_reader(self, slot: int) -> None:
+        self._readers[slot] -= 1
+        if not self._readers[slot]:
+            del self._readers[slot]
+            if slot not in self._slot_hash:  # (a migrated state, or a snapshot dropped while it was read)
+                self._free_snapshots.append(slot)
+
+    def _free_snapshot(self, slot: int) -> None:
+        """A slot nothing keeps any more: free, or once its last reader is done."""
+        if slot not in self._readers:
+            self._free_snapshots.append(slot)
+
+    def _take_snapshot_slot(self) -> int:
+        if not self._free_snapshots:  # evict the least recently used snapshot no step is about to resume
+            victim = next((h for h, slot in self._snapshots.items() if slot not in self._readers), None)
+            if victim is not None:
+                self._uncache_snapshot(victim)
+        return self._free_snapshots.pop() if self._free_snapshots else -1
+
+    def _uncache_snapshot(self, block_hash: bytes) -> None:
+        slot = self._snapshots.pop(block_hash)
+        del self._slot_hash[slot]
+        self._free_snapshot(slot)
 
     def _commit_snapshots(self, seq: _SeqBlocks, num_computed_tokens: int) -> None:
         """The snapshots taken by now: a prefix hit up to their blocks may resume from them."""
         while seq.snapshots and seq.snapshots[0][0] <= num_computed_tokens:
-            at, slot = seq.snapshots.pop(0)
+            at, slot, owned = seq.snapshots.pop(0)
+            if owned:
+                if seq.state >= 0:
+                    self._free_snapshots.append(seq.state)
+                seq.state = slot
+                continue
             i = at // self.block_size - 1
             block_hash = seq.block_hashes[i] if seq.cacheable and i < len(seq.block_hashes) else None
             if block_hash is None or block_hash not in self._cache or block_hash in self._snapshots:
                 self._free_snapshots.append(slot)  # its block is not cached (or has a snapshot already)
             else:
                 self._snapshots[block_hash] = slot
-
-    def _drop_snapshot(self, block_hash: bytes) -> None:
-        slot = self._snapshots.pop(block_hash, None)
-        if slot is not None:
-            self._free_snapshots.append(slot)
+                self._slot_hash[slot] = block_hash
 
     def free(self, seq_id: str) -> bool:
         """Drop the sequence's table (finish, abort, or preemption by recompute).
@@ -376,7 +441,11 @@ class BlockManager:
         if seq is None:
             return False
         if seq.snapshots:  # never taken (or taken by a step whose result is dropped): the slots are free
-            self._free_snapshots.extend(slot for _, slot in seq.snapshots)
+            self._free_snapshots.extend(slot for _, slot, _ in seq.snapshots)
+        if seq.state >= 0:
+            self._free_snapshots.append(seq.state)
+        if seq.resumes >= 0:
+            self._drop_reader(seq.resumes)
         self._release(seq.block_ids)
         return True
 
@@ -393,11 +462,26 @@ class BlockManager:
         pin_id = seq_id if pin_id is None else pin_id
         if pin_id in self._pins:
             raise ValueError(f"pin {pin_id!r} already held")
-        blocks = list(self._seqs[seq_id].block_ids)
+        seq = self._seqs[seq_id]
+        blocks = list(seq.block_ids)
         for block in blocks:
             self._ref[block] += 1
         self._pins[pin_id] = blocks
+        owned = [slot for _, slot, own in seq.snapshots or () if own]  # saved by the step whose result pins it
+        if owned:
+            seq.snapshots = [s for s in seq.snapshots if not s[2]]
+            if seq.state >= 0:
+                self._free_snapshots.append(seq.state)
+            seq.state = owned[-1]
+            self._free_snapshots.extend(owned[:-1])
+        if seq.state >= 0:  # the transfer's state goes with its blocks
+            self._pinned_states[pin_id] = seq.state
+            seq.state = -1
         return pin_id
+
+    def pinned_state(self, pin_id: str) -> int:
+        """The snapshot slot a pin holds (its transfer's state); -1: none."""
+        return self._pinned_states.get(pin_id, -1)
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin; blocks whose last holder it was return to the free pool. False if unknown."""
@@ -405,6 +489,9 @@ class BlockManager:
         if blocks is None:
             return False
         self._release(blocks)
+        slot = self._pinned_states.pop(pin_id, -1)
+        if slot >= 0:
+            self._free_snapshots.append(slot)
         return True
 
     # ------------------------------------------------------------------ cache maintenance
@@ -419,8 +506,8 @@ class BlockManager:
         for block in self._cache.values():
             self._hash[block] = None
         self._cache.clear()
-        self._free_snapshots.extend(self._snapshots.values())
-        self._snapshots.clear()
+        for block_hash in list(self._snapshots):
+            self._uncache_snapshot(block_hash)
         self._free_uncached.extend(self._evictable)
         self._evictable.clear()
         for seq in self._seqs.values():
@@ -437,8 +524,8 @@ class BlockManager:
         while len(taken) < n:
             block, _ = self._evictable.popitem(last=False)
             del self._cache[self._hash[block]]  # type: ignore[arg-type]
-            if self._snapshots:
-                self._drop_snapshot(self._hash[block])  # type: ignore[arg-type]
+            if self._hash[block] in self._snapshots:
+                self._uncache_snapshot(self._hash[block])  # type: ignore[arg-type]
             self._hash[block] = None
             self.num_evictions += 1
             taken.append(block)
@@ -491,6 +578,13 @@ class BlockManager:
         hashed = sum(h is not None for h in self._hash)
         check(hashed == len(self._cache), "a block carries a hash the cache does not map to it")
         check(all(h in self._cache for h in self._snapshots), "a snapshot outlived its block")
-        reserved = [slot for seq in self._seqs.values() for _, slot in seq.snapshots or ()]
-        slots = [*self._snapshots.values(), *self._free_snapshots, *reserved]
+        reserved = [slot for seq in self._seqs.values() for _, slot, _ in seq.snapshots or ()]
+        owned = [seq.state for seq in self._seqs.values() if seq.state >= 0]
+        read = [seq.resumes for seq in self._seqs.values() if seq.resumes >= 0]
+        check(sorted(set(read)) == sorted(self._readers) and len(read) == sum(self._readers.values()),
+              "snapshot readers miscounted")
+        check(self._slot_hash == {slot: h for h, slot in self._snapshots.items()}, "cached snapshot slots mismatched")
+        orphans = [slot for slot in self._readers if slot not in self._slot_hash]
+        slots = [*self._snapshots.values(), *self._free_snapshots, *reserved, *owned, *self._pinned_states.values(),
+                 *orphans]
         check(sorted(slots) == list(range(self.num_state_snapshots)), "snapshot slots lost or held twice")

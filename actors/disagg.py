@@ -85,6 +85,14 @@ class PrefillBatchScheduler(BatchScheduler):
                 out.append(d)
         return out
 
+    def _reserve_states(self, seq: Sequence, points: list[int]) -> bool:
+        # a hybrid model: the prompt's recurrent state leaves with its KV, saved where the prompt ends into a snapshot
+        # slot the transfer holds until BlocksReleased (before any prefix-cache snapshot: none free, admitted later)
+        if (seq.transfer_id is not None and self.blocks.num_state_snapshots
+                and self.blocks.reserve_snapshot(seq.rid, len(seq.prompt_ids), owned=True) < 0):
+            return False
+        return super()._reserve_states(seq, points)
+
     def _hand_off(self, seq: Sequence, tok: int) -> bool:
         if seq.transfer_id is None:
             return False
@@ -96,7 +104,8 @@ class PrefillBatchScheduler(BatchScheduler):
         self.blocks.pin(seq.rid, seq.transfer_id)
         self.outbox.append(KVReadyEvent(
             transfer_id=seq.transfer_id, num_tokens=len(seq.prompt_ids), first_token=tok, src_engine=self.engine,
-            block_size=self.blocks.block_size, block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32)))
+            block_size=self.blocks.block_size, block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32),
+            state_slot=self.blocks.pinned_state(seq.transfer_id)))
         self._release(seq)  # its table goes; the pin keeps the blocks until BlocksReleased
         self._transfers.discard(seq.rid)
         return True
@@ -190,6 +199,9 @@ class DecodeBatchScheduler(BatchScheduler):
         if ev.error is None and ev.block_size != self.blocks.block_size:
             ev = msgspec.structs.replace(ev, error=f"block size {ev.block_size} on the prefill side, "
                                                    f"{self.blocks.block_size} here: the KV cannot be moved")
+        elif ev.error is None and (ev.state_slot >= 0) != bool(self.blocks.num_state_snapshots):
+            ev = msgspec.structs.replace(ev, error="one engine's model keeps a recurrent state and the other's does "
+                                                   "not: the engines serve different models")
         t.ready = ev
         if ev.error is not None:
             return [self._end(t, "error")]
@@ -209,6 +221,7 @@ class DecodeBatchScheduler(BatchScheduler):
         self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
         seq.num_computed = seq.num_done = ready.num_tokens
         self.blocks.commit(seq.rid, seq.prompt_ids, ready.num_tokens)
+        seq.state_snapshot = self.blocks.resume_own_state(seq.rid)  # (a hybrid model: the migrated state)
         seq.output_ids.append(ready.first_token)
         delta = self._delta(seq, [ready.first_token])
         reason = self._stop_reason(seq, ready.first_token)
@@ -248,6 +261,11 @@ class DecodeBatchScheduler(BatchScheduler):
             alloc = self.blocks.allocate(seq.rid, seq.prompt_ids, num_new_tokens=None)
             if alloc is None:
                 return  # retried at the next schedule()
+            # a hybrid model: the prompt's recurrent state is migrated too, into a snapshot slot this sequence holds
+            # until its first step resumes it
+            if self.blocks.num_state_snapshots and self.blocks.own_state(seq.rid) < 0:
+                self.blocks.free(seq.rid)
+                return  # likewise
             t.reserved = True
             seq.num_cached = alloc.num_cached_tokens
         skip = seq.num_cached // self.blocks.block_size  # blocks our own prefix cache already holds
@@ -255,7 +273,8 @@ class DecodeBatchScheduler(BatchScheduler):
         pages = len(t.ready.block_ids)
         self.outbox.append(MigrateKVCmd(transfer_id=t.ready.transfer_id, src_engine=t.ready.src_engine,
                                         src_block_ids=t.ready.block_ids[skip:pages],
-                                        dst_block_ids=np.asarray(table[skip:pages], dtype=np.int32)))
+                                        dst_block_ids=np.asarray(table[skip:pages], dtype=np.int32),
+                                        src_state_slot=t.ready.state_slot, dst_state_slot=self.blocks.state_of(seq.rid)))
         t.migrating = True
 
     def _remember_ended(self, transfer_id: str) -> None:

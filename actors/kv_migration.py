@@ -42,6 +42,11 @@ it; a KVStageRequest or KVSendRequest for another transfer, or for blocks the tr
 (one for a transfer not announced yet waits up to ANNOUNCE_GRACE_S for its announcement). dlslime's one-sided reads
 of unstaged memory do not pass through this actor and are bounded only by the registered regions.
 
+A hybrid model's recurrent state (Qwen3.5's delta nets) moves with the prompt's blocks: the prefill side saves it
+into a snapshot slot its transfer holds (actors/disagg.py), and a migration also reads that row of every state pool
+(KVEndpointEvent.state_regions) into the snapshot slot the decode side gave it (MigrateKVCmd.dst_state_slot), on
+unstaged reads only for now (dlslime and local; staging and torch_dist are refused at start for such a model).
+
 Migrations from one peer run one at a time (dlslime opens a connection per range; concurrent reads on
 one endpoint gain nothing on TCP), and all of them while this rank stages; the actor keeps receiving.
 """
@@ -94,15 +99,19 @@ MAX_WAITING_REQUESTS = 1024
 
 
 class KVMemory:
-    """A rank's KV cache as the data plane sees it: one contiguous tensor per layer, same block layout."""
+    """A rank's KV cache as the data plane sees it: one contiguous tensor per layer, same block layout; and a hybrid
+    model's recurrent-state pools (`states`, row `state_row_base + s` holding snapshot slot s)."""
 
-    def __init__(self, caches: list[torch.Tensor]) -> None:
+    def __init__(self, caches: list[torch.Tensor], states: list[torch.Tensor] = (), state_row_base: int = 0) -> None:
         if not caches:
             raise ValueError("a KV cache needs at least one layer")
         self.caches = caches
         self.block_bytes = kv_block_bytes(caches[0])
         if any(kv_block_bytes(c) != self.block_bytes for c in caches):
             raise ValueError("every layer's KV cache must have the same block size in bytes")
+        self.states = list(states)
+        self.state_row_base = state_row_base
+        self.state_row_bytes = [kv_block_bytes(t) for t in self.states]
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +187,8 @@ class KVMigrationActor(Actor):
         """This rank's KV is reached through staging buffers."""
         self.regions: list[RegionInfo] = []
         """The KV layers' regions (unstaged), or this rank's read staging region (staged)."""
+        self.state_regions: list[RegionInfo] = []
+        """A hybrid model's recurrent-state pools (kv_migration moves a transfer's snapshot row of each)."""
         self._read_stage: torch.Tensor | None = None
         self._serve_stage: dict[str, tuple[torch.Tensor, RegionInfo]] = {}  # requester key -> its staging region
         self._replies: dict[tuple[str, str], asyncio.Future] = {}  # (peer key, transfer) -> staged / send answer
@@ -198,8 +209,12 @@ class KVMigrationActor(Actor):
             await asyncio.sleep(RUNNER_POLL_S)
             runner = local_runner(self.worker, self.rank)
         dis = self.config.disagg
-        self.memory = KVMemory(runner.kv_caches)
+        self.memory = KVMemory(runner.kv_caches, runner.state_pools, runner.num_state_slots)
         self.staged = self.memory.needs_staging(dis)
+        if self.memory.states and (self.staged or dis.kv_transfer_backend == "torch_dist"):
+            raise RuntimeError(f"a model with recurrent state moves its states over unstaged reads only: "
+                               f"kv_transfer_backend {dis.kv_transfer_backend!r} with staging {self.staged} does not "
+                               "carry them yet (use dlslime, reading the memory where it is)")
         options: dict[str, object] = {"timeout_s": dis.kv_transfer_timeout_s}
         if dis.kv_transfer_backend != "local":
             options["host"] = dis.kv_host
@@ -212,6 +227,7 @@ class KVMigrationActor(Actor):
                             self.label)
         else:
             self.regions = [self.engine.register(f"kv.layer{i}", c) for i, c in enumerate(self.memory.caches)]
+        self.state_regions = [self.engine.register(f"state.{i}", t) for i, t in enumerate(self.memory.states)]
         ep = self.engine.endpoint_info()
         where = (f"{ep.host}:{ep.port}" if ep.port else ep.host) or ep.engine_id  # torch_dist: a port per pair
         return {"kv_backend": ep.backend, "kv_endpoint": where, "kv_layers": str(len(self.memory.caches)),
@@ -246,7 +262,9 @@ class KVMigrationActor(Actor):
                                  kv_dtype=self.memory.kv_dtype)
         else:
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
-                                 block_bytes=self.memory.block_bytes, kv_dtype=self.memory.kv_dtype)
+                                 block_bytes=self.memory.block_bytes, kv_dtype=self.memory.kv_dtype,
+                                 state_regions=self.state_regions, state_row_bytes=self.memory.state_row_bytes,
+                                 state_row_base=self.memory.state_row_base)
         await self.send_to(req.reply_to, ev)
 
     async def _announce_pair(self, req: KVEndpointRequest) -> None:
@@ -414,6 +432,9 @@ class KVMigrationActor(Actor):
         if ev.block_bytes != self.memory.block_bytes:
             return (f"a KV block of one layer is {ev.block_bytes} bytes on the prefill engine, "
                     f"{self.memory.block_bytes} here (model, dtype, block size or tensor parallelism differ)")
+        if ev.state_row_bytes != self.memory.state_row_bytes:
+            return (f"the recurrent states differ: rows of {ev.state_row_bytes} bytes on the prefill engine, "
+                    f"{self.memory.state_row_bytes} here (model, dtype or tensor parallelism differ)")
         return None
 
     async def _expire_request(self, src: str, peer: _Peer) -> None:
@@ -446,6 +467,9 @@ class KVMigrationActor(Actor):
                             await self._read_staged(cmd, peer.info, pairs)
                     else:
                         await self._read_rounds(peer.info, pairs)
+            if cmd.dst_state_slot >= 0:
+                async with peer.lock:
+                    await self._read_state(cmd, peer.info)
         except KVTransferError as e:
             error = f"KV migration from {cmd.src_engine} failed: {e}"
             if isinstance(e, _PeerSilent):
@@ -453,7 +477,8 @@ class KVMigrationActor(Actor):
             if self._peers.get(cmd.src_kv[self.rank]) is peer:
                 del self._peers[cmd.src_kv[self.rank]]  # ask and connect again on the next command
         # what this command moved (not the engine's running count, which migrations from other peers share)
-        moved = 0 if error is not None else len(pairs) * len(self.memory.caches) * self.memory.block_bytes
+        moved = 0 if error is not None else (len(pairs) * len(self.memory.caches) * self.memory.block_bytes
+                                             + (sum(self.memory.state_row_bytes) if cmd.dst_state_slot >= 0 else 0))
         self.bytes_moved += moved
         await self._done(cmd, error=error, num_bytes=moved)
 
@@ -524,6 +549,15 @@ class KVMigrationActor(Actor):
             calls.setdefault((remote[0], local[0]), []).extend(kv_block_ranges(pairs, [local[1]], [remote[1]], bb))
         for (r, lo), ranges in calls.items():
             await self.engine.read(info.regions[r], ranges, self.regions[lo])
+
+    async def _read_state(self, cmd: MigrateKVCmd, info: KVEndpointEvent) -> None:
+        """A hybrid model's recurrent state: the prefill side's snapshot row into ours, in every pool."""
+        assert self.engine is not None and self.memory is not None
+        if cmd.src_state_slot < 0 or len(info.state_regions) != len(self.state_regions):
+            raise KVTransferError(f"the prefill engine {cmd.src_engine} sent no recurrent state for this transfer")
+        src, dst = info.state_row_base + cmd.src_state_slot, self.memory.state_row_base + cmd.dst_state_slot
+        for remote, local, row in zip(info.state_regions, self.state_regions, self.memory.state_row_bytes):
+            await self.engine.read(remote, [(dst * row, src * row, row)], local)
 
     async def _done(self, cmd: MigrateKVCmd, error: str | None = None, num_bytes: int = 0) -> None:
         if error is not None:

@@ -228,26 +228,28 @@ class ModelRunner:
                  f", tensor-parallel rank {rank} of {self.tp_size}" if self.tp_size > 1 else "",
                  self.num_blocks, self.block_size, self.num_blocks * self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
-                 f"; recurrent state for {self.num_state_slots} sequences and {self.num_state_snapshots} prefix "
+                 f"; recurrent state for {self.num_state_slots} sequences and {self.num_state_snapshots} "
                  f"snapshots ({self.state_bytes / 2**30:.2f} GiB)" if self.num_state_slots else "")
 
     def _allocate_state(self) -> None:
         """A hybrid model: one recurrent-state slot per sequence the scheduler may run at once (max_num_seqs),
         allocated before the KV cache is sized so that it comes out of the same budget."""
         config = self.config
-        name = type(self.model).__name__
-        if config.disagg.role != "both":
-            raise NotImplementedError(f"{name}: prefill-decode disaggregation of a model with recurrent state (gated "
-                                      "delta net layers) is not supported yet: its KV migration does not carry the "
-                                      "state")
         self.num_state_slots = config.scheduler.max_num_seqs
         snapshots = config.cache.num_state_snapshots
+        # (a disaggregated engine moves each prompt's state through one, prefix caching or not)
         self.num_state_snapshots = ((self.num_state_slots if snapshots is None else snapshots)
-                                    if config.cache.enable_prefix_caching else 0)
+                                    if config.cache.enable_prefix_caching or config.disagg.role != "both" else 0)
         spec = config.scheduler.speculative_config
         self.state_history_rows = self.num_state_slots * (spec.num_speculative_tokens + 1) if spec else 0
         self.model.allocate_state(self.num_state_rows, self.dtype, self.device)
         self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
+
+    @property
+    def state_pools(self) -> list[torch.Tensor]:
+        """The recurrent-state pools ([rows, ...] each; snapshot slot s is row num_state_slots + s): what a KV
+        migration moves with the blocks; [] without recurrent state."""
+        return self.model.state_tensors() if self.num_state_slots else []
 
     @property
     def num_state_rows(self) -> int:

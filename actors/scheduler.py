@@ -119,17 +119,20 @@ class SchedulerActor(Actor):
         prefix_caching = self.config.cache.enable_prefix_caching
         slots = min(e.num_state_slots for e in self._kv_info.values())
         snapshots = min(e.num_state_snapshots for e in self._kv_info.values())
-        if slots:  # a hybrid model: one state slot per running sequence; prefix hits resume state snapshots
+        if slots:  # a hybrid model: one state slot per running sequence; prefix hits and transfers use snapshots
             if prefix_caching and not snapshots:
                 log.info("prefix caching is off: the model's linear-attention layers keep a recurrent state, which is "
                          "valid at one position only, and num_state_snapshots is 0")
                 prefix_caching = False
+            if self.role != "both" and not snapshots:
+                raise RuntimeError("a disaggregated engine of a model with recurrent state moves each prompt's state "
+                                   "through a snapshot slot: num_state_snapshots must be at least 1")
             if slots < sched.max_num_seqs:  # (the workers size their slots by max_num_seqs)
                 raise RuntimeError(f"the workers hold recurrent state for {slots} sequences, fewer than max_num_seqs "
                                    f"{sched.max_num_seqs}")
         blocks = BlockManager(num_blocks, ev.block_size, enable_prefix_caching=prefix_caching,
                               recompute_last_hit=self.config.scheduler.speculative_config is not None,
-                              num_state_snapshots=snapshots if slots and prefix_caching else 0)
+                              num_state_snapshots=snapshots if slots else 0)
         if self.role == "prefill":
             self.core = PrefillBatchScheduler(self.config.scheduler, blocks, max_len, engine=self.engine_id)
         elif self.role == "decode":

@@ -408,6 +408,10 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
         for layer in self._delta_nets():
             layer.allocate_state(num_slots, dtype, device)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every delta-net layer's conv then recurrent state pool ([rows, ...] each)."""
+        return [t for layer in self._delta_nets() for t in (layer.conv_state, layer.recurrent_state)]
+
     def reset_state(self, slots: torch.Tensor) -> None:
         """Zero slots (int64 [n], on the state's device) for the sequences that start in them."""
         for layer in self._delta_nets():

@@ -28,13 +28,14 @@ BS = 4
 
 
 class Engine:
-    """One side: a policy, its block manager and fake worker, steps pipelined to `depth`."""
+    """One side: a policy, its block manager and fake worker, steps pipelined to `depth`; `snapshots` > 0: a hybrid
+    model's (its worker checks every recurrent state a sequence resumes)."""
 
-    def __init__(self, cls, num_blocks: int, depth: int, **kw) -> None:
+    def __init__(self, cls, num_blocks: int, depth: int, snapshots: int = 0, **kw) -> None:
         cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_steps_in_flight=depth)
-        self.blocks = BlockManager(num_blocks, BS)
+        self.blocks = BlockManager(num_blocks, BS, num_state_snapshots=snapshots)
         self.sched = cls(cfg, self.blocks, max_model_len=512, **kw)
-        self.worker = FakeWorker(num_blocks, BS)
+        self.worker = FakeWorker(num_blocks, BS, hybrid=snapshots > 0)
         self.inflight: deque = deque()
         self.num_blocks = num_blocks
 
@@ -46,10 +47,10 @@ class Engine:
         return self.sched.update(self.worker.execute(self.inflight.popleft()))
 
 
-def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0):
+def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0, snapshots=0):
     rng = random.Random(seed)
-    pre = Engine(PrefillBatchScheduler, p_blocks, depth, engine="p")
-    dec = Engine(DecodeBatchScheduler, d_blocks, depth)
+    pre = Engine(PrefillBatchScheduler, p_blocks, depth, snapshots, engine="p")
+    dec = Engine(DecodeBatchScheduler, d_blocks, depth, snapshots)
     outputs = {rid: [] for rid, _, _ in requests}
     finished: dict[str, str] = {}
     migrations: deque[MigrateKVCmd] = deque()
@@ -90,6 +91,9 @@ def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0
             for src, dst in zip(cmd.src_block_ids.tolist(), cmd.dst_block_ids.tolist()):
                 dec.worker.kv[dst * BS:(dst + 1) * BS] = pre.worker.kv[src * BS:(src + 1) * BS]
                 bytes_moved += BS
+            if snapshots:  # the prompt's recurrent state, from the slot its transfer pins on the prefill side
+                assert cmd.src_state_slot in pre.blocks._pinned_states.values()
+                dec.worker.snapshots[cmd.dst_state_slot] = pre.worker.snapshots[cmd.src_state_slot]
             collect(dec.sched.on_migration_done(MigrationDoneEvent(transfer_id=cmd.transfer_id)))
         for rid in abort:
             if rid not in finished and rng.random() < 0.05:
@@ -106,6 +110,10 @@ def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0
     assert pre.blocks.num_free_blocks == pre.num_blocks and not pre.blocks._pins, "prefill blocks all back"
     assert dec.blocks.num_free_blocks == dec.num_blocks, "decode blocks all back"
     assert not (dec.sched.transfers or dec.sched._early or dec.sched._released), "no transfer left behind"
+    for side in (pre, dec):
+        assert len(side.blocks._free_snapshots) + len(side.blocks._snapshots) == snapshots, "state slots all back"
+    if snapshots:
+        assert dec.worker.resumed > 0
     return outputs, finished, bytes_moved
 
 
@@ -117,10 +125,12 @@ def workload(n=12, seed=5):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-@pytest.mark.parametrize("p_blocks,d_blocks", [(200, 200), (30, 40)])
-def test_disaggregated_outputs_equal_the_reference(depth, p_blocks, d_blocks):
+@pytest.mark.parametrize("p_blocks,d_blocks,snapshots", [(200, 200, 0), (30, 40, 0), (200, 200, 3), (30, 40, 2)])
+def test_disaggregated_outputs_equal_the_reference(depth, p_blocks, d_blocks, snapshots):
+    """With snapshots: a hybrid model, whose prompts' recurrent states move with their KV (through snapshot slots
+    the transfer holds on both sides, fewer than the requests in flight: admission and reservation wait for them)."""
     reqs = workload()
-    outputs, finished, moved = run(reqs, p_blocks, d_blocks, depth, seed=depth + p_blocks)
+    outputs, finished, moved = run(reqs, p_blocks, d_blocks, depth, seed=depth + p_blocks, snapshots=snapshots)
     for rid, prompt, max_tokens in reqs:
         want = reference(prompt, max_tokens)
         assert outputs[rid] == want, rid
@@ -153,12 +163,13 @@ def test_both_caches_full_still_drains_every_request(seed, n, p_blocks, d_blocks
     assert outputs == {rid: reference(prompt, max_tokens) for rid, prompt, max_tokens in reqs}
 
 
-def test_aborts_anywhere_in_the_transfer_release_both_sides():
+@pytest.mark.parametrize("snapshots", [0, 2])
+def test_aborts_anywhere_in_the_transfer_release_both_sides(snapshots):
     reqs = workload(16, seed=9)
     aborted = {rid for rid, _, _ in reqs[::2]}
     ended_by_abort = 0
     for seed in range(4):
-        outputs, finished, _ = run(reqs, 60, 60, depth=2, abort=aborted, seed=seed)
+        outputs, finished, _ = run(reqs, 60, 60, depth=2, abort=aborted, seed=seed, snapshots=snapshots)
         for rid, prompt, max_tokens in reqs:
             want = reference(prompt, max_tokens)
             if finished[rid] == "abort":

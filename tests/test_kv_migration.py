@@ -39,7 +39,8 @@ def _need_dlslime() -> None:
 
 
 def _fake_runner(name: str, caches: list[torch.Tensor]) -> None:
-    worker_module._LOCAL_RUNNERS[(name, 0)] = types.SimpleNamespace(kv_caches=caches)
+    worker_module._LOCAL_RUNNERS[(name, 0)] = types.SimpleNamespace(kv_caches=caches, state_pools=[],
+                                                                    num_state_slots=0)
 
 
 async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: float = 10.0,

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from helpers_engine import write_tiny_tokenizer
+from helpers_optional import needs
+from helpers_server import start_server
 from helpers_spec import VOCAB, add_qwen35_mtp_layer, check_same, make_runner, oracle, run
 from helpers_tiny_models import (
     PagedRunner,
@@ -337,11 +339,6 @@ def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model
         assert core.num_preemptions > 0 and core.blocks.num_free_blocks == 24
 
 
-def test_what_the_state_does_not_carry_yet_is_refused_clearly(model_dir):
-    with pytest.raises(Exception, match="prefill-decode disaggregation of a model with recurrent state"):
-        LLM(str(model_dir), kv_cache_blocks=32, role="decode")
-
-
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("q35mtp") / "m"
@@ -402,3 +399,28 @@ def test_tensor_parallel_ranks_split_the_heads_and_their_state_and_give_transfor
         assert [o.outputs[0].token_ids for o in outs] == _reference(models[1], shared)
         assert [o.num_cached_tokens for o in outs] == [0, 0, 16]
         assert {"worker/0", "worker/1"} <= set(llm.client.ready_detail)
+
+
+@needs("openai", "the test talks to the server through the real openai client")
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_a_disaggregated_pair_moves_each_prompts_recurrent_state_with_its_kv(model_dir):
+    """1P1D over dlslime TCP: the prefill engine saves each prompt's state into a snapshot slot its transfer holds,
+    the decode engine's migration reads that row of every state pool with the KV blocks, and resumes it: every
+    request, chat and completion, streamed or not, gets what a colocated engine gives, and afterwards neither engine
+    holds a block, a transfer or a snapshot slot."""
+    import helpers_pd as pdh
+
+    common = ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs", "8"]
+    colocated = start_server(str(model_dir), "--single-process", *common, timeout=180)
+    try:
+        pd = start_server(str(model_dir), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp",
+                          "--num-state-snapshots", "4", *common, timeout=180)
+        try:
+            reqs = pdh.requests(16, offset=3)
+            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+            m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
+            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
+        finally:
+            assert pd.stop() == 0, "".join(pd.log[-30:])
+    finally:
+        colocated.stop()

@@ -272,6 +272,8 @@ class KVReadyEvent(Message):
     """Tokens per block on the prefill side (the decode side must use the same)."""
     error: str | None = None
     """Set when the prefill failed; the decode side fails the request and releases."""
+    state_slot: int = -1
+    """Hybrid models: the prefill side's state snapshot slot holding the prompt's recurrent state; -1: none."""
 
 
 class MigrateKVCmd(Message):
@@ -287,6 +289,10 @@ class MigrateKVCmd(Message):
     """Decode-side blocks, int32, pairwise with src_block_ids."""
     src_kv: list[str] = []
     """The prefill engine's KV-migration actors' inboxes, by rank (the scheduler shell fills them in)."""
+    src_state_slot: int = -1
+    """Hybrid models: the prefill side's state snapshot slot to read (KVReadyEvent.state_slot); -1: none."""
+    dst_state_slot: int = -1
+    """The decode side's state snapshot slot it lands in."""
 
 
 class MigrationDoneEvent(Message):
@@ -333,6 +339,13 @@ class KVEndpointEvent(Message):
     """Set when the rank cannot serve its KV (then the other fields are empty)."""
     kv_dtype: str = ""
     """Element type of the KV cache ("bfloat16", "float8_e4m3fn", ...); a reader of another type refuses it."""
+    state_regions: list[RegionInfo] = []
+    """Hybrid models: the recurrent-state pools (each delta-net layer's conv, then recurrent state), one region each;
+    snapshot slot s's row r = state_row_base + s starts at r * state_row_bytes[i]."""
+    state_row_bytes: list[int] = []
+    """Bytes of one row of each state region."""
+    state_row_base: int = 0
+    """The pools' row of snapshot slot 0 (the running slots come first)."""
 
 
 class KVStageRequest(Message):

@@ -250,8 +250,9 @@ async def _bench_raw(setup: Setup, send_group: dist.ProcessGroup, recv_group: di
 
 
 async def bench_actor(setup: Setup, rb: int, repeat: int, warmup: int, timeout_s: float) -> dict[str, Any]:
-    worker_module._LOCAL_RUNNERS[("bench-pw", 0)] = types.SimpleNamespace(kv_caches=setup.src)
-    worker_module._LOCAL_RUNNERS[("bench-dw", 0)] = types.SimpleNamespace(kv_caches=setup.dst)
+    for name, caches in (("bench-pw", setup.src), ("bench-dw", setup.dst)):
+        worker_module._LOCAL_RUNNERS[(name, 0)] = types.SimpleNamespace(kv_caches=caches, state_pools=[],
+                                                                        num_state_slots=0)
 
     def config(workers: str) -> dict[str, Any]:
         engine = EngineConfig(disagg=DisaggConfig(kv_transfer_backend="torch_dist", kv_transfer_timeout_s=timeout_s,
