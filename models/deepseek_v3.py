@@ -144,8 +144,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     """DeepSeek's block: MLA attention, then a dense MLP or the MoE."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
-                 linears: Linears) -> None:  # fmt: skip
-        super().__init__(config, DeepseekV3Attention(config, mla, backend, linears), mlp)
+                 linears: Linears, layer_idx: int = 0) -> None:  # fmt: skip
+        super().__init__(config, DeepseekV3Attention(config, mla, backend, linears, layer_idx), mlp)
 
 
 class DeepseekV3SharedHead(nn.Module):
@@ -161,8 +161,8 @@ class DeepseekV3MTPLayer(DeepseekV3DecoderLayer):
     through eh_proj, then an ordinary DeepSeek block (MLA over its own cache layer, MoE or dense MLP)."""
 
     def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, mlp: nn.Module,
-                 linears: Linears) -> None:  # fmt: skip
-        super().__init__(config, mla, backend, mlp, linears)
+                 linears: Linears, layer_idx: int) -> None:  # fmt: skip
+        super().__init__(config, mla, backend, mlp, linears, layer_idx)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)  # not FP8 in DeepSeek's checkpoint
@@ -188,13 +188,13 @@ class DeepseekV3Model(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linears) for i in range(config.num_hidden_layers)
+            DeepseekV3DecoderLayer(config, mla, backend, make_mlp(i), linears, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, mla.qk_rope_head_dim)
         n = config.num_hidden_layers
         self.mtp_layers = nn.ModuleList(
-            DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linears) for i in range(num_mtp_layers)
+            DeepseekV3MTPLayer(config, mla, backend, make_mlp(n + i), linears, n + i) for i in range(num_mtp_layers)
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -243,6 +243,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """KV cache layers: the decoder stack's, then the MTP layer's."""
         device = torch.get_default_device()
         requested = mla_backend if mla_backend != "auto" else attention_backend
+        if config.dsa is not None:  # sparse attention over the indexer's choice: the torch reference's only so far
+            if requested not in ("auto", "torch"):
+                raise NotImplementedError(f"sparse attention (index_topk in config.json) runs on the torch MLA "
+                                          f"backend only so far, not {requested!r}")
+            requested = "torch"
         self._mla_auto = requested == "auto"
         """Whether the MLA kernels were picked here (settle_kv_layout may then trade FlashMLA for triton)."""
         backend = get_mla_backend(requested, device=device, kv_lora_rank=mla.kv_lora_rank,
@@ -334,8 +339,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return block_size or DEFAULT_BLOCK_SIZE
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla)."""
-        return mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+        """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla), and
+        under sparse attention the indexer's key after each row's latent."""
+        shape = mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
+        dsa = self.config.dsa
+        return shape if dsa is None else (*shape[:-1], shape[-1] + dsa.index_head_dim)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, q_a_proj and

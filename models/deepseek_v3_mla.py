@@ -15,6 +15,12 @@ their norms are replicated: the latent and k_pe are per token, so every rank wri
 
 DeepSeek's checkpoints rotate interleaved pairs of the rope dims; their rows are reordered into halves once at load
 (deinterleaved_rope_rows) where the FP8 weight blocks allow, else the rotary parts are de-interleaved at every step.
+
+Sparse attention (DeepSeek-V3.2, GLM-5: config.dsa): a DSAIndexer beside the attention scores the cached positions
+for each query and the attention reads only its top-k (kernels/mla/dsa_ref.py). Its key per token is stored after
+the latent in the same cache row ([c_kv | k_pe | index key]), so prefix caching, preemption and KV migration carry
+it with the latent. GLM-5's "shared" layers run no indexer and reuse the previous layer's choice (it travels in
+AttentionMetadata.backend_state from layer to layer).
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ import torch
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
-from flotilla.kernels.mla import MLABackend
+from flotilla.kernels.mla import MLABackend, dsa_ref
 from flotilla.kernels.ops import current_ops
 from flotilla.kernels.quant import FP8_DTYPE
 from flotilla.kernels.rope import rope_type, yarn_mscale
-from flotilla.models.hf_config import HFModelConfig, MLAConfig
+from flotilla.models.hf_config import DSAConfig, HFModelConfig, MLAConfig
 from flotilla.models.linears import Linears
-from flotilla.models.llama import RMSNorm
+from flotilla.models.llama import Linear, RMSNorm
 from flotilla.models.parallel import divide, tp_group
 
 LATENT_NORM_EPS = 1e-6
@@ -92,11 +98,56 @@ def deinterleaved_rope_rows(tensor: torch.Tensor, kind: str, nope: int, rope: in
     return raw.index_select(0, order.flatten().to(raw.device)).view(tensor.dtype)
 
 
+DSA_SELECTION = "dsa_selection"
+"""AttentionMetadata.backend_state's key for the positions the last indexer chose this step (GLM-5's shared layers
+reuse them)."""
+
+
+class DSAIndexer(nn.Module):
+    """The lightning indexer: per token one key (wk -> LayerNorm -> RoPE on its first qk_rope_head_dim dims) and
+    index_n_heads queries from the q low-rank residual (wq_b -> RoPE), weighted per head from the hidden state
+    (weights_proj); every rank runs it whole (it is per token, like the latent)."""
+
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, dsa: DSAConfig, linears: Linears) -> None:
+        super().__init__()
+        if mla.q_lora_rank is None:
+            raise ValueError("sparse attention's indexer reads the low-rank query: config.json lacks q_lora_rank")
+        self.num_heads, self.head_dim, self.topk = dsa.index_n_heads, dsa.index_head_dim, dsa.index_topk
+        self.rope_dim = mla.qk_rope_head_dim
+        self.deinterleave = dsa.rope_interleave  # (q and k alike: their dot products are those of interleaved RoPE)
+        self.wq_b = linears.replicated(mla.q_lora_rank, self.num_heads * self.head_dim)
+        self.wk = linears.replicated(config.hidden_size, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=LATENT_NORM_EPS)
+        self.weights_proj = Linear(config.hidden_size, self.num_heads)  # (float in DeepSeek's FP8 checkpoints)
+        self.scale = self.head_dim**-0.5
+        self.ops = current_ops()
+
+    def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Store the new tokens' keys into index_cache (the rows' indexer columns); the positions each attends to,
+        bool [B, max_query_len, max_seq_len]."""
+        t, r = hidden.shape[0], self.rope_dim
+        q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden))
+        q_rot, k_rot = q[..., :r], k[:, :r]
+        if self.deinterleave:
+            q_rot, k_rot = _deinterleave(q_rot), _deinterleave(k_rot)
+        q_rot, k_rot = self.ops.apply_rope(positions, q_rot.contiguous(), k_rot.reshape(t, 1, r).contiguous(),
+                                           cos_sin_cache)
+        q = torch.cat((q_rot, q[..., r:]), dim=-1)
+        k = torch.cat((k_rot.view(t, r), k[:, r:]), dim=-1)
+        dsa_ref.store_index_keys(k, index_cache, meta.slot_mapping)
+        weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
+        return dsa_ref.select_positions(q, weights, index_cache, meta, self.topk, self.scale)
+
+
 class DeepseekV3Attention(nn.Module):
     """MLA: q (low-rank or not) and the latent -> RoPE on the rope parts -> store [c_kv | k_pe] in the
     paged cache -> absorbed MQA over the latents -> W_UV per head -> o_proj."""
 
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, linears: Linears) -> None:
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, backend: MLABackend, linears: Linears,
+                 layer_idx: int = 0) -> None:  # fmt: skip
+        """layer_idx: which indexer a sparse-attention model's layer has (DSAConfig.runs_indexer)."""
         super().__init__()
         total_heads = config.num_attention_heads
         self.num_heads = divide(total_heads, tp_group().size, "num_attention_heads")
@@ -136,6 +187,12 @@ class DeepseekV3Attention(nn.Module):
                                         "kv_b_proj", quantized=False)  # dequantized at load if FP8
         self.o_proj = linears.row(total_heads * self.v_dim, hidden, "o_proj", bias=bias)
         self.ops = current_ops()
+        dsa = config.dsa
+        self.sparse = dsa is not None
+        """Sparse attention: each query reads only the positions an indexer chose (its own, or the previous
+        layer's)."""
+        self.indexer = DSAIndexer(config, mla, dsa, linears) if dsa is not None and dsa.runs_indexer(layer_idx) \
+            else None  # fmt: skip
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight, so no copy
@@ -160,22 +217,37 @@ class DeepseekV3Attention(nn.Module):
             assert self.kv_a_proj_with_mqa is not None
             c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
             q_a = self.q_a_proj(hidden) if self.q_a_proj is not None else None
+        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(hidden)
         else:
             assert q_a is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_resid = self.q_a_layernorm(q_a)
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(num_tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
         if self.deinterleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.ops.apply_rope(positions, q_pe.contiguous(), k_pe.reshape(num_tokens, 1, self.rope_dim),
                                          cos_sin_cache)  # fmt: skip
+        select = None
+        if self.sparse:  # the cache rows end with the indexer's key: the latent is their first part
+            latent_width = self.kv_lora_rank + self.rope_dim
+            if self.indexer is not None:
+                assert q_resid is not None
+                select = meta.backend_state[DSA_SELECTION] = self.indexer(
+                    hidden, q_resid, positions, cos_sin_cache, kv_cache[..., latent_width:], meta)
+            else:
+                select = meta.backend_state[DSA_SELECTION]
+            kv_cache = kv_cache[..., :latent_width]
         self.backend.store_latent(c_kv, k_pe.view(num_tokens, self.rope_dim), kv_cache, meta.slot_mapping,
                                   self.kv_scale)
 
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
-        out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale, self.kv_scale)  # [T, H, r]
+        if select is None:
+            out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale, self.kv_scale)  # [T, H, r]
+        else:
+            out_latent = self.backend.forward(q_latent, q_pe, kv_cache, meta, self.scale, self.kv_scale, select=select)
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))

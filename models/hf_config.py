@@ -101,6 +101,27 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks the cached positions each query's
+    MLA attends to."""
+
+    index_n_heads: int
+    """The indexer's query heads."""
+    index_head_dim: int
+    """Dims of its query heads and of its one key per token."""
+    index_topk: int
+    """Positions each query attends to (all of them while fewer are cached)."""
+    rope_interleave: bool
+    """The indexer's RoPE rotates interleaved pairs (GLM-5) rather than halves (DeepSeek-V3.2)."""
+    shared: tuple[bool, ...]
+    """Per decoder layer: True where it runs no indexer and reuses the previous layer's positions (GLM-5's
+    indexer_types "shared"); an MTP layer always runs its own."""
+
+    def runs_indexer(self, layer_idx: int) -> bool:
+        return layer_idx >= len(self.shared) or not self.shared[layer_idx]
+
+
+@dataclass(frozen=True, slots=True)
 class FP8BlockQuantConfig:
     """config.json's `quantization_config` of an FP8 block-scaled checkpoint (DeepSeek-V3's): e4m3 weights
     with one float32 `weight_scale_inv` per weight_block_size block, activations quantized dynamically."""
@@ -149,6 +170,8 @@ class HFModelConfig:
     """Gated DeltaNet layers (a hybrid model); None when every layer is full attention."""
     partial_rotary_factor: float = 1.0
     """The share of each head's dims that RoPE rotates (the first ones); Qwen3.5: 0.25."""
+    dsa: DSAConfig | None = None
+    """Sparse attention's indexer (DeepSeek-V3.2, GLM-5); None: every query attends to every cached position."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -286,6 +309,28 @@ def _mla(raw: Mapping[str, Any]) -> MLAConfig | None:
     )
 
 
+def _dsa(raw: Mapping[str, Any]) -> DSAConfig | None:
+    """The sparse-attention indexer of a DeepSeek-V3.2 / GLM-5 config; None without index_topk."""
+    if raw.get("index_topk") is None or raw.get("kv_lora_rank") is None:
+        return None
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    elif types is None and raw.get("index_topk_freq") is not None:  # (transformers' GlmMoeDsaConfig schedule)
+        freq, offset = max(int(raw["index_topk_freq"]), 1), int(raw.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    types = list(types) if types is not None else ["full"] * layers
+    if len(types) != layers or set(types) - {"full", "shared"} or (types and types[0] == "shared"):
+        raise ValueError(f"config.json's indexer_types {types} must name 'full' or 'shared' for each of the "
+                         f"{layers} layers, the first 'full'")
+    return DSAConfig(index_n_heads=int(raw.get("index_n_heads", 64)),
+                     index_head_dim=int(raw.get("index_head_dim", 128)), index_topk=int(raw["index_topk"]),
+                     rope_interleave=bool(raw.get("indexer_rope_interleave", raw.get("model_type") == "glm_moe_dsa")),
+                     shared=tuple(t == "shared" for t in types))
+
+
 def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
     """The FP8 block quantization of a config; None without quantization_config. Other methods, per-tensor
     FP8 (no weight_block_size), non-e4m3 formats and static activation scales are refused (ValueError)."""
@@ -344,6 +389,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         sliding_window=_sliding_window(raw),
         moe=_moe(raw),
         mla=_mla(raw),
+        dsa=_dsa(raw),
         quantization=_quantization(raw),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0),
         linear_attention=_linear_attention(raw),

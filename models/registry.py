@@ -15,6 +15,9 @@ from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Kimi-K2's config.json names this architecture too (its own sizes; n_group = topk_group = 1).
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's model with sparse attention's indexer (config.json's index_topk)
+    "DeepseekV32ForCausalLM": DeepseekV3ForCausalLM,
+    "GlmMoeDsaForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     # Mistral is Llama's graph; configs with a real sliding window are refused by the constructor.
     "MistralForCausalLM": LlamaForCausalLM,

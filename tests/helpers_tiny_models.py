@@ -317,20 +317,53 @@ def write_tiny_deepseek_model(model_dir: str | Path, name: str = "deepseek_v3", 
     return model_dir
 
 
+# DeepSeek-V3.2 and GLM-5 (sparse attention): tiny DeepSeek-V3s with an indexer whose top-k is smaller than the
+# prompts (attention is really sparse); GLM's "shared" layers reuse the previous layer's choice. Indexer heads are
+# many enough that a position whose every head's ReLU is 0 (an exact tie at 0, which either engine may break its
+# own way) is rare; no EOS (generate's min_new_tokens would mask it where the engine picks it).
+TINY_DSA_CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "deepseek_v32": (transformers.DeepseekV32Config, dict(
+        TINY_DEEPSEEK_CONFIGS["deepseek_v3"], index_topk=6, index_n_heads=16, index_head_dim=24, eos_token_id=None)),
+    "glm_moe_dsa": (transformers.GlmMoeDsaConfig, dict(
+        TINY_DEEPSEEK_CONFIGS["deepseek_v3"], num_hidden_layers=4, index_topk=5, index_n_heads=16, index_head_dim=32,
+        indexer_types=["full", "shared", "full", "shared"], n_group=1, topk_group=1, eos_token_id=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+}
+
+
+def write_tiny_dsa_model(model_dir: str | Path, name: str = "deepseek_v32", seed: int = 0) -> Path:
+    """Save the tiny random sparse-attention model `name` (a TINY_DSA_CONFIGS key); the routers' biases and the
+    indexers' key norms (ones and zeros at init) are drawn at random so that they matter."""
+    config_class, overrides = TINY_DSA_CONFIGS[name]
+    config = config_class(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.3)
+            elif ".indexer.k_norm." in name_:
+                p.normal_(1.0 if name_.endswith("weight") else 0.0, 0.3)
+    model_dir = Path(model_dir)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
 FP8_BLOCK = (32, 32)
 """write_tiny_deepseek_fp8_pair's weight blocks: small, so the tiny model's linears span several blocks,
 partial ones included (q_b_proj's K 48, kv_a_proj_with_mqa's N 48)."""
 _FP8_QUANTIZED = re.compile(r"\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj"
-                            r"|down_proj)\.weight$")  # fmt: skip
+                            r"|down_proj|indexer\.wq_b|indexer\.wk)\.weight$")  # fmt: skip
 
 
 def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3",
                                  block: tuple[int, int] = FP8_BLOCK) -> tuple[Path, Path]:  # fmt: skip
-    """(fp8 folder, float folder) under `root`: the tiny DeepSeek-V3 model `name` with its linears (routed
-    experts included) quantized in `block` blocks (DeepSeek's quantization_config), and the same model with
-    those weights dequantized back (float32, no quantization)."""
+    """(fp8 folder, float folder) under `root`: the tiny DeepSeek-V3 model `name` (or sparse-attention one, a
+    TINY_DSA_CONFIGS key) with its linears (routed experts and the indexer's wq_b and wk included) quantized in
+    `block` blocks (DeepSeek's quantization_config), and the same model with those weights dequantized back
+    (float32, no quantization)."""
     root = Path(root)
-    src = write_tiny_deepseek_model(root / "float_src", name)
+    src = (write_tiny_dsa_model if name in TINY_DSA_CONFIGS else write_tiny_deepseek_model)(root / "float_src", name)
     weights = load_file(str(src / "model.safetensors"))
     fp8, dequantized = {}, {}
     for key, w in weights.items():

@@ -1,0 +1,52 @@
+"""DeepSeek Sparse Attention's lightning indexer, the torch reference (DeepSeek-V3.2, GLM-5): which cached positions
+each query's MLA attends to.
+
+Each token writes one indexer key (index_head_dim, LayerNorm'd and roped) into its row of the layer's paged cache,
+after the latent (models/deepseek_v3_mla.py: the row is [c_kv | k_pe | index key]). A query's score of a cached
+position s is sum_h w_h * ReLU(scale * q_h . k_s) over the indexer's heads (w from the hidden state); the query
+attends to the `topk` best-scored positions at or before its own (all of them while there are fewer). The result is
+a mask [B, Lq, S] that paged_mla (torch_ref) applies with the causal one. transformers computes the same in float32,
+skipping DeepSeek's FP8 scoring and Hadamard rotation (an orthogonal transform leaves the dot products as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.mla.torch_ref import gather_latent
+
+
+def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' indexer keys [T, D] into index_cache [num_blocks, block_size, D] (a view of the layer's
+    cache rows) at slot_mapping [T] (-1 = padding, not stored)."""
+    block_size = index_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    index_cache[slots // block_size, slots % block_size] = keys[keep].to(index_cache.dtype)
+
+
+def select_positions(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
+                     topk: int, scale: float) -> torch.Tensor:
+    """bool [B, max_query_len, max_seq_len]: the positions each new token attends to. q [T, H, D] and the head
+    weights [T, H] are the new tokens' (their keys stored already); index_cache as store_index_keys'."""
+    num_tokens = q.shape[0]
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
+    qsl = meta.query_start_loc.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=qsl.device), query_lens, output_size=num_tokens)
+    pos_in_query = torch.arange(num_tokens, device=qsl.device) - qsl[seq_idx]
+    qb = q.new_zeros(num_seqs, max_q, *q.shape[1:], dtype=torch.float32)
+    qb[seq_idx, pos_in_query] = q.float()
+    wb = weights.new_zeros(num_seqs, max_q, weights.shape[1], dtype=torch.float32)
+    wb[seq_idx, pos_in_query] = weights.float()
+    keys = gather_latent(index_cache, meta, torch.float32)  # [B, S, D], zero past each sequence's length
+    scores = torch.relu(torch.einsum("bqhd,bsd->bqhs", qb, keys) * scale)
+    scores = torch.einsum("bqhs,bqh->bqs", scores, wb)
+    cached_lens = meta.seq_lens.long() - query_lens
+    last_visible = cached_lens[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, Lq]
+    visible = torch.arange(meta.max_seq_len, device=q.device)[None, None, :] <= last_visible[:, :, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    k = min(topk, meta.max_seq_len)
+    chosen = torch.zeros_like(visible).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+    return chosen & visible
