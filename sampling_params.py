@@ -5,6 +5,37 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, frozen=True):
+    """What the output must match (vLLM's structured_outputs): exactly one of these. Grammars run in the worker
+    (actors/grammar.py, xgrammar)."""
+
+    json: str | None = None
+    """A JSON schema, as JSON text."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format json_object)."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """One of these strings, exactly."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect, GBNF-like: `root ::= ...`)."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice and grammar"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs' choice must list at least one string")
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the grammar (compiled grammars are cached by it)."""
+        return (self.json, self.json_object, self.regex, None if self.choice is None else tuple(self.choice),
+                self.grammar)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, frozen=True):
     """Per-request sampling and stopping options; travels inside GenerateRequest / TokenizedRequest."""
 
@@ -44,6 +75,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Not supported yet; must be None."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (None: unconstrained)."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flotilla.actors import grammar
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only
+from flotilla.actors.grammar import Grammars, SequenceGrammar
 from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
@@ -33,6 +35,7 @@ from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, 
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.loader import LoadedModel, load_model
+from flotilla.models.model_folder import eos_token_ids, load_tokenizer, model_dir
 from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import NewSequence, StepPlan, StepResult
@@ -67,6 +70,8 @@ class SeqState:
     """Speculative decoding: the draft tokens the next step verifies (actors/spec_decode.py)."""
     state_slot: int = -1
     """A hybrid model's recurrent-state slot (ModelRunner.num_state_slots); -1 without one."""
+    grammar: SequenceGrammar | None = None
+    """Structured outputs: the matcher that masks its logits (actors/grammar.py); None: unconstrained."""
 
     @classmethod
     def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
@@ -180,6 +185,8 @@ class ModelRunner:
         self.state_history_rows = 0
         """Speculative decoding: rows after the snapshots that hold a verify step's states token by token."""
         self._free_state_slots: list[int] = []
+        self._grammars: Grammars | None = None
+        """Structured outputs' compiled grammars (built with the first constrained sequence)."""
         if hasattr(self.model, "allocate_state"):
             self._allocate_state()
         self.num_blocks = self._num_kv_blocks()
@@ -380,6 +387,8 @@ class ModelRunner:
         device = self.device
         if self.__dict__.get("spec") is not None:  # a speculator (and its graphs) someone still holds lets go too
             self.spec.close()
+        if self.__dict__.get("_grammars") is not None:
+            self._grammars.close()
         self.__dict__.clear()
         gc.collect()
         if device.type == "cuda":
@@ -406,7 +415,7 @@ class ModelRunner:
             self.seqs[ns.rid] = SeqState.new(
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
-                needs_history=_needs_history(ns.sampling))
+                needs_history=_needs_history(ns.sampling), grammar=self._grammar_of(ns.sampling))
         if self.num_state_slots and plan.new_seqs:
             self._assign_state_slots(plan.new_seqs)
         if not plan.rids:
@@ -515,9 +524,36 @@ class ModelRunner:
         history = any(s.needs_history for s in sampled)
         if history and any(s.host_length < s.length for s in sampled):
             self._drain()  # penalties read every output token on the host
+        if self.mask_grammars(logits, sampled):
+            greedy = None  # (a graph's argmax came before the masks)
         st = self._sampling_tensors(sampled, rids, history, logits.shape[1])
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
         return sample(logits, st, want, generator=self.generator, greedy_ids=greedy), want
+
+    def _grammar_of(self, sampling: SamplingParams) -> SequenceGrammar | None:
+        """A constrained sequence's matcher, its grammar's compile started (on the rank that samples)."""
+        so = sampling.structured_outputs
+        if so is None or self.rank != 0:
+            return None
+        if self._grammars is None:
+            path = model_dir(self.config)
+            tokenizer = load_tokenizer(path)
+            self._grammars = Grammars(tokenizer, self.model.config.vocab_size, eos_token_ids(tokenizer, path))
+        stop = sorted({*self._grammars.stop_token_ids, *sampling.stop_token_ids})
+        return SequenceGrammar(self._grammars.start(so), stop)
+
+    def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState]) -> bool:
+        """Mask the logits rows (one per entry of row_seqs) of constrained sequences to what their grammars allow
+        next (waiting for their last tokens to reach the host first); whether any row was."""
+        rows = [(i, s) for i, s in enumerate(row_seqs) if s.grammar is not None]
+        if not rows:
+            return False
+        if any(s.host_length < s.length for _, s in rows):
+            self._drain()  # a matcher follows the tokens sampled so far
+        for _, s in rows:
+            s.grammar.follow(s.tokens[s.num_prompt_tokens:])
+        grammar.apply(logits, [(i, s.grammar) for i, s in rows])
+        return True
 
     def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,
                           vocab: int) -> SamplingTensors:

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flotilla.actors import grammar
+from flotilla.sampling_params import SamplingParams
 from flotilla.server.engine_client import EngineClient, EngineDeadError, RequestFailed
 from flotilla.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from flotilla.server.protocol import (
@@ -36,8 +39,9 @@ from flotilla.server.protocol import (
     model_not_found,
     parse_chat_request,
     parse_completion_request,
+    structured_outputs_of,
     to_sampling_params,
-    tool_parsing_enabled,
+    tool_parser_for,
 )
 from flotilla.server.protocol_output import (
     ChatCompletionBuilder,
@@ -47,12 +51,13 @@ from flotilla.server.protocol_output import (
     TokenTexts,
     new_response_id,
 )
-from flotilla.server.tool_parser import HermesToolParser
 from flotilla.transport.messages import GenerateRequest, SeqText
 
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
+CHECKED_GRAMMARS = 1024
+"""Output constraints whose grammars the server remembers as parsed (a repeated schema is not parsed again)."""
 
 
 @dataclass
@@ -69,6 +74,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    checked_grammars: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
@@ -257,19 +263,34 @@ def build_app(state: ServerState) -> Starlette:
             subs.extend((i * n + j, sub) for j, sub in enumerate(state.client.fan_out(req)))
         return subs
 
-    async def run_chat(req: ChatCompletionRequest) -> Response:
+    async def checked(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """The request's SamplingParams, its output constraint's grammar parsed (off the event loop; once per
+        distinct constraint) so that a bad one is a 400 naming it."""
         sampling = to_sampling_params(req)
+        so = sampling.structured_outputs
+        if so is not None and so.key not in state.checked_grammars:
+            try:
+                await asyncio.to_thread(grammar.check, so)
+            except ValueError as e:
+                raise ProtocolError(400, str(e), param=structured_outputs_of(req)[1]) from None
+            state.checked_grammars[so.key] = None
+            if len(state.checked_grammars) > CHECKED_GRAMMARS:
+                state.checked_grammars.popitem(last=False)
+        return sampling
+
+    async def run_chat(req: ChatCompletionRequest) -> Response:
+        sampling = await checked(req)
         rid = new_response_id(True)
         prompt = {"messages": chat_messages(req), "tools": chat_tools(req),
                   "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0}
-        parser = HermesToolParser if tool_parsing_enabled(req) else None
-        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts, tool_parser=parser)
+        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts,
+                  tool_parser=tool_parser_for(req))
         if req.stream:
             return await stream(ChatStreamState(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
         return await collect(ChatCompletionBuilder(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
 
     async def run_completion(req: CompletionRequest) -> Response:
-        sampling = to_sampling_params(req)
+        sampling = await checked(req)
         rid = new_response_id(False)
         prompts = [{"prompt": p, "priority": req.priority or 0} if isinstance(p, str) else
                    {"prompt_token_ids": np.asarray(p, dtype=np.int32), "priority": req.priority or 0}

@@ -13,13 +13,14 @@ in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
-from flotilla.sampling_params import SamplingParams
+from flotilla.sampling_params import SamplingParams, StructuredOutputs
 from flotilla.server.protocol_types import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -41,6 +42,13 @@ from flotilla.server.protocol_types import (
     UserMessage,
     SamplingFields,
 )
+from flotilla.server.tool_parser import (
+    HermesToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolCallParser,
+    required_tool_calls_schema,
+)
 
 __all__ = [
     "MAX_COMPLETION_LOGPROBS", "MAX_N", "MAX_TOP_LOGPROBS", "AssistantMessage", "ChatCompletionRequest", "ChatMessage",
@@ -48,7 +56,7 @@ __all__ = [
     "NamedFunction", "NamedToolChoice", "ProtocolError", "ResponseFormat", "SamplingFields", "StreamOptions",
     "SystemMessage", "ToolCallParam", "ToolDefinition", "ToolMessage", "UserMessage", "chat_messages", "chat_tools",
     "completion_prompts", "default_error_type", "error_body", "model_not_found", "parse_chat_request",
-    "parse_completion_request", "to_sampling_params", "tool_parsing_enabled",
+    "parse_completion_request", "to_sampling_params", "tool_parser_for", "tool_parsing_enabled",
 ]
 
 MAX_N = 128
@@ -224,6 +232,7 @@ def _check_sampling_fields(req: SamplingFields) -> None:
         raise _bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     if req.logit_bias:
         raise _unsupported("logit_bias", "Unsupported parameter: 'logit_bias' is not supported by this server.")
+    structured_outputs_of(req)  # (its form: the grammar itself is parsed off the event loop, server/app.py)
 
 
 def _check_content(content: Content | None, param: str, *, allow_refusal: bool) -> None:
@@ -262,10 +271,6 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         param = "functions" if req.functions is not None else "function_call"
         raise _unsupported(param, f"Unsupported parameter: '{param}' is deprecated; use 'tools' and "
                                   "'tool_choice' instead.")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ProtocolError(400, f"Invalid 'response_format.type': '{req.response_format.type}' is not supported "
-                                 "by this server (structured output is not available); use 'text'.",
-                            param="response_format.type", code="unsupported_value")
     for i, tool in enumerate(req.tools or ()):
         if not tool.function.name:
             raise _bad(f"tools[{i}].function.name", f"Invalid 'tools[{i}].function.name': empty string.")
@@ -320,6 +325,63 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
+def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema that enforces a tool_choice naming a function (its parameters) or "required" (an array of
+    calls, server/tool_parser.py); None when the model chooses (auto, none)."""
+    choice = req.effective_tool_choice
+    if isinstance(choice, NamedToolChoice):
+        tool = next((t for t in req.tools or () if t.function.name == choice.function.name), None)
+        return None if tool is None else tool.function.parameters or {"type": "object"}  # (None: _check_chat's 400)
+    if choice == "required" and req.tools:
+        return required_tool_calls_schema([(t.function.name, t.function.parameters) for t in req.tools],
+                                          req.parallel_tool_calls is not False)
+    return None
+
+
+def structured_outputs_of(req: SamplingFields) -> tuple[StructuredOutputs, str] | None:
+    """The output constraint a request asks for, with the parameter that asked (for a 400 about it); None when it
+    asks for none. OpenAI's response_format (json_object, json_schema) and vLLM's structured_outputs and guided_*;
+    two of them at once are a 400."""
+    asked: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise _bad("response_format.json_schema", "Missing required parameter: "
+                           "'response_format.json_schema.schema'.", "missing_required_parameter")
+            asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+        else:
+            raise ProtocolError(400, f"Invalid 'response_format.type': '{fmt.type}'; expected 'text', "
+                                     "'json_object' or 'json_schema'.", param="response_format.type",
+                                code="unsupported_value")
+    so = req.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in msgspec.structs.asdict(so).items() if v not in (None, False)}
+        if given:
+            asked.append(("structured_outputs", given))
+    for field in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{field}")
+        if value is not None:
+            asked.append((f"guided_{field}", {field: value}))
+    tools = forced_tool_schema(req) if isinstance(req, ChatCompletionRequest) else None
+    if tools is not None:
+        asked.append(("tool_choice", {"json": tools}))
+    if not asked:
+        return None
+    if len(asked) > 1 or len(asked[0][1]) > 1:
+        names = [p for p, _ in asked] if len(asked) > 1 else [f"structured_outputs.{k}" for k in asked[0][1]]
+        raise _bad(names[0], f"Invalid request: only one output constraint at a time; got {', '.join(names)}.")
+    param, spec = asked[0]
+    if "json" in spec and not isinstance(spec["json"], str):
+        spec = {"json": msgspec.json.encode(spec["json"]).decode()}
+    try:
+        return StructuredOutputs(**spec), param
+    except ValueError as e:
+        raise _bad(param, f"Invalid '{param}': {e}.") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Mapping onto the engine
 
@@ -362,6 +424,9 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, default_m
     kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
     kwargs["stop"] = _stop_list(req.stop)
     kwargs["stop_token_ids"] = list(req.stop_token_ids or ())
+    structured = structured_outputs_of(req)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured[0]
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -414,8 +479,8 @@ def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tool definitions to render into the prompt, or None.
 
     With ``tool_choice: "none"`` the model is not shown the tools (OpenAI: it will not call one); with a
-    named choice it is shown only that tool. There is no guided decoding yet, so "required" and a named
-    choice are honoured as far as the model follows the prompt.
+    named choice it is shown only that tool ("required" and a named choice are enforced by a constraint on the
+    output, forced_tool_schema).
     """
     choice = req.effective_tool_choice
     if not req.tools or choice == "none":
@@ -424,6 +489,17 @@ def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     return [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in tools]
+
+
+def tool_parser_for(req: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
+    """What makes tool calls of a choice's text: the forced call's parser under a named or "required"
+    tool_choice, the model format's parser under "auto", none without tools or under "none"."""
+    choice = req.effective_tool_choice
+    if not req.tools or choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        return functools.partial(NamedToolParser, choice.function.name)
+    return RequiredToolParser if choice == "required" else HermesToolParser
 
 
 def tool_parsing_enabled(req: ChatCompletionRequest) -> bool:

@@ -111,9 +111,30 @@ class StreamOptions(_Struct, kw_only=True):
     """Send a last chunk with usage and no choices (and "usage": null on every other chunk)."""
 
 
+class JSONSchemaFormat(_Struct, kw_only=True):
+    """response_format json_schema's ``json_schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    """The JSON schema the output follows."""
+    strict: bool | None = None
+
+
 class ResponseFormat(_Struct, kw_only=True):
     type: str
-    """Only "text" is served (no guided decoding yet)."""
+    """"text", "json_object" (any JSON object) or "json_schema" (the output follows ``json_schema.schema``)."""
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Struct, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(_Struct, kw_only=True):
@@ -143,6 +164,14 @@ class SamplingFields(_Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     priority: int | None = None
     """Lower runs first under priority scheduling (vLLM extension)."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    """vLLM's constraint on the output (a JSON schema, a regex, a choice or a grammar)."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older name of structured_outputs.json (and so on for the guided_* fields)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -161,7 +190,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool | None = None
     """Append the assistant turn opener (vLLM extension; default true)."""
     functions: list[Any] | None = None

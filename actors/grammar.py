@@ -1,0 +1,137 @@
+"""Structured outputs: a request's JSON schema, regex, choice or grammar as an xgrammar grammar, and each step the
+token bitmask that lets its sequence sample only tokens the grammar allows next.
+
+- The front end checks a request's grammar (`check`: parsing it needs no tokenizer) and answers a 400 naming the
+  problem before the request goes anywhere.
+- The worker (the rank that samples) compiles grammars against the model's vocabulary in a thread pool, cached by
+  their spec, as soon as a sequence that needs one arrives (`Grammars.start`). A sequence's matcher follows its
+  output: before a step samples it, the matcher takes the tokens sampled since (the worker waits for a token still
+  on the device only when such a row samples), then fills the row's bitmask, and the masked rows' logits are -inf
+  outside the grammar (`apply`). Rows without a grammar cost nothing.
+- When the grammar is complete only the stop tokens are allowed, so the sequence ends with EOS (or a stop token id).
+
+xgrammar was chosen over llguidance for being what vLLM and SGLang use by default, with a CPU path for the tests
+and fused mask kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flotilla.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+_XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+"""xgrammar's errors start with a time and its own source location: not for users."""
+
+
+def _message(exc: BaseException) -> str:
+    return _XGR_LOCATION.sub("", str(exc)).strip()
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    # JSON string literals are EBNF literals in xgrammar's dialect (escapes and unicode alike)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def check(spec: StructuredOutputs) -> None:
+    """Parse the spec's grammar; ValueError saying what is wrong with it (a schema xgrammar cannot convert, a bad
+    regex or EBNF)."""
+    import xgrammar as xgr
+
+    try:
+        if spec.json is not None:
+            xgr.Grammar.from_json_schema(spec.json)
+        elif spec.regex is not None:
+            xgr.Grammar.from_regex(spec.regex)
+        elif spec.grammar is not None:
+            xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        kind = "JSON schema" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
+        raise ValueError(f"the {kind} cannot be used for structured outputs: {_message(e)}") from None
+
+
+class Grammars:
+    """The worker's compiled grammars over the model's vocabulary (xgrammar's own cache keys them by spec)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 4) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+
+    def start(self, spec: StructuredOutputs) -> Future:
+        """Compile (or find) the spec's grammar off the step's thread: a Future of its CompiledGrammar."""
+        return self._pool.submit(self._compile, spec)
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        c = self._compiler
+        if spec.json is not None:
+            return c.compile_json_schema(spec.json)
+        if spec.json_object:  # (an object, as OpenAI's json_object means, with any properties)
+            return c.compile_json_schema('{"type": "object"}', strict_mode=False)
+        if spec.regex is not None:
+            return c.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return c.compile_grammar(_choice_ebnf(spec.choice))
+        assert spec.grammar is not None
+        return c.compile_grammar(spec.grammar)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SequenceGrammar:
+    """One sequence's matcher: created when its grammar is compiled, fed its output tokens as they are known."""
+
+    __slots__ = ("_future", "_stop", "matcher", "consumed")
+
+    def __init__(self, future: Future, stop_token_ids: list[int]) -> None:
+        self._future = future
+        self._stop = stop_token_ids
+        self.matcher: xgr.GrammarMatcher | None = None
+        self.consumed = 0
+        """Output tokens the matcher has taken."""
+
+    def follow(self, output: list[int] | Any) -> None:
+        """Take the output tokens sampled since the last call (waits for the grammar's compile the first time)."""
+        import xgrammar as xgr
+
+        if self.matcher is None:
+            self.matcher = xgr.GrammarMatcher(self._future.result(), override_stop_tokens=self._stop)
+        for token in output[self.consumed:]:
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(int(token)):
+                raise RuntimeError(f"structured outputs: token {int(token)} breaks the grammar it was sampled under")
+        self.consumed = len(output)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """The allowed next tokens into bitmask row `row`; False once the grammar has ended (the row is left free:
+        its stop token was sampled and the sequence is ending)."""
+        assert self.matcher is not None
+        if self.matcher.is_terminated():
+            return False
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        return True
+
+
+def apply(logits: torch.Tensor, rows: list[tuple[int, SequenceGrammar]]) -> None:
+    """-inf for every token a row's grammar does not allow next, in place (logits float [N, vocab]); rows: (logits
+    row, its sequence's matcher, up to date with its output)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # (a row per logits row: `indices` picks)
+    masked = [row for row, g in rows if g.fill(bitmask, row)]  # (a row whose grammar ended takes no mask)
+    if masked:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)

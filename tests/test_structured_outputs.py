@@ -1,0 +1,155 @@
+"""Structured outputs through the real server and the official openai client, on the embedded default model at
+temperature 1 over several seeds, streamed and not: OpenAI's response_format (json_object, json_schema, and
+`chat.completions.parse` with a pydantic model), vLLM's structured_outputs and guided_* (regex, choice, EBNF
+grammar); a constraint that cannot be used, or two at once, is a 400 naming it; an unconstrained request in the
+same batch gets the text it gets alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers_optional import require
+from helpers_server import start_server
+
+openai = require("openai", "the server is tested through the real openai client")
+pydantic = require("pydantic", "outputs are validated with pydantic models")
+require("xgrammar", "structured outputs compile grammars with xgrammar")
+
+MODEL = "SmolLM2-135M-Instruct"
+SEEDS = range(4)
+
+
+class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=24)
+    population: int
+    capital: bool
+    tags: list[str] = pydantic.Field(max_length=3)
+
+
+@pytest.fixture(scope="module")
+def client():
+    server = start_server("--max-num-seqs", "16", timeout=300)
+    try:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        server.stop()
+
+
+def _chat(client, stream: bool, **kw) -> str:
+    messages = [{"role": "user", "content": "Describe a city."}]
+    if not stream:
+        return client.chat.completions.create(model=MODEL, messages=messages, temperature=1, max_tokens=300,
+                                              **kw).choices[0].message.content
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, temperature=1, max_tokens=300,
+                                            stream=True, **kw)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def _all(fn, *args) -> list:
+    """fn(*args, seed) for every seed, all at once (the engine batches them)."""
+    with ThreadPoolExecutor(len(SEEDS)) as pool:
+        return list(pool.map(lambda seed: fn(*args, seed), SEEDS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_and_json_object_outputs_validate(client, stream):
+    schema = {"name": "city", "schema": City.model_json_schema(), "strict": True}
+    for text in _all(lambda seed: _chat(client, stream, seed=seed,
+                                        response_format={"type": "json_schema", "json_schema": schema})):
+        City.model_validate_json(text)
+    for text in _all(lambda seed: _chat(client, stream, seed=seed, response_format={"type": "json_object"})):
+        assert isinstance(json.loads(text), dict)
+
+
+def test_parse_with_a_pydantic_model(client):
+    def parse(seed: int):
+        return client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A city?"}],
+                                             response_format=City, temperature=1, seed=seed, max_tokens=300)
+
+    for out in _all(parse):
+        assert isinstance(out.choices[0].message.parsed, City) and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_regex_choice_and_grammar_constrain_completions(client, stream):
+    cases = [({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,5}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
+             ({"guided_choice": ["Paris", "Lyon", "New \"York\""]}, lambda t: t in ("Paris", "Lyon", 'New "York"')),
+             ({"guided_grammar": 'root ::= ("yes" | "no") ", " [0-9] [0-9]?'},
+              lambda t: re.fullmatch(r"(yes|no), [0-9]{1,2}", t)),
+             ({"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+              lambda t: isinstance(json.loads(t)["ok"], bool))]
+    def complete(body: dict, seed: int) -> str:
+        kw = dict(model=MODEL, prompt="The answer is", temperature=1, seed=seed, max_tokens=64, extra_body=body)
+        if stream:
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        return client.completions.create(**kw).choices[0].text
+
+    for body, valid in cases:
+        for text in _all(complete, body):
+            assert valid(text), (body, text)
+
+
+def test_a_constraint_that_cannot_be_used_is_a_400_naming_it(client):
+    bad = [({"guided_regex": "("}, "guided_regex", "regex"),
+           ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "grammar"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+            "response_format", "JSON schema"),
+           ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "only one output constraint"),
+           ({"structured_outputs": {"choice": []}}, "structured_outputs", "at least one"),
+           ({"response_format": {"type": "yaml"}}, "response_format.type", "json_object")]
+    for body, param, words in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
+        assert err.value.body["param"] == param and words in err.value.body["message"], (body, err.value.body)
+    # the server is fine afterwards
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_unconstrained_requests_in_the_same_batch_get_their_own_text(client):
+    plain = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=24)
+    alone = client.completions.create(**plain).choices[0].text
+    with ThreadPoolExecutor(8) as pool:
+        constrained = [pool.submit(client.completions.create, model=MODEL, prompt="Pick", temperature=1, seed=s,
+                                   max_tokens=48, extra_body={"guided_regex": "[a-z ]{10,40}"}) for s in range(6)]
+        mixed = [pool.submit(client.completions.create, **plain) for _ in range(2)]
+        assert [f.result().choices[0].text for f in mixed] == [alone, alone]
+        assert all(re.fullmatch("[a-z ]{10,40}", f.result().choices[0].text) for f in constrained)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                              "unit": {"type": "string", "enum": ["c", "f"]}},
+             "required": ["city", "unit"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}}, "required": ["tz"]}}}]
+REQUIRED = {"get_weather": {"city", "unit"}, "get_time": {"tz"}}
+
+
+def _calls(client, stream: bool, seed: int, **kw) -> list[tuple[str, dict]]:
+    """The (name, arguments) of the calls a forced tool_choice made."""
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
+                temperature=1, seed=seed, max_tokens=200, **kw)
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    calls: dict[int, list] = {}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = calls.setdefault(tc.index, [tc.function.name, ""])
+            entry[1] += tc.function.arguments or ""
+    return [(name, json.loads(arguments)) for name, arguments in calls.values()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_or_required_tool_choice_is_enforced(client, stream):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for calls in _all(lambda seed: _calls(client, stream, seed, tool_choice=named)):
+        assert [name for name, _ in calls] == ["get_time"] and REQUIRED["get_time"] <= set(calls[0][1])
+    for calls in _all(lambda seed: _calls(client, stream, seed, tool_choice="required", parallel_tool_calls=False)):
+        assert len(calls) == 1 and all(REQUIRED[name] <= set(arguments) for name, arguments in calls)
