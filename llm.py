@@ -113,12 +113,15 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """Chat completions: one conversation (a list of messages) or a list of conversations."""
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Chat completions: one conversation (a list of messages) or a list of conversations; chat_template_kwargs
+        are more variables for the model's chat template (e.g. Qwen3's enable_thinking)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         reqs = [GenerateRequest(rid=self.client.new_rid("chat"), sampling=self._params(sampling_params, i),
                                 messages=conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                arrival_time=time.time()) for i, conv in enumerate(convs)]
+                                chat_template_kwargs=chat_template_kwargs, arrival_time=time.time())
+                for i, conv in enumerate(convs)]
         return self._run_all(reqs, [None] * len(reqs), use_tqdm)
 
     def shutdown(self) -> None:

@@ -407,7 +407,7 @@ class BatchScheduler:
                 delta.top_logprobs = result.top_logprobs[first:at, :k].tolist()
             if reason is not None:
                 delta.finish_reason = reason
-                if reason == "stop":
+                if reason == "stop" and tok in seq.sampling.stop_token_ids:  # (None for EOS, as vLLM says)
                     delta.stop_token = tok
                 self._release(seq)
             deltas.append(delta)

@@ -227,7 +227,8 @@ class DecodeBatchScheduler(BatchScheduler):
         reason = self._stop_reason(seq, ready.first_token)
         if reason is not None:
             delta.finish_reason = reason
-            delta.stop_token = ready.first_token if reason == "stop" else None
+            stopped_by_id = reason == "stop" and ready.first_token in seq.sampling.stop_token_ids  # (not EOS)
+            delta.stop_token = ready.first_token if stopped_by_id else None
             self._release(seq)
         else:
             self.running.append(seq)  # in_worker is False: the next plan sends it in full

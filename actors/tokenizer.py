@@ -10,6 +10,7 @@ and never reaches the scheduler.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import jinja2
 import msgspec
@@ -32,6 +33,24 @@ class RequestError(ValueError):
         self.param, self.status, self.code = param, status, code
 
 
+def render_prompt(tokenizer: PreTrainedTokenizerBase, *, messages: list[dict[str, Any]] | None = None,
+                  tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                  chat_template_kwargs: dict[str, Any] | None = None, prompt: str | None = None,
+                  add_special_tokens: bool | None = None) -> list[int]:
+    """The token ids the engine runs for chat messages (the model's chat template, rendered, then encoded without
+    adding special tokens again) or a text prompt (with the tokenizer's special tokens); /tokenize shows the same.
+    RequestError when the template cannot render the messages."""
+    if messages is not None:
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False, **(chat_template_kwargs or {}))
+        except (jinja2.TemplateError, TypeError, KeyError, ValueError) as e:
+            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+    assert prompt is not None
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+
+
 class RequestTokenizer:
     """The pure part: GenerateRequest -> TokenizedRequest, or RequestError."""
 
@@ -51,14 +70,11 @@ class RequestTokenizer:
             if req.sampling.stop:
                 raise RequestError("stop strings need a tokenizer; this engine runs without one", "stop")
         if req.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt, tokenize=False)
-            except (jinja2.TemplateError, TypeError, KeyError, ValueError) as e:
-                raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = render_prompt(self.tokenizer, messages=req.messages, tools=req.tools,
+                                add_generation_prompt=req.add_generation_prompt,
+                                chat_template_kwargs=req.chat_template_kwargs)
         elif req.prompt is not None:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
+            ids = render_prompt(self.tokenizer, prompt=req.prompt)
         elif req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):

@@ -18,13 +18,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from flotilla import __version__
 from flotilla.actors import grammar
+from flotilla.actors.tokenizer import RequestError, render_prompt
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.engine_client import EngineClient, EngineDeadError, RequestFailed
 from flotilla.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -39,6 +42,8 @@ from flotilla.server.protocol import (
     model_not_found,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
     structured_outputs_of,
     to_sampling_params,
     tool_parser_for,
@@ -75,6 +80,8 @@ class ServerState:
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     checked_grammars: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
+    tokenizer: Any = None
+    """The model's tokenizer, for /tokenize and /detokenize (None: those routes answer 400)."""
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
@@ -282,7 +289,8 @@ def build_app(state: ServerState) -> Starlette:
         sampling = await checked(req)
         rid = new_response_id(True)
         prompt = {"messages": chat_messages(req), "tools": chat_tools(req),
-                  "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0}
+                  "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
+                  "chat_template_kwargs": req.chat_template_kwargs}
         kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts,
                   tool_parser=tool_parser_for(req))
         if req.stream:
@@ -349,14 +357,71 @@ def build_app(state: ServerState) -> Starlette:
     async def completions(request: Request) -> Response:
         return await handle(request, "/v1/completions", chat=False)
 
+    async def simple(request: Request, answer: Any) -> Response:
+        """A route that needs no engine: the API key checked, ProtocolError / HTTPError as OpenAI error bodies."""
+        try:
+            authorized(request)
+            return JSONResponse(await answer())
+        except ProtocolError as e:
+            return Response(e.body(), status_code=e.status, media_type=JSON)
+        except HTTPError as e:
+            return _error(e.status, str(e), e.param, e.code, e.headers)
+
+    def tokenizer() -> Any:
+        if state.tokenizer is None:
+            raise HTTPError(400, "this server runs without a tokenizer (skip_tokenizer_init)", code="unsupported")
+        return state.tokenizer
+
+    async def tokenize(request: Request) -> Response:
+        async def answer() -> dict[str, Any]:
+            req = parse_tokenize_request(await _read_body(request, state.max_body_bytes))
+            check_model(req.model)
+            tools = None if not req.tools else [{"type": "function", "function": msgspec.to_builtins(t.function)}
+                                                for t in req.tools]
+            try:
+                ids = await asyncio.to_thread(
+                    render_prompt, tokenizer(), prompt=req.prompt, add_special_tokens=req.add_special_tokens,
+                    tools=tools, messages=None if req.messages is None else chat_messages(req),
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                    chat_template_kwargs=req.chat_template_kwargs)
+            except RequestError as e:
+                raise HTTPError(e.status, str(e), e.param, e.code) from None
+            strs = tokenizer().convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+        return await simple(request, answer)
+
+    async def detokenize(request: Request) -> Response:
+        async def answer() -> dict[str, Any]:
+            req = parse_detokenize_request(await _read_body(request, state.max_body_bytes), len(tokenizer()))
+            check_model(req.model)
+            return {"prompt": await asyncio.to_thread(tokenizer().decode, req.tokens)}
+
+        return await simple(request, answer)
+
+    async def version(request: Request) -> Response:
+        async def answer() -> dict[str, Any]:
+            return {"version": __version__}
+
+        return await simple(request, answer)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "flotilla",
+                "root": state.model_name, "max_model_len": state.max_model_len}
+
+    async def model(request: Request) -> Response:
+        async def answer() -> dict[str, Any]:
+            check_model(request.path_params["model"])
+            return model_card()
+
+        return await simple(request, answer)
+
     async def models(request: Request) -> Response:
         try:
             authorized(request)
         except HTTPError as e:
             return _error(e.status, str(e), code=e.code)
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "flotilla",
-            "root": state.model_name, "max_model_len": state.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
     async def health(request: Request) -> Response:
         if state.client.alive:
@@ -394,6 +459,10 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -3,7 +3,7 @@
 It starts the engine's actors (tokenizer -> scheduler -> worker -> scheduler -> detokenizer) as a
 supervised topology, owns the front end's inbox, and runs ONE receive loop that routes every
 TextDelta item to its request's asyncio.Queue (SGLang's pattern). Requests with n > 1 fan out here
-into n engine requests (seed + i each, so seeded choices differ yet reproduce). If any actor dies or
+into n engine requests (choice_seed(seed, i) each, so seeded choices differ yet reproduce). If any actor dies or
 hangs, every waiting request gets EngineDeadError at once: the front end fails fast, never hangs.
 
 A dead engine is restarted when `restarts` allows: every actor of the old one is stopped (killed if need
@@ -314,13 +314,13 @@ class EngineClient:
     # ---- requests ------------------------------------------------------------------------------
 
     def fan_out(self, req: GenerateRequest) -> list[GenerateRequest]:
-        """n > 1 -> n engine requests ``rid/i``, each n=1, seeded seed+i when seeded."""
+        """n > 1 -> n engine requests ``rid/i``, each n=1, seeded choice_seed(seed, i) when seeded."""
         n = req.sampling.n
         if n == 1:
             return [req]
         out = []
         for i in range(n):
-            seed = None if req.sampling.seed is None else req.sampling.seed + i
+            seed = None if req.sampling.seed is None else choice_seed(req.sampling.seed, i)
             sp = msgspec.structs.replace(req.sampling, n=1, seed=seed)
             out.append(msgspec.structs.replace(req, rid=f"{req.rid}/{i}", sampling=sp))
         return out
@@ -449,6 +449,18 @@ class EngineClient:
             for cb in self.on_restarted:
                 cb()
             return
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a seeded request with n > 1: the request's own for the first choice (n = 1 and
+    n > 1 begin alike), a splitmix64 mix of (seed, index) for the others, so that no two seeds share a choice's
+    stream (seed + index would give seeds s and s + 1 the same samples, shifted by one choice)."""
+    if index == 0:
+        return seed
+    z = (seed * 0x9E3779B97F4A7C15 + index) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1  # (a non-negative int64)
 
 
 def _really_cancelled() -> bool:

@@ -150,7 +150,8 @@ class Fleet:
         self._remote_schedulers: dict[str, Outbox] = {}
         self._loops: list[asyncio.Task] = []
         self.view = RegistryView(self.registry, self._alive, max_age_s=heartbeat_interval_s / 4,
-                                 local_load=lambda name: self._load(self.clients[name]) if name in self.clients else None)
+                                 local_load=lambda name: self._load(self.clients[name]) if name in self.clients
+                                 else None)  # fmt: skip
         self.router = Router(self.view, model_name)
         self._heartbeats: dict[str, Heartbeat] = {}
         self._schedulers: dict[str, Outbox] = {}

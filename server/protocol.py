@@ -14,6 +14,7 @@ in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,10 +38,12 @@ from flotilla.server.protocol_types import (
     StreamOptions,
     SystemMessage,
     ToolCallParam,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
     ToolDefinition,
     ToolMessage,
     UserMessage,
-    SamplingFields,
 )
 from flotilla.server.tool_parser import (
     HermesToolParser,
@@ -50,13 +53,16 @@ from flotilla.server.tool_parser import (
     required_tool_calls_schema,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "MAX_COMPLETION_LOGPROBS", "MAX_N", "MAX_TOP_LOGPROBS", "AssistantMessage", "ChatCompletionRequest", "ChatMessage",
     "CompletionRequest", "Content", "ContentPart", "DeveloperMessage", "FunctionCallParam", "FunctionDefinition",
     "NamedFunction", "NamedToolChoice", "ProtocolError", "ResponseFormat", "SamplingFields", "StreamOptions",
     "SystemMessage", "ToolCallParam", "ToolDefinition", "ToolMessage", "UserMessage", "chat_messages", "chat_tools",
     "completion_prompts", "default_error_type", "error_body", "model_not_found", "parse_chat_request",
-    "parse_completion_request", "to_sampling_params", "tool_parser_for", "tool_parsing_enabled",
+    "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request", "to_sampling_params",
+    "tool_parser_for", "tool_parsing_enabled",
 ]
 
 MAX_N = 128
@@ -133,6 +139,8 @@ def _unsupported(param: str, message: str) -> ProtocolError:
 
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +186,7 @@ def parse_chat_request(body: bytes | bytearray | memoryview | str) -> ChatComple
     req: ChatCompletionRequest = _decode(_chat_decoder, body)
     _check_sampling_fields(req)
     _check_chat(req)
+    _note_unknown_fields(body, ChatCompletionRequest)
     return req
 
 
@@ -186,7 +195,46 @@ def parse_completion_request(body: bytes | bytearray | memoryview | str) -> Comp
     req: CompletionRequest = _decode(_completion_decoder, body)
     _check_sampling_fields(req)
     _check_completion(req)
+    _note_unknown_fields(body, CompletionRequest)
     return req
+
+
+def parse_tokenize_request(body: bytes | bytearray | memoryview | str) -> TokenizeRequest:
+    """Decode a /tokenize body: a prompt or messages (one of them); ProtocolError (400) otherwise."""
+    req: TokenizeRequest = _decode(_tokenize_decoder, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise _bad("prompt" if req.prompt is None else "messages", "Invalid request: send either 'prompt' or "
+                   "'messages'.", "missing_required_parameter" if req.prompt is None else "invalid_value")
+    if req.messages is not None:
+        if not req.messages:
+            raise _bad("messages", "Invalid 'messages': empty array. Expected an array with minimum length 1.",
+                       "empty_array")
+        for i, msg in enumerate(req.messages):
+            _check_content(msg.content, f"messages[{i}].content", allow_refusal=isinstance(msg, AssistantMessage))
+    return req
+
+
+def parse_detokenize_request(body: bytes | bytearray | memoryview | str, vocab_size: int) -> DetokenizeRequest:
+    """Decode a /detokenize body; token ids outside the vocabulary are a 400."""
+    req: DetokenizeRequest = _decode(_detokenize_decoder, body)
+    if req.tokens and not (0 <= min(req.tokens) and max(req.tokens) < vocab_size):
+        raise _bad("tokens", f"Invalid 'tokens': token ids must be in [0, {vocab_size}).")
+    return req
+
+
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+"""A body's top-level keys without decoding their values."""
+_noted_fields: set[str] = set()
+
+
+def _note_unknown_fields(body: bytes | bytearray | memoryview | str, cls: type) -> None:
+    """Unknown request fields are accepted, as vLLM and OpenAI's SDKs expect of a server (clients send extras),
+    and each name is logged once, so that a misspelt option does not go unseen."""
+    fields = cls.__struct_encode_fields__
+    for name in _top_level.decode(body):
+        if name not in fields and name not in _noted_fields:
+            _noted_fields.add(name)
+            log.warning("request field %r is not one this server knows: ignored (logged once)", name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +485,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, default_m
         raise _bad(param, f"Invalid request: {e}.") from None
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
     """The conversation as the chat template expects it (plain dicts, content as one string).
 
     Text parts are joined with newlines (as vLLM does for string-content templates); "developer" turns

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from flotilla import __version__
 from flotilla.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +44,8 @@ from flotilla.transport.messages import SeqText
 
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of every stream."""
+SYSTEM_FINGERPRINT = f"fp_flotilla_{__version__}"
+"""What OpenAI's system_fingerprint names: the backend configuration (here, the engine's version)."""
 MIN_LOGPROB = -9999.0
 """OpenAI's stand-in for -inf (JSON has no infinity)."""
 
@@ -167,7 +170,7 @@ class _Response:
 
     def _envelope(self, **fields: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": self.object_type, "created": self.created, "model": self.model,
-                **fields}
+                "system_fingerprint": SYSTEM_FINGERPRINT, **fields}
 
     def usage(self) -> dict[str, Any]:
         """Token counts; the prompt of each input is counted once however many choices share it."""
@@ -247,7 +250,7 @@ class _Stream(_Response):
 
     def _frame(self) -> None:
         head = _encode({"id": self.request_id, "object": self.object_type, "created": self.created,
-                        "model": self.model})
+                        "model": self.model, "system_fingerprint": SYSTEM_FINGERPRINT})
         self._head = b"data: " + head[:-1] + b',"choices":['
         self._tail = b'],"usage":null}\n\n' if self.include_usage else b"]}\n\n"
 

@@ -192,6 +192,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
     """Append the assistant turn opener (vLLM extension; default true)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template, e.g. {"enable_thinking": false} (vLLM extension)."""
     functions: list[Any] | None = None
     """Deprecated pre-tools API: refused with a pointer to ``tools``."""
     function_call: Any | None = None
@@ -215,3 +217,25 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+class TokenizeRequest(_Struct, kw_only=True):
+    """POST /tokenize (vLLM's): a text prompt, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for messages (the template has them)."""
+    add_generation_prompt: bool | None = None
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+    """Also return each token's text."""
+
+
+class DetokenizeRequest(_Struct, kw_only=True):
+    """POST /detokenize (vLLM's)."""
+
+    tokens: list[int]
+    model: str | None = None

@@ -104,7 +104,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(path)
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
-            token_texts=TokenTexts(lambda i: tokenizer.decode([i])),
+            token_texts=TokenTexts(lambda i: tokenizer.decode([i])), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=args.max_body_bytes,
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests)

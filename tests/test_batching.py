@@ -13,7 +13,7 @@ from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.transport.messages import StepPlan, TokenizedRequest
+from flotilla.transport.messages import StepPlan, StepResult, TokenizedRequest
 
 from helpers_batching import EOS, VOCAB, FakeWorker, reference
 
@@ -153,3 +153,16 @@ def test_a_hybrid_models_prefix_hits_resume_state_snapshots_taken_where_chunks_e
     for rid, prompt, max_tokens in reqs:
         assert outputs[rid] == reference(prompt, max_tokens), rid
     assert sched.worker.resumed > 0 and sched.blocks.hit_tokens > 0
+
+
+def test_a_stop_token_id_is_the_stop_reason_and_eos_is_none():
+    """vLLM's stop_reason: the matched stop_token_ids entry, None when EOS ended the sequence."""
+    for stop_ids, eos_ids, tok in (([], [EOS], EOS), ([5], [EOS], 5), ([EOS], [EOS], EOS)):
+        blocks = BlockManager(20, 4)
+        sched = BatchScheduler(SchedulerConfig(max_num_seqs=2, max_steps_in_flight=1), blocks, max_model_len=64)
+        sched.add(TokenizedRequest(rid="r", prompt_ids=np.arange(8, 14, dtype=np.int32), eos_token_ids=eos_ids,
+                                   sampling=SamplingParams(max_tokens=4, temperature=0, stop_token_ids=stop_ids)))
+        plan = sched.schedule()
+        (delta,) = sched.update(StepResult(step=plan.step, rids=["r"], token_ids=np.asarray([tok], np.int32)))
+        assert delta.finish_reason == "stop"
+        assert delta.stop_token == (tok if tok in stop_ids else None), (stop_ids, tok)

@@ -154,6 +154,10 @@ def test_sampling_seeds_stops_and_logprobs(llm):
     two = llm.generate([p], SamplingParams(temperature=1.0, seed=42, n=2, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(two.outputs) == 2 and two.outputs[0].token_ids == alone and two.outputs[1].token_ids != alone
+    # seeds 42 and 43 share no choice's stream (a choice seeded seed + i would: 42's second is 43's first)
+    next_seed = llm.generate([p], SamplingParams(temperature=1.0, seed=43, n=2, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0]
+    assert not {tuple(o.token_ids) for o in two.outputs} & {tuple(o.token_ids) for o in next_seed.outputs}
     lp = llm.generate([p], SamplingParams(max_tokens=5, logprobs=3, **GREEDY), use_tqdm=False)[0].outputs[0]
     assert len(lp.logprobs) == 5
     for tok, entry in zip(lp.token_ids, lp.logprobs):

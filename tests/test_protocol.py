@@ -7,6 +7,7 @@ types, and errors must have OpenAI's ``{"error": {message, type, param, code}}``
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import msgspec
@@ -28,6 +29,7 @@ from flotilla.server.protocol import (
 )
 from flotilla.server.protocol_output import (
     SSE_DONE,
+    SYSTEM_FINGERPRINT,
     ChatCompletionBuilder,
     ChatStreamState,
     CompletionBuilder,
@@ -293,7 +295,8 @@ def test_chat_stream_wire_format_exactly():
     state = ChatStreamState(req, request_id="chatcmpl-1", model="m", created=7)
     out = state.on_delta(0, delta("Hel", (0,), num_prompt_tokens=3)) + state.on_delta(0, delta("", (1,)))
     out += state.on_delta(0, delta("lo", (2,), "stop")) + state.finish()
-    head = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m","choices":['
+    head = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+            b'"system_fingerprint":"' + SYSTEM_FINGERPRINT.encode() + b'","choices":[')
     assert out == (
         head + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
         + head + b'{"index":0,"delta":{"content":"Hel"},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -526,3 +529,12 @@ def test_helpers():
     texts = TokenTexts(token_text)
     assert texts.get(5) == (" café", list(" café".encode())) and texts.get(4) == ("\ufffd", [0xE2])
     assert msgspec.json.decode(error_body(400, "x"))["error"]["code"] is None
+
+
+def test_unknown_fields_are_accepted_and_each_name_is_logged_once(caplog):
+    body = {"messages": USER, "temperature": 0.5, "my_option_xyz": 1, "another_xyz": {"deep": [1]}}
+    with caplog.at_level(logging.WARNING, logger="flotilla.server.protocol"):
+        assert parse_chat_request(json.dumps(body)).temperature == 0.5
+        parse_completion_request(json.dumps({"prompt": "x", "my_option_xyz": 2}))
+    noted = [r.getMessage() for r in caplog.records if "not one this server knows" in r.getMessage()]
+    assert len(noted) == 2 and "'my_option_xyz'" in noted[0] and "'another_xyz'" in noted[1]

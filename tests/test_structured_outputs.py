@@ -77,7 +77,8 @@ def test_parse_with_a_pydantic_model(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_regex_choice_and_grammar_constrain_completions(client, stream):
-    cases = [({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,5}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
+    cases = [({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,5}"}},
+              lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
              ({"guided_choice": ["Paris", "Lyon", "New \"York\""]}, lambda t: t in ("Paris", "Lyon", 'New "York"')),
              ({"guided_grammar": 'root ::= ("yes" | "no") ", " [0-9] [0-9]?'},
               lambda t: re.fullmatch(r"(yes|no), [0-9]{1,2}", t)),

@@ -90,6 +90,8 @@ class GenerateRequest(Message):
     """OpenAI tool definitions handed to the chat template."""
     add_generation_prompt: bool = True
     """Append the assistant turn opener after the chat messages."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (e.g. Qwen3's enable_thinking)."""
     arrival_time: float = 0.0
     """time.time() when the front end received the request, seconds."""
     priority: int = 0
