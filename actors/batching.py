@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +77,10 @@ class Sequence:
     """Speculative decoding: draft tokens the step in flight verifies for it."""
     state_snapshot: int = -1
     """Hybrid models: the snapshot slot its state resumes from (a prefix hit), sent with its first plan."""
+    arrival_time: float = 0.0
+    """When the front end received the request (wall clock, seconds)."""
+    queue_time: float | None = None
+    """From arrival to its first scheduled step, seconds (None until then)."""
     _ids: np.ndarray | None = None
     """Prompt + output tokens as int32 with spare capacity, filled up to _ids_len (see token_ids)."""
     _ids_len: int = 0
@@ -153,7 +158,8 @@ class BatchScheduler:
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
         prio = req.priority if self.config.policy == "priority" else 0
         seq = Sequence(rid=req.rid, prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32), sampling=sp,
-                       stop_ids=frozenset(stop), priority=prio, order=next(self._order), reply_to=req.reply_to)
+                       stop_ids=frozenset(stop), priority=prio, order=next(self._order), reply_to=req.reply_to,
+                       arrival_time=req.arrival_time)
         self.seqs[seq.rid] = seq
         return seq
 
@@ -285,6 +291,8 @@ class BatchScheduler:
         seq.new_blocks = []
         seq.num_drafts = 0
         seq.state_snapshot = alloc.state_snapshot
+        if seq.queue_time is None:
+            seq.queue_time = max(time.time() - seq.arrival_time, 0.0) if seq.arrival_time else 0.0
         if self.num_speculative_tokens > 1:  # room for the further drafts' MTP KV (skipped when not there)
             self.blocks.append_slots(seq.rid, self.num_speculative_tokens - 1)
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
@@ -447,6 +455,7 @@ class BatchScheduler:
                       num_cached_tokens=seq.num_cached)
         if not seq.sent_first:
             seq.sent_first = True
+            d.queue_time_s = seq.queue_time
             d.sampling = seq.sampling
             d.prompt_tail = seq.prompt_ids[-PROMPT_TAIL:].tolist()
             d.reply_to = seq.reply_to

@@ -335,7 +335,8 @@ class SchedulerActor(Actor):
             prefix_cache_hit_rate=blocks.prefix_cache_hit_rate, num_preemptions=core.num_preemptions,
             kv_capacity_tokens=blocks.num_blocks * blocks.block_size, num_transfers=len(self._peers),
             kv_migrated_bytes=self.kv_migrated_bytes, dp_rank=self.dp_rank,
-            spec_draft_tokens=core.spec_draft_tokens, spec_accepted_tokens=core.spec_accepted_tokens))
+            spec_draft_tokens=core.spec_draft_tokens, spec_accepted_tokens=core.spec_accepted_tokens,
+            prefix_cache_queries=blocks.queried_tokens, prefix_cache_hits=blocks.hit_tokens))
 
     async def on_handler_error(self, msg: Message, exc: BaseException) -> None:
         if isinstance(msg, TokenizedRequest):

@@ -183,19 +183,30 @@ class _Merged:
 class _Usage:
     """Per-request token accounting for metrics; each prompt counts once whatever n is."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, metrics: ServerMetrics) -> None:
         self.n = n
+        self.metrics = metrics
         self.prompt: dict[int, int] = {}
         self.cached: dict[int, int] = {}
         self.output = 0
+        self.finish_reasons: list[str] = []
+        self.queue_time: float | None = None
 
     def add(self, index: int, d: SeqText) -> None:
         self.output += len(d.token_ids)
+        self.metrics.tokens_generated += len(d.token_ids)
+        if index // self.n not in self.prompt:  # its prompt's first delta: the prompt is processed
+            self.metrics.tokens_prefilled += d.num_prompt_tokens
         self.prompt[index // self.n] = d.num_prompt_tokens
         self.cached[index // self.n] = d.num_cached_tokens
+        if d.finish_reason is not None:
+            self.finish_reasons.append(d.finish_reason)
+        if self.queue_time is None:
+            self.queue_time = d.queue_time_s
 
     def done(self, timer: RequestTimer) -> None:
-        timer.done(time.monotonic(), sum(self.prompt.values()), self.output, sum(self.cached.values()))
+        timer.done(time.monotonic(), sum(self.prompt.values()), self.output, sum(self.cached.values()),
+                   self.finish_reasons, self.queue_time)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -310,7 +321,7 @@ def build_app(state: ServerState) -> Starlette:
 
     async def collect(builder: Any, subs: list[tuple[int, GenerateRequest]], n: int) -> Response:
         merged = _Merged(state.client, subs)
-        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n)
+        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n, state.metrics)
         try:
             async for index, delta in merged:
                 timer.delta(time.monotonic())
@@ -324,7 +335,7 @@ def build_app(state: ServerState) -> Starlette:
     async def stream(sse: Any, subs: list[tuple[int, GenerateRequest]], n: int) -> Response:
         merged = _Merged(state.client, subs)
         events = merged.__aiter__()
-        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n)
+        timer, usage = RequestTimer(state.metrics, time.monotonic()), _Usage(n, state.metrics)
         try:  # the first delta decides between an HTTP error and a 200 stream (e.g. a prompt that is too long)
             first = await events.__anext__()
         except BaseException:

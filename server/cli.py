@@ -134,6 +134,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may take to finish, seconds")
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="while the engine is busy, log vLLM's stats line (prompt and generation throughput, running "
+                        "and waiting requests, KV cache usage, prefix cache hit rate) every S seconds; 0: never")
     p.add_argument("--engine-restarts", type=int, default=3, metavar="N",
                    help="when an engine actor dies or hangs, stop the engine's actors and start them again, up to N "
                         "times in a row (waiting 1 s, 2 s, 4 s, ... up to 30 s first; an engine that served 10 "

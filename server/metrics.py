@@ -1,9 +1,10 @@
-"""Prometheus metrics of the OpenAI server (GET /metrics), named like vLLM's where vLLM has one.
+"""Prometheus metrics of the OpenAI server (GET /metrics): flotilla's own (flotilla_*), and where vLLM has the same
+quantity, the same again under vLLM's name (vllm:*), so that dashboards and alerts made for vLLM read flotilla.
 
 Request-level numbers (status, latency histograms, tokens) are observed here in the front end, where
 the client's experience is; engine state (running / waiting, KV usage, prefix-cache hit rate,
 preemptions) comes from the scheduler's SchedulerStatsEvent. One registry per app, so several servers
-in one process (tests) do not share counters.
+in one process (tests) do not share counters. `StatsLine` writes vLLM's periodic log line from the same numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flotilla.transport.messages import SchedulerStatsEvent
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                     80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -58,7 +60,47 @@ class ServerMetrics:
         self.spec_accepted_tokens = Counter("flotilla_spec_decode_accepted_tokens", "Speculative decoding: draft "
                                             "tokens accepted (acceptance rate = accepted / draft).", labels,
                                             registry=r)
-        self._spec_seen = (0, 0)
+        # vLLM's names for the same quantities
+        v = "vllm:"
+        self.v_ttft = Histogram(v + "time_to_first_token_seconds", "Time to first token.", labels,
+                                buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_itl = Histogram(v + "inter_token_latency_seconds", "Time between consecutive streamed deltas.",
+                               labels, buckets=_ITL_BUCKETS, registry=r)
+        self.v_e2e = Histogram(v + "e2e_request_latency_seconds", "End to end request latency.", labels,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_queue = Histogram(v + "request_queue_time_seconds", "Time from arrival to the first scheduled step.",
+                                 labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_prefill = Histogram(v + "request_prefill_time_seconds", "Time from the first scheduled step to the "
+                                   "first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_decode = Histogram(v + "request_decode_time_seconds", "Time from the first token to the last.",
+                                  labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_inference = Histogram(v + "request_inference_time_seconds", "Time from the first scheduled step to "
+                                     "the last token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.v_success = Counter(v + "request_success", "Finished requests by finish reason.",
+                                 [*labels, "finished_reason"], registry=r)
+        self.v_prompt_tokens_hist = Histogram(v + "request_prompt_tokens", "Prompt tokens per request.", labels,
+                                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.v_generation_tokens_hist = Histogram(v + "request_generation_tokens", "Generated tokens per request.",
+                                                  labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.v_prompt_tokens = Counter(v + "prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.v_generation_tokens = Counter(v + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.v_running = Gauge(v + "num_requests_running", "Requests running on the engine.", labels, registry=r)
+        self.v_waiting = Gauge(v + "num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.v_kv_usage = Gauge(v + "kv_cache_usage_perc", "KV cache usage (1 = 100%).", labels, registry=r)
+        self.v_preemptions = Counter(v + "num_preemptions", "Preemptions since start.", labels, registry=r)
+        self.v_prefix_queries = Counter(v + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                        labels, registry=r)
+        self.v_prefix_hits = Counter(v + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                     registry=r)
+        self.v_spec_drafts = Counter(v + "spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                     registry=r)
+        self.v_spec_accepted = Counter(v + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                       registry=r)
+        self._totals: dict[str, int] = {}
+        self.tokens_prefilled = 0
+        """Prompt tokens of requests past their prefill (their first token out), since start (StatsLine)."""
+        self.tokens_generated = 0
+        """Tokens streamed out since start (StatsLine)."""
         # several engines behind one front end (server/fleet.py): per engine
         per_engine = ["model_name", "engine", "role"]
         self.engine_alive = Gauge("flotilla_engine_alive", "1 while the engine serves, 0 once it died.", per_engine,
@@ -101,12 +143,20 @@ class ServerMetrics:
         self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.kv_capacity.labels(m).set(stats.kv_capacity_tokens)
-        drafts, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
-        seen_drafts, seen_accepted = self._spec_seen
-        if drafts >= seen_drafts and accepted >= seen_accepted:  # (smaller: the engine restarted; start over)
-            self.spec_draft_tokens.labels(m).inc(drafts - seen_drafts)
-            self.spec_accepted_tokens.labels(m).inc(accepted - seen_accepted)
-        self._spec_seen = (drafts, accepted)
+        self.v_running.labels(m).set(stats.num_running)
+        self.v_waiting.labels(m).set(stats.num_waiting)
+        self.v_kv_usage.labels(m).set(stats.kv_usage)
+        for name, total, counters in (
+                ("drafts", stats.spec_draft_tokens, (self.spec_draft_tokens, self.v_spec_drafts)),
+                ("accepted", stats.spec_accepted_tokens, (self.spec_accepted_tokens, self.v_spec_accepted)),
+                ("preemptions", stats.num_preemptions, (self.v_preemptions,)),
+                ("prefix_queries", stats.prefix_cache_queries, (self.v_prefix_queries,)),
+                ("prefix_hits", stats.prefix_cache_hits, (self.v_prefix_hits,))):
+            seen = self._totals.get(name, 0)
+            grown = total - seen if total >= seen else total  # (smaller: an engine restarted; its count started over)
+            for counter in counters:
+                counter.labels(m).inc(grown)
+            self._totals[name] = total
 
     def observe_engines(self, engines: dict[str, tuple[str, SchedulerStatsEvent | None, bool, int]]) -> None:
         """Per-engine state: engine id -> (role, latest stats, alive, requests routed to it)."""
@@ -173,22 +223,66 @@ class ServerMetrics:
 class RequestTimer:
     """TTFT / inter-token / end-to-end timing of one request, fed by its deltas."""
 
-    __slots__ = ("metrics", "start", "last")
+    __slots__ = ("metrics", "start", "last", "first")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
-        self.metrics, self.start, self.last = metrics, start, None
+        self.metrics, self.start, self.last, self.first = metrics, start, None, None
 
     def delta(self, now: float) -> None:
         m = self.metrics
         if self.last is None:
+            self.first = now
             m.ttft.labels(m.model).observe(now - self.start)
+            m.v_ttft.labels(m.model).observe(now - self.start)
         else:
             m.itl.labels(m.model).observe(now - self.last)
+            m.v_itl.labels(m.model).observe(now - self.last)
         self.last = now
 
-    def done(self, now: float, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
+    def done(self, now: float, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+             finish_reasons: list[str] = (), queue_time: float | None = None) -> None:
+        """The request ended: queue_time, the engine's (None: unknown) splits its time before the first token into
+        queueing and prefill, as vLLM's request timings do."""
+        m, model = self.metrics, self.metrics.model
+        m.e2e.labels(model).observe(now - self.start)
+        m.v_e2e.labels(model).observe(now - self.start)
+        m.prompt_tokens.labels(model).inc(prompt_tokens)
+        m.generation_tokens.labels(model).inc(output_tokens)
+        m.cached_tokens.labels(model).inc(cached_tokens)
+        m.v_prompt_tokens.labels(model).inc(prompt_tokens)
+        m.v_generation_tokens.labels(model).inc(output_tokens)
+        m.v_prompt_tokens_hist.labels(model).observe(prompt_tokens)
+        m.v_generation_tokens_hist.labels(model).observe(output_tokens)
+        for reason in finish_reasons:
+            m.v_success.labels(model, reason).inc()
+        if self.first is not None:
+            m.v_decode.labels(model).observe(now - self.first)
+            if queue_time is not None:
+                m.v_queue.labels(model).observe(queue_time)
+                m.v_prefill.labels(model).observe(max(self.first - self.start - queue_time, 0.0))
+                m.v_inference.labels(model).observe(max(now - self.start - queue_time, 0.0))
+
+
+class StatsLine:
+    """vLLM's periodic log line while the engine is busy: prompt and generation throughput since the last line,
+    running and waiting requests, KV cache usage, prefix cache hit rate."""
+
+    def __init__(self, metrics: ServerMetrics, now: float) -> None:
+        self.metrics = metrics
+        self._at, self._prefilled, self._generated = now, 0, 0
+
+    def line(self, stats: SchedulerStatsEvent | None, now: float) -> str | None:
+        """The line for the interval that ends now; None when the engine had nothing to do in it."""
         m = self.metrics
-        m.e2e.labels(m.model).observe(now - self.start)
-        m.prompt_tokens.labels(m.model).inc(prompt_tokens)
-        m.generation_tokens.labels(m.model).inc(output_tokens)
-        m.cached_tokens.labels(m.model).inc(cached_tokens)
+        prefilled, generated = m.tokens_prefilled - self._prefilled, m.tokens_generated - self._generated
+        elapsed = max(now - self._at, 1e-9)
+        self._at, self._prefilled, self._generated = now, m.tokens_prefilled, m.tokens_generated
+        busy = stats is not None and (stats.num_running or stats.num_waiting)
+        if not (prefilled or generated or busy):
+            return None
+        running, waiting = (stats.num_running, stats.num_waiting) if stats is not None else (0, 0)
+        usage = stats.kv_usage if stats is not None else 0.0
+        hit = stats.prefix_cache_hit_rate if stats is not None else 0.0
+        return (f"Avg prompt throughput: {prefilled / elapsed:.1f} tokens/s, Avg generation throughput: "
+                f"{generated / elapsed:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hit * 100:.1f}%")

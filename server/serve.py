@@ -16,6 +16,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from flotilla.server.cli import engine_config_from_args, fleet_engines
 from flotilla.transport.registry import shared_registry
 from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
+from flotilla.server.metrics import StatsLine
 from flotilla.server.protocol_output import TokenTexts
 
 log = logging.getLogger("flotilla.serve")
@@ -127,15 +129,30 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                      state.model_name, worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
                      worker.get("dtype", "?"), worker.get("kv_dtype", "?"), worker.get("attention", "?"),
                      f" engines={','.join(n for n, _ in engines)}" if engines else "")
+        stats_log = asyncio.create_task(_log_stats(state, args.log_stats_interval)) \
+            if args.log_stats_interval > 0 else None  # fmt: skip
         try:
             await serving
         except SystemExit:  # uvicorn exits this way when it cannot start; the engine still stops cleanly
             return 1
+        finally:
+            if stats_log is not None:
+                stats_log.cancel()
         return 1 if failed.is_set() or not server.started else 0
     finally:
         log.info("stopping the engine")
         await client.stop()
         log.info("stopped")
+
+
+async def _log_stats(state: ServerState, interval: float) -> None:
+    """vLLM's stats line every `interval` seconds while the engine has work (server/metrics.py StatsLine)."""
+    stats = StatsLine(state.metrics, time.monotonic())
+    while True:
+        await asyncio.sleep(interval)
+        line = stats.line(state.client.stats, time.monotonic())
+        if line is not None:
+            log.info("%s", line)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,10 +1,12 @@
 """vLLM's routes beside the OpenAI ones, through the real server on the default model: /tokenize (a prompt, or chat
 messages rendered as the engine renders them), /detokenize, /v1/models/{id}, /version; their bad input is a 400 or
-404 in OpenAI's shape."""
+404 in OpenAI's shape. And what vLLM users' dashboards and logs read: /metrics under vLLM's names, and the
+periodic stats line while the engine is busy."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -19,7 +21,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(timeout=300)
+    srv = start_server("--log-stats-interval", "0.2", timeout=300)
     try:
         yield srv
     finally:
@@ -66,3 +68,27 @@ def test_model_version_and_errors(server):
         assert status == 400 and body["error"]["param"] == param, (path, bad, body)
     status, body = _call(server, "/tokenize", {"model": "nope", "prompt": "a"})
     assert status == 404
+
+
+def test_vllm_metric_names_and_the_stats_line(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompt = "Once upon a time, in a land of rivers and hills, " * 4  # (two full KV blocks and more)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    text = urllib.request.urlopen(server.url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    values = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
+              if line.startswith("vllm:")}
+    label = f'{{model_name="{MODEL}"}}'
+    assert values[f"vllm:request_success_total{{finished_reason=\"length\",model_name=\"{MODEL}\"}}"] >= 2
+    assert values[f"vllm:generation_tokens_total{label}"] >= 16
+    assert values[f"vllm:prompt_tokens_total{label}"] == values[f"vllm:request_prompt_tokens_sum{label}"] > 0
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds", "request_generation_tokens"):
+        assert values[f"vllm:{name}_count{label}"] >= 2, name
+    assert values[f"vllm:prefix_cache_hits_total{label}"] > 0  # the second prompt hit the first one's blocks
+    assert f"vllm:kv_cache_usage_perc{label}" in values and f"vllm:num_requests_running{label}" in values
+    deadline = time.monotonic() + 30
+    while not any("Avg generation throughput" in line for line in server.log):
+        assert time.monotonic() < deadline, "no stats line while the engine was busy"
+        time.sleep(0.05)

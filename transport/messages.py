@@ -442,6 +442,8 @@ class SeqTokens(Message):
     """Set on the first delta only: the last prompt tokens, so the first output token decodes in context."""
     reply_to: str | None = None
     """Set on the first delta only, of a request another node's front end routed here: where its text goes."""
+    queue_time_s: float | None = None
+    """Set on the first delta only: from the request's arrival to its first scheduled step, seconds."""
 
 
 class TokenDelta(Message):
@@ -478,6 +480,8 @@ class SeqText(Message):
     """Prompt tokens served from the prefix cache, tokens."""
     num_output_tokens: int = 0
     """Tokens generated so far, tokens."""
+    queue_time_s: float | None = None
+    """On the first delta: from the request's arrival to its first scheduled step, seconds (SeqTokens')."""
 
 
 class TextDelta(Message):
@@ -512,6 +516,10 @@ class SchedulerStatsEvent(Message):
     """Speculative decoding: draft tokens verified since start, tokens."""
     spec_accepted_tokens: int = 0
     """Speculative decoding: draft tokens accepted since start, tokens."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since start, tokens."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found there, tokens."""
 
 
 class RequestFailedEvent(Message):
