@@ -21,11 +21,10 @@ import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from flotilla.sampling_params import StructuredOutputs
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (the front end checks grammars without torch until a request needs xgrammar)
+    import torch
     import xgrammar as xgr
 
 _XGR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -34,7 +34,7 @@ class City(pydantic.BaseModel):
 def client():
     server = start_server("--max-num-seqs", "16", timeout=300)
     try:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     finally:
         server.stop()
 
