@@ -63,6 +63,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_token_ids: list[int] | None = None
+    """Set with prompt_logprobs (the prompt as the engine saw it)."""
+    prompt_logprobs: list[Logprob | None] | None = None
+    """SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and top alternatives."""
 
 
 class LLM:
@@ -176,8 +180,16 @@ class LLM:
             outs = await asyncio.gather(*(self._collect(sub, i) for i, sub in enumerate(subs)))
             bar.update(1)
             first = outs[0][1]
-            return RequestOutput(request_id=req.rid, prompt=prompt, outputs=[o for o, _ in outs],
-                                 num_prompt_tokens=first[0], num_cached_tokens=first[1])
+            out = RequestOutput(request_id=req.rid, prompt=prompt, outputs=[o for o, _ in outs],
+                                num_prompt_tokens=first[0], num_cached_tokens=first[1])
+            scored = first[2]
+            if scored is not None:
+                tops = scored.top_ids or [[] for _ in scored.logprobs]
+                top_lps = scored.top_logprobs or [[] for _ in scored.logprobs]
+                out.prompt_token_ids = scored.token_ids
+                out.prompt_logprobs = [None] + [Logprob(lp, dict(zip(ti, tl)))
+                                                for lp, ti, tl in zip(scored.logprobs, tops, top_lps)]
+            return out
 
         async def all_of() -> list[RequestOutput]:
             return list(await asyncio.gather(*(one(r, p) for r, p in zip(reqs, prompts))))
@@ -187,10 +199,11 @@ class LLM:
         finally:
             bar.close()
 
-    async def _collect(self, req: GenerateRequest, index: int) -> tuple[CompletionOutput, tuple[int, int]]:
+    async def _collect(self, req: GenerateRequest, index: int) -> tuple[CompletionOutput, tuple[int, int, Any]]:
         out = CompletionOutput(index=index, logprobs=[] if req.sampling.logprobs is not None else None)
         text: list[str] = []
         usage = (0, 0)
+        scored = None
         for delta in await self.client.collect(req):  # offline: the whole output at once, no wake-up per token
             text.append(delta.text)
             out.token_ids.extend(delta.token_ids)
@@ -199,10 +212,11 @@ class LLM:
                 toplps = delta.top_logprobs or [[] for _ in delta.logprobs]
                 out.logprobs.extend(Logprob(lp, dict(zip(ti, tl))) for lp, ti, tl in zip(delta.logprobs, tops, toplps))
             usage = (delta.num_prompt_tokens, delta.num_cached_tokens)
+            scored = scored or delta.prompt_logprobs
             if delta.finish_reason is not None:
                 out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         out.text = "".join(text)
-        return out, usage
+        return out, (*usage, scored)
 
 
 def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:

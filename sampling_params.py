@@ -72,7 +72,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top alternatives (0 = only the sampled one)."""
     prompt_logprobs: int | None = None
-    """Not supported yet; must be None."""
+    """Also return each prompt token's logprob (the first has none) plus this many top alternatives; the prompt
+    is then computed whole, without prefix-cache hits (echo with logprobs, vLLM's prompt_logprobs)."""
+    logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before sampling, [-100, 100] (OpenAI's logit_bias)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     structured_outputs: StructuredOutputs | None = None
@@ -104,8 +107,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs is not supported")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias and not all(-100 <= b <= 100 for b in self.logit_bias.values()):
+            bad("logit_bias values must be in [-100, 100]")
+        if self.logit_bias and min(self.logit_bias) < 0:
+            bad("logit_bias token ids must not be negative")
         if any(not s for s in self.stop):
             bad("stop strings must not be empty")
 

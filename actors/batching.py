@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flotilla.actors.block_manager import BlockManager
+from flotilla.actors.block_manager import Allocation, BlockManager
 from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.transport.messages import NewSequence, SeqTokens, StepPlan, StepResult, TokenizedRequest
+from flotilla.transport.messages import NewSequence, PromptLogprobs, SeqTokens, StepPlan, StepResult, TokenizedRequest
 
 PROMPT_TAIL = 8
 """Prompt tokens sent to the detokenizer so the first output token decodes in context."""
@@ -81,6 +81,8 @@ class Sequence:
     """When the front end received the request (wall clock, seconds)."""
     queue_time: float | None = None
     """From arrival to its first scheduled step, seconds (None until then)."""
+    prompt_parts: list[tuple[np.ndarray, ...]] = field(default_factory=list)
+    """Prompt logprobs: each prefill chunk's scored tokens (logprobs, ranks[, top ids, top logprobs]), in order."""
     _ids: np.ndarray | None = None
     """Prompt + output tokens as int32 with spare capacity, filled up to _ids_len (see token_ids)."""
     _ids_len: int = 0
@@ -271,14 +273,15 @@ class BatchScheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence its blocks (prefix hits first); returns the tokens it runs now, 0 = not now."""
         tokens = seq.token_ids()
-        hit = self.blocks.match_prefix(tokens)
+        whole = seq.sampling.prompt_logprobs is not None and not seq.sent_first  # every prompt position is scored
+        hit = Allocation([], 0) if whole else self.blocks.match_prefix(tokens)
         cached = hit.num_cached_tokens
         remaining = len(tokens) - cached
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
         points = self.blocks.snapshot_points(tokens, hit)  # (a hybrid model: its chunks end at each)
         n = min(remaining, budget, points[0] - cached if points else remaining)
-        alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n)
+        alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n, read_cache=not whole)
         if alloc is None:
             return 0
         if not self._reserve_states(seq, points):
@@ -319,6 +322,7 @@ class BatchScheduler:
         seq.in_worker = False
         seq.num_computed = seq.num_done = 0
         seq.new_blocks = []
+        seq.prompt_parts = []  # (scored again when its prompt is recomputed, unless already sent)
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
 
@@ -378,6 +382,8 @@ class BatchScheduler:
                 self.blocks.free(seq.rid)
         if result.error is not None:
             return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
+        if result.prompt_rids:
+            self._take_prompt_scores(result)
         for seq, _ in batch:
             done = min(seq.num_done, seq.num_tokens)
             if seq.rid in self.seqs and done // self.blocks.block_size > seq.full_blocks_offered:
@@ -397,7 +403,7 @@ class BatchScheduler:
                 continue
             first, end = (j, j + 1) if starts is None else (starts[j], starts[j + 1])
             tok = tokens[first]
-            if self._hand_off(seq, tok):
+            if self._hand_off(seq, tok, result, first):
                 continue
             at = first
             while True:  # accepted drafts are stop-checked one by one, as if each were sampled alone
@@ -421,6 +427,17 @@ class BatchScheduler:
             deltas.append(delta)
         return deltas
 
+    def _take_prompt_scores(self, result: StepResult) -> None:
+        """Keep each sequence's scored prompt tokens until its first delta carries them."""
+        ends = np.cumsum(result.prompt_counts).tolist()
+        top = result.prompt_top_ids is not None
+        for rid, end, count in zip(result.prompt_rids, ends, result.prompt_counts.tolist()):
+            seq = self.seqs.get(rid)
+            if seq is not None and not seq.sent_first:
+                cut = slice(end - count, end)
+                seq.prompt_parts.append((result.prompt_logprobs[cut], result.prompt_ranks[cut]) + (
+                    (result.prompt_top_ids[cut], result.prompt_top_logprobs[cut]) if top else ()))
+
     def _rollback(self, seq: Sequence, j: int | None, starts: list[int] | None) -> None:
         """A verify step is back: count its drafts, and forget the KV of the rejected ones."""
         accepted = 0 if j is None or starts is None else starts[j + 1] - starts[j] - 1
@@ -431,8 +448,9 @@ class BatchScheduler:
         self.spec_accepted_tokens += accepted
         seq.num_drafts = 0
 
-    def _hand_off(self, seq: Sequence, tok: int) -> bool:
-        """A sampled token that leaves this engine (disaggregated prefill); True = handled, no delta."""
+    def _hand_off(self, seq: Sequence, tok: int, result: StepResult, row: int) -> bool:
+        """A sampled token (row `row` of the result) that leaves this engine (disaggregated prefill); True =
+        handled, no delta."""
         return False
 
     def released_before_arrival(self, transfer_id: str) -> bool:
@@ -459,6 +477,9 @@ class BatchScheduler:
             d.sampling = seq.sampling
             d.prompt_tail = seq.prompt_ids[-PROMPT_TAIL:].tolist()
             d.reply_to = seq.reply_to
+            if seq.sampling.prompt_logprobs is not None:
+                d.prompt_logprobs = prompt_logprobs(seq.prompt_ids, seq.prompt_parts, seq.sampling.prompt_logprobs)
+                seq.prompt_parts = []
         return d
 
     def _finish(self, seq: Sequence, reason: str) -> SeqTokens:
@@ -482,3 +503,15 @@ class BatchScheduler:
         if seq.in_worker:
             self._forget.append(seq.rid)
             seq.in_worker = False
+
+
+def prompt_logprobs(prompt_ids: np.ndarray, parts: list[tuple[np.ndarray, ...]], k: int) -> PromptLogprobs:
+    """A prompt's scored tokens (its prefill chunks' parts, in order) with k alternatives each (a part has as many
+    as the most any sequence of its step asked for)."""
+    def joined(i: int) -> list:
+        return np.concatenate([p[i] if i < 2 else p[i][:, :k] for p in parts]).tolist() if parts else []
+
+    out = PromptLogprobs(token_ids=prompt_ids.tolist(), logprobs=joined(0), ranks=joined(1))
+    if k:
+        out.top_ids, out.top_logprobs = joined(2), joined(3)
+    return out

@@ -236,7 +236,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ sequence lifecycle
 
-    def allocate(self, seq_id: str, token_ids: TokenIds, num_new_tokens: int | None = None) -> Allocation | None:
+    def allocate(self, seq_id: str, token_ids: TokenIds, num_new_tokens: int | None = None,
+                 read_cache: bool = True) -> Allocation | None:
         """Admit a sequence: reuse its cached prefix and add fresh blocks for its first chunk.
 
         token_ids are all its known tokens (the prompt; prompt + earlier output when resumed after
@@ -245,6 +246,8 @@ class BlockManager:
         or the decode side of a disaggregated pair reserving room for the migrated prompt). The
         scheduler's first chunk is therefore min(num_new_tokens, rest) tokens starting at
         num_cached_tokens. Returns None, with nothing changed, when the blocks are not there.
+        read_cache=False takes no hits (every token is computed: prompt logprobs score each position); its full
+        blocks still go to the prefix cache.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
@@ -253,7 +256,7 @@ class BlockManager:
             raise ValueError("cannot allocate a sequence with no tokens")
         if num_new_tokens is not None and num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
-        hit_blocks, hashes, _ = self._match(token_ids) if self.enable_prefix_caching else ([], [], 0)
+        hit_blocks, hashes, _ = self._match(token_ids) if self.enable_prefix_caching and read_cache else ([], [], 0)
         num_cached = len(hit_blocks) * self.block_size
         rest = num_tokens - num_cached
         num_slots = num_cached + (rest if num_new_tokens is None else min(num_new_tokens, rest))
@@ -271,7 +274,7 @@ class BlockManager:
             self._readers[snapshot] = self._readers.get(snapshot, 0) + 1
         table = hit_blocks + self._pop_free(num_fresh)
         self._seqs[seq_id] = _SeqBlocks(table, num_slots, hashes, len(hit_blocks), resumes=snapshot)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and read_cache:
             self.queried_tokens += num_tokens
             self.hit_tokens += num_cached
         return Allocation(list(table), num_cached, snapshot)

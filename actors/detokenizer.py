@@ -133,4 +133,4 @@ class DetokenizerActor(Actor):
         return SeqText(rid=rid, text=text, token_ids=item.token_ids, finish_reason=finish, stop_reason=stop_reason,
                        logprobs=item.logprobs, top_ids=item.top_ids, top_logprobs=item.top_logprobs,
                        num_prompt_tokens=item.num_prompt_tokens, num_cached_tokens=item.num_cached_tokens,
-                       num_output_tokens=n, queue_time_s=item.queue_time_s)
+                       num_output_tokens=n, queue_time_s=item.queue_time_s, prompt_logprobs=item.prompt_logprobs)

@@ -27,14 +27,16 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from flotilla.actors.batching import BatchScheduler, Sequence
+from flotilla.actors.batching import BatchScheduler, Sequence, prompt_logprobs
 from flotilla.transport.messages import (
     BlocksReleasedEvent,
+    FirstTokenLogprobs,
     KVReadyEvent,
     Message,
     MigrateKVCmd,
     MigrationDoneEvent,
     SeqTokens,
+    StepResult,
     TokenizedRequest,
 )
 
@@ -93,7 +95,7 @@ class PrefillBatchScheduler(BatchScheduler):
             return False
         return super()._reserve_states(seq, points)
 
-    def _hand_off(self, seq: Sequence, tok: int) -> bool:
+    def _hand_off(self, seq: Sequence, tok: int, result: StepResult, row: int) -> bool:
         if seq.transfer_id is None:
             return False
         if self._released_early.pop(seq.transfer_id, 0) is None:  # nobody will read these blocks: no pin, no KVReady
@@ -105,7 +107,9 @@ class PrefillBatchScheduler(BatchScheduler):
         self.outbox.append(KVReadyEvent(
             transfer_id=seq.transfer_id, num_tokens=len(seq.prompt_ids), first_token=tok, src_engine=self.engine,
             block_size=self.blocks.block_size, block_ids=np.asarray(self.blocks.block_ids(seq.rid)[:prompt_blocks], dtype=np.int32),
-            state_slot=self.blocks.pinned_state(seq.transfer_id)))
+            state_slot=self.blocks.pinned_state(seq.transfer_id), first_logprobs=_first_logprobs(seq, result, row),
+            prompt_logprobs=None if seq.sampling.prompt_logprobs is None else prompt_logprobs(
+                seq.prompt_ids, seq.prompt_parts, seq.sampling.prompt_logprobs)))
         self._release(seq)  # its table goes; the pin keeps the blocks until BlocksReleased
         self._transfers.discard(seq.rid)
         return True
@@ -224,6 +228,12 @@ class DecodeBatchScheduler(BatchScheduler):
         seq.state_snapshot = self.blocks.resume_own_state(seq.rid)  # (a hybrid model: the migrated state)
         seq.output_ids.append(ready.first_token)
         delta = self._delta(seq, [ready.first_token])
+        delta.prompt_logprobs = ready.prompt_logprobs
+        first = ready.first_logprobs
+        if first is not None and seq.sampling.logprobs is not None:
+            k = seq.sampling.logprobs
+            delta.logprobs, delta.top_ids, delta.top_logprobs = [first.logprob], [first.top_ids[:k]], [
+                first.top_logprobs[:k]]
         reason = self._stop_reason(seq, ready.first_token)
         if reason is not None:
             delta.finish_reason = reason
@@ -293,3 +303,11 @@ class DecodeBatchScheduler(BatchScheduler):
         else:
             self._released.add(tid)  # its KVReady is still to come: answer that one
         return self._finish(t.seq, reason)
+
+
+def _first_logprobs(seq: Sequence, result: StepResult, row: int) -> FirstTokenLogprobs | None:
+    """The handed-off token's logprobs, for the decode engine's first delta (when the request asked)."""
+    if result.logprobs is None or seq.sampling.logprobs is None:
+        return None
+    return FirstTokenLogprobs(logprob=float(result.logprobs[row]), top_ids=result.top_ids[row].tolist(),
+                              top_logprobs=result.top_logprobs[row].tolist())

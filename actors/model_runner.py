@@ -27,6 +27,7 @@ from flotilla.actors import grammar
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only
 from flotilla.actors.grammar import Grammars, SequenceGrammar
 from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
+from flotilla.actors.prompt_logprobs import PromptScores, score_prompts
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
@@ -72,6 +73,8 @@ class SeqState:
     """A hybrid model's recurrent-state slot (ModelRunner.num_state_slots); -1 without one."""
     grammar: SequenceGrammar | None = None
     """Structured outputs: the matcher that masks its logits (actors/grammar.py); None: unconstrained."""
+    prompt_logprobs: int | None = None
+    """Score its prompt's tokens with this many alternatives as its prefill runs (actors/prompt_logprobs.py)."""
 
     @classmethod
     def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
@@ -415,7 +418,8 @@ class ModelRunner:
             self.seqs[ns.rid] = SeqState.new(
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
-                needs_history=_needs_history(ns.sampling), grammar=self._grammar_of(ns.sampling))
+                needs_history=_needs_history(ns.sampling), grammar=self._grammar_of(ns.sampling),
+                prompt_logprobs=None if ns.num_output_tokens else ns.sampling.prompt_logprobs)  # (else: sent)
         if self.num_state_slots and plan.new_seqs:
             self._assign_state_slots(plan.new_seqs)
         if not plan.rids:
@@ -443,6 +447,7 @@ class ModelRunner:
         if graph_size:
             # one new token per sequence: a captured decode step
             logits, greedy = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
+            scores = None
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
                 s.num_computed += 1
@@ -461,12 +466,15 @@ class ModelRunner:
                 positions = positions_from_lists(cached, num_new, device=self.device)
                 hidden = self.model(input_ids, positions, self.kv_caches, meta)
             self._save_states(plan, seqs)
+            scores = score_prompts(self.model.compute_logits, hidden, plan.rids, seqs, cached, num_new,
+                                   self.config.scheduler.max_num_seqs)
             # a sequence samples when this step reaches the end of its known tokens
             sampling_rows = [i for i, (s, c, n) in enumerate(zip(seqs, cached, num_new)) if c + n == s.length]
             for s, n in zip(seqs, num_new):
                 s.num_computed += n
             if not sampling_rows:
-                self._pending.append(_Pending.done(StepResult(step=plan.step)))
+                self._pending.append(_Pending.done(StepResult(step=plan.step)) if scores is None else
+                                     _Pending.launch(plan.step, [], [], None, False, self.device, scores))
                 return
             ends = np.cumsum(num_new)[sampling_rows] - 1
             logits = self.model.compute_logits(hidden[upload(ends, self.device)])
@@ -481,7 +489,8 @@ class ModelRunner:
         for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
             s.device_tokens[s.length] = (token_ids, row)
             s.length += 1
-        self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device))
+        self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device,
+                                             scores))
 
     def _assign_state_slots(self, new_seqs: list[NewSequence]) -> None:
         """Give each new sequence a free recurrent-state slot: zeroed, or a copy of the snapshot its prefix hit
@@ -616,7 +625,7 @@ class ModelRunner:
 class _Pending:
     """A launched step: its sampled tokens on the device and their copy to the host in flight."""
 
-    __slots__ = ("step", "rids", "seqs", "out", "host", "event", "logprobs", "result")
+    __slots__ = ("step", "rids", "seqs", "out", "host", "event", "logprobs", "prompt", "result")
 
     @classmethod
     def done(cls, result: StepResult) -> _Pending:
@@ -625,12 +634,15 @@ class _Pending:
         return p
 
     @classmethod
-    def launch(cls, step: int, rids: list[str], seqs: list[SeqState], out, logprobs: bool,
-               device: torch.device) -> _Pending:
+    def launch(cls, step: int, rids: list[str], seqs: list[SeqState], out: SamplerOutput | None, logprobs: bool,
+               device: torch.device, prompt: PromptScores | None = None) -> _Pending:
+        """out: None when the step sampled nothing (a prefill chunk that only scored its prompt tokens)."""
         p = cls()
-        p.step, p.rids, p.seqs, p.out, p.logprobs, p.result = step, rids, seqs, out, logprobs, None
+        p.step, p.rids, p.seqs, p.out, p.logprobs, p.prompt, p.result = step, rids, seqs, out, logprobs, prompt, None
         blocking = device.type != "cuda"
-        p.host = [out.token_ids.to("cpu", torch.int32, non_blocking=not blocking)]
+        p.host = [] if out is None else [out.token_ids.to("cpu", torch.int32, non_blocking=not blocking)]
+        if prompt is not None:
+            prompt.to_host(blocking)
         if logprobs:
             p.host += [out.logprobs.float().to("cpu", non_blocking=not blocking),
                        out.top_token_ids.to("cpu", torch.int32, non_blocking=not blocking),
@@ -646,17 +658,21 @@ class _Pending:
             return self.result
         if self.event is not None:
             self.event.synchronize()
-        token_ids = self.host[0].numpy()
-        for s, t in zip(self.seqs, token_ids.tolist()):
-            s.settle(t)
-        result = StepResult(step=self.step, rids=self.rids, token_ids=token_ids)
+        result = StepResult(step=self.step)
+        if self.host:
+            token_ids = self.host[0].numpy()
+            for s, t in zip(self.seqs, token_ids.tolist()):
+                s.settle(t)
+            result.rids, result.token_ids = self.rids, token_ids
         if self.logprobs:
             result.logprobs, result.top_ids, result.top_logprobs = (t.numpy() for t in self.host[1:])
+        if self.prompt is not None:
+            self.prompt.fill(result)
         self.result = result
         return result
 
     def release(self) -> None:
-        self.out = self.seqs = self.host = self.event = None
+        self.out = self.seqs = self.host = self.event = self.prompt = None
 
 
 Patch = dict[int, tuple[torch.Tensor, list[int], list[int]]]

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from flotilla.actors.data_parallel_worker import mtp_expert_layers
+from flotilla.actors.prompt_logprobs import PromptScores, score_prompts
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, positions_from_lists
@@ -152,6 +153,8 @@ class MTPSpeculator:
                 meta.state_slots = upload(np.asarray([s.state_slot for s in seqs], dtype=np.int64), dev)
                 history = meta.state_history = self._history_rows(num_new, num_drafts, starts)
             hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
+        scores = score_prompts(model.compute_logits, hidden, rids, seqs, cached, num_new,
+                               r.config.scheduler.max_num_seqs)
         for s, n in zip(seqs, num_new):
             s.num_computed += n
 
@@ -170,7 +173,7 @@ class MTPSpeculator:
         if not samplers:
             model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)  # its KV only
             self._pad_mtp_passes(1)
-            return StepResult(step=step)
+            return _with_scores(StepResult(step=step), scores)
 
         # (in a uniform step every row samples: rows is 0 .. B * (k + 1) - 1)
         out, want = self._sample(seqs, samplers, seg, local, hidden if uniform else hidden[upload(rows, dev)])
@@ -219,7 +222,7 @@ class MTPSpeculator:
             result.logprobs = out.logprobs.float().cpu().numpy()[keep]
             result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
             result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
-        return result
+        return _with_scores(result, scores)
 
     def _history_rows(self, num_new: list[int], num_drafts: list[int], starts: np.ndarray) -> np.ndarray | None:
         """int64 [T]: a state-pool row per token of a sequence that verifies drafts (-1 elsewhere); None without
@@ -305,3 +308,11 @@ class MTPSpeculator:
         for _ in range(self.num_speculative_tokens - done):
             for layer in self.mtp_ep_layers:
                 layer.empty_step()
+
+
+def _with_scores(result: StepResult, scores: PromptScores | None) -> StepResult:
+    """The step's prompt logprobs into its result (a speculative step returns when its work is done)."""
+    if scores is not None:
+        scores.to_host(blocking=True)
+        scores.fill(result)
+    return result

@@ -95,6 +95,8 @@ class RequestTokenizer:
                                f"{n} tokens, which leaves no room for output. Please shorten the prompt.",
                                "messages" if req.messages is not None else "prompt", code="context_length_exceeded")
         sampling = req.sampling
+        if sampling.logit_bias and self.vocab_size is not None and max(sampling.logit_bias) >= self.vocab_size:
+            raise RequestError(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
         if sampling.max_tokens is None:
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
         elif n + sampling.max_tokens > limit:

@@ -11,7 +11,7 @@ This file is the torch reference. The pieces are separate functions with tensor-
 a backend (flashinfer, triton) can replace one of them without touching the others.
 
 Logprobs are those of the raw model distribution: log_softmax of the logits as the model produced them,
-before penalties, temperature and truncation (vLLM's default `raw_logprobs` mode).
+before logit bias, penalties, temperature and truncation (vLLM's default `raw_logprobs` mode).
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ class SamplingTensors:
     """[Np] int64; row * vocab_size + token id of prompt tokens of rows with a repetition penalty."""
     output_keys: Tensor
     """[No] int64; row * vocab_size + token id of output tokens of rows with any penalty (repeats kept)."""
+    bias_keys: Tensor
+    """[Nb] int64; row * vocab_size + token id of every logit_bias entry."""
+    bias_values: Tensor
+    """[Nb] float32; the bias added there."""
     vocab_size: int
     """Width of the logits these tensors were built for."""
     max_top_k: int
@@ -93,6 +97,7 @@ class SamplingTensors:
     do_repetition: bool
     do_presence: bool
     do_frequency: bool
+    do_bias: bool
 
     @classmethod
     def build(
@@ -137,6 +142,7 @@ class SamplingTensors:
         prompt_keys = _history_keys(prompt_token_ids, rep_rows, v, "prompt_token_ids")
         output_keys = _history_keys(output_token_ids, penalized_rows, v, "output_token_ids")
 
+        bias_keys, bias_values = _bias(params, v)
         active_k = top_k[random & (top_k < v)]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -154,6 +160,8 @@ class SamplingTensors:
             seeded_rows=upload(np.flatnonzero(seeded).astype(np.int64), device),
             prompt_keys=upload(prompt_keys, device),
             output_keys=upload(output_keys, device),
+            bias_keys=upload(bias_keys, device),
+            bias_values=upload(bias_values, device),
             vocab_size=v,
             max_top_k=int(active_k.max()) if active_k.size else v,
             max_num_logprobs=max(logprobs) if logprobs else None,
@@ -167,6 +175,7 @@ class SamplingTensors:
             do_repetition=bool(rep_rows.size) and (prompt_keys.size + output_keys.size) > 0,
             do_presence=bool((presence != 0.0).any()) and output_keys.size > 0,
             do_frequency=bool((frequency != 0.0).any()) and output_keys.size > 0,
+            do_bias=bool(bias_keys.size),
         )
 
 
@@ -182,6 +191,19 @@ class SamplerOutput:
     """[B, n] int64 the n most likely tokens of the raw model distribution, most likely first."""
     top_logprobs: Tensor | None = None
     """[B, n] float32 their raw logprobs, descending."""
+
+
+def _bias(params: Sequence[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' logit_bias entries as (row * vocab_size + token id, bias)."""
+    keys: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            if max(p.logit_bias) >= vocab_size:  # (a device-side assert on CUDA would kill the context)
+                raise ValueError(f"logit_bias holds a token id outside [0, {vocab_size})")
+            keys += [row * vocab_size + t for t in p.logit_bias]
+            values += p.logit_bias.values()
+    return np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.float32)
 
 
 def _history_keys(
@@ -352,6 +374,9 @@ def sample(
         logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None and num_logprobs >= 0 else None
 
+    if st.do_bias:
+        greedy_ids = None  # (the argmax of the logits before the bias)
+        logits.view(-1).index_add_(0, st.bias_keys, st.bias_values)
     if st.do_repetition or st.do_presence or st.do_frequency:
         greedy_ids = None  # (the argmax of the logits before the penalties)
         apply_penalties_(

@@ -311,10 +311,15 @@ def build_app(state: ServerState) -> Starlette:
     async def run_completion(req: CompletionRequest) -> Response:
         sampling = await checked(req)
         rid = new_response_id(False)
+        given = completion_prompts(req)
         prompts = [{"prompt": p, "priority": req.priority or 0} if isinstance(p, str) else
                    {"prompt_token_ids": np.asarray(p, dtype=np.int32), "priority": req.priority or 0}
-                   for p in completion_prompts(req)]
-        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts)
+                   for p in given]
+        echo = None
+        if req.echo:  # a token-id prompt echoes as its text (none without a tokenizer)
+            decode = state.tokenizer.decode if state.tokenizer is not None else lambda ids: ""
+            echo = [p if isinstance(p, str) else await asyncio.to_thread(decode, p) for p in given]
+        kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts, echo_texts=echo)
         if req.stream:
             return await stream(CompletionStreamState(req, **kw), engine_requests(rid, sampling, prompts), sampling.n)
         return await collect(CompletionBuilder(req, **kw), engine_requests(rid, sampling, prompts), sampling.n)

@@ -279,7 +279,13 @@ def _check_sampling_fields(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
     if req.logit_bias:
-        raise _unsupported("logit_bias", "Unsupported parameter: 'logit_bias' is not supported by this server.")
+        logit_bias(req)
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad("prompt_logprobs", f"Invalid 'prompt_logprobs': {req.prompt_logprobs}; expected an integer "
+                                          f"in [0, {MAX_TOP_LOGPROBS}].")
+        if req.stream:
+            raise _bad("prompt_logprobs", "Invalid 'prompt_logprobs': not available when 'stream' is true.")
     structured_outputs_of(req)  # (its form: the grammar itself is parsed off the event loop, server/app.py)
 
 
@@ -315,6 +321,8 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise _bad("top_logprobs", "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' "
                                    "is given.")
+    if req.echo:
+        raise _unsupported("echo", "Unsupported parameter: 'echo' is supported on /v1/completions, not on chat.")
     if req.functions is not None or req.function_call is not None:
         param = "functions" if req.functions is not None else "function_call"
         raise _unsupported(param, f"Unsupported parameter: '{param}' is deprecated; use 'tools' and "
@@ -332,12 +340,26 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 def _check_completion(req: CompletionRequest) -> None:
     completion_prompts(req)
     _check_range(req, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    if req.echo:
-        raise _unsupported("echo", "Unsupported parameter: 'echo' is not supported by this server.")
     if req.suffix:
         raise _unsupported("suffix", "Unsupported parameter: 'suffix' is not supported by this server.")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise _unsupported("best_of", "Unsupported parameter: 'best_of' must equal 'n' on this server.")
+
+
+def logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """The request's logit_bias with int token ids; a 400 for a key that is not a token id or a bias outside
+    [-100, 100] (ids past the vocabulary are the tokenizer's 400)."""
+    if not req.logit_bias:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in req.logit_bias.items():
+        token = int(key) if key.isdecimal() else -1
+        if not 0 <= token <= _INT32_MAX:
+            raise _bad("logit_bias", f"Invalid 'logit_bias': key '{key}' is not a token id.")
+        if not -100 <= bias <= 100:
+            raise _bad("logit_bias", f"Invalid 'logit_bias': {bias} for token {key} is outside [-100, 100].")
+        out[token] = float(bias)
+    return out
 
 
 def _token_ids_in_range(ids: list[int]) -> bool:
@@ -460,13 +482,17 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, default_m
     else:
         max_tokens = req.max_tokens
         logprobs = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and logprobs is not None:  # the echoed prompt's logprobs
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     kwargs: dict[str, Any] = dict(defaults or {})
     set_fields = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": req.seed, "min_tokens": req.min_tokens,
         "ignore_eos": req.ignore_eos, "include_stop_str_in_output": req.include_stop_str_in_output,
-        "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs,
+        "skip_special_tokens": req.skip_special_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+        "logit_bias": logit_bias(req),
     }
     kwargs.update((k, v) for k, v in set_fields.items() if v is not None)
     kwargs["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens

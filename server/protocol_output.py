@@ -40,7 +40,7 @@ from flotilla.server.protocol import (
     tool_parsing_enabled,
 )
 from flotilla.server.tool_parser import HermesToolParser, ToolCallParser, parse_tool_calls
-from flotilla.transport.messages import SeqText
+from flotilla.transport.messages import PromptLogprobs, SeqText
 
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of every stream."""
@@ -240,6 +240,42 @@ class _Response:
         choice.text_offset = offset
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
+    def _echo_logprobs(self, choice: _Choice, prompt: PromptLogprobs, echo_text: str) -> dict[str, list[Any]]:
+        """The echoed prompt's part of the legacy logprobs: its first token has none (null), as in OpenAI's; the
+        output's offsets then continue after the echoed text."""
+        get = self.token_texts.get  # type: ignore[union-attr]
+        k = self.top_logprobs or 0
+        tokens = [get(t)[0] for t in prompt.token_ids]
+        logprobs: list[float | None] = [None]
+        tops: list[dict[str, float] | None] = [None]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        for i, lp in enumerate(prompt.logprobs):
+            top = {get(t)[0]: _clamp(v) for t, v in zip(prompt.top_ids[i][:k], prompt.top_logprobs[i][:k])} if (
+                k and prompt.top_ids) else {}
+            top.setdefault(tokens[i + 1], _clamp(lp))
+            logprobs.append(_clamp(lp))
+            tops.append(top)
+        choice.text_offset = len(echo_text)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, prompt: PromptLogprobs) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top alternatives."""
+        def text(token: int) -> str:
+            return "" if self.token_texts is None else self.token_texts.get(token)[0]
+
+        out: list[dict[str, Any] | None] = [None]
+        for i, (token, lp, rank) in enumerate(zip(prompt.token_ids[1:], prompt.logprobs, prompt.ranks)):
+            entry = {str(token): {"logprob": _clamp(lp), "rank": rank, "decoded_token": text(token)}}
+            if prompt.top_ids:
+                for j, (alt, alt_lp) in enumerate(zip(prompt.top_ids[i], prompt.top_logprobs[i])):
+                    entry.setdefault(str(alt), {"logprob": _clamp(alt_lp), "rank": j + 1, "decoded_token": text(alt)})
+            out.append(entry)
+        return out
+
 
 class _Stream(_Response):
     """The SSE half of a streaming builder: the pre-encoded chunk frame and the two ways a stream ends.
@@ -383,11 +419,15 @@ class ChatCompletionBuilder(_Chat):
         if self.top_logprobs is not None:
             for c in self.choices:
                 c.logprobs = []
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
+        """vLLM's prompt_logprobs, when asked (every choice has the same prompt: the first to arrive)."""
 
     def on_delta(self, index: int, delta: SeqText) -> None:
         choice = self._accept(index, delta)
         if choice is None:
             return
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self._vllm_prompt_logprobs(delta.prompt_logprobs)
         if delta.text:
             choice.texts.append(delta.text)
         if self.top_logprobs is not None:
@@ -419,7 +459,8 @@ class ChatCompletionBuilder(_Chat):
                 "finish_reason": _chat_finish_reason(c.finish_reason or "stop", bool(calls)),
                 "stop_reason": c.stop_reason,
             })
-        return self._envelope(choices=choices, usage=self.usage())
+        extra = {} if self.prompt_logprobs is None else {"prompt_logprobs": self.prompt_logprobs}
+        return self._envelope(choices=choices, usage=self.usage(), **extra)
 
     def body(self) -> bytes:
         return _encode(self.response())
@@ -435,19 +476,26 @@ class _Completion(_Response):
     object_type = "text_completion"
 
     def __init__(self, req: CompletionRequest, *, request_id: str, model: str, created: int | None,
-                 token_texts: TokenTexts | TokenText | None) -> None:
+                 token_texts: TokenTexts | TokenText | None, echo_texts: list[str] | None) -> None:
         n = req.n or 1
         super().__init__(request_id=request_id, model=model, created=created, num_choices=n * _num_prompts(req),
                          choices_per_prompt=n, top_logprobs=req.logprobs, token_texts=token_texts,
                          include_usage=req.include_usage)
+        self.echo_texts = echo_texts if req.echo else None
+        """echo: each prompt's text, put before its choices' text (the prompt's logprobs before theirs)."""
+        self.vllm_prompt_logprobs = req.prompt_logprobs is not None
+
+    def _echo(self, index: int) -> str:
+        return self.echo_texts[index // self._per_prompt]  # type: ignore[index]
 
 
 class CompletionStreamState(_Stream, _Completion):
     """Turns one completions request's deltas into ``text_completion`` SSE events (see module doc)."""
 
     def __init__(self, req: CompletionRequest, *, request_id: str, model: str, created: int | None = None,
-                 token_texts: TokenTexts | TokenText | None = None) -> None:
-        super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts)
+                 token_texts: TokenTexts | TokenText | None = None, echo_texts: list[str] | None = None) -> None:
+        super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts,
+                         echo_texts=echo_texts)
         self._frame()
 
     def on_delta(self, index: int, delta: SeqText) -> bytes:
@@ -456,6 +504,13 @@ class CompletionStreamState(_Stream, _Completion):
         if choice is None:
             return b""
         out: list[bytes] = []
+        if not choice.started:
+            choice.started = True
+            if self.echo_texts is not None:  # the echoed prompt is its own first chunk
+                echo = self._echo(index)
+                logprobs = None if self.top_logprobs is None or delta.prompt_logprobs is None else \
+                    self._echo_logprobs(choice, delta.prompt_logprobs, echo)
+                out.append(self._chunk({"index": index, "text": echo, "logprobs": logprobs, "finish_reason": None}))
         logprobs = self._completion_logprobs(choice, delta) if self.top_logprobs is not None else None
         # A delta with new tokens is a chunk even when they show no text yet (a token id-only engine, a partial
         # UTF-8 character): a streaming client then sees every step, as from vLLM, whose completions stream
@@ -477,16 +532,27 @@ class CompletionBuilder(_Completion):
     """Collects one completions request's deltas into a ``text_completion`` body (non-streaming)."""
 
     def __init__(self, req: CompletionRequest, *, request_id: str, model: str, created: int | None = None,
-                 token_texts: TokenTexts | TokenText | None = None) -> None:
-        super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts)
-        if self.top_logprobs is not None:
-            for c in self.choices:
+                 token_texts: TokenTexts | TokenText | None = None, echo_texts: list[str] | None = None) -> None:
+        super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts,
+                         echo_texts=echo_texts)
+        for index, c in enumerate(self.choices):
+            if self.top_logprobs is not None:
                 c.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if self.echo_texts is not None:
+                c.texts.append(self._echo(index))
+        self.prompt_logprobs: list[Any] = [None] * len(self.choices)
+        """vLLM's prompt_logprobs per choice, when asked."""
 
     def on_delta(self, index: int, delta: SeqText) -> None:
         choice = self._accept(index, delta)
         if choice is None:
             return
+        if delta.prompt_logprobs is not None:
+            if self.vllm_prompt_logprobs:
+                self.prompt_logprobs[index] = self._vllm_prompt_logprobs(delta.prompt_logprobs)
+            if self.echo_texts is not None and self.top_logprobs is not None:
+                for key, values in self._echo_logprobs(choice, delta.prompt_logprobs, self._echo(index)).items():
+                    choice.logprobs[key][:0] = values
         if delta.text:
             choice.texts.append(delta.text)
         if self.top_logprobs is not None:
@@ -507,6 +573,8 @@ class CompletionBuilder(_Completion):
             choices.append({"index": index, "text": "".join(c.texts), "logprobs": c.logprobs,
                             "finish_reason": _FINISH_REASONS.get(c.finish_reason or "stop", "stop"),
                             "stop_reason": c.stop_reason})
+            if self.vllm_prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs[index]
         return self._envelope(choices=choices, usage=self.usage())
 
     def body(self) -> bytes:

@@ -162,6 +162,9 @@ class SamplingFields(_Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string) -> bias in [-100, 100] added to its logit."""
+    prompt_logprobs: int | None = None
+    """Also return each prompt token's logprob with this many alternatives (vLLM extension; not streamed)."""
     priority: int | None = None
     """Lower runs first under priority scheduling (vLLM extension)."""
     response_format: ResponseFormat | None = None
@@ -197,6 +200,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     functions: list[Any] | None = None
     """Deprecated pre-tools API: refused with a pointer to ``tools``."""
     function_call: Any | None = None
+    echo: bool | None = None
+    """vLLM's: prepend the last message to the reply; refused (completions' echo is supported)."""
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

@@ -15,12 +15,13 @@ from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult, TokenizedRequest
 
-from helpers_batching import EOS, VOCAB, FakeWorker, reference
+from helpers_batching import EOS, VOCAB, FakeWorker, reference, reference_prompt_scores
 
 def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
           chunked: bool = True, prefix: bool = True, abort: set[str] = frozenset(), seed: int = 0,
-          snapshots: int = 0):
-    """snapshots > 0: a hybrid model's worker, whose prefix hits resume recurrent-state snapshots."""
+          snapshots: int = 0, score: dict[str, int] | None = None, scored: dict | None = None):
+    """snapshots > 0: a hybrid model's worker, whose prefix hits resume recurrent-state snapshots. score: rid ->
+    prompt_logprobs; each first delta's prompt logprobs go into `scored`."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                           max_steps_in_flight=depth)
@@ -29,7 +30,8 @@ def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: in
     worker = sched.worker = FakeWorker(num_blocks, block_size, hybrid=snapshots > 0)
     for rid, prompt, max_tokens in requests:
         sched.add(TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS],
-                                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0)))
+                                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                           prompt_logprobs=(score or {}).get(rid))))
     outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
     finished: dict[str, str] = {}
     inflight: deque[StepPlan] = deque()
@@ -39,6 +41,9 @@ def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: in
         if not inflight:
             break
         for d in sched.update(worker.execute(inflight.popleft())):
+            if d.prompt_logprobs is not None:
+                assert d.rid not in scored, f"{d.rid}: a second delta with prompt logprobs"
+                scored[d.rid] = d.prompt_logprobs
             outputs[d.rid].extend(d.token_ids)
             if d.finish_reason:
                 finished[d.rid] = d.finish_reason
@@ -74,6 +79,30 @@ def test_every_request_gets_its_reference_output(depth, num_blocks, budget, chun
         assert finished[rid] == ("stop" if want[-1] == EOS else "length")
     if num_blocks == 24:
         assert sched.num_preemptions > 0  # the tiny cache forced recomputation
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("num_blocks,budget", [(400, 16), (24, 16)])
+def test_prompt_logprobs_come_whole_on_the_first_delta_through_chunks_preemption_and_cached_prefixes(
+        depth, num_blocks, budget):
+    """Each scored sequence gets every prompt token's score but the first's, once, in order, however its prefill
+    was chunked, preempted and recomputed, or shared a cached prefix with another (no hit skips a position)."""
+    reqs = workload()
+    score = {rid: i % 3 for i, (rid, _, _) in enumerate(reqs) if i % 4 != 3}  # k = 0, 1, 2; some not scored
+    scored: dict = {}
+    outputs, _, sched = drive(reqs, num_blocks, depth, budget=budget, score=score, scored=scored)
+    assert set(scored) == set(score)
+    for rid, prompt, max_tokens in reqs:
+        assert outputs[rid] == reference(prompt, max_tokens)
+        if rid not in score:
+            continue
+        want = reference_prompt_scores(prompt, score[rid])
+        got = scored[rid]
+        assert got.token_ids == prompt
+        assert got.logprobs == [float(np.float32(w[0])) for w in want] and got.ranks == [w[1] for w in want]
+        assert got.top_ids == ([w[2] for w in want] if score[rid] else [])
+    if num_blocks == 24:
+        assert sched.num_preemptions > 0
 
 
 def test_aborts_at_random_moments_with_steps_in_flight_release_everything():

@@ -22,7 +22,7 @@ from flotilla.transport.messages import (
     TokenizedRequest,
 )
 
-from helpers_batching import EOS, VOCAB, FakeWorker, reference
+from helpers_batching import EOS, VOCAB, FakeWorker, prompt_score, reference, reference_prompt_scores
 
 BS = 4
 
@@ -47,7 +47,9 @@ class Engine:
         return self.sched.update(self.worker.execute(self.inflight.popleft()))
 
 
-def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0, snapshots=0):
+def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0, snapshots=0, logprobs=None,
+        firsts=None):
+    """logprobs: rid -> (prompt_logprobs, logprobs) to ask for; each request's first delta goes into `firsts`."""
     rng = random.Random(seed)
     pre = Engine(PrefillBatchScheduler, p_blocks, depth, snapshots, engine="p")
     dec = Engine(DecodeBatchScheduler, d_blocks, depth, snapshots)
@@ -56,14 +58,18 @@ def run(requests, p_blocks=200, d_blocks=200, depth=2, abort=frozenset(), seed=0
     migrations: deque[MigrateKVCmd] = deque()
     bytes_moved = 0
     for rid, prompt, max_tokens in requests:
+        scored, lps = (logprobs or {}).get(rid, (None, None))
         req = TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS],
-                               sampling=SamplingParams(max_tokens=max_tokens, temperature=0), transfer_id=rid)
+                               sampling=SamplingParams(max_tokens=max_tokens, temperature=0, prompt_logprobs=scored,
+                                                       logprobs=lps), transfer_id=rid)
         sides = [pre, dec] if rng.random() < 0.5 else [dec, pre]  # either side may hear of it first
         for side in sides:
             assert side.sched.add(req)
 
     def collect(deltas):
         for d in deltas:
+            if firsts is not None and d.token_ids and not outputs[d.rid]:
+                firsts[d.rid] = d
             outputs[d.rid].extend(d.token_ids)
             if d.finish_reason:
                 finished[d.rid] = d.finish_reason
@@ -122,6 +128,27 @@ def workload(n=12, seed=5):
     system = [rng.randrange(8, VOCAB) for _ in range(10)]
     return [(f"r{i}", (system if i % 3 == 0 else []) + [rng.randrange(8, VOCAB) for _ in range(rng.randrange(1, 30))],
              rng.randrange(1, 20)) for i in range(n)]
+
+
+def test_the_decode_side_reports_the_prompt_and_first_token_logprobs_the_prefill_side_computed():
+    reqs = workload()
+    asked = {rid: ([None, 0, 2][i % 3], [None, 1, 3][i % 3]) for i, (rid, _, _) in enumerate(reqs)}
+    firsts: dict = {}
+    run(reqs, 30, 40, depth=2, logprobs=asked, firsts=firsts)
+    for rid, prompt, _ in reqs:
+        k_prompt, k = asked[rid]
+        first = firsts[rid]
+        if k_prompt is None:
+            assert first.prompt_logprobs is None
+        else:
+            want = reference_prompt_scores(prompt, k_prompt)
+            assert first.prompt_logprobs.logprobs == [float(np.float32(w[0])) for w in want]
+            assert first.prompt_logprobs.top_ids == ([w[2] for w in want] if k_prompt else [])
+        if k is None:
+            assert first.logprobs is None
+        else:
+            lp, _, top_ids, _ = prompt_score(prompt + first.token_ids[:1], k)
+            assert first.logprobs[:1] == [float(np.float32(lp))] and first.top_ids[0] == top_ids
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -150,7 +150,13 @@ CHAT_ERRORS = [
     (b'{%s, "stream_options": {"include_usage": true}}' % M.encode(), "stream_options", "invalid_value"),
     (b'{%s, "stream": true, "stream_options": {"include_usage": 1}}' % M.encode(), "stream_options.include_usage",
      "invalid_type"),
-    (b'{%s, "logit_bias": {"50256": -100}}' % M.encode(), "logit_bias", "unsupported_parameter"),
+    (b'{%s, "logit_bias": {"a50": -100}}' % M.encode(), "logit_bias", "invalid_value"),
+    (b'{%s, "logit_bias": {"-3": 1}}' % M.encode(), "logit_bias", "invalid_value"),
+    (b'{%s, "logit_bias": {"50": 101}}' % M.encode(), "logit_bias", "invalid_value"),
+    (b'{%s, "prompt_logprobs": 21}' % M.encode(), "prompt_logprobs", "invalid_value"),
+    (b'{%s, "prompt_logprobs": -1}' % M.encode(), "prompt_logprobs", "invalid_value"),
+    (b'{%s, "prompt_logprobs": 1, "stream": true}' % M.encode(), "prompt_logprobs", "invalid_value"),
+    (b'{%s, "echo": true}' % M.encode(), "echo", "unsupported_parameter"),
     (b'{%s, "response_format": {"type": "yaml"}}' % M.encode(), "response_format.type", "unsupported_value"),
     (b'{%s, "response_format": {"type": "json_schema"}}' % M.encode(), "response_format.json_schema",
      "missing_required_parameter"),
@@ -185,7 +191,7 @@ COMPLETION_ERRORS = [
     (b'{"prompt": [[1, 2], []]}', "prompt", "invalid_value"),
     (b'{"prompt": [3, -1]}', "prompt", "invalid_value"),
     (b'{"prompt": 7}', "prompt", "invalid_type"),
-    (b'{%s, "echo": true}' % P.encode(), "echo", "unsupported_parameter"),
+    (b'{%s, "logit_bias": {"7": -100.5}}' % P.encode(), "logit_bias", "invalid_value"),
     (b'{%s, "suffix": "end"}' % P.encode(), "suffix", "unsupported_parameter"),
     (b'{%s, "best_of": 3}' % P.encode(), "best_of", "unsupported_parameter"),
     (b'{%s, "logprobs": 6}' % P.encode(), "logprobs", "invalid_value"),
@@ -241,6 +247,21 @@ def test_completion_maps_to_sampling_params():
     req = parse_completion_request(b'{"prompt": "once", "max_tokens": null}')
     assert to_sampling_params(req, default_max_tokens=None).max_tokens is None
     assert parse_completion_request(b'{"prompt": "x", "best_of": 2, "n": 2}').best_of == 2
+
+
+
+def test_echo_logprobs_prompt_logprobs_and_logit_bias_map_to_sampling_params():
+    """echo with logprobs k scores the prompt with k alternatives (vLLM's prompt_logprobs may ask for more);
+    logit_bias keys become token ids."""
+    def sp(body: bytes) -> SamplingParams:
+        return to_sampling_params(parse_completion_request(body))
+
+    assert sp(b'{"prompt": "x", "echo": true, "logprobs": 1}').prompt_logprobs == 1
+    assert sp(b'{"prompt": "x", "echo": true}').prompt_logprobs is None  # (the text only)
+    assert sp(b'{"prompt": "x", "echo": true, "logprobs": 0, "prompt_logprobs": 3}').prompt_logprobs == 3
+    assert sp(b'{"prompt": "x", "logprobs": 2}').prompt_logprobs is None
+    assert sp(b'{"prompt": "x", "logit_bias": {"7": -100, "12": 2.5}}').logit_bias == {7: -100.0, 12: 2.5}
+    assert to_sampling_params(chat(prompt_logprobs=0)).prompt_logprobs == 0
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [

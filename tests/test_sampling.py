@@ -80,6 +80,25 @@ def test_a_graphs_argmax_stands_for_the_greedy_rows_unless_a_penalty_changes_the
     assert torch.equal(sample(logits.clone(), st, greedy_ids=marked).token_ids, logits.argmax(-1))
 
 
+def test_logit_bias_moves_only_its_rows_tokens_and_logprobs_stay_raw() -> None:
+    """+100 forces a token, -100 bans the argmax, a row without bias is untouched; the reported logprobs are the
+    model's own (before the bias), and a graph's argmax is not used once a bias changed the logits."""
+    logits = torch.randn(3, 40)
+    argmax = logits.argmax(-1)
+    forced = int((argmax[0] + 5) % 40)
+    params = [SamplingParams(temperature=0.0, logit_bias={forced: 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={int(argmax[1]): -100.0}),
+              SamplingParams(temperature=0.0)]
+    st = _build(params, 40)
+    out = sample(logits.clone(), st, 0, greedy_ids=argmax.clone())
+    assert out.token_ids[0] == forced and out.token_ids[1] != argmax[1] and out.token_ids[2] == argmax[2]
+    assert out.token_ids[1] == logits[1].topk(2).indices[1]
+    raw = logits.log_softmax(-1).gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(out.logprobs, raw)
+    with pytest.raises(ValueError, match="logit_bias"):
+        _build([SamplingParams(logit_bias={40: 1.0})], 40)
+
+
 @pytest.mark.parametrize("with_top_p", [False, True])
 def test_top_k_never_leaves_top_k(with_top_p: bool) -> None:
     vocab, n = 200, 4000

@@ -154,15 +154,21 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tmp_path: Path, model_dir: Pat
 
 
 def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Path) -> None:
+    """And the same prompt logprobs (a speculating engine scores prompts in its own step)."""
     prompts = [r.prompt_ids.tolist() for r in requests()[:4]]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = {}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    outs, scored = {}, {}
     for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
         extra = {} if spec is None else {"speculative_config": spec}
         with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, **extra) as llm:
             got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[str(spec)] = [o.outputs[0].token_ids for o in got]
+        scored[str(spec)] = [(o.prompt_logprobs[0], [lp.logprob for lp in o.prompt_logprobs[1:]],
+                              [sorted(lp.top) for lp in o.prompt_logprobs[1:]]) for o in got]
     assert outs["None"] == list(outs.values())[1]
+    for (first, plain, plain_top), (_, spec, spec_top), p in zip(scored["None"], list(scored.values())[1], prompts):
+        assert first is None and len(plain) == len(p) - 1
+        assert spec == pytest.approx(plain, abs=1e-5) and spec_top == plain_top
 
 
 def test_speculating_steps_are_sent_without_a_second_trip_through_the_runner_thread(model_dir: Path) -> None:

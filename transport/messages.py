@@ -69,6 +69,30 @@ class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omi
     """Start address in the owner's process (network backends address remote memory with it)."""
 
 
+class PromptLogprobs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """A prompt's tokens scored by the model (echo with logprobs, vLLM's prompt_logprobs): entry i is prompt token
+    i + 1's, the first token having none; logprobs of the raw model distribution, as for sampled tokens."""
+
+    token_ids: list[int]
+    """The whole prompt."""
+    logprobs: list[float]
+    """Logprob of each prompt token after the first."""
+    ranks: list[int]
+    """Its rank in the model's distribution (1: the most likely token)."""
+    top_ids: list[list[int]] = []
+    """The k most likely tokens at each of those positions (k = the request's prompt_logprobs; empty for 0)."""
+    top_logprobs: list[list[float]] = []
+    """Their logprobs."""
+
+
+class FirstTokenLogprobs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    """The logprobs of the token a prefill engine sampled, for the decode engine that reports it."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. front end -> tokenizer
 
@@ -210,6 +234,18 @@ class StepResult(Message):
     """Set when the step failed; the scheduler fails the step's requests."""
     num_tokens: Array | None = None
     """Speculative decoding: tokens per rid, int32 (accepted drafts + 1); None = one each."""
+    prompt_rids: list[str] = []
+    """Sequences whose prompt logprobs this step computed (SamplingParams.prompt_logprobs), in step order."""
+    prompt_counts: Array | None = None
+    """Prompt tokens scored per prompt rid, int32 (a chunk's, in prompt order: a sequence's chunks append)."""
+    prompt_logprobs: Array | None = None
+    """Logprob of each scored prompt token, float32, rid after rid."""
+    prompt_ranks: Array | None = None
+    """Its rank in the model's distribution, int32."""
+    prompt_top_ids: Array | None = None
+    """The most likely tokens at its position, int32 [rows, k] (k: the largest prompt_logprobs; None for 0)."""
+    prompt_top_logprobs: Array | None = None
+    """Their logprobs, float32 [rows, k]."""
 
 
 class DPStepsEvent(Message):
@@ -276,6 +312,10 @@ class KVReadyEvent(Message):
     """Set when the prefill failed; the decode side fails the request and releases."""
     state_slot: int = -1
     """Hybrid models: the prefill side's state snapshot slot holding the prompt's recurrent state; -1: none."""
+    first_logprobs: FirstTokenLogprobs | None = None
+    """The first token's logprobs, when the request asked for logprobs."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's logprobs, when the request asked for them."""
 
 
 class MigrateKVCmd(Message):
@@ -444,6 +484,8 @@ class SeqTokens(Message):
     """Set on the first delta only, of a request another node's front end routed here: where its text goes."""
     queue_time_s: float | None = None
     """Set on the first delta only: from the request's arrival to its first scheduled step, seconds."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set on the first delta only, when the request asked for its prompt's logprobs."""
 
 
 class TokenDelta(Message):
@@ -482,6 +524,8 @@ class SeqText(Message):
     """Tokens generated so far, tokens."""
     queue_time_s: float | None = None
     """On the first delta: from the request's arrival to its first scheduled step, seconds (SeqTokens')."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """On the first delta, when the request asked for its prompt's logprobs (SeqTokens')."""
 
 
 class TextDelta(Message):
