@@ -45,7 +45,7 @@ from flotilla.server.protocol_types import (
     ToolMessage,
     UserMessage,
 )
-from flotilla.server.tool_parser import (
+from flotilla.server.tool_parsers import (
     HermesToolParser,
     NamedToolParser,
     RequiredToolParser,

@@ -39,7 +39,7 @@ from flotilla.server.protocol import (
     error_body,
     tool_parsing_enabled,
 )
-from flotilla.server.tool_parser import HermesToolParser, ToolCallParser, parse_tool_calls
+from flotilla.server.tool_parsers import HermesToolParser, ToolCallParser, parse_tool_calls
 from flotilla.transport.messages import SeqText
 
 SSE_DONE = b"data: [DONE]\n\n"
