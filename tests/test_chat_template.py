@@ -95,3 +95,20 @@ def test_the_reasoning_parser_flag_reaches_the_chat_route(server):
                                                             for c in chunks)
     completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     assert completion.choices[0].text and not completion.choices[0].model_extra.get("reasoning_content")
+
+
+def test_llm_chat_renders_with_the_chat_template_option(tmp_path):
+    from flotilla import LLM, SamplingParams
+    from flotilla.models.model_folder import load_tokenizer
+    from helpers_engine import write_tiny_engine_model
+
+    model = write_tiny_engine_model(tmp_path / "tiny")
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    counts = {}
+    for name, tok in (("ours", load_tokenizer(model, template)), ("model's", load_tokenizer(model))):
+        prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        counts[name] = len(tok.encode(prompt, add_special_tokens=False))
+        assert (prompt == "[user] Weather in Paris?\n") == (name == "ours")
+    with LLM(str(model), kv_cache_blocks=64, block_size=4, chat_template=template) as llm:
+        out = llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.num_prompt_tokens == counts["ours"] != counts["model's"]
