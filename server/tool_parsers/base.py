@@ -176,7 +176,10 @@ class OpenCall:
 
 
 class CallsOutput:
-    """The output side of a streaming parser: content and call deltas gathered during one feed, and every call."""
+    """The output side of a streaming parser: content and call deltas gathered during one feed, and every call.
+
+    A format's class is built per choice with the request's tools (``tools=``); only a format whose text does not
+    say a value's type (GLM's) reads them."""
 
     TAGS: ClassVar[tuple[str, ...]] = ()
     """The markup the format writes around calls (the server checks whether the tokenizer calls them special
