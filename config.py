@@ -33,6 +33,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shapes)."""
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: requests must be token ids, outputs are token ids (no text, no stop strings)."""
+    chat_template: str | None = None
+    """Chat template to render chat requests with instead of the model's: a file, or the Jinja template itself
+    (a value with a brace or a newline that names no file); default: the model folder's."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -109,7 +109,10 @@ class DetokenizerActor(Actor):
             state = self.states[rid] = IncrementalDetokenizer(
                 self.info, prompt_ids=item.prompt_tail or (), skip_special_tokens=sp.skip_special_tokens,
                 stop=sp.stop, include_stop_str_in_output=sp.include_stop_str_in_output)
-        text, stop = state.add(item.token_ids)
+        ids = item.token_ids
+        if item.finish_reason == "stop" and ids and not state.include_stop_str_in_output:
+            ids = ids[:-1]  # the EOS or stop token that ended the sequence is not text (as in vLLM)
+        text, stop = state.add(ids)
         finish, stop_reason = item.finish_reason, item.stop_token
         if stop is not None:
             finish, stop_reason = "stop", stop

@@ -96,6 +96,11 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def include_stop_str_in_output(self) -> bool:
+        """Whether what stopped the sequence (a stop string, the EOS or stop token) is part of its text."""
+        return self._include_stop
+
     def add(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Feed newly generated ids; returns (text to send now, the stop string if one just matched).
 

@@ -51,6 +51,29 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, *, messages: list[dict[str
     return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
 
 
+_PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool | None:
+    """Whether the chat template shows the model a request's tools: a one-message conversation rendered with and
+    without a tool differs. None when it cannot render that conversation (or the tokenizer has no template)."""
+    try:
+        plain, with_tool = (tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=tools, add_generation_prompt=True,
+                                                          tokenize=False) for tools in (None, [_PROBE_TOOL]))
+    except (jinja2.TemplateError, TypeError, KeyError, ValueError):
+        return None
+    return plain != with_tool
+
+
+def special_tokens_among(tokenizer: PreTrainedTokenizerBase, texts: tuple[str, ...]) -> list[str]:
+    """Those of ``texts`` that are special tokens of the tokenizer (skip_special_tokens drops them from outputs)."""
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return [t for t in texts if t in special]
+
+
 class RequestTokenizer:
     """The pure part: GenerateRequest -> TokenizedRequest, or RequestError."""
 
@@ -126,7 +149,7 @@ class TokenizerActor(Actor):
 
     async def setup(self) -> dict[str, str]:
         path = model_dir(self.config)
-        tok = None if self.config.model.skip_tokenizer_init else load_tokenizer(path)
+        tok = None if self.config.model.skip_tokenizer_init else load_tokenizer(path, self.config.model.chat_template)
         self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path),
                                      vocab_size_of(path))
         return {"max_model_len": str(self.core.max_model_len)}

@@ -23,8 +23,9 @@ GENERIC_FAST_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "
 GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """The model folder's tokenizer, as transformers' AutoTokenizer loads it.
+def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The model folder's tokenizer, as transformers' AutoTokenizer loads it; ``chat_template`` (--chat-template, see
+    chat_template_text) replaces the folder's template.
 
     AutoTokenizer resolves the class through the model's config, which imports torch and much of transformers'
     modelling code: about 3 s of CPU in each process that loads a tokenizer (the tokenizer, the detokenizer and the
@@ -32,14 +33,30 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     tokenizer, no remote code, a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES) that class is loaded directly;
     everything else goes through AutoTokenizer."""
     if _generic_fast_tokenizer(path):
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer  # (imports torch)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        from transformers import AutoTokenizer  # (imports torch)
 
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if len(tok) <= 1:  # a folder without tokenizer files: transformers builds an empty one of the config's class
-        raise ValueError(f"{path} has no tokenizer (an empty {type(tok).__name__} came back): add its tokenizer files, "
-                         "or pass --skip-tokenizer-init and send prompt token ids")
+        tok = AutoTokenizer.from_pretrained(str(path))
+        if len(tok) <= 1:  # a folder without tokenizer files: transformers builds an empty one of the config's class
+            raise ValueError(f"{path} has no tokenizer (an empty {type(tok).__name__} came back): add its tokenizer "
+                             "files, or pass --skip-tokenizer-init and send prompt token ids")
+    if chat_template is not None:
+        tok.chat_template = chat_template_text(chat_template)
     return tok
+
+
+def chat_template_text(value: str) -> str:
+    """The template --chat-template names, by vLLM's rule: a file's text, else the value itself if it looks like a
+    template (it has a brace or a newline), its backslash escapes (``\\n``) read as in a Python string; ValueError
+    otherwise (a path that names no file)."""
+    try:
+        return Path(value).expanduser().read_text()
+    except (OSError, ValueError) as e:  # (ValueError: a NUL in the value)
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r}: cannot read it ({getattr(e, 'strerror', None) or e}), and "
+                             "it is not a Jinja template either") from None
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def _generic_fast_tokenizer(path: Path) -> bool:

@@ -44,6 +44,8 @@ from flotilla.server.protocol import (
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
+    reads_model_markup,
+    reasoning_parser_for,
     structured_outputs_of,
     to_sampling_params,
     tool_parser_for,
@@ -56,6 +58,8 @@ from flotilla.server.protocol_output import (
     TokenTexts,
     new_response_id,
 )
+from flotilla.server.reasoning_parser import ReasoningParser
+from flotilla.server.tool_parsers import CallsOutput, HermesToolParser
 from flotilla.transport.messages import GenerateRequest, SeqText
 
 log = logging.getLogger(__name__)
@@ -82,6 +86,13 @@ class ServerState:
     checked_grammars: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
     tokenizer: Any = None
     """The model's tokenizer, for /tokenize and /detokenize (None: those routes answer 400)."""
+    tool_call_parser: type[CallsOutput] = HermesToolParser
+    """The model's tool-call format (--tool-call-parser), read from the output under tool_choice auto."""
+    reasoning_parser: type[ReasoningParser] | None = None
+    """--reasoning-parser; None leaves the reasoning in the content."""
+    keep_special_tokens: bool = False
+    """The parsers' tags are special tokens of the tokenizer: a chat request whose parsers read them and that leaves
+    skip_special_tokens unset runs with it off, or the tags would be gone before the parsers see them."""
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name)
@@ -298,12 +309,15 @@ def build_app(state: ServerState) -> Starlette:
 
     async def run_chat(req: ChatCompletionRequest) -> Response:
         sampling = await checked(req)
+        reasoning = reasoning_parser_for(req, state.reasoning_parser)
+        if state.keep_special_tokens and req.skip_special_tokens is None and reads_model_markup(req, reasoning):
+            sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
         rid = new_response_id(True)
         prompt = {"messages": chat_messages(req), "tools": chat_tools(req),
                   "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
                   "chat_template_kwargs": req.chat_template_kwargs}
         kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts,
-                  tool_parser=tool_parser_for(req))
+                  tool_parser=tool_parser_for(req, state.tool_call_parser), reasoning_parser=reasoning)
         if req.stream:
             return await stream(ChatStreamState(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
         return await collect(ChatCompletionBuilder(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)

@@ -26,6 +26,8 @@ from flotilla.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from flotilla.server.reasoning_parser import REASONING_PARSERS
+from flotilla.server.tool_parsers import TOOL_PARSERS
 from flotilla.transport.auth import add_auth_arguments
 from flotilla.transport.registry import shared_registry
 
@@ -144,6 +146,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "503. 0: exit at the first failure (for an orchestrator that restarts the process)")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                    help="an engine actor silent this long (hung, stopped) counts as failed, seconds")
+    p.add_argument("--tool-call-parser", default="hermes", choices=list(TOOL_PARSERS),
+                   help="how the model writes tool calls, read from its output when a request gives tools and "
+                        "tool_choice auto (vLLM's names): hermes (Hermes, Qwen2.5, Qwen3), deepseek_v3 (DeepSeek-V3, "
+                        "R1-0528), deepseek_v31 (DeepSeek-V3.1, V3.2-Exp), kimi_k2, glm45 / glm47 (GLM-4.5 to GLM-5)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice auto is always on here")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split the model's <think>...</think> reasoning out of chat answers into reasoning_content "
+                        "(vLLM's names): qwen3 (reasoning only when the output opens <think>), deepseek_r1 (the "
+                        "output starts in the reasoning, as when the template opens <think>); default: none")
     p.add_argument("--engines", default=None, metavar="ROLE[,ROLE...]",
                    help="start several engines behind this server, one per role listed, each in its own supervised "
                         "processes, and route every request: `prefill,decode` = prefill-decode disaggregation "

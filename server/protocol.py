@@ -45,7 +45,9 @@ from flotilla.server.protocol_types import (
     ToolMessage,
     UserMessage,
 )
-from flotilla.server.tool_parser import (
+from flotilla.server.reasoning_parser import ReasoningParser, thinking_disabled
+from flotilla.server.tool_parsers import (
+    CallsOutput,
     HermesToolParser,
     NamedToolParser,
     RequiredToolParser,
@@ -61,8 +63,8 @@ __all__ = [
     "NamedFunction", "NamedToolChoice", "ProtocolError", "ResponseFormat", "SamplingFields", "StreamOptions",
     "SystemMessage", "ToolCallParam", "ToolDefinition", "ToolMessage", "UserMessage", "chat_messages", "chat_tools",
     "completion_prompts", "default_error_type", "error_body", "model_not_found", "parse_chat_request",
-    "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request", "to_sampling_params",
-    "tool_parser_for", "tool_parsing_enabled",
+    "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request", "reads_model_markup",
+    "reasoning_parser_for", "to_sampling_params", "tool_parser_for", "tool_parsing_enabled",
 ]
 
 MAX_N = 128
@@ -565,15 +567,33 @@ def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [{"type": "function", "function": msgspec.to_builtins(t.function)} for t in tools]
 
 
-def tool_parser_for(req: ChatCompletionRequest) -> Callable[[], ToolCallParser] | None:
+def tool_parser_for(req: ChatCompletionRequest, model_format: type[CallsOutput] = HermesToolParser
+                    ) -> Callable[[], ToolCallParser] | None:
     """What makes tool calls of a choice's text: the forced call's parser under a named or "required"
-    tool_choice, the model format's parser under "auto", none without tools or under "none"."""
+    tool_choice, the model format's parser (the server's --tool-call-parser) under "auto", none without tools or
+    under "none"."""
     choice = req.effective_tool_choice
     if not req.tools or choice == "none":
         return None
     if isinstance(choice, NamedToolChoice):
         return functools.partial(NamedToolParser, choice.function.name)
-    return RequiredToolParser if choice == "required" else HermesToolParser
+    return RequiredToolParser if choice == "required" else functools.partial(model_format, req.tools)
+
+
+def reasoning_parser_for(req: ChatCompletionRequest, style: type[ReasoningParser] | None
+                         ) -> type[ReasoningParser] | None:
+    """The server's reasoning parser (--reasoning-parser) for this request, or None: none is set, the request's
+    chat_template_kwargs turn thinking off, or a grammar constrains the output from its first token (structured
+    outputs, a forced tool_choice), which leaves the model no room to think."""
+    if style is None or thinking_disabled(req.chat_template_kwargs) or structured_outputs_of(req) is not None:
+        return None
+    return style
+
+
+def reads_model_markup(req: ChatCompletionRequest, reasoning: type[ReasoningParser] | None) -> bool:
+    """Whether a parser reads the model's own markup in this request's output (think tags, the tool-call format's
+    tags): when those are special tokens, skip_special_tokens would remove them before the parser sees them."""
+    return reasoning is not None or (tool_parsing_enabled(req) and forced_tool_schema(req) is None)
 
 
 def tool_parsing_enabled(req: ChatCompletionRequest) -> bool:

@@ -39,7 +39,8 @@ from flotilla.server.protocol import (
     error_body,
     tool_parsing_enabled,
 )
-from flotilla.server.tool_parser import HermesToolParser, ToolCallParser, parse_tool_calls
+from flotilla.server.reasoning_parser import ReasoningParser
+from flotilla.server.tool_parsers import HermesToolParser, ToolCallDelta, ToolCallParser, parse_tool_calls
 from flotilla.transport.messages import PromptLogprobs, SeqText
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -121,8 +122,8 @@ def _clamp(logprob: float) -> float:
 class _Choice:
     """What a response remembers about one choice."""
 
-    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "output_tokens", "parser", "prompt_tokens", "started",
-                 "stop_reason", "text_offset", "texts")
+    __slots__ = ("cached_tokens", "finish_reason", "logprobs", "output_tokens", "parser", "prompt_tokens", "reasoner",
+                 "reasoning", "started", "stop_reason", "text_offset", "texts")
 
     def __init__(self) -> None:
         self.started = False
@@ -132,8 +133,10 @@ class _Choice:
         self.cached_tokens = 0
         self.output_tokens = 0
         self.parser: ToolCallParser | None = None
+        self.reasoner: ReasoningParser | None = None
         self.text_offset = 0
         self.texts: list[str] = []
+        self.reasoning: list[str] = []
         self.logprobs: Any = None
 
     def count(self, delta: SeqText) -> None:
@@ -328,18 +331,33 @@ def _num_prompts(req: CompletionRequest) -> int:
 
 
 class _Chat(_Response):
-    """A chat request's choices: n of one conversation, logprobs from logprobs/top_logprobs, tool parsing."""
+    """A chat request's choices: n of one conversation, logprobs from logprobs/top_logprobs, reasoning and tool
+    parsing (each choice's text goes through its reasoning parser, then the content through its tool parser)."""
 
     object_type = "chat.completion.chunk"
 
     def __init__(self, req: ChatCompletionRequest, *, request_id: str, model: str, created: int | None,
                  token_texts: TokenTexts | TokenText | None,
-                 tool_parser: Callable[[], ToolCallParser] | None) -> None:
+                 tool_parser: Callable[[], ToolCallParser] | None,
+                 reasoning_parser: Callable[[], ReasoningParser] | None) -> None:
         n = req.n or 1
         super().__init__(request_id=request_id, model=model, created=created, num_choices=n, choices_per_prompt=n,
                          top_logprobs=(req.top_logprobs or 0) if req.logprobs else None, token_texts=token_texts,
                          include_usage=req.include_usage)
         self.tool_parser = tool_parser if tool_parsing_enabled(req) else None
+        self.reasoning_parser = reasoning_parser
+        for c in self.choices:
+            if self.tool_parser is not None:
+                c.parser = self.tool_parser()
+            if reasoning_parser is not None:
+                c.reasoner = reasoning_parser()
+
+    def usage(self) -> dict[str, Any]:
+        usage = super().usage()
+        if self.reasoning_parser is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(c.reasoner.reasoning_tokens for c in self.choices if c.reasoner is not None)}
+        return usage
 
 
 def _chat_finish_reason(reason: str, called_tools: bool) -> str:
@@ -350,20 +368,19 @@ def _chat_finish_reason(reason: str, called_tools: bool) -> str:
 class ChatStreamState(_Stream, _Chat):
     """Turns one chat request's deltas into ``chat.completion.chunk`` SSE events (see module doc).
 
-    With tools (and tool_choice not "none") each choice's text goes through its own tool-call parser:
-    content outside calls streams as ``delta.content``, calls as ``delta.tool_calls``, and a choice that
-    called a tool and stopped ends with finish_reason "tool_calls".
+    With a reasoning parser the reasoning streams as ``delta.reasoning_content`` (and vLLM's newer name
+    ``delta.reasoning``) before the content. With tools (and tool_choice not "none") each choice's content goes
+    through its own tool-call parser: content outside calls streams as ``delta.content``, calls as
+    ``delta.tool_calls``, and a choice that called a tool and stopped ends with finish_reason "tool_calls".
     """
 
     def __init__(self, req: ChatCompletionRequest, *, request_id: str, model: str, created: int | None = None,
                  token_texts: TokenTexts | TokenText | None = None,
-                 tool_parser: Callable[[], ToolCallParser] | None = HermesToolParser) -> None:
+                 tool_parser: Callable[[], ToolCallParser] | None = HermesToolParser,
+                 reasoning_parser: Callable[[], ReasoningParser] | None = None) -> None:
         super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts,
-                         tool_parser=tool_parser)
+                         tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         self._frame()
-        if self.tool_parser is not None:
-            for c in self.choices:
-                c.parser = self.tool_parser()
 
     def on_delta(self, index: int, delta: SeqText) -> bytes:
         """The SSE bytes for one delta of choice ``index`` (b"" when nothing is ready to show yet)."""
@@ -376,12 +393,11 @@ class ChatStreamState(_Stream, _Chat):
             out.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}))
         logprobs = self._chat_logprobs(delta) if self.top_logprobs is not None else None
-        self._content_chunk(out, index, choice, delta.text, logprobs, final=False)
+        self._content_chunk(out, index, choice, delta.text, logprobs, len(delta.token_ids))
         if delta.finish_reason is not None:
             if delta.finish_reason not in _FINISH_REASONS:
                 return b"".join(out) + self._abort()
-            if choice.parser is not None:
-                self._content_chunk(out, index, choice, "", None, final=True)
+            self._last_chunks(out, index, choice)
             choice.finish_reason = _chat_finish_reason(
                 delta.finish_reason, choice.parser is not None and bool(choice.parser.tool_calls))
             choice.stop_reason = delta.stop_reason
@@ -390,13 +406,34 @@ class ChatStreamState(_Stream, _Chat):
         return b"".join(out)
 
     def _content_chunk(self, out: list[bytes], index: int, choice: _Choice, text: str,
-                       logprobs: list[dict[str, Any]] | None, *, final: bool) -> None:
-        tool_deltas: list[Any] = []
+                       logprobs: list[dict[str, Any]] | None, num_tokens: int) -> None:
+        reasoning = ""
+        if choice.reasoner is not None:
+            reasoning, text = choice.reasoner.feed(text, num_tokens)
+        tool_deltas: list[ToolCallDelta] = []
         if choice.parser is not None:
-            text, tool_deltas = choice.parser.finish() if final else choice.parser.feed(text)
-        if not (text or tool_deltas or logprobs):
+            text, tool_deltas = choice.parser.feed(text)
+        self._chunk_of(out, index, reasoning, text, tool_deltas, logprobs)
+
+    def _last_chunks(self, out: list[bytes], index: int, choice: _Choice) -> None:
+        """The choice's text ended: what its parsers held back."""
+        if choice.reasoner is not None:
+            reasoning, text = choice.reasoner.finish()
+            tool_deltas: list[ToolCallDelta] = []
+            if choice.parser is not None and text:
+                text, tool_deltas = choice.parser.feed(text)
+            self._chunk_of(out, index, reasoning, text, tool_deltas, None)
+        if choice.parser is not None:
+            text, tool_deltas = choice.parser.finish()
+            self._chunk_of(out, index, "", text, tool_deltas, None)
+
+    def _chunk_of(self, out: list[bytes], index: int, reasoning: str, text: str, tool_deltas: list[ToolCallDelta],
+                  logprobs: list[dict[str, Any]] | None) -> None:
+        if not (reasoning or text or tool_deltas or logprobs):
             return
         d: dict[str, Any] = {}
+        if reasoning:
+            d["reasoning_content"] = d["reasoning"] = reasoning
         if text:
             d["content"] = text
         if tool_deltas:
@@ -413,9 +450,10 @@ class ChatCompletionBuilder(_Chat):
 
     def __init__(self, req: ChatCompletionRequest, *, request_id: str, model: str, created: int | None = None,
                  token_texts: TokenTexts | TokenText | None = None,
-                 tool_parser: Callable[[], ToolCallParser] | None = HermesToolParser) -> None:
+                 tool_parser: Callable[[], ToolCallParser] | None = HermesToolParser,
+                 reasoning_parser: Callable[[], ReasoningParser] | None = None) -> None:
         super().__init__(req, request_id=request_id, model=model, created=created, token_texts=token_texts,
-                         tool_parser=tool_parser)
+                         tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         if self.top_logprobs is not None:
             for c in self.choices:
                 c.logprobs = []
@@ -428,8 +466,13 @@ class ChatCompletionBuilder(_Chat):
             return
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = self._vllm_prompt_logprobs(delta.prompt_logprobs)
-        if delta.text:
-            choice.texts.append(delta.text)
+        text = delta.text
+        if choice.reasoner is not None:  # fed delta by delta, so the body says what a stream would say
+            reasoning, text = choice.reasoner.feed(text, len(delta.token_ids))
+            if reasoning:
+                choice.reasoning.append(reasoning)
+        if text:
+            choice.texts.append(text)
         if self.top_logprobs is not None:
             entries = self._chat_logprobs(delta)
             if entries:
@@ -444,8 +487,15 @@ class ChatCompletionBuilder(_Chat):
         for index, c in enumerate(self.choices):
             if c.finish_reason is not None and c.finish_reason not in _FINISH_REASONS:
                 raise _aborted()
+            message: dict[str, Any] = {"role": "assistant"}
+            if c.reasoner is not None:
+                reasoning, text = c.reasoner.finish()
+                c.reasoning.append(reasoning)
+                c.texts.append(text)
+                message["reasoning_content"] = message["reasoning"] = "".join(c.reasoning) or None
             text = "".join(c.texts)
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            message["content"] = text if c.reasoner is None else text or None
+            message["refusal"] = None
             calls = []
             if self.tool_parser is not None:
                 content, calls = parse_tool_calls(text, self.tool_parser)

@@ -19,13 +19,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 import uvloop
 
 from flotilla import envs
 from flotilla.actors.base import RuntimeOptions
-from flotilla.models.model_folder import load_tokenizer, max_model_len_of, model_dir
+from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
+from flotilla.models.model_folder import chat_template_text, load_tokenizer, max_model_len_of, model_dir
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines
@@ -34,6 +36,8 @@ from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
 from flotilla.server.metrics import StatsLine
 from flotilla.server.protocol_output import TokenTexts
+from flotilla.server.reasoning_parser import REASONING_PARSERS
+from flotilla.server.tool_parsers import TOOL_PARSERS
 
 log = logging.getLogger("flotilla.serve")
 
@@ -103,13 +107,21 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, config.model.chat_template)
+        tool_format = TOOL_PARSERS[args.tool_call_parser]
+        reasoning = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+        special = special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
+        if special:
+            log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
+                     "skip_special_tokens false unless they set it", ", ".join(special))
+        _check_chat_template(tokenizer)
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
             token_texts=TokenTexts(lambda i: tokenizer.decode([i])), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=args.max_body_bytes,
-            max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests)
+            max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests,
+            tool_call_parser=tool_format, reasoning_parser=reasoning, keep_special_tokens=bool(special))
         server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",
                                         log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=args.shutdown_timeout))
@@ -145,6 +157,19 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         log.info("stopped")
 
 
+def _check_chat_template(tokenizer: Any) -> None:
+    """Warn, once at start, when the chat template cannot serve tool calling: it ignores a request's tools (the model
+    is never shown them), or it cannot render a plain conversation at all."""
+    renders = template_renders_tools(tokenizer)
+    if renders is None:
+        log.warning("the chat template cannot render a one-message conversation (or the model has none): chat "
+                    "requests may fail; pass --chat-template FILE with a template for this model")
+    elif not renders:
+        log.warning("the chat template ignores `tools`: the model is not shown a request's tools, so it cannot call "
+                    "them as it was trained to; pass --chat-template FILE with a template that renders them (e.g. "
+                    "the model family's tool-calling template)")
+
+
 async def _log_stats(state: ServerState, interval: float) -> None:
     """vLLM's stats line every `interval` seconds while the engine has work (server/metrics.py StatsLine)."""
     stats = StatsLine(state.metrics, time.monotonic())
@@ -159,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args, args.model)
         engines = fleet_engines(args.engines, config, args.registry, args.node_name)  # bad flags: fail before loading
+        if config.model.chat_template is not None:
+            chat_template_text(config.model.chat_template)
         if args.single_process and engines and any(c.disagg.role != "both" for _, c in engines):
             raise ValueError("prefill and decode engines talk across processes: drop --single-process")
         if args.single_process and shared_registry(args.registry):

@@ -326,6 +326,45 @@ def test_the_detokenizer_stops_a_sequence_on_its_own_rank_and_sends_text_where_t
     uvloop.run(main())
 
 
+def test_the_token_that_stopped_a_sequence_is_not_text(tmp_path):
+    """As in vLLM: the EOS or stop token that ends a sequence (the scheduler's finish_reason "stop") is left out of the
+    text, also with skip_special_tokens off (which a tool-call format whose tags are special tokens asks for);
+    include_stop_str_in_output keeps it, and a sequence cut by its length keeps its last token."""
+    from flotilla.actors.base import ActorContext
+    from flotilla.actors.detokenizer import DetokenizerActor
+    from flotilla.config import EngineConfig
+    from flotilla.models.model_folder import load_tokenizer
+    from flotilla.sampling_params import SamplingParams
+    from flotilla.transport.messages import SeqTokens
+    from helpers_engine import write_tiny_engine_model
+
+    model = write_tiny_engine_model(tmp_path / "m")
+    tok = load_tokenizer(model)
+    ids = [40, 41, tok.convert_tokens_to_ids("<|im_end|>")]
+    keep = SamplingParams(skip_special_tokens=False)
+
+    async def main():
+        ctx = new_context()
+        eps = ep.Endpoints(supervisor="inproc://sup", actors={"detokenizer/0": "inproc://detokenizer/0"})
+        engine = EngineConfig.from_options(model=str(model)).to_dict()
+        detok = DetokenizerActor(ActorContext(name="detokenizer", endpoints=eps, config={"engine": engine}), ctx)
+        await detok.setup()
+        for rid, sampling, finish, want in (
+                ("eos", keep, "stop", ids[:2]),
+                ("included", SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), "stop", ids),
+                ("length", keep, "length", ids)):
+            out = detok._text(SeqTokens(rid=rid, token_ids=ids, sampling=sampling, prompt_tail=[],
+                                        finish_reason=finish), [])
+            assert out.text == tok.decode(want, skip_special_tokens=False), rid
+            assert out.token_ids == ids and out.num_output_tokens == 3
+        assert "<|im_end|>" not in tok.decode(ids[:2], skip_special_tokens=False)
+        await detok.teardown()
+        detok._close()
+        ctx.term()
+
+    uvloop.run(main())
+
+
 async def _watched_front_end(ctx, watch) -> tuple[str, Inbox, Outbox]:
     """A front end (an inbox at a free TCP address) and the outbox that sends to it, connected under `watch`, with
     one message through."""

@@ -57,6 +57,12 @@ def test_tokenized_messages_are_the_prompt_the_engine_runs(server):
     assert bare["count"] < out["count"]  # without the assistant turn's opener
 
 
+def test_the_default_models_template_is_reported_to_ignore_tools(server):
+    """SmolLM2's chat template drops `tools`: the server says so once at start, and what to do about it."""
+    warnings = [line for line in server.log if "ignores `tools`" in line]
+    assert len(warnings) == 1 and "--chat-template" in warnings[0], "".join(server.log[-40:])
+
+
 def test_model_version_and_errors(server):
     assert _call(server, f"/v1/models/{MODEL}") == (200, {**_call(server, "/v1/models")[1]["data"][0]})
     assert _call(server, "/version")[1]["version"]
