@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP front end (Starlette): chat and text completions, streaming or not.
+"""The OpenAI-compatible HTTP front end (Starlette): chat and text completions and responses, streaming or not.
 
 Requests are validated by server/protocol.py, sent to the engine through the EngineClient, and the
-engine's TextDeltas are turned into OpenAI bodies or SSE chunks by server/protocol_output.py. Every
-error is an OpenAI error body with the right status; a bad request never disturbs another one.
+engine's TextDeltas are turned into OpenAI bodies or SSE chunks by server/protocol_output.py (a Responses
+request runs as its chat request, server/responses.py). Every error is an OpenAI error body with the
+right status; a bad request never disturbs another one.
 Backpressure: at most `max_in_flight` requests are served at once, beyond that 429 + Retry-After.
 A client that disconnects mid-stream aborts its sequences (their KV blocks are freed within a step).
 """
@@ -59,6 +60,17 @@ from flotilla.server.protocol_output import (
     new_response_id,
 )
 from flotilla.server.reasoning_parser import ReasoningParser
+from flotilla.server.responses import (
+    ResponsesBuilder,
+    ResponsesRequest,
+    ResponsesStream,
+    ResponseState,
+    new_responses_id,
+    no_stored_responses,
+    parse_responses_request,
+    responses_error,
+    to_chat_request,
+)
 from flotilla.server.tool_parsers import CallsOutput, HermesToolParser
 from flotilla.transport.messages import GenerateRequest, SeqText
 
@@ -241,18 +253,19 @@ def build_app(state: ServerState) -> Starlette:
         if model is not None and model != state.model_name:
             raise model_not_found(model)
 
-    async def handle(request: Request, endpoint: str, chat: bool) -> Response:
+    async def handle(request: Request, endpoint: str, parse: Any, run: Any) -> Response:
+        """One generation request: `parse` makes the request of the body, `run` its response."""
         status = 500
         try:
             authorized(request)
             body = await _read_body(request, state.max_body_bytes)
-            req = parse_chat_request(body) if chat else parse_completion_request(body)
+            req = parse(body)
             check_model(req.model)
             admit(request)
             state.in_flight += 1
             state.metrics.in_flight.labels(state.model_name).set(state.in_flight)
             try:
-                response = await _unless_disconnected(request, run_chat(req) if chat else run_completion(req))
+                response = await _unless_disconnected(request, run(req))
             except BaseException:
                 state.in_flight -= 1
                 raise
@@ -307,20 +320,49 @@ def build_app(state: ServerState) -> Starlette:
                 state.checked_grammars.popitem(last=False)
         return sampling
 
-    async def run_chat(req: ChatCompletionRequest) -> Response:
+    def chat_prompt(req: ChatCompletionRequest) -> dict[str, Any]:
+        return {"messages": chat_messages(req), "tools": chat_tools(req),
+                "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
+                "chat_template_kwargs": req.chat_template_kwargs}
+
+    async def chat_sampling(req: ChatCompletionRequest, reasoning: type[ReasoningParser] | None) -> SamplingParams:
+        """A chat request's SamplingParams: its parsers' markup kept in the text when the tokenizer makes it special
+        tokens and the request left skip_special_tokens unset."""
         sampling = await checked(req)
-        reasoning = reasoning_parser_for(req, state.reasoning_parser)
         if state.keep_special_tokens and req.skip_special_tokens is None and reads_model_markup(req, reasoning):
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+        return sampling
+
+    async def run_chat(req: ChatCompletionRequest) -> Response:
+        reasoning = reasoning_parser_for(req, state.reasoning_parser)
+        sampling = await chat_sampling(req, reasoning)
         rid = new_response_id(True)
-        prompt = {"messages": chat_messages(req), "tools": chat_tools(req),
-                  "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
-                  "chat_template_kwargs": req.chat_template_kwargs}
         kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts,
                   tool_parser=tool_parser_for(req, state.tool_call_parser), reasoning_parser=reasoning)
+        subs = engine_requests(rid, sampling, [chat_prompt(req)])
         if req.stream:
-            return await stream(ChatStreamState(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
-        return await collect(ChatCompletionBuilder(req, **kw), engine_requests(rid, sampling, [prompt]), sampling.n)
+            return await stream(ChatStreamState(req, **kw), subs, sampling.n)
+        return await collect(ChatCompletionBuilder(req, **kw), subs, sampling.n)
+
+    async def run_responses(req: ResponsesRequest) -> Response:
+        """A Responses request runs as the chat request that means the same; errors name the Responses' fields."""
+        chat = to_chat_request(req)
+        try:
+            sampling = await chat_sampling(chat, None)
+        except ProtocolError as e:
+            raise responses_error(e) from None
+        rid = new_responses_id()
+        response = ResponseState(req, chat, response_id=rid, model=state.model_name,
+                                 tool_parser=tool_parser_for(chat, state.tool_call_parser))
+        subs = engine_requests(rid, sampling, [chat_prompt(chat)])
+        try:
+            if req.stream:
+                return await stream(ResponsesStream(response), subs, 1)
+            return await collect(ResponsesBuilder(response), subs, 1)
+        except RequestFailed as e:
+            if e.status != 400:
+                raise
+            raise responses_error(ProtocolError(400, str(e), param=e.param, code=e.code)) from None
 
     async def run_completion(req: CompletionRequest) -> Response:
         sampling = await checked(req)
@@ -382,10 +424,19 @@ def build_app(state: ServerState) -> Starlette:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def chat_completions(request: Request) -> Response:
-        return await handle(request, "/v1/chat/completions", chat=True)
+        return await handle(request, "/v1/chat/completions", parse_chat_request, run_chat)
 
     async def completions(request: Request) -> Response:
-        return await handle(request, "/v1/completions", chat=False)
+        return await handle(request, "/v1/completions", parse_completion_request, run_completion)
+
+    async def responses(request: Request) -> Response:
+        return await handle(request, "/v1/responses", parse_responses_request, run_responses)
+
+    async def stored_response(request: Request) -> Response:
+        async def answer() -> dict[str, Any]:
+            raise no_stored_responses(request.path_params["response_id"].split("/")[0])
+
+        return await simple(request, answer)
 
     async def simple(request: Request, answer: Any) -> Response:
         """A route that needs no engine: the API key checked, ProtocolError / HTTPError as OpenAI error bodies."""
@@ -488,6 +539,8 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id:path}", stored_response, methods=["GET", "POST", "DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

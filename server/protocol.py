@@ -62,9 +62,10 @@ __all__ = [
     "CompletionRequest", "Content", "ContentPart", "DeveloperMessage", "FunctionCallParam", "FunctionDefinition",
     "NamedFunction", "NamedToolChoice", "ProtocolError", "ResponseFormat", "SamplingFields", "StreamOptions",
     "SystemMessage", "ToolCallParam", "ToolDefinition", "ToolMessage", "UserMessage", "chat_messages", "chat_tools",
-    "completion_prompts", "default_error_type", "error_body", "model_not_found", "parse_chat_request",
-    "parse_completion_request", "parse_detokenize_request", "parse_tokenize_request", "reads_model_markup",
-    "reasoning_parser_for", "to_sampling_params", "tool_parser_for", "tool_parsing_enabled",
+    "check_chat_request", "completion_prompts", "decode_body", "default_error_type", "error_body", "model_not_found",
+    "note_unknown_fields", "parse_chat_request", "parse_completion_request", "parse_detokenize_request",
+    "parse_tokenize_request", "reads_model_markup", "reasoning_parser_for", "to_sampling_params", "tool_parser_for",
+    "tool_parsing_enabled",
 ]
 
 MAX_N = 128
@@ -158,7 +159,8 @@ def _param_of(path: str) -> str | None:
     return path[1:] if path.startswith(".") else (path or None)
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes | bytearray | memoryview | str) -> Any:
+def decode_body(decoder: msgspec.json.Decoder, body: bytes | bytearray | memoryview | str) -> Any:
+    """The body decoded into the decoder's type; ProtocolError (400) naming the field that does not fit."""
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -185,25 +187,30 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes | bytearray | memoryview 
 
 def parse_chat_request(body: bytes | bytearray | memoryview | str) -> ChatCompletionRequest:
     """Decode and validate a chat completions body; raises ProtocolError (400) naming the bad field."""
-    req: ChatCompletionRequest = _decode(_chat_decoder, body)
+    req: ChatCompletionRequest = decode_body(_chat_decoder, body)
+    check_chat_request(req)
+    note_unknown_fields(body, ChatCompletionRequest)
+    return req
+
+
+def check_chat_request(req: ChatCompletionRequest) -> None:
+    """Validate a chat request beyond its types (also one built from another endpoint's body); ProtocolError (400)."""
     _check_sampling_fields(req)
     _check_chat(req)
-    _note_unknown_fields(body, ChatCompletionRequest)
-    return req
 
 
 def parse_completion_request(body: bytes | bytearray | memoryview | str) -> CompletionRequest:
     """Decode and validate a completions body; raises ProtocolError (400) naming the bad field."""
-    req: CompletionRequest = _decode(_completion_decoder, body)
+    req: CompletionRequest = decode_body(_completion_decoder, body)
     _check_sampling_fields(req)
     _check_completion(req)
-    _note_unknown_fields(body, CompletionRequest)
+    note_unknown_fields(body, CompletionRequest)
     return req
 
 
 def parse_tokenize_request(body: bytes | bytearray | memoryview | str) -> TokenizeRequest:
     """Decode a /tokenize body: a prompt or messages (one of them); ProtocolError (400) otherwise."""
-    req: TokenizeRequest = _decode(_tokenize_decoder, body)
+    req: TokenizeRequest = decode_body(_tokenize_decoder, body)
     if (req.prompt is None) == (req.messages is None):
         raise _bad("prompt" if req.prompt is None else "messages", "Invalid request: send either 'prompt' or "
                    "'messages'.", "missing_required_parameter" if req.prompt is None else "invalid_value")
@@ -218,7 +225,7 @@ def parse_tokenize_request(body: bytes | bytearray | memoryview | str) -> Tokeni
 
 def parse_detokenize_request(body: bytes | bytearray | memoryview | str, vocab_size: int) -> DetokenizeRequest:
     """Decode a /detokenize body; token ids outside the vocabulary are a 400."""
-    req: DetokenizeRequest = _decode(_detokenize_decoder, body)
+    req: DetokenizeRequest = decode_body(_detokenize_decoder, body)
     if req.tokens and not (0 <= min(req.tokens) and max(req.tokens) < vocab_size):
         raise _bad("tokens", f"Invalid 'tokens': token ids must be in [0, {vocab_size}).")
     return req
@@ -229,7 +236,7 @@ _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _noted_fields: set[str] = set()
 
 
-def _note_unknown_fields(body: bytes | bytearray | memoryview | str, cls: type) -> None:
+def note_unknown_fields(body: bytes | bytearray | memoryview | str, cls: type) -> None:
     """Unknown request fields are accepted, as vLLM and OpenAI's SDKs expect of a server (clients send extras),
     and each name is logged once, so that a misspelt option does not go unseen."""
     fields = cls.__struct_encode_fields__

@@ -51,7 +51,7 @@ MIN_LOGPROB = -9999.0
 """OpenAI's stand-in for -inf (JSON has no infinity)."""
 
 _encode = msgspec.json.Encoder().encode
-_FINISH_REASONS = {"stop": "stop", "length": "length"}
+FINISH_REASONS = {"stop": "stop", "length": "length"}
 """Engine finish reasons OpenAI knows; any other ("abort") means the engine dropped the request."""
 _ABORTED = "The request was aborted by the engine before it finished."
 
@@ -283,7 +283,7 @@ class _Response:
 class _Stream(_Response):
     """The SSE half of a streaming builder: the pre-encoded chunk frame and the two ways a stream ends.
 
-    A mixin placed before the endpoint class (``class ChatStreamState(_Stream, _Chat)``); the subclass
+    A mixin placed before the endpoint class (``class ChatStreamState(_Stream, ChatChoices)``); the subclass
     calls ``_frame()`` once its base is initialised.
     """
 
@@ -317,7 +317,8 @@ class _Stream(_Response):
         return self.error(503, _ABORTED)
 
 
-def _aborted() -> ProtocolError:
+def aborted_error() -> ProtocolError:
+    """503 for a request whose sequence the engine aborted (a cut-off answer must not pass for a complete one)."""
     return ProtocolError(503, _ABORTED)
 
 
@@ -330,7 +331,7 @@ def _num_prompts(req: CompletionRequest) -> int:
 # Chat
 
 
-class _Chat(_Response):
+class ChatChoices(_Response):
     """A chat request's choices: n of one conversation, logprobs from logprobs/top_logprobs, reasoning and tool
     parsing (each choice's text goes through its reasoning parser, then the content through its tool parser)."""
 
@@ -361,11 +362,11 @@ class _Chat(_Response):
 
 
 def _chat_finish_reason(reason: str, called_tools: bool) -> str:
-    mapped = _FINISH_REASONS.get(reason, "stop")
+    mapped = FINISH_REASONS.get(reason, "stop")
     return "tool_calls" if called_tools and mapped == "stop" else mapped
 
 
-class ChatStreamState(_Stream, _Chat):
+class ChatStreamState(_Stream, ChatChoices):
     """Turns one chat request's deltas into ``chat.completion.chunk`` SSE events (see module doc).
 
     With a reasoning parser the reasoning streams as ``delta.reasoning_content`` (and vLLM's newer name
@@ -395,7 +396,7 @@ class ChatStreamState(_Stream, _Chat):
         logprobs = self._chat_logprobs(delta) if self.top_logprobs is not None else None
         self._content_chunk(out, index, choice, delta.text, logprobs, len(delta.token_ids))
         if delta.finish_reason is not None:
-            if delta.finish_reason not in _FINISH_REASONS:
+            if delta.finish_reason not in FINISH_REASONS:
                 return b"".join(out) + self._abort()
             self._last_chunks(out, index, choice)
             choice.finish_reason = _chat_finish_reason(
@@ -443,7 +444,7 @@ class ChatStreamState(_Stream, _Chat):
                                 "finish_reason": None}))
 
 
-class ChatCompletionBuilder(_Chat):
+class ChatCompletionBuilder(ChatChoices):
     """Collects one chat request's deltas into a ``chat.completion`` body (non-streaming)."""
 
     object_type = "chat.completion"
@@ -485,8 +486,8 @@ class ChatCompletionBuilder(_Chat):
         """The chat.completion object; raises ProtocolError (503) if the engine aborted a choice."""
         choices = []
         for index, c in enumerate(self.choices):
-            if c.finish_reason is not None and c.finish_reason not in _FINISH_REASONS:
-                raise _aborted()
+            if c.finish_reason is not None and c.finish_reason not in FINISH_REASONS:
+                raise aborted_error()
             message: dict[str, Any] = {"role": "assistant"}
             if c.reasoner is not None:
                 reasoning, text = c.reasoner.finish()
@@ -569,9 +570,9 @@ class CompletionStreamState(_Stream, _Completion):
             out.append(self._chunk({"index": index, "text": delta.text, "logprobs": logprobs,
                                     "finish_reason": None}))
         if delta.finish_reason is not None:
-            if delta.finish_reason not in _FINISH_REASONS:
+            if delta.finish_reason not in FINISH_REASONS:
                 return b"".join(out) + self._abort()
-            choice.finish_reason = _FINISH_REASONS[delta.finish_reason]
+            choice.finish_reason = FINISH_REASONS[delta.finish_reason]
             choice.stop_reason = delta.stop_reason
             out.append(self._chunk({"index": index, "text": "", "logprobs": None,
                                     "finish_reason": choice.finish_reason, "stop_reason": delta.stop_reason}))
@@ -618,10 +619,10 @@ class CompletionBuilder(_Completion):
         """The text_completion object; raises ProtocolError (503) if the engine aborted a choice."""
         choices = []
         for index, c in enumerate(self.choices):
-            if c.finish_reason is not None and c.finish_reason not in _FINISH_REASONS:
-                raise _aborted()
+            if c.finish_reason is not None and c.finish_reason not in FINISH_REASONS:
+                raise aborted_error()
             choices.append({"index": index, "text": "".join(c.texts), "logprobs": c.logprobs,
-                            "finish_reason": _FINISH_REASONS.get(c.finish_reason or "stop", "stop"),
+                            "finish_reason": FINISH_REASONS.get(c.finish_reason or "stop", "stop"),
                             "stop_reason": c.stop_reason})
             if self.vllm_prompt_logprobs:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs[index]
