@@ -51,12 +51,12 @@ from flotilla.server.protocol import (
     to_sampling_params,
     tool_parser_for,
 )
+from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.protocol_output import (
     ChatCompletionBuilder,
     ChatStreamState,
     CompletionBuilder,
     CompletionStreamState,
-    TokenTexts,
     new_response_id,
 )
 from flotilla.server.reasoning_parser import ReasoningParser

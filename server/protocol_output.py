@@ -39,6 +39,14 @@ from flotilla.server.protocol import (
     error_body,
     tool_parsing_enabled,
 )
+from flotilla.server.protocol_logprobs import (
+    TokenText,
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    vllm_prompt_logprobs,
+)
 from flotilla.server.reasoning_parser import ReasoningParser
 from flotilla.server.tool_parsers import HermesToolParser, ToolCallDelta, ToolCallParser, parse_tool_calls
 from flotilla.transport.messages import PromptLogprobs, SeqText
@@ -47,8 +55,6 @@ SSE_DONE = b"data: [DONE]\n\n"
 """The last event of every stream."""
 SYSTEM_FINGERPRINT = f"fp_flotilla_{__version__}"
 """What OpenAI's system_fingerprint names: the backend configuration (here, the engine's version)."""
-MIN_LOGPROB = -9999.0
-"""OpenAI's stand-in for -inf (JSON has no infinity)."""
 
 _encode = msgspec.json.Encoder().encode
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -70,53 +76,6 @@ def sse_error(status: int, message: str, type: str | None = None, param: str | N
 def new_response_id(chat: bool) -> str:
     """``chatcmpl-<hex>`` for chat, ``cmpl-<hex>`` for completions."""
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-TokenText = Callable[[int], str]
-"""Token id -> the token's text as it reads in the output (e.g. " hello", not "Ġhello").
-
-Contract: a token that is not valid UTF-8 on its own (one byte of a multi-byte character, byte-level
-BPE or sentencepiece byte fallback) is returned as its raw bytes decoded with errors="surrogateescape",
-so the exact bytes survive; logprobs then report those bytes and show U+FFFD in ``token``.
-"""
-
-
-class TokenTexts:
-    """Token id -> (token string, UTF-8 bytes) for logprobs, cached; build one per tokenizer and share it.
-
-    The cache grows to at most the vocabulary (a few MB) and spares every logprob request the tokenizer
-    call and the UTF-8 encode of tokens it has already seen.
-    """
-
-    __slots__ = ("_cache", "_token_text")
-
-    def __init__(self, token_text: TokenText) -> None:
-        self._token_text = token_text
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def get(self, token_id: int) -> tuple[str, list[int]]:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            text = self._token_text(token_id)
-            try:
-                entry = (text, list(text.encode("utf-8")))
-            except UnicodeEncodeError:
-                raw = text.encode("utf-8", "surrogateescape") if _escapable(text) else text.encode("utf-8", "replace")
-                entry = (raw.decode("utf-8", "replace"), list(raw))
-            self._cache[token_id] = entry
-        return entry
-
-
-def _escapable(text: str) -> bool:
-    try:
-        text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _clamp(logprob: float) -> float:
-    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # not max(): this also maps NaN
 
 
 class _Choice:
@@ -199,85 +158,20 @@ class _Response:
         choice.count(delta)
         return choice
 
-    # ---- logprobs --------------------------------------------------------------------------------
-
     def _chat_logprobs(self, delta: SeqText) -> list[dict[str, Any]] | None:
-        if delta.logprobs is None or not delta.token_ids:
-            return None
-        get = self.token_texts.get  # type: ignore[union-attr]
-        k = self.top_logprobs or 0
-        top_ids, top_lps = delta.top_ids, delta.top_logprobs
-        entries = []
-        for i, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs)):
-            token, raw = get(token_id)
-            top: list[dict[str, Any]] = []
-            if k and top_ids is not None and top_lps is not None:
-                for alt_id, alt_lp in zip(top_ids[i][:k], top_lps[i][:k]):
-                    alt, alt_raw = get(alt_id)
-                    top.append({"token": alt, "logprob": _clamp(alt_lp), "bytes": alt_raw})
-            entries.append({"token": token, "logprob": _clamp(logprob), "bytes": raw, "top_logprobs": top})
-        return entries
+        return chat_logprobs(self.token_texts, self.top_logprobs or 0, delta)
 
     def _completion_logprobs(self, choice: _Choice, delta: SeqText) -> dict[str, list[Any]] | None:
-        """Legacy format: parallel lists; ``top_logprobs`` holds the k best plus the sampled token."""
-        if delta.logprobs is None or not delta.token_ids:
-            return None
-        get = self.token_texts.get  # type: ignore[union-attr]
-        k = self.top_logprobs or 0
-        top_ids, top_lps = delta.top_ids, delta.top_logprobs
-        tokens, logprobs, tops, offsets = [], [], [], []
-        offset = choice.text_offset
-        for i, (token_id, logprob) in enumerate(zip(delta.token_ids, delta.logprobs)):
-            token = get(token_id)[0]
-            lp = _clamp(logprob)
-            top: dict[str, float] = {}
-            if k and top_ids is not None and top_lps is not None:
-                for alt_id, alt_lp in zip(top_ids[i][:k], top_lps[i][:k]):
-                    top[get(alt_id)[0]] = _clamp(alt_lp)
-            top.setdefault(token, lp)
-            tokens.append(token)
-            logprobs.append(lp)
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(token)
-        choice.text_offset = offset
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+        part, choice.text_offset = completion_logprobs(self.token_texts, self.top_logprobs or 0, delta,
+                                                       choice.text_offset)
+        return part
 
     def _echo_logprobs(self, choice: _Choice, prompt: PromptLogprobs, echo_text: str) -> dict[str, list[Any]]:
-        """The echoed prompt's part of the legacy logprobs: its first token has none (null), as in OpenAI's; the
-        output's offsets then continue after the echoed text."""
-        get = self.token_texts.get  # type: ignore[union-attr]
-        k = self.top_logprobs or 0
-        tokens = [get(t)[0] for t in prompt.token_ids]
-        logprobs: list[float | None] = [None]
-        tops: list[dict[str, float] | None] = [None]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        for i, lp in enumerate(prompt.logprobs):
-            top = {get(t)[0]: _clamp(v) for t, v in zip(prompt.top_ids[i][:k], prompt.top_logprobs[i][:k])} if (
-                k and prompt.top_ids) else {}
-            top.setdefault(tokens[i + 1], _clamp(lp))
-            logprobs.append(_clamp(lp))
-            tops.append(top)
-        choice.text_offset = len(echo_text)
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+        choice.text_offset = len(echo_text)  # (the output's offsets continue after the echoed text)
+        return echo_logprobs(self.token_texts, self.top_logprobs or 0, prompt)
 
     def _vllm_prompt_logprobs(self, prompt: PromptLogprobs) -> list[dict[str, Any] | None]:
-        """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob, rank,
-        decoded_token}} for the token itself and the top alternatives."""
-        def text(token: int) -> str:
-            return "" if self.token_texts is None else self.token_texts.get(token)[0]
-
-        out: list[dict[str, Any] | None] = [None]
-        for i, (token, lp, rank) in enumerate(zip(prompt.token_ids[1:], prompt.logprobs, prompt.ranks)):
-            entry = {str(token): {"logprob": _clamp(lp), "rank": rank, "decoded_token": text(token)}}
-            if prompt.top_ids:
-                for j, (alt, alt_lp) in enumerate(zip(prompt.top_ids[i], prompt.top_logprobs[i])):
-                    entry.setdefault(str(alt), {"logprob": _clamp(alt_lp), "rank": j + 1, "decoded_token": text(alt)})
-            out.append(entry)
-        return out
+        return vllm_prompt_logprobs(self.token_texts, prompt)
 
 
 class _Stream(_Response):

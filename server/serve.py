@@ -35,7 +35,7 @@ from flotilla.transport.registry import shared_registry
 from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
 from flotilla.server.metrics import StatsLine
-from flotilla.server.protocol_output import TokenTexts
+from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.reasoning_parser import REASONING_PARSERS
 from flotilla.server.tool_parsers import TOOL_PARSERS
 

@@ -27,6 +27,7 @@ from flotilla.server.protocol import (
     to_sampling_params,
     tool_parsing_enabled,
 )
+from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.protocol_output import (
     SSE_DONE,
     SYSTEM_FINGERPRINT,
@@ -34,7 +35,6 @@ from flotilla.server.protocol_output import (
     ChatStreamState,
     CompletionBuilder,
     CompletionStreamState,
-    TokenTexts,
     new_response_id,
     sse_line,
 )
