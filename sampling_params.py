@@ -19,6 +19,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """One of these strings, exactly."""
     grammar: str | None = None
     """An EBNF grammar (xgrammar's dialect, GBNF-like: `root ::= ...`)."""
+    after: list[int] | None = None
+    """Token ids that open the constrained part (a reasoning parser's end tag): the output is free until they
+    appear, then held to the grammar, as vLLM holds only the answer after the reasoning."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -91,21 +91,38 @@ class Grammars:
 
 
 class SequenceGrammar:
-    """One sequence's matcher: created when its grammar is compiled, fed its output tokens as they are known."""
+    """One sequence's matcher: created when its grammar is compiled, fed its output tokens as they are known. With
+    `after` (a reasoning parser's end tag), the output is free until those tokens appear, and the grammar holds what
+    follows them."""
 
-    __slots__ = ("_future", "_stop", "matcher", "consumed")
+    __slots__ = ("_future", "_stop", "_after", "matcher", "consumed")
 
-    def __init__(self, future: Future, stop_token_ids: list[int]) -> None:
+    def __init__(self, future: Future, stop_token_ids: list[int], after: list[int] | None = None) -> None:
         self._future = future
         self._stop = stop_token_ids
+        self._after = list(after or ())
         self.matcher: xgr.GrammarMatcher | None = None
         self.consumed = 0
-        """Output tokens the matcher has taken."""
+        """Output tokens the matcher has taken (before `after` appeared: where a match of it may end next)."""
+
+    @property
+    def started(self) -> bool:
+        """Whether the grammar holds the output yet (it does from the start without `after`)."""
+        return not self._after
 
     def follow(self, output: list[int] | Any) -> None:
         """Take the output tokens sampled since the last call (waits for the grammar's compile the first time)."""
         import xgrammar as xgr
 
+        if self._after:
+            n = len(self._after)
+            for end in range(max(self.consumed, n), len(output) + 1):  # (a match ending at each new token)
+                if [int(t) for t in output[end - n:end]] == self._after:
+                    self._after, self.consumed = [], end
+                    break
+            else:
+                self.consumed = len(output) + 1  # (where the next match may end)
+                return
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self._future.result(), override_stop_tokens=self._stop)
         for token in output[self.consumed:]:
@@ -117,7 +134,9 @@ class SequenceGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """The allowed next tokens into bitmask row `row`; False once the grammar has ended (the row is left free:
-        its stop token was sampled and the sequence is ending)."""
+        its stop token was sampled and the sequence is ending) or before it holds the output."""
+        if not self.started:
+            return False
         assert self.matcher is not None
         if self.matcher.is_terminated():
             return False

@@ -549,7 +549,7 @@ class ModelRunner:
             tokenizer = load_tokenizer(path)
             self._grammars = Grammars(tokenizer, self.model.config.vocab_size, eos_token_ids(tokenizer, path))
         stop = sorted({*self._grammars.stop_token_ids, *sampling.stop_token_ids})
-        return SequenceGrammar(self._grammars.start(so), stop)
+        return SequenceGrammar(self._grammars.start(so), stop, so.after)
 
     def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState]) -> bool:
         """Mask the logits rows (one per entry of row_seqs) of constrained sequences to what their grammars allow

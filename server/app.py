@@ -59,7 +59,7 @@ from flotilla.server.protocol_output import (
     CompletionStreamState,
     new_response_id,
 )
-from flotilla.server.reasoning_parser import ReasoningParser
+from flotilla.server.reasoning_parser import THINK_END, ReasoningParser
 from flotilla.server.responses import (
     ResponsesBuilder,
     ResponsesRequest,
@@ -327,10 +327,14 @@ def build_app(state: ServerState) -> Starlette:
 
     async def chat_sampling(req: ChatCompletionRequest, reasoning: type[ReasoningParser] | None) -> SamplingParams:
         """A chat request's SamplingParams: its parsers' markup kept in the text when the tokenizer makes it special
-        tokens and the request left skip_special_tokens unset."""
+        tokens and the request left skip_special_tokens unset; with reasoning, its grammar starts after it."""
         sampling = await checked(req)
         if state.keep_special_tokens and req.skip_special_tokens is None and reads_model_markup(req, reasoning):
             sampling = msgspec.structs.replace(sampling, skip_special_tokens=False)
+        so = sampling.structured_outputs
+        if so is not None and reasoning is not None and state.tokenizer is not None:  # (the answer, after the end tag)
+            after = state.tokenizer.encode(THINK_END, add_special_tokens=False)
+            sampling = msgspec.structs.replace(sampling, structured_outputs=msgspec.structs.replace(so, after=after))
         return sampling
 
     async def run_chat(req: ChatCompletionRequest) -> Response:

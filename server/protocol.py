@@ -3,7 +3,7 @@
 Pure code (no sockets, no Starlette): server/app.py decodes a body with `parse_chat_request` /
 `parse_completion_request`, maps it with `to_sampling_params`, and answers any `ProtocolError` with
 `err.status` and `err.body()`. The output side (response objects, SSE chunks, logprobs) is in
-server/protocol_output.py; tool-call parsing is in server/tool_parser.py.
+server/protocol_output.py; tool-call parsing is in server/tool_parsers/.
 
 Requests decode into the msgspec Structs of server/protocol_types.py (re-exported here) straight from
 the body bytes: one pass, typed, several times faster than pydantic. Ranges follow OpenAI and vLLM, so
@@ -406,7 +406,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema that enforces a tool_choice naming a function (its parameters) or "required" (an array of
-    calls, server/tool_parser.py); None when the model chooses (auto, none)."""
+    calls, server/tool_parsers/); None when the model chooses (auto, none)."""
     choice = req.effective_tool_choice
     if isinstance(choice, NamedToolChoice):
         tool = next((t for t in req.tools or () if t.function.name == choice.function.name), None)
@@ -589,10 +589,10 @@ def tool_parser_for(req: ChatCompletionRequest, model_format: type[CallsOutput] 
 
 def reasoning_parser_for(req: ChatCompletionRequest, style: type[ReasoningParser] | None
                          ) -> type[ReasoningParser] | None:
-    """The server's reasoning parser (--reasoning-parser) for this request, or None: none is set, the request's
-    chat_template_kwargs turn thinking off, or a grammar constrains the output from its first token (structured
-    outputs, a forced tool_choice), which leaves the model no room to think."""
-    if style is None or thinking_disabled(req.chat_template_kwargs) or structured_outputs_of(req) is not None:
+    """The server's reasoning parser (--reasoning-parser) for this request, or None: none is set, or the request's
+    chat_template_kwargs turn thinking off. A grammar (structured outputs, a forced tool_choice) then holds only the
+    answer after the reasoning (server/app.py)."""
+    if style is None or thinking_disabled(req.chat_template_kwargs):
         return None
     return style
 

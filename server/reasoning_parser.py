@@ -12,7 +12,7 @@ and the answer's content apply to the content only. The two styles differ in how
 
 The whitespace just inside the tags and just after ``</think>`` only separates, and is dropped (as SGLang does).
 A request whose ``chat_template_kwargs`` turn thinking off (``enable_thinking`` or ``thinking`` false) gets no
-reasoning parsing, nor one whose output a grammar constrains from its first token.
+reasoning parsing; a grammar on the output holds only what follows ``</think>`` (server/app.py, actors/grammar.py).
 """
 
 from __future__ import annotations

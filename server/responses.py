@@ -41,7 +41,7 @@ from flotilla.server.protocol import (
 )
 from flotilla.server.protocol_output import FINISH_REASONS, ChatChoices, aborted_error
 from flotilla.server.protocol_types import JSONSchemaFormat
-from flotilla.server.tool_parser import ToolCallDelta, ToolCallParser
+from flotilla.server.tool_parsers import ToolCallDelta, ToolCallParser
 from flotilla.transport.messages import SeqText
 
 _encode = msgspec.json.Encoder().encode

@@ -97,6 +97,19 @@ def test_the_reasoning_parser_flag_reaches_the_chat_route(server):
     assert completion.choices[0].text and not completion.choices[0].model_extra.get("reasoning_content")
 
 
+def test_a_grammar_holds_only_the_answer_after_the_reasoning(server):
+    """The model here never writes </think>: under deepseek_r1 its whole output is reasoning, which a JSON grammar
+    leaves free (the same greedy text as unconstrained); with thinking off the grammar holds the output at once."""
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    free = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
+    gated = _post(server, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
+    assert gated["choices"][0]["message"]["reasoning_content"] == free["reasoning_content"]
+    assert not free["reasoning_content"].lstrip().startswith("{")
+    held = _post(server, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"},
+                                                  "chat_template_kwargs": {"thinking": False}})
+    assert held["choices"][0]["message"]["content"].lstrip().startswith("{")
+
+
 def test_llm_chat_renders_with_the_chat_template_option(tmp_path):
     from flotilla import LLM, SamplingParams
     from flotilla.models.model_folder import load_tokenizer

@@ -38,7 +38,7 @@ from flotilla.server.protocol_output import (
     new_response_id,
     sse_line,
 )
-from flotilla.server.tool_parser import parse_tool_calls
+from flotilla.server.tool_parsers import parse_tool_calls
 from flotilla.transport.messages import SeqText
 from helpers_optional import require
 

@@ -133,9 +133,11 @@ def test_which_requests_get_reasoning_parsing():
     assert reasoning_parser_for(chat(), None) is None
     assert reasoning_parser_for(chat(chat_template_kwargs={"enable_thinking": False}), Qwen3ReasoningParser) is None
     assert reasoning_parser_for(chat(chat_template_kwargs={"thinking": False}), DeepSeekR1ReasoningParser) is None
-    # a grammar from the first token leaves no room to think
-    assert reasoning_parser_for(chat(response_format={"type": "json_object"}), DeepSeekR1ReasoningParser) is None
-    assert reasoning_parser_for(chat(tools=TOOLS, tool_choice="required"), DeepSeekR1ReasoningParser) is None
+    # a grammar holds only the answer after the reasoning (as in vLLM): the reasoning is still parsed
+    assert reasoning_parser_for(chat(response_format={"type": "json_object"}), DeepSeekR1ReasoningParser) \
+        is DeepSeekR1ReasoningParser
+    assert reasoning_parser_for(chat(tools=TOOLS, tool_choice="required"), DeepSeekR1ReasoningParser) \
+        is DeepSeekR1ReasoningParser
     # which requests read the model's own markup (and so need its special tokens kept)
     assert reads_model_markup(chat(), Qwen3ReasoningParser) and reads_model_markup(chat(tools=TOOLS), None)
     assert not reads_model_markup(chat(), None) and not reads_model_markup(chat(tools=TOOLS, tool_choice="none"), None)

@@ -154,3 +154,35 @@ def test_a_named_or_required_tool_choice_is_enforced(client, stream):
         assert [name for name, _ in calls] == ["get_time"] and REQUIRED["get_time"] <= set(calls[0][1])
     for calls in _all(lambda seed: _calls(client, stream, seed, tool_choice="required", parallel_tool_calls=False)):
         assert len(calls) == 1 and all(REQUIRED[name] <= set(arguments) for name, arguments in calls)
+
+
+def test_a_grammar_after_a_reasoning_end_tag_leaves_the_tokens_before_it_free():
+    """SequenceGrammar(after=...): no mask until the tag's tokens appear (even split across steps), then the
+    grammar holds what follows them."""
+    import torch
+
+    from flotilla.actors.grammar import Grammars, SequenceGrammar, apply
+    from flotilla.models.default_model import default_model_dir
+    from flotilla.models.model_folder import load_tokenizer
+    from flotilla.sampling_params import StructuredOutputs
+
+    tokenizer = load_tokenizer(default_model_dir(progress=False))
+    grammars = Grammars(tokenizer, len(tokenizer), [0])
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(end) > 1  # (split across steps below)
+    g = SequenceGrammar(grammars.start(StructuredOutputs(choice=["yes", "no"])), [0], after=end)
+    free = tokenizer.encode("Let me think about it", add_special_tokens=False)
+
+    def masked(output: list[int]) -> torch.Tensor:
+        g.follow(output)
+        logits = torch.zeros(1, len(tokenizer))
+        apply(logits, [(0, g)])
+        return logits[0].isfinite()
+
+    assert masked(free).all() and not g.started
+    assert masked(free + end[:1]).all()  # half the tag
+    allowed = masked(free + end)
+    assert g.started and 0 < int(allowed.sum()) < 10
+    assert allowed[tokenizer.encode("yes", add_special_tokens=False)[0]]
+    assert masked(free + end + tokenizer.encode("no", add_special_tokens=False)).sum() == 1  # only the stop token
+    grammars.close()

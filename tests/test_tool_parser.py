@@ -9,7 +9,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flotilla.server.tool_parser import HermesToolParser, ToolCall, ToolCallDelta, parse_tool_calls
+from flotilla.server.tool_parsers import HermesToolParser, ToolCall, ToolCallDelta, parse_tool_calls
 
 
 def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str | None, str | None, str]], list[ToolCallDelta]]:
