@@ -15,6 +15,13 @@ DEFAULT_BLOCK_SIZE = 16
 """Tokens per KV block when CacheConfig.block_size is unset and the attention kernels need no other size."""
 
 
+class MultimodalLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Most media items one prompt may hold, by kind (vLLM's --limit-mm-per-prompt shape)."""
+
+    image: int = 16
+    """Images per prompt."""
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which model, in which dtype, how long a sequence may be."""
 
@@ -36,6 +43,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     chat_template: str | None = None
     """Chat template to render chat requests with instead of the model's: a file, or the Jinja template itself
     (a value with a brace or a newline that names no file); default: the model folder's."""
+    limit_mm_per_prompt: MultimodalLimits = MultimodalLimits()
+    """Most images one prompt of a model that takes images may hold, as JSON: '{"image": 4}' (more is a 400)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

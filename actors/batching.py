@@ -31,7 +31,15 @@ import numpy as np
 from flotilla.actors.block_manager import Allocation, BlockManager
 from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.transport.messages import NewSequence, PromptLogprobs, SeqTokens, StepPlan, StepResult, TokenizedRequest
+from flotilla.transport.messages import (
+    ImageItem,
+    NewSequence,
+    PromptLogprobs,
+    SeqTokens,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+)
 
 PROMPT_TAIL = 8
 """Prompt tokens sent to the detokenizer so the first output token decodes in context."""
@@ -81,6 +89,11 @@ class Sequence:
     """When the front end received the request (wall clock, seconds)."""
     queue_time: float | None = None
     """From arrival to its first scheduled step, seconds (None until then)."""
+    images: list[ImageItem] = field(default_factory=list)
+    """Multimodal prompts: the images whose embeddings fill their placeholder runs."""
+    key_prompt: np.ndarray | None = None
+    """The prompt as the prefix cache keys it when it has images: each placeholder run replaced by its image's
+    content hash, so that the same text with another image never hits (None: the prompt itself)."""
     prompt_parts: list[tuple[np.ndarray, ...]] = field(default_factory=list)
     """Prompt logprobs: each prefill chunk's scored tokens (logprobs, ranks[, top ids, top logprobs]), in order."""
     _ids: np.ndarray | None = None
@@ -110,6 +123,24 @@ class Sequence:
         view = ids[:n]
         view.flags.writeable = False
         return view
+
+    def cache_ids(self) -> np.ndarray:
+        """The tokens as the prefix cache keys them: token_ids() with the images' runs replaced (key_prompt)."""
+        if self.key_prompt is None:
+            return self.token_ids()
+        return np.concatenate((self.key_prompt, self.token_ids()[len(self.key_prompt):]))
+
+
+def image_keys(prompt_ids: np.ndarray, images: list[ImageItem]) -> np.ndarray | None:
+    """The prompt with each image's placeholder run filled with its content hash's 32-bit words, negated (no token id
+    is negative, so a key never equals text); None without images."""
+    if not images:
+        return None
+    keys = np.array(prompt_ids, dtype=np.int32)
+    for image in images:
+        words = -1 - (np.frombuffer(image.hash, dtype="<u4").astype(np.int64) & 0x7FFFFFFF)
+        keys[image.offset:image.offset + image.length] = np.resize(words, image.length).astype(np.int32)
+    return keys
 
 
 class BatchScheduler:
@@ -159,9 +190,10 @@ class BatchScheduler:
         sp = req.sampling
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
         prio = req.priority if self.config.policy == "priority" else 0
-        seq = Sequence(rid=req.rid, prompt_ids=np.asarray(req.prompt_ids, dtype=np.int32), sampling=sp,
-                       stop_ids=frozenset(stop), priority=prio, order=next(self._order), reply_to=req.reply_to,
-                       arrival_time=req.arrival_time)
+        prompt = np.asarray(req.prompt_ids, dtype=np.int32)
+        seq = Sequence(rid=req.rid, prompt_ids=prompt, sampling=sp, stop_ids=frozenset(stop), priority=prio,
+                       order=next(self._order), reply_to=req.reply_to, arrival_time=req.arrival_time,
+                       images=req.images, key_prompt=image_keys(prompt, req.images))
         self.seqs[seq.rid] = seq
         return seq
 
@@ -272,7 +304,7 @@ class BatchScheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence its blocks (prefix hits first); returns the tokens it runs now, 0 = not now."""
-        tokens = seq.token_ids()
+        tokens = seq.cache_ids()
         whole = seq.sampling.prompt_logprobs is not None and not seq.sent_first  # every prompt position is scored
         hit = Allocation([], 0) if whole else self.blocks.match_prefix(tokens)
         cached = hit.num_cached_tokens
@@ -335,7 +367,7 @@ class BatchScheduler:
                 new_seqs.append(NewSequence(
                     rid=seq.rid, token_ids=seq.token_ids(), num_computed_tokens=seq.num_computed,
                     block_ids=np.asarray(self.blocks.block_ids(seq.rid), dtype=np.int32), sampling=seq.sampling,
-                    num_output_tokens=len(seq.output_ids), state_snapshot=seq.state_snapshot))
+                    num_output_tokens=len(seq.output_ids), state_snapshot=seq.state_snapshot, images=seq.images))
                 seq.in_worker = True
                 counts.append(0)
             else:
@@ -387,7 +419,7 @@ class BatchScheduler:
         for seq, _ in batch:
             done = min(seq.num_done, seq.num_tokens)
             if seq.rid in self.seqs and done // self.blocks.block_size > seq.full_blocks_offered:
-                self.blocks.commit(seq.rid, seq.token_ids(), done)  # O(L) concat only when a block filled up
+                self.blocks.commit(seq.rid, seq.cache_ids(), done)  # O(L) concat only when a block filled up
                 seq.full_blocks_offered = done // self.blocks.block_size
         deltas: list[SeqTokens] = []
         tokens = result.token_ids.tolist() if result.token_ids is not None else []

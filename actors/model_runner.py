@@ -25,9 +25,11 @@ import torch
 
 from flotilla.actors import grammar
 from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only
+from flotilla.actors.encoder import ImageEncoder, SeqImages
 from flotilla.actors.grammar import Grammars, SequenceGrammar
+from flotilla.actors.pending_step import Patch, PendingStep, add_patch, apply_patch
 from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
-from flotilla.actors.prompt_logprobs import PromptScores, score_prompts
+from flotilla.actors.prompt_logprobs import score_prompts
 from flotilla.actors.spec_decode import MTPSpeculator, check_speculative_config
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
@@ -75,6 +77,13 @@ class SeqState:
     """Structured outputs: the matcher that masks its logits (actors/grammar.py); None: unconstrained."""
     prompt_logprobs: int | None = None
     """Score its prompt's tokens with this many alternatives as its prefill runs (actors/prompt_logprobs.py)."""
+    images: SeqImages | None = None
+    """A prompt with images: their items and the prompt's 3-D rotary positions (actors/encoder.py)."""
+
+    @property
+    def rope_delta(self) -> int:
+        """What a position after the prompt's images adds to its index (0 without images)."""
+        return 0 if self.images is None else self.images.rope_delta
 
     @classmethod
     def new(cls, token_ids: np.ndarray, block_ids: np.ndarray, **kw: object) -> SeqState:
@@ -173,6 +182,9 @@ class ModelRunner:
                              "has no FP8 weights (no fp8 quantization_config); leave it at auto")
         self.hf_config = self.loaded.config
         self.dtype = self.loaded.dtype
+        self.encoder = (ImageEncoder(self.model, self.loaded.model_dir, self.device, self.dtype)
+                        if hasattr(self.model, "encode_images") else None)
+        """A model that takes images: its vision tower, run for the prefill chunks that hold image tokens."""
         settle = getattr(self.model, "settle_kv_layout", None)  # a model whose kernels need their own page size
         self.block_size = (settle(config.cache.block_size, config.cache.kv_cache_dtype) if settle is not None
                            else config.cache.block_size or DEFAULT_BLOCK_SIZE)  # fmt: skip
@@ -198,7 +210,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.model.num_layers)]
         self.seqs: dict[str, SeqState] = {}
-        self._pending: deque[_Pending] = deque()
+        self._pending: deque[PendingStep] = deque()
         self._st_cache: tuple[tuple, SamplingTensors] | None = None
         """The last step's sampling options, reused while the same sequences sample (see _sampling_tensors)."""
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
@@ -321,6 +333,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, scratch, meta)
         rows = min(sched.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
+        image_cache = self.encoder.profile() if self.encoder is not None else 0  # (the tower's peak, its cache)
         st = SamplingTensors.build([SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * rows, [0] * rows,
                                    device=self.device, vocab_size=logits.shape[1])
         sample(logits, st, 20, generator=self.generator)
@@ -331,7 +344,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-        budget = total * self.config.cache.gpu_memory_utilization - others - (peak - scratch_bytes)
+        budget = total * self.config.cache.gpu_memory_utilization - others - (peak - scratch_bytes) - image_cache
         log.info("profiling run: peak %.2f GiB for %d tokens; %.2f GiB of %.2f GiB left for the KV cache",
                  (peak - scratch_bytes) / 2**30, tokens, budget / 2**30, total / 2**30)
         return budget
@@ -399,7 +412,7 @@ class ModelRunner:
 
     def fail(self, step: int, error: str) -> None:
         """Queue a failed step's result in order (its launch raised)."""
-        self._pending.append(_Pending.done(StepResult(step=step, error=error)))
+        self._pending.append(PendingStep.done(StepResult(step=step, error=error)))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, graph_size: int | None = None) -> None:
@@ -419,11 +432,13 @@ class ModelRunner:
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,
                 num_computed=ns.num_computed_tokens, block_ids=ns.block_ids, sampling=ns.sampling,
                 needs_history=_needs_history(ns.sampling), grammar=self._grammar_of(ns.sampling),
-                prompt_logprobs=None if ns.num_output_tokens else ns.sampling.prompt_logprobs)  # (else: sent)
+                prompt_logprobs=None if ns.num_output_tokens else ns.sampling.prompt_logprobs,  # (else: sent)
+                images=None if not ns.images or self.encoder is None else self.encoder.sequence(
+                    ns.token_ids, len(ns.token_ids) - ns.num_output_tokens, ns.images))
         if self.num_state_slots and plan.new_seqs:
             self._assign_state_slots(plan.new_seqs)
         if not plan.rids:
-            self._pending.append(_Pending.done(StepResult(step=plan.step)))
+            self._pending.append(PendingStep.done(StepResult(step=plan.step)))
             return
         seqs = [self.seqs[rid] for rid in plan.rids]
         num_new = plan.num_new_tokens.tolist()
@@ -437,7 +452,7 @@ class ModelRunner:
         if self.spec is not None:
             result = self.spec.step(plan.step, plan.rids, seqs, num_new)
             self._save_states(plan, seqs)  # (prefill chunks only: no draft rolls their state back)
-            self._pending.append(_Pending.done(result))
+            self._pending.append(PendingStep.done(result))
             return
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)
@@ -453,18 +468,22 @@ class ModelRunner:
                 s.num_computed += 1
         else:
             pg = self.prefill_graphs
-            if pg is not None and len(seqs) == 1 and not patch and pg.fits(cached[0], num_new[0]):
+            if (pg is not None and len(seqs) == 1 and not patch and seqs[0].images is None
+                    and pg.fits(cached[0], num_new[0])):
                 hidden = pg.run(ids, cached[0], seqs[0].block_ids)  # one sequence's chunk: a replay
             else:
                 input_ids = upload(ids, self.device)
-                _apply_patch(input_ids, patch, self.device)
+                apply_patch(input_ids, patch, self.device)
                 meta = AttentionMetadata.from_lists(cached, num_new, [s.block_ids for s in seqs], self.block_size,
                                                     device=self.device)
                 if self.num_state_slots:
                     meta.state_slots = upload(np.fromiter((s.state_slot for s in seqs), dtype=np.int64,
                                                           count=len(seqs)), self.device)
-                positions = positions_from_lists(cached, num_new, device=self.device)
-                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                images = (None if self.encoder is None else
+                          self.encoder.step_inputs([s.images for s in seqs], cached, num_new))
+                at = [c + s.rope_delta for s, c in zip(seqs, cached)] if self.encoder is not None else cached
+                positions = positions_from_lists(at, num_new, device=self.device)
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, **(images or {}))
             self._save_states(plan, seqs)
             scores = score_prompts(self.model.compute_logits, hidden, plan.rids, seqs, cached, num_new,
                                    self.config.scheduler.max_num_seqs)
@@ -473,8 +492,8 @@ class ModelRunner:
             for s, n in zip(seqs, num_new):
                 s.num_computed += n
             if not sampling_rows:
-                self._pending.append(_Pending.done(StepResult(step=plan.step)) if scores is None else
-                                     _Pending.launch(plan.step, [], [], None, False, self.device, scores))
+                self._pending.append(PendingStep.done(StepResult(step=plan.step)) if scores is None else
+                                     PendingStep.launch(plan.step, [], [], None, False, self.device, scores))
                 return
             ends = np.cumsum(num_new)[sampling_rows] - 1
             logits = self.model.compute_logits(hidden[upload(ends, self.device)])
@@ -489,7 +508,7 @@ class ModelRunner:
         for row, s in enumerate(sampled):  # the token exists on the device now, on the host after finish
             s.device_tokens[s.length] = (token_ids, row)
             s.length += 1
-        self._pending.append(_Pending.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device,
+        self._pending.append(PendingStep.launch(plan.step, sampled_rids, sampled, out, want is not None, self.device,
                                              scores))
 
     def _assign_state_slots(self, new_seqs: list[NewSequence]) -> None:
@@ -598,7 +617,7 @@ class ModelRunner:
                 if c < s.host_length:
                     ids[i] = s.buffer[c]
                 else:
-                    _add_patch(patch, i, *s.device_tokens[c])
+                    add_patch(patch, i, *s.device_tokens[c])
             return ids, patch
         ids = np.zeros(sum(num_new), dtype=np.int64)
         at = 0
@@ -607,7 +626,7 @@ class ModelRunner:
             if known > c:
                 ids[at:at + known - c] = s.buffer[c:known]
             for pos in range(max(c, known), c + n):
-                _add_patch(patch, at + pos - c, *s.device_tokens[pos])
+                add_patch(patch, at + pos - c, *s.device_tokens[pos])
             at += n
         return ids, patch
 
@@ -617,86 +636,10 @@ class ModelRunner:
         pos = np.asarray(cached, dtype=np.int64)
         tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
+        rope = pos if self.encoder is None else pos + np.fromiter((s.rope_delta for s in seqs), np.int64, len(seqs))
         assert self.graphs is not None
-        return self.graphs.run(ids, pos, blocks * bs + pos % bs, pos + 1, tables,
-                               patch=lambda input_ids: _apply_patch(input_ids, patch, self.device), size=size)
-
-
-class _Pending:
-    """A launched step: its sampled tokens on the device and their copy to the host in flight."""
-
-    __slots__ = ("step", "rids", "seqs", "out", "host", "event", "logprobs", "prompt", "result")
-
-    @classmethod
-    def done(cls, result: StepResult) -> _Pending:
-        p = cls()
-        p.step, p.result, p.event = result.step, result, None
-        return p
-
-    @classmethod
-    def launch(cls, step: int, rids: list[str], seqs: list[SeqState], out: SamplerOutput | None, logprobs: bool,
-               device: torch.device, prompt: PromptScores | None = None) -> _Pending:
-        """out: None when the step sampled nothing (a prefill chunk that only scored its prompt tokens)."""
-        p = cls()
-        p.step, p.rids, p.seqs, p.out, p.logprobs, p.prompt, p.result = step, rids, seqs, out, logprobs, prompt, None
-        blocking = device.type != "cuda"
-        p.host = [] if out is None else [out.token_ids.to("cpu", torch.int32, non_blocking=not blocking)]
-        if prompt is not None:
-            prompt.to_host(blocking)
-        if logprobs:
-            p.host += [out.logprobs.float().to("cpu", non_blocking=not blocking),
-                       out.top_token_ids.to("cpu", torch.int32, non_blocking=not blocking),
-                       out.top_logprobs.float().to("cpu", non_blocking=not blocking)]
-        p.event = None
-        if not blocking:
-            p.event = torch.cuda.Event()
-            p.event.record()
-        return p
-
-    def finish(self) -> StepResult:
-        if self.result is not None:
-            return self.result
-        if self.event is not None:
-            self.event.synchronize()
-        result = StepResult(step=self.step)
-        if self.host:
-            token_ids = self.host[0].numpy()
-            for s, t in zip(self.seqs, token_ids.tolist()):
-                s.settle(t)
-            result.rids, result.token_ids = self.rids, token_ids
-        if self.logprobs:
-            result.logprobs, result.top_ids, result.top_logprobs = (t.numpy() for t in self.host[1:])
-        if self.prompt is not None:
-            self.prompt.fill(result)
-        self.result = result
-        return result
-
-    def release(self) -> None:
-        self.out = self.seqs = self.host = self.event = self.prompt = None
-
-
-Patch = dict[int, tuple[torch.Tensor, list[int], list[int]]]
-"""Tokens a step feeds that live only on the device: id(source tensor) -> (source, flat input indices, rows)."""
-
-
-def _add_patch(patch: Patch, index: int, src: torch.Tensor, row: int) -> None:
-    entry = patch.get(id(src))
-    if entry is None:
-        entry = patch[id(src)] = (src, [], [])
-    entry[1].append(index)
-    entry[2].append(row)
-
-
-def _apply_patch(input_ids: torch.Tensor, patch: Patch, device: torch.device) -> None:
-    """Write tokens that live only on the device into `input_ids` (one gather + scatter per source step; one copy
-    where both sides are runs, as when a decode batch follows the step that sampled its tokens, rows in order)."""
-    for src, dst, rows in patch.values():
-        n = len(dst)
-        if dst[-1] - dst[0] == n - 1 and rows == list(range(rows[0], rows[0] + n)):  # (dst only ever increases)
-            input_ids[dst[0]:dst[0] + n].copy_(src[rows[0]:rows[0] + n])
-            continue
-        index = upload(np.array([dst, rows], dtype=np.int64), device)
-        input_ids.index_copy_(0, index[0], src.index_select(0, index[1]).to(input_ids.dtype))
+        return self.graphs.run(ids, rope, blocks * bs + pos % bs, pos + 1, tables,
+                               patch=lambda input_ids: apply_patch(input_ids, patch, self.device), size=size)
 
 
 def _needs_history(p: SamplingParams) -> bool:

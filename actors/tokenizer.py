@@ -9,6 +9,7 @@ and never reaches the scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -19,8 +20,23 @@ from transformers import PreTrainedTokenizerBase
 
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.config import EngineConfig
-from flotilla.models.model_folder import eos_token_ids, load_tokenizer, max_model_len_of, model_dir, vocab_size_of
-from flotilla.transport.messages import AbortCmd, GenerateRequest, Message, RequestFailedEvent, TokenizedRequest
+from flotilla.actors.images import ImageError, ImagePrompt
+from flotilla.models.model_folder import (
+    eos_token_ids,
+    load_tokenizer,
+    max_model_len_of,
+    model_dir,
+    takes_images,
+    vocab_size_of,
+)
+from flotilla.transport.messages import (
+    AbortCmd,
+    GenerateRequest,
+    ImageItem,
+    Message,
+    RequestFailedEvent,
+    TokenizedRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +94,31 @@ class RequestTokenizer:
     """The pure part: GenerateRequest -> TokenizedRequest, or RequestError."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, max_model_len: int, eos_ids: list[int],
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, images: ImagePrompt | None = None, max_images: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.images = images
+        """Expands image placeholders (a model that takes images); None: a request with images is a 400."""
+        self.max_images = max_images
         """None with skip_tokenizer_init: only token-id prompts, no stop strings."""
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
         self.vocab_size = len(tokenizer) if tokenizer is not None else vocab_size
+
+    def prompt(self, req: GenerateRequest) -> tuple[np.ndarray, list[ImageItem]]:
+        """The prompt's token ids, its images' placeholders expanded, and the images."""
+        ids = self.prompt_ids(req)
+        if not req.images:
+            return ids, []
+        param = req.images[0].param
+        if self.images is None:
+            raise RequestError("this model does not take images; send text content only", param)
+        if len(req.images) > self.max_images:
+            raise RequestError(f"at most {self.max_images} images per prompt are taken (--limit-mm-per-prompt); this "
+                               f"one has {len(req.images)}", req.images[self.max_images].param)
+        try:
+            return self.images.expand(ids, req.images)
+        except ImageError as e:
+            raise RequestError(str(e), e.param) from None
 
     def prompt_ids(self, req: GenerateRequest) -> np.ndarray:
         if self.tokenizer is None:
@@ -109,7 +144,7 @@ class RequestTokenizer:
     def tokenize(self, req: GenerateRequest) -> TokenizedRequest:
         if req.sampling.n != 1:
             raise RequestError("the engine runs one sequence per request; the front end fans out n > 1", "n")
-        ids = self.prompt_ids(req)
+        ids, images = self.prompt(req)
         n, limit = len(ids), self.max_model_len
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
@@ -128,8 +163,8 @@ class RequestTokenizer:
                                f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
                                code="context_length_exceeded")
         return TokenizedRequest(rid=req.rid, prompt_ids=ids, sampling=sampling, eos_token_ids=self.eos_ids,
-                                arrival_time=req.arrival_time, priority=req.priority, transfer_id=req.transfer_id,
-                                peer=req.peer, reply_to=req.reply_to)
+                                images=images, arrival_time=req.arrival_time, priority=req.priority,
+                                transfer_id=req.transfer_id, peer=req.peer, reply_to=req.reply_to)
 
 
 class TokenizerActor(Actor):
@@ -150,14 +185,15 @@ class TokenizerActor(Actor):
     async def setup(self) -> dict[str, str]:
         path = model_dir(self.config)
         tok = None if self.config.model.skip_tokenizer_init else load_tokenizer(path, self.config.model.chat_template)
+        images = ImagePrompt(path) if takes_images(path) and tok is not None else None
         self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path),
-                                     vocab_size_of(path))
+                                     vocab_size_of(path), images, self.config.model.limit_mm_per_prompt.image)
         return {"max_model_len": str(self.core.max_model_len)}
 
     async def on_generate_request(self, req: GenerateRequest) -> None:
         assert self.core is not None
-        try:
-            tokenized = self.core.tokenize(req)
+        try:  # (images are decoded off the event loop: Pillow lets go of the GIL while it decodes)
+            tokenized = await asyncio.to_thread(self.core.tokenize, req) if req.images else self.core.tokenize(req)
         except RequestError as e:
             await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, message=str(e), status=e.status,
                                                               param=e.param, code=e.code))

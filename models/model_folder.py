@@ -70,11 +70,27 @@ def _generic_fast_tokenizer(path: Path) -> bool:
             and model_type in GENERIC_FAST_TOKENIZER_MODEL_TYPES)
 
 
+IMAGE_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})
+"""The architectures whose vision tower flotilla runs: their chat requests may carry images."""
+
+
+def _text_config(path: Path) -> dict:
+    """config.json's language-model part: the whole file, or its text_config (a multimodal checkpoint's)."""
+    hf = json.loads((path / "config.json").read_text())
+    return {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
+
+
+def takes_images(path: Path) -> bool:
+    """Whether the model folder's architecture runs images (its vision tower is loaded and served)."""
+    hf = json.loads((path / "config.json").read_text())
+    return bool(IMAGE_ARCHITECTURES.intersection(hf.get("architectures") or ()))
+
+
 def max_model_len_of(config: EngineConfig, path: Path) -> int:
     """max_model_len from the engine options, else the model's max_position_embeddings."""
     if config.model.max_model_len is not None:
         return config.model.max_model_len
-    hf = json.loads((path / "config.json").read_text())
+    hf = _text_config(path)
     return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
 
 
@@ -92,4 +108,4 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list
 
 
 def vocab_size_of(path: Path) -> int:
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    return int(_text_config(path)["vocab_size"])

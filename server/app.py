@@ -31,11 +31,13 @@ from flotilla.actors import grammar
 from flotilla.actors.tokenizer import RequestError, render_prompt
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.engine_client import EngineClient, EngineDeadError, RequestFailed
+from flotilla.server.media import MediaPolicy, load_images
 from flotilla.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from flotilla.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
+    chat_image_urls,
     chat_messages,
     chat_tools,
     completion_prompts,
@@ -96,6 +98,8 @@ class ServerState:
     in_flight: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
     checked_grammars: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    """Where chat images may come from (data URLs; http(s) from allowed hosts) and how large."""
     tokenizer: Any = None
     """The model's tokenizer, for /tokenize and /detokenize (None: those routes answer 400)."""
     tool_call_parser: type[CallsOutput] = HermesToolParser
@@ -320,10 +324,13 @@ def build_app(state: ServerState) -> Starlette:
                 state.checked_grammars.popitem(last=False)
         return sampling
 
-    def chat_prompt(req: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_prompt(req: ChatCompletionRequest) -> dict[str, Any]:
+        """The engine's prompt fields of a chat request, its images' bytes loaded (data URLs, allowed hosts)."""
+        urls = chat_image_urls(req)
         return {"messages": chat_messages(req), "tools": chat_tools(req),
                 "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
-                "chat_template_kwargs": req.chat_template_kwargs}
+                "chat_template_kwargs": req.chat_template_kwargs,
+                "images": await load_images(urls, state.media) if urls else []}
 
     async def chat_sampling(req: ChatCompletionRequest, reasoning: type[ReasoningParser] | None) -> SamplingParams:
         """A chat request's SamplingParams: its parsers' markup kept in the text when the tokenizer makes it special
@@ -343,7 +350,7 @@ def build_app(state: ServerState) -> Starlette:
         rid = new_response_id(True)
         kw = dict(request_id=rid, model=state.model_name, token_texts=state.token_texts,
                   tool_parser=tool_parser_for(req, state.tool_call_parser), reasoning_parser=reasoning)
-        subs = engine_requests(rid, sampling, [chat_prompt(req)])
+        subs = engine_requests(rid, sampling, [await chat_prompt(req)])
         if req.stream:
             return await stream(ChatStreamState(req, **kw), subs, sampling.n)
         return await collect(ChatCompletionBuilder(req, **kw), subs, sampling.n)
@@ -358,7 +365,7 @@ def build_app(state: ServerState) -> Starlette:
         rid = new_responses_id()
         response = ResponseState(req, chat, response_id=rid, model=state.model_name,
                                  tool_parser=tool_parser_for(chat, state.tool_call_parser))
-        subs = engine_requests(rid, sampling, [chat_prompt(chat)])
+        subs = engine_requests(rid, sampling, [await chat_prompt(chat)])
         try:
             if req.stream:
                 return await stream(ResponsesStream(response), subs, 1)

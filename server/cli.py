@@ -132,7 +132,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="HTTP requests served at once before answering 429; default: max_num_seqs + "
                         "max_waiting_requests")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted (413 above)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body accepted (413 above); default: 4 MiB, or 32 MiB for a model that takes "
+                        "images (base64 images travel in the body)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="hosts (and their subdomains) whose http(s) image URLs the server fetches for a chat "
+                        "request's image_url parts; default: none, images come as base64 data URLs only (a server "
+                        "that fetches any URL reaches whatever its network reaches)")
+    p.add_argument("--media-fetch-timeout", type=float, default=5.0, metavar="S",
+                   help="how long fetching one image URL may take, seconds")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may take to finish, seconds")
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")

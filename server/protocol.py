@@ -62,10 +62,10 @@ __all__ = [
     "CompletionRequest", "Content", "ContentPart", "DeveloperMessage", "FunctionCallParam", "FunctionDefinition",
     "NamedFunction", "NamedToolChoice", "ProtocolError", "ResponseFormat", "SamplingFields", "StreamOptions",
     "SystemMessage", "ToolCallParam", "ToolDefinition", "ToolMessage", "UserMessage", "chat_messages", "chat_tools",
-    "check_chat_request", "completion_prompts", "decode_body", "default_error_type", "error_body", "model_not_found",
-    "note_unknown_fields", "parse_chat_request", "parse_completion_request", "parse_detokenize_request",
-    "parse_tokenize_request", "reads_model_markup", "reasoning_parser_for", "to_sampling_params", "tool_parser_for",
-    "tool_parsing_enabled",
+    "chat_image_urls", "check_chat_request", "completion_prompts", "decode_body", "default_error_type", "error_body",
+    "model_not_found", "note_unknown_fields", "parse_chat_request", "parse_completion_request",
+    "parse_detokenize_request", "parse_tokenize_request", "reads_model_markup", "reasoning_parser_for",
+    "to_sampling_params", "tool_parser_for", "tool_parsing_enabled",
 ]
 
 MAX_N = 128
@@ -76,8 +76,8 @@ MAX_COMPLETION_LOGPROBS = 5
 """Completions ``logprobs`` upper bound (OpenAI's legacy API)."""
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
-_UNSUPPORTED_PART_TYPES = frozenset({"image_url", "image", "input_image", "input_audio", "audio_url", "file",
-                                     "video_url", "input_file"})
+_UNSUPPORTED_PART_TYPES = frozenset({"image", "input_image", "input_audio", "audio_url", "file", "video_url",
+                                     "input_file"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,13 +307,17 @@ def _check_content(content: Content | None, param: str, *, allow_refusal: bool) 
             if part.text is None:
                 raise _bad(f"{where}.text", f"Missing required parameter: '{where}.text'.",
                            "missing_required_parameter")
+        elif part.type == "image_url":
+            if part.image_url is None:
+                raise _bad(f"{where}.image_url", f"Missing required parameter: '{where}.image_url'.",
+                           "missing_required_parameter")
         elif part.type == "refusal" and allow_refusal:
             if part.refusal is None:
                 raise _bad(f"{where}.refusal", f"Missing required parameter: '{where}.refusal'.",
                            "missing_required_parameter")
         elif part.type in _UNSUPPORTED_PART_TYPES:
             raise ProtocolError(400, f"Invalid '{where}.type': '{part.type}' content is not supported by this "
-                                     "server; send text content parts only.", param=f"{where}.type",
+                                     "server; send text and image_url content parts.", param=f"{where}.type",
                                 code="unsupported_value")
         else:
             raise _bad(f"{where}.type", f"Invalid '{where}.type': unknown content part type '{part.type}'.")
@@ -523,7 +527,8 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest, default_m
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
     """The conversation as the chat template expects it (plain dicts, content as one string).
 
-    Text parts are joined with newlines (as vLLM does for string-content templates); "developer" turns
+    Text parts are joined with newlines (as vLLM does for string-content templates), unless the message has images:
+    then its content stays a list of text and {"type": "image"} parts for the template to place; "developer" turns
     become "system" turns, since templates predate that role and would silently drop it; assistant
     tool-call arguments are decoded to objects where they are JSON objects, because templates render
     them with ``tojson`` and a string would come out double-encoded.
@@ -531,8 +536,11 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
     out: list[dict[str, Any]] = []
     for msg in req.messages:
         role = "system" if isinstance(msg, DeveloperMessage) else type(msg).__struct_config__.tag
-        content = msg.content
-        if isinstance(content, list):
+        content: Any = msg.content
+        if isinstance(content, list) and any(p.type == "image_url" for p in content):
+            content = [{"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text or ""}
+                       for p in content]  # (the parts, in order: multimodal templates place each image's tokens)
+        elif isinstance(content, list):
             content = "\n".join(p.text if p.type == "text" else (p.refusal or "") for p in content)
         # None (an assistant turn that only calls tools) becomes "": templates index message['content']
         d: dict[str, Any] = {"role": role, "content": "" if content is None else content}
@@ -548,6 +556,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
             ]
         out.append(d)
     return out
+
+
+def chat_image_urls(req: ChatCompletionRequest | TokenizeRequest) -> list[tuple[str, str]]:
+    """(param, url) of each image_url part, in the order the chat template meets them."""
+    return [(f"messages[{i}].content[{j}]", p.image_url.url)
+            for i, msg in enumerate(req.messages or []) if isinstance(msg.content, list)
+            for j, p in enumerate(msg.content) if p.type == "image_url" and p.image_url is not None]
 
 
 def _template_arguments(arguments: str) -> dict[str, Any] | str:

@@ -17,13 +17,22 @@ class _Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Request-side struct: unknown fields ignored (clients send extras), unset fields left out on dump."""
 
 
+class ImageURL(_Struct, kw_only=True):
+    url: str
+    """A ``data:image/...;base64,`` URL, or an http(s) URL of a host the server allows."""
+    detail: str | None = None
+    """OpenAI's "auto" | "low" | "high"; accepted, and the model's image processor decides the resolution."""
+
+
 class ContentPart(_Struct, kw_only=True):
-    """One part of a message's content list; only text (and refusal, in assistant turns) is served."""
+    """One part of a message's content list: text, an image (models that take images), or a refusal (assistant)."""
 
     type: str
-    """"text" | "refusal"; media types are refused with a 400."""
+    """"text" | "image_url" | "refusal"; other media types are refused with a 400."""
     text: str | None = None
     """The text of a "text" part."""
+    image_url: ImageURL | None = None
+    """The image of an "image_url" part."""
     refusal: str | None = None
     """The text of a "refusal" part."""
 

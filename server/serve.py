@@ -27,13 +27,20 @@ import uvloop
 from flotilla import envs
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
-from flotilla.models.model_folder import chat_template_text, load_tokenizer, max_model_len_of, model_dir
+from flotilla.models.model_folder import (
+    chat_template_text,
+    load_tokenizer,
+    max_model_len_of,
+    model_dir,
+    takes_images,
+)
 from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines
 from flotilla.transport.registry import shared_registry
 from flotilla.server.engine_client import EngineClient
 from flotilla.server.fleet import Fleet
+from flotilla.server.media import MediaPolicy
 from flotilla.server.metrics import StatsLine
 from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.reasoning_parser import REASONING_PARSERS
@@ -115,11 +122,14 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
                      "skip_special_tokens false unless they set it", ", ".join(special))
         _check_chat_template(tokenizer)
+        body_bytes = args.max_body_bytes or (32 if takes_images(path) else 4) * 2**20
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
             token_texts=TokenTexts(lambda i: tokenizer.decode([i])), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
-            max_body_bytes=args.max_body_bytes,
+            max_body_bytes=body_bytes,
+            media=MediaPolicy(allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
+                              fetch_timeout_s=args.media_fetch_timeout, max_bytes=body_bytes),
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests,
             tool_call_parser=tool_format, reasoning_parser=reasoning, keep_special_tokens=bool(special))
         server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",

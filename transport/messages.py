@@ -93,6 +93,30 @@ class FirstTokenLogprobs(msgspec.Struct, kw_only=True, array_like=True, omit_def
     top_logprobs: list[float] = []
 
 
+class ImageData(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """An image of a chat request as the client sent it: the encoded file (PNG, JPEG, ...), not yet decoded."""
+
+    data: bytes
+    """The image file's bytes (a data URL's payload, or what an allowed http(s) URL served)."""
+    param: str = ""
+    """Where the request held it (e.g. "messages[0].content[1]"), named by the error when it is bad."""
+
+
+class ImageItem(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """An image of a tokenized prompt: its file, its content hash and the run of placeholder tokens it fills."""
+
+    data: bytes
+    """The image file's bytes; the encoder decodes and preprocesses them."""
+    hash: bytes
+    """Content hash of the file: keys the prefix cache (another image never hits) and the encoder's cache."""
+    offset: int
+    """Index of its first placeholder token in the prompt."""
+    length: int
+    """How many placeholder tokens it fills (its merged patches)."""
+    grid: tuple[int, int, int]
+    """(t, h, w) of its patch grid before merging, as the image processor cuts it."""
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. front end -> tokenizer
 
@@ -116,6 +140,8 @@ class GenerateRequest(Message):
     """Append the assistant turn opener after the chat messages."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (e.g. Qwen3's enable_thinking)."""
+    images: list[ImageData] = []
+    """The chat messages' images, in the order their parts appear (each is an {"type": "image"} part there)."""
     arrival_time: float = 0.0
     """time.time() when the front end received the request, seconds."""
     priority: int = 0
@@ -156,6 +182,8 @@ class TokenizedRequest(Message):
     """How to sample and when to stop (max_tokens already resolved against max_model_len)."""
     eos_token_ids: list[int] = []
     """Token ids that end generation unless sampling.ignore_eos."""
+    images: list[ImageItem] = []
+    """The prompt's images, in prompt order; their placeholder runs do not overlap."""
     arrival_time: float = 0.0
     """time.time() when the front end received the request, seconds."""
     priority: int = 0
@@ -190,6 +218,8 @@ class NewSequence(Message):
     state_snapshot: int = -1
     """Hybrid models: the snapshot slot holding the recurrent state after the cached tokens (a prefix hit);
     -1: the state starts from zeros."""
+    images: list[ImageItem] = []
+    """Multimodal models: the prompt's images, whose embeddings the prefill puts at their placeholders."""
 
 
 class StepPlan(Message):

@@ -144,9 +144,9 @@ def host_breakdown_targets(runner: ModelRunner) -> list[tuple[str, Any, str]]:
 
     targets = [("input_ids", runner, "_input_ids"), ("decode_by_graph", runner, "_decode_by_graph"),
                ("graph_upload", cg, "upload"), ("graph_plan", runner.graphs, "_plan"),
-               ("graph_replay", torch.cuda.CUDAGraph, "replay"), ("apply_patch", mr, "_apply_patch"),
+               ("graph_replay", torch.cuda.CUDAGraph, "replay"), ("apply_patch", mr, "apply_patch"),
                ("compute_logits", runner.model, "compute_logits"), ("sample", runner, "_sample"),
-               ("greedy_argmax", sampling, "greedy_argmax"), ("pending_launch", mr._Pending, "launch")]
+               ("greedy_argmax", sampling, "greedy_argmax"), ("pending_launch", mr.PendingStep, "launch")]
     return [t for t in targets if t[1] is not None and hasattr(t[1], t[2])]
 
 

@@ -1,0 +1,157 @@
+"""Images into the prefill, worker side: the vision tower's embeddings for a step's image tokens, and M-RoPE positions.
+
+ImageEncoder decodes and preprocesses a sequence's images with the model folder's image processor, runs the
+model's vision tower (``encode_images``) once per image, and keeps the embeddings (with the deepstack features)
+by content hash, so that each prefill chunk takes its rows of them and a preempted or repeated image is not
+encoded again. ``step_inputs`` turns a step's sequences into the model's multimodal keyword arguments: which rows
+of the step are image tokens, their embeddings, and the 3-D rotary positions of the chunks that hold images.
+
+Text after an image continues from the image's largest extent, so every later position of a sequence (the rest of
+its prompt, every decode step) is its index plus the sequence's ``rope_delta``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from flotilla.actors.images import load_image_processor
+from flotilla.transport.messages import ImageItem
+
+CACHE_TOKENS = 32768
+"""Image tokens whose embeddings the encoder keeps (least recently used beyond)."""
+
+
+@dataclass
+class SeqImages:
+    """A sequence's images as the worker holds them."""
+
+    items: list[ImageItem]
+    mrope: np.ndarray
+    """int64 [3, prompt length]: the prompt's (t, h, w) rotary positions."""
+    rope_delta: int
+    """Position of every token after the prompt's images minus its index."""
+
+    @property
+    def end(self) -> int:
+        """Index just past the last image token: tokens from here on are at index + rope_delta."""
+        last = self.items[-1]
+        return last.offset + last.length
+
+    def positions(self, start: int, n: int) -> np.ndarray:
+        """int64 [3, n]: the rotary positions of tokens start .. start + n."""
+        p = self.mrope.shape[1]
+        if start + n <= p:
+            return self.mrope[:, start:start + n]
+        tail = np.arange(max(start, p), start + n, dtype=np.int64) + self.rope_delta
+        head = self.mrope[:, start:p] if start < p else np.empty((3, 0), dtype=np.int64)
+        return np.concatenate((head, np.broadcast_to(tail, (3, len(tail)))), axis=1)
+
+
+class ImageEncoder:
+    """The vision tower of a model that takes images, with its embeddings cached by image content hash."""
+
+    def __init__(self, model: Any, path: Path, device: torch.device, dtype: torch.dtype,
+                 cache_tokens: int = CACHE_TOKENS) -> None:
+        self.model = model
+        self.processor = load_image_processor(path)
+        self.device, self.dtype = device, dtype
+        self.cache_tokens = cache_tokens
+        self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cached_tokens = 0
+        cfg = model.config
+        self.spatial_merge_size = int(cfg.vision_config["spatial_merge_size"])
+        self.image_token_id = int(cfg.image_token_id)
+        self.vision_start_token_id = int(cfg.vision_start_token_id)
+
+    def sequence(self, token_ids: np.ndarray, num_prompt_tokens: int, items: list[ImageItem]) -> SeqImages:
+        """A new sequence's image state: its prompt's rotary positions and rope delta."""
+        from flotilla.models.qwen3_vl import mrope_positions
+
+        pos, delta = mrope_positions(token_ids[:num_prompt_tokens].tolist(), [it.grid for it in items],
+                                     self.spatial_merge_size, self.image_token_id, self.vision_start_token_id)
+        return SeqImages(items, np.asarray(pos, dtype=np.int64), int(delta))
+
+    def embeddings(self, items: Sequence[ImageItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each image's (embeddings [n, hidden], deepstack [layers, n, hidden]), encoding those not cached."""
+        missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
+        if missing:
+            self._encode(missing)
+        out = []
+        for it in items:
+            self._cache.move_to_end(it.hash)
+            out.append(self._cache[it.hash])
+        return out
+
+    @torch.inference_mode()
+    def profile(self) -> int:
+        """Run the tower on the largest image the processor makes (random pixels), for the KV budget's profiling
+        run to see its peak; returns the bytes the embeddings cache may come to hold."""
+        p = self.processor
+        factor = p.patch_size * p.merge_size
+        size = p.size
+        longest = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+        side = max(factor, int(math.isqrt(int(longest or factor * factor)) // factor * factor))
+        grid = torch.tensor([[1, side // p.patch_size, side // p.patch_size]], dtype=torch.int64, device=self.device)
+        width = 3 * p.temporal_patch_size * p.patch_size**2
+        pixels = torch.randn(int(grid.prod()), width, device=self.device, dtype=self.dtype)
+        embeds, deepstack = self.model.encode_images(pixels, grid)
+        per_token = (embeds.shape[-1] + deepstack.shape[0] * deepstack.shape[-1]) * embeds.element_size()
+        return per_token * self.cache_tokens
+
+    @torch.inference_mode()
+    def _encode(self, items: list[ImageItem]) -> None:
+        images = [Image.open(io.BytesIO(it.data)).convert("RGB") for it in items]
+        batch = self.processor(images=images, return_tensors="np")
+        grid = torch.as_tensor(np.asarray(batch["image_grid_thw"]), dtype=torch.int64)
+        if [tuple(g) for g in grid.tolist()] != [tuple(it.grid) for it in items]:
+            raise RuntimeError("the image processor cut an image into another grid than the tokenizer counted")
+        pixels = torch.from_numpy(np.asarray(batch["pixel_values"])).to(self.device, self.dtype)
+        embeds, deepstack = self.model.encode_images(pixels, grid.to(self.device))
+        at = 0
+        for it in items:
+            self._cache[it.hash] = (embeds[at:at + it.length], deepstack[:, at:at + it.length])
+            self._cached_tokens += it.length
+            at += it.length
+        while self._cached_tokens > self.cache_tokens and len(self._cache) > len(items):
+            _, (old, _) = self._cache.popitem(last=False)
+            self._cached_tokens -= old.shape[0]
+
+    def step_inputs(self, images: Sequence[SeqImages | None], cached: Sequence[int],
+                    num_new: Sequence[int]) -> dict[str, torch.Tensor] | None:
+        """The model's multimodal keyword arguments for a step; None when every chunk of it lies past its
+        sequence's images (1-D positions shifted by rope_delta then hold). mrope_positions [3, T] covers every row
+        (1-D positions, repeated, for the sequences without images); mm_index [M] (rows of the step), mm_embeds
+        [M, hidden] and deepstack [layers, M, hidden] come when some chunk holds image tokens."""
+        if not any(seq is not None and c < seq.end for seq, c in zip(images, cached)):
+            return None
+        rows: list[np.ndarray] = []
+        embeds: list[torch.Tensor] = []
+        stacks: list[torch.Tensor] = []
+        at = 0
+        for seq, c, n in zip(images, cached, num_new):
+            if seq is not None:
+                hit = [it for it in seq.items if it.offset < c + n and c < it.offset + it.length]
+                for it, (e, d) in zip(hit, self.embeddings(hit)):
+                    lo, hi = max(c, it.offset), min(c + n, it.offset + it.length)
+                    rows.append(np.arange(at + lo - c, at + hi - c, dtype=np.int64))
+                    embeds.append(e[lo - it.offset:hi - it.offset])
+                    stacks.append(d[:, lo - it.offset:hi - it.offset])
+            at += n
+        positions = np.concatenate([
+            np.broadcast_to(np.arange(c, c + n, dtype=np.int64), (3, n)) if seq is None else seq.positions(c, n)
+            for seq, c, n in zip(images, cached, num_new)], axis=1)
+        out = {"mrope_positions": torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)}
+        if rows:
+            out.update(mm_index=torch.from_numpy(np.concatenate(rows)).to(self.device),
+                       mm_embeds=torch.cat(embeds), deepstack=torch.cat(stacks, dim=1))
+        return out
