@@ -1,7 +1,7 @@
 """Qwen3-VL (dense and MoE) against transformers on tiny random checkpoints with identical weights (fp32): the vision
 tower's tokens and DeepStack features, M-RoPE positions, prefill logits with images through the paged cache, paged
 decode after them, prefill chunks that cut through an image, image prompts batched with text sequences, text-only
-prompts, and the released checkpoints' layout."""
+prompts, the released checkpoints' layout, and the fused RoPE kernels on the per-token M-RoPE table."""
 
 from __future__ import annotations
 
@@ -227,3 +227,18 @@ def test_every_parameter_comes_from_the_checkpoint_in_either_expert_layout(vl, t
     from_hub = dict(load_flotilla_model(tmp_path).named_parameters())
     for name, param in params.items():
         assert torch.equal(from_hub[name], param), name
+
+
+def test_the_fused_rope_kernels_read_the_per_token_mrope_table(vl):
+    """(triton's norm + RoPE + KV-store kernels, under TRITON_INTERPRET on a CPU): the same logits as the torch ops."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    fused = type(vl.model)(vl.model.config, attention_backend="torch", fused_ops="triton")
+    fused.load_weights(load_file(str(vl.path / "model.safetensors")).items())
+    assert fused.fused_ops_name == "triton"
+    grids = [(1, 4, 6)]
+    ids = prompt(text(3, 10), grids[0], text(2, 11))
+    embeds, deepstack, positions, _ = image_inputs(vl.model, ids, grids, random_pixels(grids, seed=4))
+    kwargs = chunk_kwargs(ids, 0, len(ids), embeds, deepstack, positions)
+    want = PagedRunner(vl.model, block_size=4).step([(0, ids)], **kwargs)[0]
+    torch.testing.assert_close(PagedRunner(fused.eval(), block_size=4).step([(0, ids)], **kwargs)[0], want, atol=1e-4,
+                               rtol=0)
