@@ -131,6 +131,44 @@ class FP8BlockQuantConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionConfig:
+    """A vision-language checkpoint's vision tower (Qwen3-VL's vision_config) and the token ids that place its
+    output in the prompt; missing keys take transformers' Qwen3VLConfig defaults."""
+
+    depth: int
+    """Transformer blocks of the vision tower."""
+    hidden_size: int
+    """Width of the vision blocks."""
+    intermediate_size: int
+    """Hidden width of each block's MLP."""
+    num_heads: int
+    hidden_act: str
+    """The blocks' MLP activation ("gelu_pytorch_tanh": tanh-approximated GELU)."""
+    in_channels: int
+    patch_size: int
+    """Pixels per side of one patch."""
+    temporal_patch_size: int
+    """Frames per patch (an image is its frame repeated)."""
+    spatial_merge_size: int
+    """The merger folds merge x merge neighbouring patches into one language-model token."""
+    out_hidden_size: int
+    """Width of the merged tokens (the language model's hidden size)."""
+    num_position_embeddings: int
+    """Learned absolute position embeddings: a square grid, resampled to each image's patch grid."""
+    deepstack_visual_indexes: tuple[int, ...]
+    """Vision blocks whose outputs (through their own mergers) are added to the first decoder layers' outputs."""
+    rope_theta: float
+    """Base of the blocks' 2D (row, column) rotary embedding."""
+    image_token_id: int
+    """The placeholder token that one merged image token replaces."""
+    video_token_id: int
+    vision_start_token_id: int
+    """The token before each image's placeholders."""
+    vision_end_token_id: int
+    """The token after them."""
+
+
+@dataclass(frozen=True, slots=True)
 class HFModelConfig:
     """Architecture hyper-parameters of a decoder-only checkpoint (sizes in elements, not bytes)."""
 
@@ -172,6 +210,13 @@ class HFModelConfig:
     """The share of each head's dims that RoPE rotates (the first ones); Qwen3.5: 0.25."""
     dsa: DSAConfig | None = None
     """Sparse attention's indexer (DeepSeek-V3.2, GLM-5); None: every query attends to every cached position."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE: how many of the head's rotary frequencies follow the temporal, height and width position; None
+    without M-RoPE (rope_parameters' mrope_section)."""
+    mrope_interleaved: bool = False
+    """M-RoPE's frequencies cycle t, h, w, t, h, w, ... (Qwen3-VL) rather than lying in three contiguous sections."""
+    vision: VisionConfig | None = None
+    """The vision tower of a vision-language checkpoint; None for a text-only one."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -197,8 +242,8 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = raw.get("rope_parameters") or {}
     legacy = raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", legacy.get("rope_theta", 10000.0))))
-    # (partial_rotary_factor is a field of its own; M-RoPE's sections matter for images only: text positions are equal
-    # in all three rows, which is plain RoPE)
+    # (partial_rotary_factor and M-RoPE's sections are fields of their own: for text, whose positions are equal in all
+    # three rows, M-RoPE is plain RoPE)
     skip = ("rope_theta", "type", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
     scaling = {k: v for k, v in {**legacy, **params}.items() if k not in skip}
     kind = params.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")))
@@ -282,13 +327,45 @@ def _linear_attention(raw: Mapping[str, Any]) -> LinearAttentionConfig | None:
 
 
 def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A multimodal checkpoint's config (Qwen3.5's ForConditionalGeneration) as its language model's: the
-    text_config's keys, with the top level's architectures and anything the text_config leaves out."""
+    """A multimodal checkpoint's config (Qwen3.5's, Qwen3-VL's ForConditionalGeneration) as its language model's:
+    the text_config's keys, with the top level's architectures and anything the text_config leaves out. The top
+    level's tie_word_embeddings wins: it is the one transformers ties the outer model's lm_head by."""
     text = raw.get("text_config")
     if not isinstance(text, Mapping) or "hidden_size" in raw:
         return raw
-    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text,
+    tie = {"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {}
+    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text, **tie,
             "architectures": raw.get("architectures") or text.get("architectures") or ()}
+
+
+def _vision(raw: Mapping[str, Any]) -> VisionConfig | None:
+    """The vision tower of a multimodal config (its vision_config, the token ids beside it); None without one."""
+    vision = raw.get("vision_config")
+    if not isinstance(vision, Mapping):
+        return None
+    theta = (vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 10000.0))
+    return VisionConfig(
+        depth=int(vision.get("depth", 27)), hidden_size=int(vision.get("hidden_size", 1152)),
+        intermediate_size=int(vision.get("intermediate_size", 4304)), num_heads=int(vision.get("num_heads", 16)),
+        hidden_act=str(vision.get("hidden_act", "gelu_pytorch_tanh")), in_channels=int(vision.get("in_channels", 3)),
+        patch_size=int(vision.get("patch_size", 16)), temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+        spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+        out_hidden_size=int(vision.get("out_hidden_size", 3584)),
+        num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+        deepstack_visual_indexes=tuple(int(i) for i in vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        rope_theta=float(theta),
+        image_token_id=int(raw.get("image_token_id", 151655)), video_token_id=int(raw.get("video_token_id", 151656)),
+        vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+        vision_end_token_id=int(raw.get("vision_end_token_id", 151653)))
+
+
+def _mrope(raw: Mapping[str, Any]) -> tuple[tuple[int, ...] | None, bool]:
+    """(mrope_section, mrope_interleaved) from rope_parameters (or a legacy rope_scaling); (None, False) without."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    section = params.get("mrope_section")
+    if section is None:
+        return None, False
+    return tuple(int(s) for s in section), bool(params.get("mrope_interleaved", False))
 
 
 def _mla(raw: Mapping[str, Any]) -> MLAConfig | None:
@@ -354,6 +431,7 @@ def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
 
 def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     """Parse a config.json dict; raises ValueError naming the missing key."""
+    vision = _vision(raw)
     raw = _text_config(raw)
     required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
     if "moe_intermediate_size" not in raw:  # (an all-MoE model may have no dense MLP size: Qwen3.5)
@@ -365,6 +443,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
     theta, scaling = _rope(raw)
+    mrope_section, mrope_interleaved = _mrope(raw)
     return HFModelConfig(
         architectures=tuple(raw.get("architectures") or ()),
         model_type=str(raw.get("model_type", "")),
@@ -395,6 +474,9 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         linear_attention=_linear_attention(raw),
         partial_rotary_factor=float((raw.get("rope_parameters") or {}).get(
             "partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+        mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved,
+        vision=vision,
     )
 
 

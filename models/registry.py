@@ -11,6 +11,7 @@ from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
 from flotilla.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from flotilla.models.qwen3_moe import Qwen3MoeForCausalLM
+from flotilla.models.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Kimi-K2's config.json names this architecture too (its own sizes; n_group = topk_group = 1).
@@ -26,6 +27,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     # the released Qwen3.5 checkpoints: its language model (the vision tower is not loaded)
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
 }
 
 

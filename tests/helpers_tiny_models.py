@@ -131,9 +131,11 @@ class PagedRunner:
             random.Random(seed).shuffle(self.free_slots)
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def step(self, batch: list[tuple[int, list[int]]], positions: torch.Tensor | None = None,
+             **model_kwargs: Any) -> list[torch.Tensor]:
         """Run one step over (seq_id, new token ids) pairs; returns float32 logits [n_new, vocab] per
-        pair, in order. New sequence ids start from an empty cache."""
+        pair, in order. New sequence ids start from an empty cache. positions: the tokens' RoPE positions
+        (default: each token's index in its sequence); model_kwargs go to the model's forward as they are."""
         cached, new, tables = [], [], []
         for seq_id, token_ids in batch:
             blocks = self.blocks.setdefault(seq_id, [])
@@ -153,8 +155,9 @@ class PagedRunner:
                     self.model.reset_state(torch.tensor([slot], device=device))
             meta.state_slots = torch.tensor([self.state_slots[seq_id] for seq_id, _ in batch], device=device)
         input_ids = torch.tensor([t for _, ids in batch for t in ids], dtype=torch.int64, device=device)
-        positions = positions_from_lists(cached, new, device=device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if positions is None:
+            positions = positions_from_lists(cached, new, device=device)
+        hidden = self.model(input_ids, positions.to(device), self.kv_caches, meta, **model_kwargs)
         logits = self.model.compute_logits(hidden).cpu()
         for seq_id, token_ids in batch:
             self.num_cached[seq_id] += len(token_ids)
