@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import io
 import sys
 import threading
 import time
@@ -24,7 +25,8 @@ from tqdm.auto import tqdm
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.server.engine_client import EngineClient
-from flotilla.transport.messages import GenerateRequest
+from flotilla.server.media import decode_data_url
+from flotilla.transport.messages import GenerateRequest, ImageData
 
 STOP_TIMEOUT_S = 60.0
 """Longest wait for the engine's actors to stop in shutdown(), seconds (each has its own grace period first)."""
@@ -67,6 +69,37 @@ class RequestOutput:
     """Set with prompt_logprobs (the prompt as the engine saw it)."""
     prompt_logprobs: list[Logprob | None] | None = None
     """SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and top alternatives."""
+
+
+def chat_images(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """A conversation's messages with each image part (an OpenAI image_url with a data URL, or {"type": "image",
+    "image": PIL image or file bytes}) as the template's {"type": "image"}, and the images' bytes in order."""
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list) or not any(p.get("type") in ("image_url", "image") for p in content):
+            out.append(msg)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if part.get("type") not in ("image_url", "image"):
+                parts.append(part)
+                continue
+            param = f"messages[{i}].content[{j}]"
+            value = part.get("image_url") or part.get("image")
+            url = value.get("url") if isinstance(value, dict) else value
+            if isinstance(url, str):
+                data = decode_data_url(url, param, 2**31)
+            elif isinstance(url, bytes):
+                data = url
+            else:  # a PIL image
+                buf = io.BytesIO()
+                url.save(buf, "PNG")
+                data = buf.getvalue()
+            images.append(ImageData(data=data, param=param))
+            parts.append({"type": "image"})
+        out.append({**msg, "content": parts})
+    return {"messages": out, "images": images}
 
 
 class LLM:
@@ -123,8 +156,9 @@ class LLM:
         are more variables for the model's chat template (e.g. Qwen3's enable_thinking)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         reqs = [GenerateRequest(rid=self.client.new_rid("chat"), sampling=self._params(sampling_params, i),
-                                messages=conv, tools=tools, add_generation_prompt=add_generation_prompt,
-                                chat_template_kwargs=chat_template_kwargs, arrival_time=time.time())
+                                tools=tools, add_generation_prompt=add_generation_prompt,
+                                chat_template_kwargs=chat_template_kwargs, arrival_time=time.time(),
+                                **chat_images(conv))
                 for i, conv in enumerate(convs)]
         return self._run_all(reqs, [None] * len(reqs), use_tqdm)
 

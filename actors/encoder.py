@@ -68,10 +68,10 @@ class ImageEncoder:
         self.cache_tokens = cache_tokens
         self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._cached_tokens = 0
-        cfg = model.config
-        self.spatial_merge_size = int(cfg.vision_config["spatial_merge_size"])
-        self.image_token_id = int(cfg.image_token_id)
-        self.vision_start_token_id = int(cfg.vision_start_token_id)
+        vision = model.config.vision
+        self.spatial_merge_size = vision.spatial_merge_size
+        self.image_token_id = vision.image_token_id
+        self.vision_start_token_id = vision.vision_start_token_id
 
     def sequence(self, token_ids: np.ndarray, num_prompt_tokens: int, items: list[ImageItem]) -> SeqImages:
         """A new sequence's image state: its prompt's rotary positions and rope delta."""

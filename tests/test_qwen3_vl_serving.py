@@ -1,0 +1,225 @@
+"""Qwen3-VL served: images as base64 PNGs through the real openai client against `flotilla serve` on a tiny random
+checkpoint, each answer equal to transformers' greedy generate on the same pixels; prefill chunks that cut through
+images; prefix caching that tells images apart; bad images refused with a 400 naming the part, the server serving on."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from helpers_engine import CORPUS, SPECIALS
+from helpers_optional import require
+from helpers_server import start_server
+from helpers_vl import IMAGE, TEXT_VOCAB, hf_inputs, load_hf_vl_model, write_tiny_qwen3_vl_model
+from PIL import Image
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoImageProcessor, PreTrainedTokenizerFast
+
+openai = require("openai", "the tests talk to the server through the real client")
+
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
+                "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                "size": {"longest_edge": 128 * 128, "shortest_edge": 32 * 32}}
+TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VL_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 300 .. 303
+MAX_TOKENS = 12
+
+
+def write_vl_tokenizer(d: Path) -> None:
+    """A byte-level BPE whose vision tokens sit at the tiny checkpoint's ids (300 ...), fillers before them."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TEXT_VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(tok.get_vocab_size(), TEXT_VOCAB)] + VL_TOKENS)
+    assert tok.token_to_id("<|image_pad|>") == IMAGE
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": TEMPLATE, "model_max_length": 256}))
+    (d / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def image_part(data: bytes, media: str = "image/png") -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{base64.b64encode(data).decode()}"}}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    d = write_tiny_qwen3_vl_model(tmp_path_factory.mktemp("qwen3vl") / "m", moe=False)
+    write_vl_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """(messages -> the text transformers' greedy generate answers) on the served checkpoint and template."""
+    hf = load_hf_vl_model(folder)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+
+    def answer(messages: list[dict], images: list[bytes]) -> tuple[str, list[int]]:
+        """The greedy answer's text and the prompt's token ids (each image's placeholders expanded)."""
+        parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
+                 if isinstance(m["content"], list) else m["content"] for m in messages]
+        text = tok.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        grids: list[tuple[int, int, int]] = []
+        pixels = None
+        if images:
+            batch = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+            grids = [tuple(g) for g in batch["image_grid_thw"].tolist()]
+            pixels = batch["pixel_values"]
+            expanded, it = [], iter(grids)
+            for t in ids:
+                expanded.extend([IMAGE] * (int(np.prod(next(it))) // 4) if t == IMAGE else [t])
+            ids = expanded
+        with torch.inference_mode():
+            out = hf.generate(**hf_inputs(ids, pixels, grids), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                              do_sample=False)
+        return tok.decode(out[0, len(ids):], skip_special_tokens=True), ids
+
+    return answer
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    # prefill chunks of 16 tokens with blocks of 4: the images' placeholder runs are cut across chunks and blocks
+    srv = start_server(str(folder), "--max-num-batched-tokens", "16", "--block-size", "4", "--kv-cache-blocks", "256",
+                       "--limit-mm-per-prompt", '{"image": 3}', "--max-model-len", "256", timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, messages: list[dict], stream: bool = False):
+    kw = dict(model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    if not stream:
+        return client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+
+
+CAT, DOG, WIDE = png(64, 48, 1), png(40, 90, 2), png(120, 32, 3)
+
+
+def test_images_stream_what_transformers_generates_from_their_pixels(client, reference):
+    cases = [
+        [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(CAT)]}],
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"}, image_part(WIDE),
+                                      {"type": "text", "text": "compare them"}]}],
+    ]
+    for messages, images in zip(cases, ([CAT], [DOG, WIDE]), strict=True):
+        want, ids = reference(messages, images)
+        text, usage = ask(client, messages, stream=True)
+        assert text == want
+        assert usage.prompt_tokens == len(ids) and usage.completion_tokens == MAX_TOKENS
+        assert ask(client, messages).choices[0].message.content == want
+
+
+def test_the_same_text_with_another_image_never_hits_the_prefix_cache_and_the_same_image_does(client, reference):
+    text = [{"type": "text", "text": "The quick brown fox jumps over the lazy dog. Describe:"}]
+    first = [{"role": "user", "content": text + [image_part(CAT)]}]
+    other = [{"role": "user", "content": text + [image_part(DOG)]}]
+    a, b = ask(client, first), ask(client, other)
+    assert a.choices[0].message.content == reference(first, [CAT])[0]
+    assert b.choices[0].message.content == reference(other, [DOG])[0]
+    # the text before the image may be shared; nothing from the image on is
+    before_image = reference(first, [CAT])[1].index(IMAGE)
+    assert b.usage.prompt_tokens_details.cached_tokens <= before_image
+    again = ask(client, first)
+    assert again.choices[0].message.content == a.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > before_image  # the image's blocks too
+
+
+BAD_PARTS = {
+    "not an image": image_part(b"plain text, not an image"),
+    "empty": image_part(b""),
+    "truncated": image_part(png(64, 64, 4)[:150]),
+    "bad base64": {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@not-base64@@"}},
+    "not an image type": image_part(png(32, 32, 5), media="text/plain"),
+    "http URL of a host not allowed": {"type": "image_url", "image_url": {"url": "http://169.254.169.254/x.png"}},
+    "file URL": {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+    "no image_url": {"type": "image_url"},
+    "aspect beyond 200:1": image_part(png(402, 2, 6)),
+    "unknown media part": {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_PARTS))
+def test_a_bad_image_is_a_400_naming_its_part_and_the_server_serves_on(server, client, reference, kind):
+    body = {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, image_part(CAT), BAD_PARTS[kind]]}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith("messages[0].content[2]") and error["type"] == "invalid_request_error", error
+    good = [{"role": "user", "content": [image_part(CAT)]}]
+    assert ask(client, good).choices[0].message.content == reference(good, [CAT])[0]
+
+
+def test_more_images_than_the_limit_are_refused(server):
+    parts = [image_part(png(32, 32, 10 + i)) for i in range(4)]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[3]", r.text
+    assert "at most 3 images" in r.json()["error"]["message"]
+
+
+def test_the_offline_llm_takes_images_as_data_urls_pil_images_or_bytes(folder, reference):
+    from flotilla import LLM, SamplingParams
+
+    conversations = [
+        [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(CAT)]}],
+        [{"role": "user", "content": [{"type": "image", "image": Image.open(io.BytesIO(DOG))},
+                                      {"type": "text", "text": "and"}, {"type": "image", "image": WIDE}]}],
+    ]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16) as llm:
+        outs = llm.chat(conversations, params, use_tqdm=False)
+    as_served = [conversations[0], [{"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"},
+                                                                 image_part(WIDE)]}]]
+    for out, messages, images in zip(outs, as_served, ([CAT], [DOG, WIDE]), strict=True):
+        assert out.outputs[0].text == reference(messages, images)[0]
+
+
+@pytest.mark.gpu
+def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, reference):
+    """Decode steps replayed from CUDA graphs carry each sequence's rope delta (fp32, so tokens match exactly)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    srv = start_server(str(folder), "--device", "cuda", "--dtype", "float32", "--block-size", "16",
+                       "--kv-cache-blocks", "64", "--max-model-len", "256", timeout=600)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for messages, images in (([{"role": "user", "content": [image_part(CAT)]}], [CAT]),
+                                 ([{"role": "user", "content": [image_part(DOG), image_part(WIDE)]}], [DOG, WIDE])):
+            assert ask(client, messages).choices[0].message.content == reference(messages, images)[0]
+    finally:
+        srv.stop()
