@@ -112,13 +112,16 @@ BAD: list[tuple[str, str, object]] = [
     ("prompt too long", CMPL, cmpl(prompt="hello " * 9000)),
     # what this server does not do
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True})),
-    ("logit_bias", CMPL, cmpl(logit_bias={"1": 5})),
-    ("echo", CMPL, cmpl(echo=True)),
+    ("logit_bias key not a token id", CMPL, cmpl(logit_bias={"abc": 5})),
+    ("logit_bias value beyond 100", CMPL, cmpl(logit_bias={"1": 500})),
+    ("echo in chat", CHAT, chat(echo=True)),
     ("suffix", CMPL, cmpl(suffix="x")),
     ("best_of other than n", CMPL, cmpl(best_of=3)),
     ("functions", CHAT, chat(functions=[{"name": "f"}])),
-    ("image content", CHAT, {"model": MODEL, "messages": [
+    ("image URL of a host not allowed", CHAT, {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+    ("image for a model without images", CHAT, {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}]}]}),
     ("unknown model", CHAT, chat(model="gpt-9")),
     ("body too large", CMPL, b'{"prompt": "' + b"x" * (5 * 2**20) + b'"}'),
 ]
