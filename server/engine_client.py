@@ -451,6 +451,16 @@ class EngineClient:
             return
 
 
+def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_model_len: int | str) -> str:
+    """What the ready line of `serve` and of the offline LLM says about the engine: the model, the KV cache's
+    capacity, where it runs and which kernels were chosen (from the first worker's ready detail)."""
+    w = ready_detail.get("worker/0", {})
+    return (f"model={model_name} kv_capacity={w.get('kv_tokens', '?')} tokens ({w.get('kv_blocks', '?')} blocks of "
+            f"{w.get('block_size', '?')}) max_model_len={max_model_len} device={w.get('device', '?')} "
+            f"dtype={w.get('dtype', '?')} kv_dtype={w.get('kv_dtype', '?')} "
+            f"kernels=attention:{w.get('attention', '?')},sampler:torch")
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a seeded request with n > 1: the request's own for the first choice (n = 1 and
     n > 1 begin alike), a splitmix64 mix of (seed, index) for the others, so that no two seeds share a choice's
