@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from flotilla.config import EngineConfig
 from flotilla.models.default_model import default_model_dir
+from flotilla.models.hf_config import load_max_model_len
 
 
 def model_dir(config: EngineConfig) -> Path:
@@ -54,11 +55,9 @@ def _generic_fast_tokenizer(path: Path) -> bool:
 
 
 def max_model_len_of(config: EngineConfig, path: Path) -> int:
-    """max_model_len from the engine options, else the model's max_position_embeddings."""
-    if config.model.max_model_len is not None:
-        return config.model.max_model_len
-    hf = json.loads((path / "config.json").read_text())
-    return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
+    """max_model_len from the engine options, else the model's (derived as vLLM does, rope scaling included); one
+    longer than the model allows is a ValueError."""
+    return load_max_model_len(config.model.max_model_len, path)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list[int]:

@@ -12,7 +12,7 @@ from flotilla.scripts.dev import bench_offline
 from flotilla.scripts.dev import bench_workload as wl
 from flotilla.server.engine_client import RequestFailed
 
-from helpers_engine import write_tiny_engine_model
+from helpers_engine import set_max_positions, write_tiny_engine_model
 
 
 def test_a_config_only_folder_runs_with_dummy_weights_and_no_tokenizer(tmp_path):
@@ -51,8 +51,8 @@ def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
     prompts, outputs = bench_offline.nano_workload(6, 4, 20, seed=0, vocab=300)
     assert result["nano_workload_seqs"] == 6 and result["nano_output_tokens"] == sum(outputs)
     assert result["nano_prompt_tokens"] == sum(map(len, prompts))
-    seconds, rate = result["nano_workload_s"], result["nano_workload_out_tok_per_s"]  # seconds rounded to 10 ms
-    assert sum(outputs) / (seconds + 0.006) <= rate <= sum(outputs) / max(seconds - 0.006, 1e-3)
+    seconds, rate = result["nano_workload_s"], result["nano_workload_out_tok_per_s"]  # rounded to 10 ms, 0.1 tok/s
+    assert sum(outputs) / (seconds + 0.006) - 0.06 <= rate <= sum(outputs) / max(seconds - 0.006, 1e-3) + 0.06
     assert result["b1_decode_ms_per_token"] == pytest.approx(1000 / result["b1_decode_tok_per_s"], rel=0.01)
     assert result["device"] == "cpu"
     assert result["parallel"] == {"tp": 1, "dp": 1, "ep": 1} and result["cuda_graphs"] == "off"
@@ -123,19 +123,17 @@ def test_the_long_context_workloads_are_long_ctx_pys():
 def test_the_long_context_workloads_run_at_toy_size(tmp_path):
     """--workload long: long16, long1 and mixed on an engine without prefix caching, prefix on one with it (its
     requests find the shared prefix's full blocks cached), lengths divided by 100."""
-    model = write_tiny_engine_model(tmp_path / "tiny")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))  # 320-token prompts
+    model = set_max_positions(write_tiny_engine_model(tmp_path / "tiny"), 1024)  # 320-token prompts
     out = tmp_path / "long.json"
     assert bench_offline.main(["--model", str(model), "--workload", "long", "--length-divisor", "100", "--vocab", "300",
                                "--kv-cache-blocks", "2048", "--block-size", "16", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     for name, w in (("long16", wl.long16_workload(100, 300)), ("mixed", wl.long_mixed_workload(100, 300)),
                     ("prefix", wl.prefix_workload(100, 300)[1])):
-        seconds, rate = r[f"{name}_s"], r[f"{name}_out_tok_per_s"]  # seconds rounded to 10 ms
-        assert w.output_tokens / (seconds + 0.006) <= rate <= w.output_tokens / max(seconds - 0.006, 1e-3), name
-        assert r[f"{name}_total_tok_per_s"] == pytest.approx(rate * (w.input_tokens + w.output_tokens)
-                                                             / w.output_tokens, rel=0.01)
+        seconds, rate = r[f"{name}_s"], r[f"{name}_out_tok_per_s"]  # rounded to 10 ms, 0.1 tok/s
+        assert w.output_tokens / (seconds + 0.006) - 0.06 <= rate <= w.output_tokens / max(seconds - 0.006, 1e-3) + 0.06
+        ratio = (w.input_tokens + w.output_tokens) / w.output_tokens  # total against output tokens
+        assert r[f"{name}_total_tok_per_s"] == pytest.approx(rate * ratio, rel=0.01, abs=0.06 * ratio + 0.06)
     assert r["long1_prompt_tokens"] == 320 and r["long1_prefill_s"] > 0
     assert isinstance(r["long1_decode_ms_per_token"], float)
     assert r["prefix_cached_tokens"] == 128 * 48  # the 60-token prefix's three full blocks of 16, every request
