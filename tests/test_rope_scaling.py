@@ -23,7 +23,7 @@ from helpers_tiny_models import (
 
 from flotilla import LLM, SamplingParams
 from flotilla.models.hf_config import derived_max_model_len, load_hf_config, resolve_max_model_len
-from flotilla.scripts.dev.bench_shapes import SHAPES
+from flotilla.scripts.dev.bench_shapes import SHAPES, shape_config
 
 from helpers_engine import write_tiny_tokenizer
 
@@ -119,7 +119,7 @@ def test_the_max_length_is_derived_as_vllm_derives_it(overrides: dict, tokenizer
 
 
 def test_a_longer_max_model_len_than_derived_is_refused_and_a_shorter_one_kept() -> None:
-    yarn = {**QWEN3_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    yarn = shape_config("qwen3-8b-yarn")  # the benchmarks' shape for one 128K-token request
     assert resolve_max_model_len(None, yarn) == 131072 and resolve_max_model_len(131072, yarn) == 131072
     assert resolve_max_model_len(4096, QWEN3_8B) == 4096 and resolve_max_model_len(40960, QWEN3_8B) == 40960
     with pytest.raises(ValueError, match=r"max_model_len 131073 is longer than Qwen3-8B allows: 131072"):
