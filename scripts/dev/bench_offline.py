@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each workload this many times on the same engine and report the median run and all "
-                        "runs (with prefix caching on, later nano runs find their prompts cached)")
+                        "runs (with prefix caching on, later nano and prefix runs find their prompts cached)")
     p.add_argument("--placement", choices=["inline", "process"], default=None,
                    help="engine actors in this process (inline) or one process each; default: LLM's (process on a "
                         "GPU, inline on CPU)")
