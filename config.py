@@ -30,7 +30,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     dtype: str = "auto"
     """Weights and activations: auto (the checkpoint's dtype), float32, bfloat16, float16."""
     max_model_len: int | None = None
-    """Longest prompt + output, in tokens; default: the model's max_position_embeddings."""
+    """Longest prompt + output, in tokens; default: the model's, derived as vLLM does (max_position_embeddings, or
+    YaRN's original_max_position_embeddings x factor; a longer one is refused)."""
     served_model_name: str | None = None
     """Name clients use in the `model` field; default: the folder name."""
     seed: int = 0

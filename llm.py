@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import io
+import logging
 import sys
 import threading
 import time
@@ -24,9 +25,11 @@ from tqdm.auto import tqdm
 
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.server.engine_client import EngineClient
+from flotilla.server.engine_client import EngineClient, ready_summary
 from flotilla.server.media import decode_data_url
 from flotilla.transport.messages import GenerateRequest, ImageData
+
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0
 """Longest wait for the engine's actors to stop in shutdown(), seconds (each has its own grace period first)."""
@@ -115,6 +118,7 @@ class LLM:
         spreads it over cores instead of sharing one interpreter lock."""
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
+        _show_info_logs()
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
         if placement is None:
             parallel = self.config.parallel
@@ -134,6 +138,10 @@ class LLM:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
         self._closed = False
+        detail = self.client.ready_detail
+        name = self.config.model.served_model_name or detail.get("worker/0", {}).get("model", "?")
+        log.info("flotilla ready: offline LLM %s placement=%s",
+                 ready_summary(detail, name, detail.get("tokenizer/0", {}).get("max_model_len", "?")), placement)
         # A script that never calls shutdown() stops the engine when the interpreter exits, before concurrent.futures
         # refuses new work (its exit hook runs first among threading's, before atexit's: the worker's steps would
         # fail and the stop would hang). threading._register_atexit is how concurrent.futures registers that hook.
@@ -251,6 +259,19 @@ class LLM:
                 out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         out.text = "".join(text)
         return out, (*usage, scored)
+
+
+def _show_info_logs() -> None:
+    """Print flotilla's INFO lines (the ready line among them) on stderr, as vLLM's offline LLM does, when the
+    application configured no logging; an application that did keeps its own handlers and levels."""
+    logger = logging.getLogger("flotilla")
+    if logger.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _shutdown_at_exit(ref: weakref.ref[LLM]) -> None:

@@ -37,6 +37,7 @@ from flotilla.kernels import jit_log
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
+from flotilla.models.hf_config import load_max_model_len
 from flotilla.models.loader import LoadedModel, load_model
 from flotilla.models.model_folder import eos_token_ids, load_tokenizer, model_dir
 from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group
@@ -188,7 +189,7 @@ class ModelRunner:
         settle = getattr(self.model, "settle_kv_layout", None)  # a model whose kernels need their own page size
         self.block_size = (settle(config.cache.block_size, config.cache.kv_cache_dtype) if settle is not None
                            else config.cache.block_size or DEFAULT_BLOCK_SIZE)  # fmt: skip
-        self.max_model_len = config.model.max_model_len or self.hf_config.max_position_embeddings
+        self.max_model_len = load_max_model_len(config.model.max_model_len, self.loaded.model_dir)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.model.seed)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype,

@@ -104,7 +104,8 @@ class GPUWorkerActor(Actor):
                                                          num_state_snapshots=r.num_state_snapshots),
                         instance=self.dp_rank)
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
-                "kv_tokens": str(r.capacity_tokens), "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
+                "kv_tokens": str(r.capacity_tokens), "kv_blocks": str(r.num_blocks), "block_size": str(r.block_size),
+                "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
                 "state_slots": str(r.num_state_slots),
                 "attention": r.model.attention_backend_name,
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),

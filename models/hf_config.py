@@ -217,6 +217,9 @@ class HFModelConfig:
     """M-RoPE's frequencies cycle t, h, w, t, h, w, ... (Qwen3-VL) rather than lying in three contiguous sections."""
     vision: VisionConfig | None = None
     """The vision tower of a vision-language checkpoint; None for a text-only one."""
+    rope_positions: int = 0
+    """Positions the RoPE table covers: every max_model_len the config allows (derived_max_model_len before a
+    tokenizer's cap, or config.json's model_max_length), at least max_position_embeddings (0: that alone)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -250,7 +253,79 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if kind in (None, "default") and not set(scaling) - {"rope_type"}:
         return theta, None
     scaling["rope_type"] = kind
+    if kind in ("llama3", "yarn", "longrope"):  # transformers' standardize_rope_params: the pre-scaling window
+        if raw.get("original_max_position_embeddings") is not None:  # a top-level one wins (Phi-3)
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        elif raw.get("max_position_embeddings") is not None:
+            scaling.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
     return theta, scaling
+
+
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+"""config.json keys that bound the sequence length, as vLLM reads them (the smallest one given counts)."""
+_PRESCALED_ROPE = ("su", "longrope", "llama3")
+"""Rope scaling kinds whose config already gives the scaled window as max_position_embeddings."""
+DEFAULT_MAX_LEN = 2048
+"""The length of a config.json that gives none of _MAX_LEN_KEYS (vLLM's assumption too)."""
+
+
+def derived_max_model_len(raw: Mapping[str, Any], tokenizer_max_length: float | None = None) -> tuple[int, str]:
+    """The longest sequence a config.json allows and what says so, derived as vLLM does: the smallest of its length
+    keys (its model_max_length instead, when it has one), capped by the tokenizer's model_max_length, then scaled by
+    the rope scaling factor (YaRN: original_max_position_embeddings x factor; llama3 and longrope configs are
+    already scaled, as are Gemma 3's)."""
+    raw = text_config(raw)
+    found = {k: raw[k] for k in _MAX_LEN_KEYS if raw.get(k) is not None}
+    if raw.get("model_max_length") is not None:
+        key, length = "model_max_length", float(raw["model_max_length"])
+    elif found:
+        key = min(found, key=lambda k: found[k])
+        length = float(found[key])
+    else:
+        key, length = "no length key, assumed", float(DEFAULT_MAX_LEN)
+    if tokenizer_max_length is not None and tokenizer_max_length < length:
+        key, length = "tokenizer_config.json's model_max_length", float(tokenizer_max_length)
+    _, scaling = _rope(raw)
+    prescaled = scaling is None or scaling["rope_type"] in _PRESCALED_ROPE or "gemma3" in raw.get("model_type", "")
+    if scaling is not None and not prescaled:
+        factor = float(scaling.get("factor") or 1.0)
+        if scaling["rope_type"] == "yarn":
+            length = float(scaling["original_max_position_embeddings"])
+            key = f"original_max_position_embeddings {length:g}"
+        if factor != 1.0:
+            key = f"{key} x factor {factor:g} ({scaling['rope_type']} rope scaling)"
+        length *= factor
+    return int(length), key
+
+
+def resolve_max_model_len(requested: int | None, raw: Mapping[str, Any], tokenizer_max_length: float | None = None,
+                          name: str = "the model") -> int:
+    """max_model_len as vLLM settles it: the derived length when none is asked for; a longer one than that is refused
+    (RoPE positions past what the model was trained or scaled for give garbage) unless config.json's own
+    model_max_length allows it."""
+    derived, source = derived_max_model_len(raw, tokenizer_max_length)
+    if requested is None:
+        return derived
+    text = text_config(raw)
+    allowed = text.get("model_max_length")
+    if requested > derived and not (allowed is not None and requested <= allowed) \
+            and any(text.get(k) is not None for k in _MAX_LEN_KEYS):
+        raise ValueError(f"max_model_len {requested} is longer than {name} allows: {derived} ({source}). Positions "
+                         "past the window the model's RoPE was trained or scaled for give wrong outputs; lower "
+                         "max_model_len, or give config.json the model's rope_scaling (e.g. YaRN's factor)")
+    return requested
+
+
+def load_max_model_len(requested: int | None, model_dir: str | Path) -> int:
+    """resolve_max_model_len on a model folder: its config.json and, when there, tokenizer_config.json."""
+    path = Path(model_dir)
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    tokenizer_max_length = None
+    if (path / "tokenizer_config.json").is_file():
+        value = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("model_max_length")
+        tokenizer_max_length = float(value) if isinstance(value, int | float) else None
+    return resolve_max_model_len(requested, raw, tokenizer_max_length, name=path.name)
 
 
 def _sliding_window(raw: Mapping[str, Any]) -> int | None:
@@ -326,7 +401,7 @@ def _linear_attention(raw: Mapping[str, Any]) -> LinearAttentionConfig | None:
     return config
 
 
-def _text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+def text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
     """A multimodal checkpoint's config (Qwen3.5's, Qwen3-VL's ForConditionalGeneration) as its language model's:
     the text_config's keys, with the top level's architectures and anything the text_config leaves out. The top
     level's tie_word_embeddings wins: it is the one transformers ties the outer model's lm_head by."""
@@ -432,7 +507,7 @@ def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
 def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     """Parse a config.json dict; raises ValueError naming the missing key."""
     vision = _vision(raw)
-    raw = _text_config(raw)
+    raw = text_config(raw)
     required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
     if "moe_intermediate_size" not in raw:  # (an all-MoE model may have no dense MLP size: Qwen3.5)
         required.insert(2, "intermediate_size")
@@ -444,6 +519,8 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
     eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
     theta, scaling = _rope(raw)
     mrope_section, mrope_interleaved = _mrope(raw)
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    rope_positions = max(max_positions, derived_max_model_len(raw)[0], int(raw.get("model_max_length") or 0))
     return HFModelConfig(
         architectures=tuple(raw.get("architectures") or ()),
         model_type=str(raw.get("model_type", "")),
@@ -457,7 +534,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=_first_id(raw.get("bos_token_id")),
         eos_token_ids=eos_ids,
@@ -477,6 +554,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
         vision=vision,
+        rope_positions=rope_positions,
     )
 
 

@@ -80,7 +80,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: HFModelConfig, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = rotary_dim or config.head_dim
-        self.max_position = config.max_position_embeddings
+        self.max_position = config.rope_positions or config.max_position_embeddings
         self.theta = config.rope_theta
         self.scaling = config.rope_scaling
         self.register_buffer("cos_sin_cache", self._build(None), persistent=False)

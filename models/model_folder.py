@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from flotilla.config import EngineConfig
 from flotilla.models.default_model import default_model_dir
+from flotilla.models.hf_config import load_max_model_len, text_config
 
 
 def model_dir(config: EngineConfig) -> Path:
@@ -74,12 +75,6 @@ IMAGE_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeF
 """The architectures whose vision tower flotilla runs: their chat requests may carry images."""
 
 
-def _text_config(path: Path) -> dict:
-    """config.json's language-model part: the whole file, or its text_config (a multimodal checkpoint's)."""
-    hf = json.loads((path / "config.json").read_text())
-    return {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
-
-
 def takes_images(path: Path) -> bool:
     """Whether the model folder's architecture runs images (its vision tower is loaded and served)."""
     hf = json.loads((path / "config.json").read_text())
@@ -87,11 +82,9 @@ def takes_images(path: Path) -> bool:
 
 
 def max_model_len_of(config: EngineConfig, path: Path) -> int:
-    """max_model_len from the engine options, else the model's max_position_embeddings."""
-    if config.model.max_model_len is not None:
-        return config.model.max_model_len
-    hf = _text_config(path)
-    return int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 2048)
+    """max_model_len from the engine options, else the model's (derived as vLLM does, rope scaling included); one
+    longer than the model allows is a ValueError."""
+    return load_max_model_len(config.model.max_model_len, path)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list[int]:
@@ -108,4 +101,4 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, path: Path) -> list
 
 
 def vocab_size_of(path: Path) -> int:
-    return int(_text_config(path)["vocab_size"])
+    return int(text_config(json.loads((path / "config.json").read_text()))["vocab_size"])

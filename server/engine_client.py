@@ -34,7 +34,7 @@ from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import EngineConfig
-from flotilla.models.hf_config import load_hf_config
+from flotilla.models.hf_config import load_hf_config, load_max_model_len
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
@@ -150,6 +150,9 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
                          "engines (--engines) instead")
     if config.parallel.enable_expert_parallel:
         check_expert_parallel(config)
+    if config.model.max_model_len is not None and config.model.model is not None \
+            and (Path(config.model.model) / "config.json").is_file():
+        load_max_model_len(config.model.max_model_len, config.model.model)  # longer than the model allows: refused now
     dp_ep = config.parallel.expert_parallel_size > 1 and dp > 1
     if tp > 1 and not dp_ep:  # (under DP x TP x EP the TP groups are sub-groups of the EP ranks' world)
         addresses = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(dp)]  # one TP group per DP rank
@@ -449,6 +452,16 @@ class EngineClient:
             for cb in self.on_restarted:
                 cb()
             return
+
+
+def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_model_len: int | str) -> str:
+    """What the ready line of `serve` and of the offline LLM says about the engine: the model, the KV cache's
+    capacity, where it runs and which kernels were chosen (from the first worker's ready detail)."""
+    w = ready_detail.get("worker/0", {})
+    return (f"model={model_name} kv_capacity={w.get('kv_tokens', '?')} tokens ({w.get('kv_blocks', '?')} blocks of "
+            f"{w.get('block_size', '?')}) max_model_len={max_model_len} device={w.get('device', '?')} "
+            f"dtype={w.get('dtype', '?')} kv_dtype={w.get('kv_dtype', '?')} "
+            f"kernels=attention:{w.get('attention', '?')},sampler:torch")
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -38,7 +38,7 @@ from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines
 from flotilla.transport.registry import shared_registry
-from flotilla.server.engine_client import EngineClient
+from flotilla.server.engine_client import EngineClient, ready_summary
 from flotilla.server.fleet import Fleet
 from flotilla.server.media import MediaPolicy
 from flotilla.server.metrics import StatsLine
@@ -145,11 +145,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         while not server.started and not serving.done():
             await asyncio.sleep(0.02)  # uvicorn exposes no started event
         if server.started:
-            worker = client.ready_detail.get("worker/0", {})
-            log.info("flotilla ready: http://%s:%d/v1 model=%s kv_capacity=%s tokens max_model_len=%d device=%s "
-                     "dtype=%s kv_dtype=%s kernels=attention:%s,sampler:torch%s", args.host, args.port,
-                     state.model_name, worker.get("kv_tokens", "?"), state.max_model_len, worker.get("device", "?"),
-                     worker.get("dtype", "?"), worker.get("kv_dtype", "?"), worker.get("attention", "?"),
+            log.info("flotilla ready: http://%s:%d/v1 %s%s", args.host, args.port,
+                     ready_summary(client.ready_detail, state.model_name, state.max_model_len),
                      f" engines={','.join(n for n, _ in engines)}" if engines else "")
         stats_log = asyncio.create_task(_log_stats(state, args.log_stats_interval)) \
             if args.log_stats_interval > 0 else None  # fmt: skip

@@ -46,6 +46,15 @@ def write_tiny_engine_model(model_dir: Path, name: str = "llama", seed: int = 0)
     return model_dir
 
 
+def set_max_positions(model_dir: Path, positions: int) -> Path:
+    """A longer window for a tiny engine model: max_position_embeddings and the tokenizer's model_max_length (which
+    caps max_model_len as in vLLM) both `positions`."""
+    for name, key in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        path = model_dir / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), key: positions}))
+    return model_dir
+
+
 def greedy_on_cuda_switched(model: str, variable: str, monkeypatch) -> dict[str, list[list[int]]]:
     """greedy_on_cuda's tokens with the environment variable `variable` at "0" and at "1" in the worker processes'
     environment (an A/B switch read at import), keyed by its value; asserts both engines ran CUDA graphs."""

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from flotilla import LLM, SamplingParams
 from flotilla.scripts.dev import bench_offline
+from flotilla.scripts.dev import bench_workload as wl
 from flotilla.server.engine_client import RequestFailed
 
-from helpers_engine import write_tiny_engine_model
+from helpers_engine import set_max_positions, write_tiny_engine_model
 
 
 def test_a_config_only_folder_runs_with_dummy_weights_and_no_tokenizer(tmp_path):
@@ -49,8 +51,8 @@ def test_bench_offline_runs_at_toy_size_and_writes_json(tmp_path):
     prompts, outputs = bench_offline.nano_workload(6, 4, 20, seed=0, vocab=300)
     assert result["nano_workload_seqs"] == 6 and result["nano_output_tokens"] == sum(outputs)
     assert result["nano_prompt_tokens"] == sum(map(len, prompts))
-    seconds, rate = result["nano_workload_s"], result["nano_workload_out_tok_per_s"]  # seconds rounded to 10 ms
-    assert sum(outputs) / (seconds + 0.006) <= rate <= sum(outputs) / max(seconds - 0.006, 1e-3)
+    seconds, rate = result["nano_workload_s"], result["nano_workload_out_tok_per_s"]  # rounded to 10 ms, 0.1 tok/s
+    assert sum(outputs) / (seconds + 0.006) - 0.06 <= rate <= sum(outputs) / max(seconds - 0.006, 1e-3) + 0.06
     assert result["b1_decode_ms_per_token"] == pytest.approx(1000 / result["b1_decode_tok_per_s"], rel=0.01)
     assert result["device"] == "cpu"
     assert result["parallel"] == {"tp": 1, "dp": 1, "ep": 1} and result["cuda_graphs"] == "off"
@@ -90,3 +92,67 @@ def test_the_fixed_workload_under_expert_parallelism_reports_per_gpu_rates_and_i
     assert shape_config("deepseek-v3-16l")["num_hidden_layers"] == 16
     assert shape_config("deepseek-v3-16l-mtp")["num_nextn_predict_layers"] == 1
     assert shape_config("deepseek-v3-1l") is None and shape_config("deepseek-v3-x") is None
+
+
+def test_the_long_context_workloads_are_long_ctx_pys():
+    """long_ctx.py's generators call for call (its toks(): n // DIV ids, at least 1, in [0, 100000]), so flotilla's
+    figures compare with what that script measures for vLLM; at divisor 100 the prompts are its LONG_TINY ones."""
+    def toks(rng: random.Random, n: int, div: int) -> list[int]:
+        return [rng.randint(0, 100000) for _ in range(max(1, n // div))]
+
+    rng = random.Random(1)
+    assert wl.long16_workload(100) == wl.Workload([toks(rng, 32000, 100) for _ in range(16)], [2] * 16)
+    assert wl.long16_workload().output_lens == [256] * 16 and len(wl.long16_workload(8).prompts[0]) == 4000
+    rng = random.Random(2)
+    assert wl.long1_workload(100).prompts == [toks(rng, 32000, 100) for _ in range(3)]
+    assert wl.long1_workload().output_lens == [1, 1, 257] and wl.long1_workload(100).output_lens == [1, 1, 3]
+    rng = random.Random(3)
+    prompts = [toks(rng, 16000, 1) for _ in range(32)] + [toks(rng, 200, 1) for _ in range(256)]
+    outs = [128] * 32 + [256] * 256
+    order = list(range(len(prompts)))
+    random.Random(4).shuffle(order)
+    assert wl.long_mixed_workload() == wl.Workload([prompts[i] for i in order], [outs[i] for i in order])
+    rng = random.Random(5)
+    prefix = toks(rng, 6000, 10)
+    warm, w = wl.prefix_workload(10)
+    assert warm == prefix + toks(rng, 10, 10)
+    assert w == wl.Workload([prefix + toks(rng, 100, 10) for _ in range(128)], [6] * 128)
+    assert max(max(p) for p in wl.long16_workload(1000, top_id=299).prompts) <= 299
+
+
+def test_the_long_context_workloads_run_at_toy_size(tmp_path):
+    """--workload long: long16, long1 and mixed on an engine without prefix caching, prefix on one with it (its
+    requests find the shared prefix's full blocks cached), lengths divided by 100."""
+    model = set_max_positions(write_tiny_engine_model(tmp_path / "tiny"), 1024)  # 320-token prompts
+    out = tmp_path / "long.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "long", "--length-divisor", "100", "--vocab", "300",
+                               "--kv-cache-blocks", "2048", "--block-size", "16", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    for name, w in (("long16", wl.long16_workload(100, 300)), ("mixed", wl.long_mixed_workload(100, 300)),
+                    ("prefix", wl.prefix_workload(100, 300)[1])):
+        seconds, rate = r[f"{name}_s"], r[f"{name}_out_tok_per_s"]  # rounded to 10 ms, 0.1 tok/s
+        assert w.output_tokens / (seconds + 0.006) - 0.06 <= rate <= w.output_tokens / max(seconds - 0.006, 1e-3) + 0.06
+        ratio = (w.input_tokens + w.output_tokens) / w.output_tokens  # total against output tokens
+        assert r[f"{name}_total_tok_per_s"] == pytest.approx(rate * ratio, rel=0.01, abs=0.06 * ratio + 0.06)
+    assert r["long1_prompt_tokens"] == 320 and r["long1_prefill_s"] > 0
+    assert isinstance(r["long1_decode_ms_per_token"], float)
+    assert r["prefix_cached_tokens"] == 128 * 48  # the 60-token prefix's three full blocks of 16, every request
+    assert (r["length_divisor"], r["max_model_len"]) == (100, 1024)
+    assert r["device"] == "cpu" and r["kv_tokens"] == 2048 * 16
+
+
+def test_long_context_engines_on_a_shape_get_long_ctx_pys_settings():
+    """On a built-in shape the long-context workloads get long_ctx.py's max_model_len 40,960 (the others the peer's
+    4,096); prefix runs on an engine of its own with prefix caching, the others without."""
+    assert bench_offline.engine_groups("long") == [("long16", "long1", "mixed"), ("prefix",)]
+    assert bench_offline.engine_groups("both") == [("nano", "decode1")]
+    assert bench_offline.engine_groups("prefix") == [("prefix",)]
+    args = bench_offline.build_parser().parse_args(["--model", "qwen3-8b", "--workload", "long"])
+    config = bench_offline.engine_config(args, ("long16", "long1", "mixed"))
+    assert config.model.max_model_len == 40960 and not config.cache.enable_prefix_caching
+    assert config.model.load_format == "dummy" and config.model.dtype == "bfloat16"
+    assert bench_offline.engine_config(args, ("prefix",)).cache.enable_prefix_caching
+    nano = bench_offline.build_parser().parse_args(["--model", "qwen3-8b"])
+    assert bench_offline.engine_config(nano, ("nano",)).model.max_model_len == 4096
+    folder = bench_offline.build_parser().parse_args(["--model", "/some/folder", "--enable-prefix-caching"])
+    assert not bench_offline.engine_config(folder, ("long16",)).cache.enable_prefix_caching

@@ -15,8 +15,10 @@ import httpx
 import pytest
 
 from flotilla.scripts.dev import bench_serving
-from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, latency_stats, meets_slo, summarize
-from flotilla.scripts.dev.bench_workload import arrival_offsets, length_bounds, nano_workload, random_workload
+from flotilla.scripts.dev.bench_metrics import (RequestResult, format_classes, format_report, latency_stats, meets_slo,
+                                               summarize)
+from flotilla.scripts.dev.bench_workload import (Workload, arrival_offsets, length_bounds, mixed_workload,
+                                                nano_workload, random_workload)
 from helpers_engine import write_tiny_engine_model
 from helpers_server import start_server
 
@@ -46,6 +48,34 @@ def test_random_workload_is_deterministic_and_within_bounds():
     assert length_bounds(1, 0.9) == (1, 1)
     with pytest.raises(ValueError):
         length_bounds(10, 1.0)
+
+
+def test_mixed_workload_spreads_its_long_prompts_among_the_short():
+    w = mixed_workload(90, 20, 8, num_long=10, long_input_len=300, long_output_len=4, vocab_size=300, seed=3)
+    assert w == mixed_workload(90, 20, 8, num_long=10, long_input_len=300, long_output_len=4, vocab_size=300, seed=3)
+    assert w != mixed_workload(90, 20, 8, num_long=10, long_input_len=300, long_output_len=4, vocab_size=300, seed=4)
+    long = [i for i, p in enumerate(w.prompts) if len(p) == 300]
+    assert len(long) == 10 and all(w.output_lens[i] == 4 for i in long)
+    assert sorted(len(p) for p in w.prompts) == [20] * 80 + [300] * 10 and w.output_tokens == 80 * 8 + 10 * 4
+    assert long != list(range(10)) and max(long) - min(long) > 30, "the long ones arrive spread out"
+    assert all(0 <= t < 300 for p in w.prompts for t in p)
+    with pytest.raises(ValueError):
+        mixed_workload(5, 20, 8, num_long=6, long_input_len=300, long_output_len=4)
+
+
+def test_a_mixed_rows_long_and_short_requests_are_summarized_apart():
+    args = argparse.Namespace(dataset="mixed", long_input_len=3, slo_ttft_ms=None, slo_tpot_ms=None)
+    workload = Workload([[1] * 3, [1], [1, 1, 1], [1]], [2, 2, 2, 2])
+    results = [synthetic(0.0, [0.5, 0.6], 0.7, tokens=2), synthetic(0.0, [0.1, 0.15], 0.2, tokens=2),
+               synthetic(0.0, [0.7, 0.9], 1.1, tokens=2), synthetic(0.0, [0.3, 0.4], 0.5, tokens=2)]
+    classes = bench_serving.length_classes(args, workload, results, duration=2.0)
+    assert classes["long"]["completed"] == classes["short"]["completed"] == 2
+    long, short = classes["long"], classes["short"]
+    assert long["mean_ttft_ms"] == pytest.approx(600.0) and short["mean_ttft_ms"] == pytest.approx(200.0)
+    assert long["mean_tpot_ms"] == pytest.approx(300.0) and short["p50_tpot_ms"] == pytest.approx(150.0)
+    assert bench_serving.length_classes(argparse.Namespace(dataset="random"), workload, results, 2.0) == {}
+    table = format_classes([{"request_rate": "inf", **classes}])
+    assert table.count("TTFT") == 2 and "short" in table and "long" in table and "600.00" in table
 
 
 def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
@@ -172,15 +202,29 @@ def test_request_timings_percentiles_and_goodput():
 def test_benchmark_against_a_real_server(tmp_path, capsys):
     model = write_tiny_engine_model(tmp_path / "tiny")
     server = start_server(str(model), "--kv-cache-blocks", "256", "--block-size", "4")
-    out = tmp_path / "bench.json"
+    out, mixed = tmp_path / "bench.json", tmp_path / "mixed.json"
     try:
         rc = bench_serving.main(["--base-url", server.url, "--num-prompts", "12", "--input-len", "16",
                                  "--output-len", "8", "--vocab-size", "300", "--request-rate", "inf,20",
                                  "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--request-timeout", "60",
                                  "--json", str(out), "--save-detailed"])
+        table = capsys.readouterr().out
+        # a long/short mix: 3 prompts of 120 tokens among 12, the latencies of each kind apart too
+        mixed_rc = bench_serving.main(["--base-url", server.url, "--dataset", "mixed", "--num-prompts", "12",
+                                       "--long-prompts", "3", "--long-input-len", "120", "--long-output-len", "4",
+                                       "--input-len", "8", "--output-len", "6", "--vocab-size", "300",
+                                       "--request-timeout", "60", "--json", str(mixed)])
+        mixed_table = capsys.readouterr().out
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
-    table = capsys.readouterr().out
+    assert mixed_rc == 0, mixed_table
+    m = json.loads(mixed.read_text())
+    assert m["workload"]["long_prompts"] == 3 and m["workload"]["input_tokens"] == 3 * 120 + 9 * 8
+    row = m["results"][0]
+    assert row["completed"] == 12 and row["total_output_tokens"] == 3 * 4 + 9 * 6
+    assert (row["long"]["completed"], row["short"]["completed"]) == (3, 9)
+    assert row["long"]["total_input_tokens"] == 360 and row["short"]["total_output_tokens"] == 54
+    assert mixed_table.count("TTFT") == 3 and "short" in mixed_table  # all requests, then the short and the long
     print(table)
     assert rc == 0, table
     report = json.loads(out.read_text())

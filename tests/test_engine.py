@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -365,3 +368,25 @@ def test_a_stopped_inline_engine_drops_its_model_and_kv_cache(tiny):
     assert model() is None and cache() is None
     with LLM(tiny, kv_cache_blocks=64, block_size=16, placement="inline") as again:  # and the next one serves
         assert run(again, prompts(2, seed=4), max_tokens=3)
+
+
+def test_the_offline_llm_logs_a_ready_line_with_its_kv_capacity(tiny, caplog):
+    """As `serve` does (the same words after its address): the model, the KV cache in tokens and blocks, the
+    kernels."""
+    with caplog.at_level(logging.INFO, logger="flotilla"):
+        LLM(tiny, kv_cache_blocks=48, block_size=4, served_model_name="tiny-model").shutdown()
+    assert [r.getMessage() for r in caplog.records if r.name == "flotilla.llm"] == [
+        "flotilla ready: offline LLM model=tiny-model kv_capacity=192 tokens (48 blocks of 4) max_model_len=256 "
+        "device=cpu dtype=float32 kv_dtype=float32 kernels=attention:torch,sampler:torch placement=inline"]
+
+
+@pytest.mark.slow
+def test_with_no_logging_configured_the_offline_llm_logs_on_stderr(tiny):
+    """vLLM's offline LLM prints its INFO lines; flotilla's too, unless the application configured logging itself."""
+    script = "import logging, sys\n" \
+             "if sys.argv[1] == 'configured': logging.basicConfig(level=logging.WARNING)\n" \
+             f"from flotilla import LLM\nLLM({tiny!r}, kv_cache_blocks=16, block_size=4).shutdown()\n"
+    for how, shown in (("bare", True), ("configured", False)):
+        run = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert ("flotilla ready: offline LLM model=llama kv_capacity=64 tokens" in run.stderr) is shown, run.stderr

@@ -9,7 +9,6 @@ node b's decode engine twice (restarted once, then node b exits).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ import pytest
 from flotilla.scripts.launch import load_deployment, serve_argv
 from flotilla.transport.endpoints import free_tcp_port
 from flotilla.transport.registry import RedisRegistry
-from helpers_engine import write_tiny_engine_model
+from helpers_engine import set_max_positions, write_tiny_engine_model
 from helpers_optional import require
 from helpers_server import start_server, start_servers
 
@@ -44,10 +43,7 @@ def redis_url():
 def model(tmp_path_factory):
     """The tiny model with 2,048 positions (its 256 would end a stream at its RoPE table): streams that are killed
     mid-way must outlast the kill on a fast machine (a 150-token one can end before it)."""
-    path = write_tiny_engine_model(tmp_path_factory.mktemp("pd-nodes") / "m")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
-    return path
+    return set_max_positions(write_tiny_engine_model(tmp_path_factory.mktemp("pd-nodes") / "m"), 2048)
 
 
 def test_the_shipped_two_node_deployment_names_its_node_and_engine_host():

@@ -178,3 +178,12 @@ def format_report(rows: Sequence[dict[str, Any]]) -> str:
         for error, count in r["errors"].items():
             lines.append(f"rate {_rate(r)}: {count} x {error}")
     return "\n".join(lines)
+
+
+def format_classes(rows: Sequence[dict[str, Any]]) -> str:
+    """TTFT and TPOT of the short and the long requests apart (the rows of a long/short mix), ms."""
+    stats = ("mean", *(f"p{q}" for q in PERCENTILES))
+    return format_table(
+        ["rate req/s", "requests", "completed", "latency ms", *stats],
+        [[_rate(r), name, r[name]["completed"], metric.upper(), *(r[name][f"{stat}_{metric}_ms"] for stat in stats)]
+         for r in rows for name in ("short", "long") if name in r for metric in ("ttft", "tpot")])

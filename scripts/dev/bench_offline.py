@@ -5,6 +5,17 @@
            temperature 0.6, ignore_eos. Smaller --min-len/--max-len/--num-requests for toy runs.
   decode1: one request, 128 random prompt tokens, 256 output tokens, greedy: per-token latency at batch 1
            (timed on the second of two identical runs, as the peer does).
+  fixed:   --num-requests x --fixed-in / --fixed-out, the decode's own rate and per-GPU figures (wide EP).
+  long contexts, ../shared/gpu/vllm-peer/long_ctx.py's workloads with its seeded generators (greedy, ignore_eos;
+  `long` runs all four; built-in shapes get its max_model_len 40,960):
+  long16:  16 prompts of 32,000 tokens, 256 out each, all at once, prefix caching off.
+  long1:   one 32,000-token prompt: prefill time (max_tokens 1, the faster of two runs) and decode ms per token
+           (a 257-token run against it), each run another prompt, prefix caching off.
+  mixed:   32 prompts of 16,000 tokens (128 out) among 256 of 200 (256 out), shuffled, all at once, prefix caching
+           off.
+  prefix:  128 requests of a shared 6,000-token prefix + 100 own tokens, 64 out each, prefix caching on (on an
+           engine of its own), the prefix cached once first.
+  --length-divisor N divides their prompt and output lengths, for toy runs.
 
 Models: an HF folder, the embedded default model (no --model), or a built-in real shape with random
 weights built on the device (`--model qwen3-8b`, `qwen3-0.6b`, `qwen3-30b-a3b`, `deepseek-v3-4l`: the vLLM peer's
@@ -12,6 +23,7 @@ configs, load_format=dummy, no tokenizer).
 
     python -m flotilla.scripts.dev.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
     python -m flotilla.scripts.dev.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
+    python -m flotilla.scripts.dev.bench_offline --model qwen3-8b --workload long --gpu-memory-utilization 0.85
 """
 
 from __future__ import annotations
@@ -28,8 +40,17 @@ from typing import Any
 from flotilla.config import EngineConfig
 from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
+from flotilla.scripts.dev import bench_workload as wl
 from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 from flotilla.server.cli import HelpFormatter, add_engine_arguments, engine_config_from_args
+
+LONG_MAX_MODEL_LEN = 40960
+"""long_ctx.py's max_model_len (Qwen3-8B's max_position_embeddings), for the long-context workloads on a shape."""
+WORKLOADS = {"both": ("nano", "decode1"), "long": ("long16", "long1", "mixed", "prefix")}
+"""--workload names that stand for several workloads, run in this order."""
+PREFIX_CACHED = ("prefix",)
+"""Workloads that run with prefix caching on, on an engine of their own; the long-context others force it off."""
+
 
 def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
                   vocab: int = 10000) -> tuple[list[list[int]], list[int]]:
@@ -40,19 +61,20 @@ def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
     return prompts, outputs
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int]:
+    """(seconds, tokens generated, prompt tokens the prefix cache served) of one generate() call."""
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == sum(p.max_tokens for p in params), "ignore_eos must make every output its full length"
-    return elapsed, generated
+    return elapsed, generated, sum(o.num_cached_tokens for o in outs)
 
 
 def run_nano(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     prompts, outputs = nano_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed, args.vocab)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outputs]
-    elapsed, generated = timed_generate(llm, prompts, params)
+    elapsed, generated, _ = timed_generate(llm, prompts, params)
     prompt_tokens = sum(map(len, prompts))
     return {"nano_workload_seqs": len(prompts), "nano_prompt_tokens": prompt_tokens, "nano_output_tokens": generated,
             "nano_workload_s": round(elapsed, 2), "nano_workload_out_tok_per_s": round(generated / elapsed, 1),
@@ -64,7 +86,7 @@ def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     prompt = [random.randint(0, args.vocab) for _ in range(args.decode_in)]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_out)]
     timed_generate(llm, [prompt], params)  # the first run warms up (and fills the prefix cache, if on)
-    elapsed, generated = timed_generate(llm, [prompt], params)
+    elapsed, generated, _ = timed_generate(llm, [prompt], params)
     return {"b1_decode_tok_per_s": round(generated / elapsed, 1), "b1_decode_ms_per_token": round(1000 * elapsed / generated, 3)}
 
 
@@ -81,10 +103,10 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     # a first batch of the same shape warms every rank (its first step's costs would otherwise land on the prefill's
     # share, which can then come out longer than the whole run)
     timed_generate(llm, warm, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2)] * len(warm))
-    prefill_s, _ = timed_generate(llm, others, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
+    prefill_s, _, _ = timed_generate(llm, others, [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)]
                                   * len(others))  # fmt: skip
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.fixed_out)] * len(prompts)
-    elapsed, generated = timed_generate(llm, prompts, params)
+    elapsed, generated, _ = timed_generate(llm, prompts, params)
     gpus = llm.config.parallel.tensor_parallel_size * llm.config.parallel.data_parallel_size
     if elapsed <= prefill_s:  # noise larger than the decode's share: no rate rather than an absurd one
         print(f"warning: the full run ({elapsed:.4f} s) took no longer than the prefill-only run ({prefill_s:.4f} s);"
@@ -96,6 +118,52 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
               "fixed_decode_tok_per_s": decode_tok_per_s and round(decode_tok_per_s, 1),
               "fixed_decode_tok_per_s_per_gpu": decode_tok_per_s and round(decode_tok_per_s / gpus, 1)}
     return {**result, **expert_imbalance(llm)}
+
+
+def _greedy(outputs: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in outputs]
+
+
+def _rates(name: str, w: wl.Workload, elapsed: float) -> dict[str, Any]:
+    return {f"{name}_s": round(elapsed, 2), f"{name}_out_tok_per_s": round(w.output_tokens / elapsed, 1),
+            f"{name}_total_tok_per_s": round((w.input_tokens + w.output_tokens) / elapsed, 1)}
+
+
+def run_long16(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    w = wl.long16_workload(args.length_divisor, args.long_top_id)
+    elapsed, _, _ = timed_generate(llm, w.prompts, _greedy(w.output_lens))
+    return _rates("long16", w, elapsed)
+
+
+def run_long1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill: the faster of two one-token runs; decode: what the longer run takes beyond it, per step."""
+    w = wl.long1_workload(args.length_divisor, args.long_top_id)
+    (first, second, full), steps = w.prompts, w.output_lens[2] - 1
+    prefill_s = min(timed_generate(llm, [p], _greedy([1]))[0] for p in (first, second))
+    elapsed, _, _ = timed_generate(llm, [full], _greedy([w.output_lens[2]]))
+    return {"long1_prompt_tokens": len(full), "long1_prefill_s": round(prefill_s, 3),
+            "long1_decode_ms_per_token": round(1000 * (elapsed - prefill_s) / steps, 3)}
+
+
+def run_mixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    w = wl.long_mixed_workload(args.length_divisor, args.long_top_id)
+    elapsed, _, _ = timed_generate(llm, w.prompts, _greedy(w.output_lens))
+    return _rates("mixed", w, elapsed)
+
+
+def run_prefix(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    warm, w = wl.prefix_workload(args.length_divisor, args.long_top_id)
+    timed_generate(llm, [warm], _greedy([1]))  # caches the shared prefix
+    elapsed, _, cached = timed_generate(llm, w.prompts, _greedy(w.output_lens))
+    return {**_rates("prefix", w, elapsed), "prefix_cached_tokens": cached}
+
+
+RUNS: dict[str, tuple[Any, str]] = {
+    "nano": (run_nano, "nano_workload_out_tok_per_s"), "decode1": (run_decode1, "b1_decode_tok_per_s"),
+    "fixed": (run_fixed, "fixed_decode_tok_per_s"), "long16": (run_long16, "long16_out_tok_per_s"),
+    "long1": (run_long1, "long1_decode_ms_per_token"), "mixed": (run_mixed, "mixed_out_tok_per_s"),
+    "prefix": (run_prefix, "prefix_out_tok_per_s")}
+"""Each workload's run and the figure --repeat takes the median of."""
 
 
 def expert_imbalance(llm: LLM) -> dict[str, Any]:
@@ -123,17 +191,29 @@ def repeated(run: Any, llm: LLM, args: argparse.Namespace, key: str) -> dict[str
     if len(runs) == 1:
         return runs[0]
     median = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
-    return {**median, key.replace("_per_s", "_per_s_runs"): [r[key] for r in runs]}
+    return {**median, f"{key}_runs": [r[key] for r in runs]}
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, workloads: tuple[str, ...] = ()) -> EngineConfig:
+    """The engine for these workloads: a shape gets the peer's settings, the long-context workloads long_ctx.py's
+    max_model_len and prefix caching as each of them runs it."""
+    long_ctx = any(w in WORKLOADS["long"] for w in workloads)
     if shape_config(args.model) is not None:
         # the peer's settings: bf16, random weights, no tokenizer, max_model_len 4096, no prefix caching
         args.load_format, args.skip_tokenizer_init, args.dtype = "dummy", True, "bfloat16"
-        args.max_model_len = args.max_model_len or 4096
+        args.max_model_len = args.max_model_len or (LONG_MAX_MODEL_LEN if long_ctx else 4096)
         args.enable_prefix_caching = False
-        return engine_config_from_args(args, str(shape_dir(args.model)))
-    return engine_config_from_args(args, args.model)
+    if long_ctx:
+        args.enable_prefix_caching = any(w in PREFIX_CACHED for w in workloads)
+    model = str(shape_dir(args.model)) if shape_config(args.model) is not None else args.model
+    return engine_config_from_args(args, model)
+
+
+def engine_groups(workload: str) -> list[tuple[str, ...]]:
+    """The workloads --workload names, grouped by the engine they run on (prefix caching off, then on)."""
+    names = WORKLOADS.get(workload, (workload,))
+    groups = [tuple(n for n in names if n not in PREFIX_CACHED), tuple(n for n in names if n in PREFIX_CACHED)]
+    return [g for g in groups if g]
 
 
 def _parallel(config: EngineConfig) -> dict[str, Any]:
@@ -146,51 +226,77 @@ def _parallel(config: EngineConfig) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_engine(args: argparse.Namespace, workloads: tuple[str, ...], describe: bool) -> dict[str, Any]:
+    """Start an engine for these workloads, run each (--repeat times), stop it; describe: also the engine's facts."""
+    config = engine_config(args, workloads)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {}
+    with LLM(config=config, placement=args.placement) as llm:
+        start_s = time.perf_counter() - t0
+        worker = llm.client.ready_detail.get("worker/0", {})
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        if describe:
+            result = {"engine": "flotilla", "model": args.model or "default", "placement": llm.placement,
+                      "device": worker.get("device"), "dtype": worker.get("dtype"),
+                      "attention": worker.get("attention"),
+                      "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
+                      "model_load_s": float(worker.get("load_s", 0)), "cuda_graphs": worker.get("cuda_graphs"),
+                      "parallel": _parallel(config)}
+        if any(w in WORKLOADS["long"] for w in workloads):
+            result.update(length_divisor=args.length_divisor,
+                          max_model_len=int(llm.client.ready_detail.get("tokenizer/0", {}).get("max_model_len", 0)))
+        for name in workloads:
+            run, key = RUNS[name]
+            result.update(repeated(run, llm, args, key))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_offline", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default=None,
                    help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed"], default="both",
+    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long"],
+                   default="both",
                    help="which workload(s): both = nano and decode1; fixed = --num-requests x --fixed-in / --fixed-out "
-                        "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures)")
+                        "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures); long = "
+                        "long16, long1, mixed and prefix (long_ctx.py's long-context workloads)")
     p.add_argument("--num-requests", type=int, default=256, help="nano: number of requests")
     p.add_argument("--min-len", type=int, default=100, help="nano: shortest prompt / output, tokens")
     p.add_argument("--max-len", type=int, default=1024, help="nano: longest prompt / output, tokens")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator (peer: 0)")
-    p.add_argument("--vocab", type=int, default=10000, help="token ids are drawn from [0, vocab] (peer: 10000)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="token ids are drawn from [0, vocab]; default: 10000 (peer_bench.py's), the long-context "
+                        f"workloads {wl.LONG_CTX_TOP_ID} (long_ctx.py's)")
+    p.add_argument("--length-divisor", type=int, default=1,
+                   help="long-context workloads: prompt and output lengths divided by this (at least 1 token "
+                        "each), for toy runs")
     p.add_argument("--fixed-in", type=int, default=2000, help="fixed: prompt tokens of every request")
     p.add_argument("--fixed-out", type=int, default=256, help="fixed: output tokens of every request")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--repeat", type=int, default=1,
                    help="run each workload this many times on the same engine and report the median run and all "
-                        "runs (with prefix caching on, later nano runs find their prompts cached)")
+                        "runs (with prefix caching on, later nano and prefix runs find their prompts cached)")
     p.add_argument("--placement", choices=["inline", "process"], default=None,
                    help="engine actors in this process (inline) or one process each; default: LLM's (process on a "
                         "GPU, inline on CPU)")
     p.add_argument("--json", default=None, help="write the result to this file too")
     add_engine_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    config = engine_config(args)
-    t0 = time.perf_counter()
-    with LLM(config=config, placement=args.placement) as llm:
-        start_s = time.perf_counter() - t0
-        worker = llm.client.ready_detail.get("worker/0", {})
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-        result: dict[str, Any] = {"engine": "flotilla", "model": args.model or "default", "placement": llm.placement,
-                                  "device": worker.get("device"),
-                                  "dtype": worker.get("dtype"), "attention": worker.get("attention"),
-                                  "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
-                                  "model_load_s": float(worker.get("load_s", 0)),
-                                  "cuda_graphs": worker.get("cuda_graphs"), "parallel": _parallel(config)}
-        if args.workload in ("nano", "both"):
-            result.update(repeated(run_nano, llm, args, "nano_workload_out_tok_per_s"))
-        if args.workload in ("decode1", "both"):
-            result.update(repeated(run_decode1, llm, args, "b1_decode_tok_per_s"))
-        if args.workload == "fixed":
-            result.update(repeated(run_fixed, llm, args, "fixed_decode_tok_per_s"))
+    if args.length_divisor < 1:
+        p.error("--length-divisor must be at least 1")
+    args.long_top_id = wl.LONG_CTX_TOP_ID if args.vocab is None else args.vocab
+    args.vocab = 10000 if args.vocab is None else args.vocab
+    result: dict[str, Any] = {}
+    for workloads in engine_groups(args.workload):
+        result.update(run_engine(args, workloads, describe=not result))
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

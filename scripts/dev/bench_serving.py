@@ -15,6 +15,11 @@ goodput under an SLO. flotilla and vLLM both accept this request, so one command
     # at most 64 requests in flight, with an SLO: goodput = req/s that met TTFT <= 500 ms and TPOT <= 50 ms
     flotilla bench serving --request-rate inf --max-concurrency 64 --slo-ttft-ms 500 --slo-tpot-ms 50
 
+    # a long/short mix: 32 prompts of 16,000 tokens (128 out) among 288 of 200 (256 out), spread by the seed;
+    # each row also gives the long and the short requests' TTFT / TPOT apart
+    flotilla bench serving --dataset mixed --num-prompts 288 --long-prompts 32 --input-len 200 --output-len 256 \\
+        --request-rate 4,inf
+
 Every rate replays the same requests with the same seeded arrival times, so rows compare across rates,
 runs and engines. The model is the server's first in GET /v1/models unless --model names one; the
 answer is recorded in the JSON with the command line, date and every row. Each request has a timeout,
@@ -44,8 +49,9 @@ import httpx
 import msgspec
 
 from flotilla import envs
-from flotilla.scripts.dev.bench_metrics import RequestResult, format_report, summarize
-from flotilla.scripts.dev.bench_workload import Workload, arrival_offsets, nano_workload, random_workload
+from flotilla.scripts.dev.bench_metrics import RequestResult, format_classes, format_report, summarize
+from flotilla.scripts.dev.bench_workload import (Workload, arrival_offsets, mixed_workload, nano_workload,
+                                                random_workload)
 from flotilla.server.cli import HelpFormatter
 
 _decode = msgspec.json.decode
@@ -75,8 +81,28 @@ def build_workload(args: argparse.Namespace) -> Workload:
     """The requests the flags describe; the same flags always give the same requests."""
     if args.dataset == "nano":
         return nano_workload(args.num_prompts, vocab_size=args.vocab_size, seed=args.seed)
+    if args.dataset == "mixed":
+        return mixed_workload(args.num_prompts, args.input_len, args.output_len, long_prompts(args),
+                              args.long_input_len, args.long_output_len, vocab_size=args.vocab_size, seed=args.seed)
     return random_workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                            vocab_size=args.vocab_size, seed=args.seed)
+
+
+def long_prompts(args: argparse.Namespace) -> int:
+    """The mixed dataset's long requests: --long-prompts, else one in nine (long_ctx.py's 32 among 288)."""
+    return min(args.num_prompts, args.long_prompts if args.long_prompts is not None else args.num_prompts // 9)
+
+
+def length_classes(args: argparse.Namespace, workload: Workload, results: list[RequestResult], duration: float
+                   ) -> dict[str, Any]:  # fmt: skip
+    """The mixed dataset's long and short requests summarized apart (what long prefills cost the short ones);
+    empty for the other datasets."""
+    if args.dataset != "mixed":
+        return {}
+    slo = {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    is_long = [len(p) == args.long_input_len for p in workload.prompts]
+    return {name: summarize([r for r, long in zip(results, is_long) if long == want], duration, **slo)
+            for name, want in (("short", False), ("long", True))}
 
 
 def request_body(model: str, prompt: list[int], max_tokens: int, temperature: float) -> dict[str, Any]:
@@ -200,9 +226,10 @@ async def benchmark(args: argparse.Namespace, rates: list[float]) -> dict[str, A
                                  trust_env=False) as client:
         models = await server_models(client, base_url)
         model = pick_model(models, args.model, workload)
+        shortest = min(workload.prompts, key=len)
         for _ in range(args.warmup):
-            probe = RequestResult(len(workload.prompts[0]), min(4, workload.output_lens[0]))
-            body = request_body(model, workload.prompts[0], probe.max_tokens, args.temperature)
+            probe = RequestResult(len(shortest), 4)
+            body = request_body(model, shortest, probe.max_tokens, args.temperature)
             await stream_completion(client, url, body, probe, args.request_timeout)
             if not probe.success:
                 raise BenchmarkError(f"the warm-up request failed: {probe.error}")
@@ -211,7 +238,8 @@ async def benchmark(args: argparse.Namespace, rates: list[float]) -> dict[str, A
             print(f"rate {rate:g} req/s: {len(workload)} requests ...", file=sys.stderr, flush=True)
             results, duration = await run_rate(client, url, model, workload, rate, args)
             row = {"request_rate": rate_label(rate), "max_concurrency": args.max_concurrency,
-                   **summarize(results, duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)}
+                   **summarize(results, duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms),
+                   **length_classes(args, workload, results, duration)}
             if args.save_detailed:
                 row["requests"] = [r.detail() for r in results]
             rows.append(row)
@@ -220,8 +248,10 @@ async def benchmark(args: argparse.Namespace, rates: list[float]) -> dict[str, A
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "base_url": base_url, "endpoint": args.endpoint, "model": model, "server_models": models,
         "workload": {"dataset": args.dataset, "num_prompts": len(workload),
-                     **({"input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}
-                        if args.dataset == "random" else {}),
+                     **({"input_len": args.input_len, "output_len": args.output_len} if args.dataset != "nano" else {}),
+                     **({"range_ratio": args.range_ratio} if args.dataset == "random" else {}),
+                     **({"long_prompts": long_prompts(args), "long_input_len": args.long_input_len,
+                         "long_output_len": args.long_output_len} if args.dataset == "mixed" else {}),
                      "vocab_size": args.vocab_size,
                      "seed": args.seed, "temperature": args.temperature, "input_tokens": workload.input_tokens,
                      "output_tokens": workload.output_tokens},
@@ -249,15 +279,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="sent as `Authorization: Bearer KEY`; default: $FLOTILLA_API_KEY, then $OPENAI_API_KEY, "
                              "then no key")
     work = p.add_argument_group("workload")
-    work.add_argument("--dataset", choices=["random", "nano"], default="random",
+    work.add_argument("--dataset", choices=["random", "nano", "mixed"], default="random",
                       help="random: lengths from --input-len / --output-len / --range-ratio; nano: nano-vllm's "
-                           "bench (lengths uniform in [100, 1024]; --input-len etc. are ignored)")
+                           "bench (lengths uniform in [100, 1024]; --input-len etc. are ignored); mixed: "
+                           "--long-prompts of --long-input-len / --long-output-len among the others' --input-len / "
+                           "--output-len, shuffled by --seed, with the long and the short requests' latencies apart "
+                           "too")
     work.add_argument("--num-prompts", type=_positive_int, default=1000, help="requests per rate")
-    work.add_argument("--input-len", type=_positive_int, default=1024, help="random: prompt length, tokens")
+    work.add_argument("--input-len", type=_positive_int, default=1024, help="random, mixed: prompt length, tokens")
     work.add_argument("--output-len", type=_positive_int, default=128,
-                      help="random: output length (max_tokens with ignore_eos), tokens")
+                      help="random, mixed: output length (max_tokens with ignore_eos), tokens")
     work.add_argument("--range-ratio", type=float, default=0.0,
                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1")
+    work.add_argument("--long-prompts", type=int, default=None,
+                      help="mixed: how many of --num-prompts are long; default: one in nine (long_ctx.py's 32 of 288)")
+    work.add_argument("--long-input-len", type=_positive_int, default=16000,
+                      help="mixed: the long prompts' length, tokens (above --input-len)")
+    work.add_argument("--long-output-len", type=_positive_int, default=128,
+                      help="mixed: the long requests' output length, tokens")
     work.add_argument("--vocab-size", type=_positive_int, default=10000,
                       help="prompt token ids are drawn below this (10000 suits any real model)")
     work.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
@@ -293,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args.api_key = args.api_key or envs.FLOTILLA_API_KEY or os.environ.get("OPENAI_API_KEY")
     if not 0.0 <= args.range_ratio < 1.0 or args.burstiness <= 0 or args.request_timeout <= 0 or args.warmup < 0:
         p.error("need 0 <= --range-ratio < 1, --burstiness > 0, --request-timeout > 0, --warmup >= 0")
+    if args.dataset == "mixed" and (args.long_input_len <= args.input_len or (args.long_prompts or 0) < 0):
+        p.error("--dataset mixed needs --long-input-len above --input-len and --long-prompts >= 0")
     try:
         report = asyncio.run(benchmark(args, args.request_rate))
     except BenchmarkError as e:
@@ -302,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {report['model']} at {report['base_url']}: {w['num_prompts']} prompts ({w['dataset']}), "
           f"{w['input_tokens']} input / {w['output_tokens']} output tokens per rate, temperature {w['temperature']:g}")
     print(format_report(report["results"]))
+    if args.dataset == "mixed":
+        print(format_classes(report["results"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

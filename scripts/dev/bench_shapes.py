@@ -46,6 +46,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 SHAPES["deepseek-v3-4l-mtp"] = {**SHAPES["deepseek-v3-4l"], "num_nextn_predict_layers": 1}
 """deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/dev/bench_mtp.py); the peer's shape has none."""
+SHAPES["qwen3-8b-yarn"] = {**SHAPES["qwen3-8b"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768}}
+"""qwen3-8b with the YaRN scaling its model card gives for 131,072 tokens (pass --max-model-len up to that)."""
 
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
 

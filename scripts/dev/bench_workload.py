@@ -10,6 +10,12 @@ vLLM, or `bench_offline` and `bench_serving` on one model, see identical prompts
   nano:   nano-vllm's bench.py recipe: random.seed(0); each prompt randint(100, 1024) ids long, then
           each output randint(100, 1024) tokens. With vocab_size 10001 the token ids are bit-for-bit
           nano-vllm's (it draws randint(0, 10000)); the default 10000 keeps every id below 10000.
+  mixed:  a long/short mix: num_long prompts of one length among others of another, the order shuffled (seeded)
+          so the long ones arrive spread among the short.
+  long contexts (long16, long1, mixed, prefix): ../shared/gpu/vllm-peer/long_ctx.py's workloads, the same seeded
+          generators call for call, so flotilla's numbers compare with the ones that script measures for vLLM.
+          A divisor above 1 shortens every prompt and output for toy runs (at least 1 token each; the prompts are
+          then long_ctx.py's LONG_TINY ones at divisor 100).
 """
 
 from __future__ import annotations
@@ -87,6 +93,20 @@ def random_workload(num_prompts: int, input_len: int, output_len: int, range_rat
     return Workload(prompts, output_lens)
 
 
+def mixed_workload(num_prompts: int, input_len: int, output_len: int, num_long: int, long_input_len: int,
+                   long_output_len: int, vocab_size: int = 10000, seed: int = 0) -> Workload:
+    """``num_long`` prompts of ``long_input_len`` tokens (``long_output_len`` out) among ``num_prompts`` in all, the
+    rest ``input_len`` / ``output_len``; the order shuffled with the seed, so the long ones arrive spread out."""
+    lengths = (input_len, output_len, long_input_len, long_output_len)
+    if vocab_size < 1 or not 0 <= num_long <= num_prompts or min(lengths) < 1:
+        raise ValueError(f"need vocab_size >= 1, 0 <= num_long <= num_prompts and lengths >= 1 (got {vocab_size}, "
+                         f"{num_long} of {num_prompts}, lengths {lengths})")
+    rng = random.Random(seed)
+    lens = [(long_input_len, long_output_len)] * num_long + [(input_len, output_len)] * (num_prompts - num_long)
+    rng.shuffle(lens)
+    return Workload([[rng.randrange(vocab_size) for _ in range(n)] for n, _ in lens], [m for _, m in lens])
+
+
 def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
     """When each request is sent, seconds after the start: a Poisson process at ``request_rate`` req/s.
 
@@ -108,3 +128,50 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0, burst
             t += rng.gammavariate(burstiness, scale)
         offsets.append(t)
     return offsets
+
+LONG_CTX_TOP_ID = 100000
+"""long_ctx.py draws token ids in [0, 100000] (Qwen3's vocabulary holds them all)."""
+
+
+def _long_ctx_prompt(rng: random.Random, n: int, divisor: int, top_id: int) -> list[int]:
+    """long_ctx.py's toks(): n // divisor (at least 1) ids in [0, top_id]."""
+    return [rng.randint(0, top_id) for _ in range(_shorter(n, divisor))]
+
+
+def _shorter(n: int, divisor: int) -> int:
+    return max(1, n // divisor)
+
+
+def long16_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
+    """16 prompts of 32,000 tokens, 256 out each (all at once, prefix caching off)."""
+    rng = random.Random(1)
+    return Workload([_long_ctx_prompt(rng, 32000, divisor, top_id) for _ in range(16)], [_shorter(256, divisor)] * 16)
+
+
+def long1_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
+    """Three different 32,000-token prompts run one at a time: two for one token (the prefill; the faster counts),
+    one for 257 (what it takes beyond the prefill is 256 decode steps)."""
+    rng = random.Random(2)
+    return Workload([_long_ctx_prompt(rng, 32000, divisor, top_id) for _ in range(3)],
+                    [1, 1, 1 + _shorter(256, divisor)])
+
+
+def long_mixed_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
+    """32 prompts of 16,000 tokens (128 out) among 256 of 200 (256 out), shuffled, all at once."""
+    rng = random.Random(3)
+    prompts = [_long_ctx_prompt(rng, 16000, divisor, top_id) for _ in range(32)]
+    prompts += [_long_ctx_prompt(rng, 200, divisor, top_id) for _ in range(256)]
+    outputs = [_shorter(128, divisor)] * 32 + [_shorter(256, divisor)] * 256
+    order = list(range(len(prompts)))
+    random.Random(4).shuffle(order)
+    return Workload([prompts[i] for i in order], [outputs[i] for i in order])
+
+
+def prefix_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> tuple[list[int], Workload]:
+    """128 requests of a shared 6,000-token prefix + 100 own tokens, 64 out each (prefix caching on); first the
+    prompt that caches the prefix once (the prefix + 10 tokens, for one token), untimed."""
+    rng = random.Random(5)
+    prefix = _long_ctx_prompt(rng, 6000, divisor, top_id)
+    warm = prefix + _long_ctx_prompt(rng, 10, divisor, top_id)
+    return warm, Workload([prefix + _long_ctx_prompt(rng, 100, divisor, top_id) for _ in range(128)],
+                          [_shorter(64, divisor)] * 128)
