@@ -273,8 +273,8 @@ class BatchScheduler:
         sp = seq.sampling
         if sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
             return 0  # penalties would need each draft position's own history: not built
-        if sp.structured_outputs is not None:
-            return 0  # nor would a grammar's masks (each draft position's matcher state)
+        if sp.structured_outputs is not None and sp.structured_outputs.after:
+            return 0  # a grammar that starts after a reasoning end tag: not where its drafts may cross the tag
         k = min(self.num_speculative_tokens, budget - 1, self.max_model_len - seq.num_tokens - 1)
         if sp.max_tokens is not None:
             k = min(k, sp.max_tokens - len(seq.output_ids) - 1)

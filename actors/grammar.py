@@ -132,24 +132,34 @@ class SequenceGrammar:
                 raise RuntimeError(f"structured outputs: token {int(token)} breaks the grammar it was sampled under")
         self.consumed = len(output)
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """The allowed next tokens into bitmask row `row`; False once the grammar has ended (the row is left free:
-        its stop token was sampled and the sequence is ending) or before it holds the output."""
+    def fill(self, bitmask: torch.Tensor, rows: list[int], drafts: list[int] | None = None) -> list[int]:
+        """The allowed next tokens into bitmask rows: rows[j] for the position after the output and drafts[:j]
+        (speculative decoding verifies them in one step; the matcher steps through them and rolls back). Returns the
+        rows masked: none before the grammar holds the output; none from where it has ended (its stop token was
+        sampled and the sequence is ending) or where a draft breaks it (no sample there can be kept)."""
         if not self.started:
-            return False
+            return []
         assert self.matcher is not None
-        if self.matcher.is_terminated():
-            return False
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        return True
+        masked, taken = [], 0
+        for j, row in enumerate(rows):
+            if j and (self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[j - 1]))):
+                break
+            taken += bool(j)
+            if self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            masked.append(row)
+        if taken:
+            self.matcher.rollback(taken)
+        return masked
 
 
-def apply(logits: torch.Tensor, rows: list[tuple[int, SequenceGrammar]]) -> None:
-    """-inf for every token a row's grammar does not allow next, in place (logits float [N, vocab]); rows: (logits
-    row, its sequence's matcher, up to date with its output)."""
+def apply(logits: torch.Tensor, rows: list[tuple[list[int], SequenceGrammar, list[int]]]) -> None:
+    """-inf for every token a row's grammar does not allow next, in place (logits float [N, vocab]); rows: (a
+    sequence's logits rows, its matcher, up to date with its output, and the drafts its later rows follow)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # (a row per logits row: `indices` picks)
-    masked = [row for row, g in rows if g.fill(bitmask, row)]  # (a row whose grammar ended takes no mask)
+    masked = [row for sequence_rows, g, drafts in rows for row in g.fill(bitmask, sequence_rows, drafts)]
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)

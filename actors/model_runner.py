@@ -571,17 +571,23 @@ class ModelRunner:
         stop = sorted({*self._grammars.stop_token_ids, *sampling.stop_token_ids})
         return SequenceGrammar(self._grammars.start(so), stop, so.after)
 
-    def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState]) -> bool:
+    def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState], verify: bool = False) -> bool:
         """Mask the logits rows (one per entry of row_seqs) of constrained sequences to what their grammars allow
-        next (waiting for their last tokens to reach the host first); whether any row was."""
-        rows = [(i, s) for i, s in enumerate(row_seqs) if s.grammar is not None]
+        next (waiting for their last tokens to reach the host first); whether any row was. verify: a sequence's rows
+        are speculative decoding's, in order: row j is the position after its drafts[:j]."""
+        rows: dict[int, tuple[list[int], SequenceGrammar, list[int]]] = {}
+        seqs: dict[int, SeqState] = {}
+        for i, s in enumerate(row_seqs):
+            if s.grammar is not None:
+                rows.setdefault(id(s), ([], s.grammar, s.drafts if verify else []))[0].append(i)
+                seqs[id(s)] = s
         if not rows:
             return False
-        if any(s.host_length < s.length for _, s in rows):
+        if any(s.host_length < s.length for s in seqs.values()):
             self._drain()  # a matcher follows the tokens sampled so far
-        for _, s in rows:
+        for s in seqs.values():
             s.grammar.follow(s.tokens[s.num_prompt_tokens:])
-        grammar.apply(logits, [(i, s.grammar) for i, s in rows])
+        grammar.apply(logits, list(rows.values()))
         return True
 
     def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,

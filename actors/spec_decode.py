@@ -258,8 +258,8 @@ class MTPSpeculator:
         gen = [seqs[i].length - seqs[i].num_prompt_tokens + j for i, j in zip(owner, local.tolist())]
         history = any(seqs[i].needs_history for i in samplers)
         logits = self.model.compute_logits(hidden)
-        if r.rank == 0:  # (structured outputs: a constrained sequence gets no drafts, so one row each)
-            r.mask_grammars(logits, [seqs[i] for i in owner])
+        if r.rank == 0:  # (structured outputs: row j of a sequence masked for the position after its drafts[:j])
+            r.mask_grammars(logits, [seqs[i] for i in owner], verify=True)
         if r.rank != 0:  # tensor parallelism: rank 0 samples for the group and every rank verifies its tokens
             return SamplerOutput(token_ids=broadcast_from_first(
                 torch.empty(len(owner), dtype=torch.int64, device=r.device))), None

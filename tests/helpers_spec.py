@@ -98,16 +98,16 @@ def requests() -> list[TokenizedRequest]:
     return reqs
 
 
-def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: tuple[str, ...] = ()
-        ) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
-    """Every request (but those in `drop`) to the end, one step at a time; also (drafts planned, tokens got) of each
-    verify row, and the same with the row's request id first in `rows` when given."""
+def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: tuple[str, ...] = (),
+        reqs: list[TokenizedRequest] | None = None) -> tuple[dict, dict, BatchScheduler, list[tuple[int, int]]]:
+    """Every request (requests() unless reqs; but those in `drop`) to the end, one step at a time; also (drafts
+    planned, tokens got) of each verify row, and the same with the row's request id first in `rows` when given."""
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=1,
                           speculative_config=runner.config.scheduler.speculative_config)
     blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=cfg.speculative_config is not None,
                           num_state_snapshots=runner.num_state_snapshots)
     sched = BatchScheduler(cfg, blocks, max_model_len=256)
-    for req in requests():
+    for req in reqs or requests():
         assert req.rid in drop or sched.add(req)
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
@@ -133,9 +133,9 @@ def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: t
     return tokens, logprobs, sched, verified
 
 
-def oracle(plain_tokens: dict, corrupt: bool):
+def oracle(plain_tokens: dict, corrupt: bool, reqs: list[TokenizedRequest] | None = None):
     """A draft hook giving the tokens plain decoding produced next (every third step one of them is wrong)."""
-    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in requests()}
+    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in reqs or requests()}
 
     def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
         seq = tokens.tolist()

@@ -17,13 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
+
 from flotilla import LLM, SamplingParams
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.spec_decode import check_speculative_config
 from flotilla.config import EngineConfig, SpeculativeConfig
 from flotilla.models.loader import load_model
 from flotilla.server.metrics import ServerMetrics
-from flotilla.transport.messages import SchedulerStatsEvent
+from flotilla.sampling_params import StructuredOutputs
+from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
 from helpers_server import start_server
@@ -100,6 +103,44 @@ def test_forced_acceptance_gives_num_speculative_tokens_plus_one_per_verify_step
     check_all_accepted(rows, plain[0])
     assert sum(k == num_spec for k, _ in verified) > len(verified) // 2
     assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
+
+
+def grammar_requests() -> list[TokenizedRequest]:
+    """Requests under a regex (greedy and seeded sampling) beside unconstrained ones; the last shares a prompt."""
+    rng = np.random.default_rng(5)
+    so = StructuredOutputs(regex="[a-z]{4,8}( [a-z]{4,8}){2,4}")
+    kinds = [SamplingParams(max_tokens=20, temperature=0, structured_outputs=so),
+             SamplingParams(max_tokens=20, temperature=0.8, seed=3, structured_outputs=so),
+             SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    reqs = [TokenizedRequest(rid=f"g{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
+                             sampling=kinds[i % len(kinds)]) for i, n in enumerate([5, 12, 7, 9, 3, 15])]
+    reqs.append(TokenizedRequest(rid="g6", prompt_ids=np.concatenate((reqs[1].prompt_ids, [9, 10])),
+                                 eos_token_ids=[2], sampling=kinds[0]))
+    return reqs
+
+
+@needs("xgrammar", "structured outputs")
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_drafts_under_a_grammar_are_masked_at_each_position_and_give_the_plain_tokens(model_dir: Path,
+                                                                                        corrupt: bool) -> None:
+    reqs = grammar_requests()
+    plain = run(make_runner(model_dir, None), reqs=reqs)[:2]
+    runner = make_runner(model_dir, 2)
+    runner.spec.draft_hook = oracle(plain[0], corrupt, reqs)
+    rows: list[tuple[str, int, int]] = []
+    tokens, logprobs, _, _ = run(runner, rows=rows, reqs=reqs)
+    check_same((tokens, logprobs), plain)
+    constrained = {r.rid for r in reqs if r.sampling.structured_outputs is not None}
+    verified = [(k, n) for rid, k, n in rows if rid in constrained and k]
+    assert verified, "the constrained requests speculated"
+    if not corrupt:  # drafts that follow the grammar are kept; corrupted ones that break it are not
+        assert sum(n == k + 1 for k, n in verified) > len(verified) // 2
+    else:
+        assert any(n < k + 1 for k, n in verified)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for rid in constrained:
+        text = tok.decode([t for t in tokens[rid] if t != 2])
+        assert set(text) <= set("abcdefghijklmnopqrstuvwxyz "), (rid, text)
 
 
 @pytest.mark.gpu
