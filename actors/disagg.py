@@ -224,7 +224,7 @@ class DecodeBatchScheduler(BatchScheduler):
         self._remember_ended(ev.transfer_id)
         self.outbox.append(BlocksReleasedEvent(transfer_id=ev.transfer_id))
         seq.num_computed = seq.num_done = ready.num_tokens
-        self.blocks.commit(seq.rid, seq.prompt_ids, ready.num_tokens)
+        self.blocks.commit(seq.rid, seq.cache_ids(), ready.num_tokens)  # (before the first token: the prompt)
         seq.state_snapshot = self.blocks.resume_own_state(seq.rid)  # (a hybrid model: the migrated state)
         seq.output_ids.append(ready.first_token)
         delta = self._delta(seq, [ready.first_token])
@@ -269,7 +269,7 @@ class DecodeBatchScheduler(BatchScheduler):
             return  # nothing is reserved before the prompt is computed (the module docstring says why)
         seq = t.seq
         if not t.reserved:
-            alloc = self.blocks.allocate(seq.rid, seq.prompt_ids, num_new_tokens=None)
+            alloc = self.blocks.allocate(seq.rid, seq.cache_ids(), num_new_tokens=None)
             if alloc is None:
                 return  # retried at the next schedule()
             # a hybrid model: the prompt's recurrent state is migrated too, into a snapshot slot this sequence holds

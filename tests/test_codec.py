@@ -39,10 +39,12 @@ def _strategy(tp: typing.Any) -> st.SearchStrategy:
         return st.one_of([_strategy(a) for a in args])
     if origin is list:
         return st.lists(_strategy(args[0]), max_size=3)
+    if origin is tuple:  # (fixed length: msgspec decodes a tuple field back to a tuple)
+        return st.tuples(*[_strategy(a) for a in args])
     if origin is dict:
         return st.dictionaries(st.text(max_size=6), _strategy(args[1]) if args[1] is not typing.Any else _json, max_size=3)
     return {int: st.integers(-2**63, 2**63 - 1), float: st.floats(allow_nan=False), str: st.text(max_size=12),
-            bool: st.booleans(), type(None): st.none(), typing.Any: _json}[tp]
+            bytes: st.binary(max_size=24), bool: st.booleans(), type(None): st.none(), typing.Any: _json}[tp]
 
 
 def _message(cls: type[m.Message]) -> st.SearchStrategy:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_engine import CORPUS, SPECIALS
-from helpers_optional import require
+from helpers_optional import needs, require
 from helpers_server import start_server
 from helpers_vl import IMAGE, TEXT_VOCAB, hf_inputs, load_hf_vl_model, write_tiny_qwen3_vl_model
 from PIL import Image
@@ -223,3 +223,21 @@ def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, refere
             assert ask(client, messages).choices[0].message.content == reference(messages, images)[0]
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_a_disaggregated_pair_answers_image_requests_as_transformers_does(folder, reference):
+    """The decode engine tokenizes the same request, so it knows each image's grid and decodes at index +
+    rope_delta; the image's embeddings stay on the prefill side, inside the KV it sends."""
+    pd = start_server(str(folder), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp", "--block-size", "4",
+                      "--kv-cache-blocks", "256", "--max-model-len", "256", "--served-model-name", "m", timeout=300)
+    try:
+        client = openai.OpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0)
+        for messages, images in (([{"role": "user", "content": [image_part(CAT), {"type": "text", "text": "hi"}]}],
+                                  [CAT]),
+                                 ([{"role": "user", "content": [image_part(DOG), image_part(WIDE)]}], [DOG, WIDE])):
+            text, usage = ask(client, messages, stream=True)
+            assert text == reference(messages, images)[0]
+    finally:
+        assert pd.stop() == 0, "".join(pd.log[-30:])

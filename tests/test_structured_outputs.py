@@ -176,7 +176,7 @@ def test_a_grammar_after_a_reasoning_end_tag_leaves_the_tokens_before_it_free():
     def masked(output: list[int]) -> torch.Tensor:
         g.follow(output)
         logits = torch.zeros(1, len(tokenizer))
-        apply(logits, [(0, g)])
+        apply(logits, [([0], g, [])])
         return logits[0].isfinite()
 
     assert masked(free).all() and not g.started
