@@ -209,6 +209,19 @@ def test_the_offline_llm_takes_images_as_data_urls_pil_images_or_bytes(folder, r
         assert out.outputs[0].text == reference(messages, images)[0]
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_run_the_vision_tower_and_answer_as_transformers_does(folder, reference):
+    from flotilla import LLM, SamplingParams
+
+    conversations = [[{"role": "user", "content": [image_part(CAT), {"type": "text", "text": "hi"}]}],
+                     [{"role": "user", "content": [image_part(DOG), image_part(WIDE)]}]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), tensor_parallel_size=2, kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16) as llm:
+        outs = llm.chat(conversations, params, use_tqdm=False)
+    for out, messages, images in zip(outs, conversations, ([CAT], [DOG, WIDE]), strict=True):
+        assert out.outputs[0].text == reference(messages, images)[0]
+
+
 @pytest.mark.gpu
 def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, reference):
     """Decode steps replayed from CUDA graphs carry each sequence's rope delta (fp32, so tokens match exactly)."""
