@@ -164,6 +164,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """GEMMs of an FP8 block-scaled checkpoint's linears (DeepSeek-V3's e4m3 weights with 128x128 scales): auto
     (triton on CUDA, torch elsewhere), or force one (deep_gemm: DeepGEMM's fp8_gemm_nt, Hopper only); a model
     without FP8 weights refuses a forced one."""
+    image_encoder: Literal["step", "actor"] = "step"
+    """Where a model that takes images runs its vision tower: step (in the first prefill step that holds an image's
+    tokens) or actor (an encoder actor beside each worker, in its process, decodes and encodes a request's images as
+    it arrives, and the scheduler starts its prefill once they are ready)."""
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

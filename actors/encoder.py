@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections import OrderedDict
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +59,12 @@ class SeqImages:
 
 
 class ImageEncoder:
-    """The vision tower of a model that takes images, with its embeddings cached by image content hash."""
+    """The vision tower of a model that takes images, with its embeddings cached by image content hash.
+
+    The worker's step thread reads the cache (embeddings); an encoder actor's thread may fill it beforehand
+    (prepare), on a CUDA stream of its own, and pins what it made for a request until release(rid): a lock keeps the
+    two apart, and a reader waits on the event of the stream that wrote an entry.
+    """
 
     def __init__(self, model: Any, path: Path, device: torch.device, dtype: torch.dtype,
                  cache_tokens: int = CACHE_TOKENS) -> None:
@@ -66,8 +72,12 @@ class ImageEncoder:
         self.processor = load_image_processor(path)
         self.device, self.dtype = device, dtype
         self.cache_tokens = cache_tokens
-        self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self._cached_tokens = 0
+        self._pins: dict[str, list[bytes]] = {}  # request -> the images prepare() holds for it
+        self._pinned: Counter[bytes] = Counter()
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         vision = model.config.vision
         self.spatial_merge_size = vision.spatial_merge_size
         self.image_token_id = vision.image_token_id
@@ -82,15 +92,55 @@ class ImageEncoder:
         return SeqImages(items, np.asarray(pos, dtype=np.int64), int(delta))
 
     def embeddings(self, items: Sequence[ImageItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each image's (embeddings [n, hidden], deepstack [layers, n, hidden]), encoding those not cached."""
-        missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
-        if missing:
-            self._encode(missing)
-        out = []
-        for it in items:
-            self._cache.move_to_end(it.hash)
-            out.append(self._cache[it.hash])
-        return out
+        """Each image's (embeddings [n, hidden], deepstack [layers, n, hidden]), encoding those not cached; on the
+        caller's stream, after whatever stream wrote them."""
+        with self._lock:
+            missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
+            if missing:
+                self._insert(missing, *self._encode(missing))
+            out = []
+            for it in items:
+                self._cache.move_to_end(it.hash)
+                embeds, deepstack, written = self._cache[it.hash]
+                if written is not None:  # (made on the encoder's stream: read on this one, freed after it)
+                    here = torch.cuda.current_stream(self.device)
+                    here.wait_event(written)
+                    embeds.record_stream(here)
+                    deepstack.record_stream(here)
+                out.append((embeds, deepstack))
+            return out
+
+    def prepare(self, rid: str, items: Sequence[ImageItem]) -> None:
+        """Encode a request's images ahead of its prefill (the encoder actor's thread, while steps run) and pin them
+        for it until release(rid)."""
+        with self._lock:
+            self._pins.setdefault(rid, []).extend(it.hash for it in items)
+            self._pinned.update(it.hash for it in items)
+            missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
+        if not missing:
+            return
+        if self._stream is None:
+            made = self._encode(missing)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                made = self._encode(missing, self._stream)
+        with self._lock:
+            self._insert(missing, *made)
+
+    def release(self, rid: str) -> None:
+        """Unpin what prepare() held for a request (its sequence left the worker, or it was aborted first)."""
+        with self._lock:
+            for h in self._pins.pop(rid, ()):
+                self._pinned[h] -= 1
+                if self._pinned[h] <= 0:
+                    del self._pinned[h]
+            self._evict()
+
+    @property
+    def num_pinned(self) -> int:
+        """Requests whose images prepare() holds."""
+        return len(self._pins)
 
     @torch.inference_mode()
     def profile(self) -> int:
@@ -109,7 +159,9 @@ class ImageEncoder:
         return per_token * self.cache_tokens
 
     @torch.inference_mode()
-    def _encode(self, items: list[ImageItem]) -> None:
+    def _encode(self, items: list[ImageItem], stream: torch.cuda.Stream | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """Decode, preprocess and encode images: (embeddings, deepstack, the event after them on `stream`)."""
         images = [Image.open(io.BytesIO(it.data)).convert("RGB") for it in items]
         batch = self.processor(images=images, return_tensors="np")
         grid = torch.as_tensor(np.asarray(batch["image_grid_thw"]), dtype=torch.int64)
@@ -117,14 +169,29 @@ class ImageEncoder:
             raise RuntimeError("the image processor cut an image into another grid than the tokenizer counted")
         pixels = torch.from_numpy(np.asarray(batch["pixel_values"])).to(self.device, self.dtype)
         embeds, deepstack = self.model.encode_images(pixels, grid.to(self.device))
+        written = None
+        if stream is not None:
+            written = torch.cuda.Event()
+            written.record(stream)
+        return embeds, deepstack, written
+
+    def _insert(self, items: list[ImageItem], embeds: torch.Tensor, deepstack: torch.Tensor,
+                written: torch.cuda.Event | None) -> None:
         at = 0
         for it in items:
-            self._cache[it.hash] = (embeds[at:at + it.length], deepstack[:, at:at + it.length])
-            self._cached_tokens += it.length
+            if it.hash not in self._cache:
+                self._cache[it.hash] = (embeds[at:at + it.length], deepstack[:, at:at + it.length], written)
+                self._cached_tokens += it.length
             at += it.length
-        while self._cached_tokens > self.cache_tokens and len(self._cache) > len(items):
-            _, (old, _) = self._cache.popitem(last=False)
-            self._cached_tokens -= old.shape[0]
+        self._evict(keep=len(items))
+
+    def _evict(self, keep: int = 0) -> None:
+        """Drop the least recently used unpinned entries while over the cache's size (the newest `keep` stay)."""
+        for h in list(self._cache)[:max(len(self._cache) - keep, 0)]:
+            if self._cached_tokens <= self.cache_tokens:
+                break
+            if h not in self._pinned:
+                self._cached_tokens -= self._cache.pop(h)[0].shape[0]
 
     def step_inputs(self, images: Sequence[SeqImages | None], cached: Sequence[int],
                     num_new: Sequence[int]) -> dict[str, torch.Tensor] | None:

@@ -428,6 +428,8 @@ class ModelRunner:
             gone = self.seqs.pop(rid, None)
             if gone is not None and gone.state_slot >= 0:
                 self._free_state_slots.append(gone.state_slot)
+            if gone is not None and gone.images is not None:
+                self.encoder.release(rid)  # (what an encoder actor pinned for it)
         for ns in plan.new_seqs:
             self.seqs[ns.rid] = SeqState.new(
                 ns.token_ids, num_prompt_tokens=len(ns.token_ids) - ns.num_output_tokens,

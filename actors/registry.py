@@ -14,6 +14,7 @@ ACTOR_KINDS: dict[str, str] = {
     "worker": "flotilla.actors.worker:GPUWorkerActor",
     "detokenizer": "flotilla.actors.detokenizer:DetokenizerActor",
     "kv_migration": "flotilla.actors.kv_migration:KVMigrationActor",
+    "encoder": "flotilla.actors.encoder_actor:EncoderActor",
 }
 """kind -> "module:Class"."""
 

@@ -36,6 +36,8 @@ from flotilla.transport.messages import (
     AbortCmd,
     BlocksReleasedEvent,
     DPStepsEvent,
+    EncodeImagesCmd,
+    ImagesEncodedEvent,
     KVCacheInfoEvent,
     KVReadyEvent,
     Message,
@@ -62,7 +64,7 @@ class SchedulerActor(Actor):
 
     kind = "scheduler"
     inbox = (TokenizedRequest, AbortCmd, StepResult, KVCacheInfoEvent, KVReadyEvent, MigrationDoneEvent,
-             BlocksReleasedEvent, DPStepsEvent)
+             BlocksReleasedEvent, DPStepsEvent, ImagesEncodedEvent)
 
     def __init__(self, ctx: ActorContext, zmq_ctx) -> None:
         super().__init__(ctx, zmq_ctx)
@@ -93,6 +95,9 @@ class SchedulerActor(Actor):
         self._peers: dict[str, TransferPeer] = {}  # transfer id -> the other engine, until BlocksReleased
         self._done: dict[str, list[MigrationDoneEvent]] = {}  # transfer id -> reports of the ranks so far
         self.kv_migrated_bytes = 0
+        self.encoders = str(ctx.config.get("encoders", ""))
+        """The encoder actors beside the workers (worker.image_encoder = actor); empty: the steps encode images."""
+        self._encoding: dict[str, tuple[TokenizedRequest, set[int]]] = {}  # rid -> its request, ranks still encoding
 
     async def on_kv_cache_info_event(self, ev: KVCacheInfoEvent) -> None:
         self._kv_info[ev.rank] = ev
@@ -150,6 +155,37 @@ class SchedulerActor(Actor):
         if self.core is None:
             self._early.append(req)
             return
+        if self.encoders and req.images:  # its prefill starts once every rank's encoder has its images ready
+            ranks = set(range(self.first_worker, self.first_worker + self.num_ranks))
+            self._encoding[req.rid] = (req, ranks)
+            for rank in sorted(ranks):
+                await self.send(self.encoders, EncodeImagesCmd(rid=req.rid, images=req.images), instance=rank)
+            return
+        await self._accept(req)
+
+    async def on_images_encoded_event(self, ev: ImagesEncodedEvent) -> None:
+        entry = self._encoding.get(ev.rid)
+        if entry is None:  # aborted meanwhile: the abort released the other ranks, this one encoded after it
+            await self.send(self.encoders, EncodeImagesCmd(rid=ev.rid), instance=ev.rank)
+            return
+        req, ranks = entry
+        if ev.error is not None:
+            del self._encoding[ev.rid]
+            await self._release_images(ev.rid, ranks - {ev.rank})
+            await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, status=500, message=ev.error))
+            return
+        ranks.discard(ev.rank)
+        if not ranks:
+            del self._encoding[ev.rid]
+            await self._accept(req)
+
+    async def _release_images(self, rid: str, ranks: set[int]) -> None:
+        for rank in sorted(ranks):
+            await self.send(self.encoders, EncodeImagesCmd(rid=rid), instance=rank)
+
+    async def _accept(self, req: TokenizedRequest) -> None:
+        """A request ready to schedule: checked against what the engine runs, then queued."""
+        assert self.core is not None
         if req.transfer_id is not None:
             if self.role == "both" or req.peer is None:
                 await self.reply(req.reply_to, RequestFailedEvent(
@@ -269,6 +305,10 @@ class SchedulerActor(Actor):
     async def on_abort_cmd(self, msg: AbortCmd) -> None:
         if self.core is None:
             self._early = [m for m in self._early if not (isinstance(m, TokenizedRequest) and m.rid == msg.rid)]
+            return
+        entry = self._encoding.pop(msg.rid, None)
+        if entry is not None:  # its images are still being encoded: the encoders let go of them
+            await self._release_images(msg.rid, set(range(self.first_worker, self.first_worker + self.num_ranks)))
             return
         delta = self.core.abort(msg.rid)
         await self._route()

@@ -35,6 +35,7 @@ from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import EngineConfig
 from flotilla.models.hf_config import load_hf_config, load_max_model_len
+from flotilla.models.model_folder import model_dir, takes_images
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
@@ -162,17 +163,25 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
             worker["dist_init_methods"] = addresses
     if dp_ep:  # over TP ranks alone the experts use the TP group
         worker["ep_init_method"] = f"tcp://127.0.0.1:{free_tcp_port()}"
+    # an encoder actor beside each worker rank (image_encoder = actor; a decode engine has no prefill to feed)
+    encoders = (config.worker.image_encoder == "actor" and config.disagg.role != "decode"
+                and takes_images(model_dir(config)))
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
         ActorSpec(name="scheduler", kind="scheduler", count=dp, config={**common, "workers": "worker",
                                                                        "detokenizer": "detokenizer",
-                                                                       "kv_migration": "kv_migration"}),
-        ActorSpec(name="worker", kind="worker", count=tp * dp, config=worker, process="worker" if disagg else ""),
+                                                                       "kv_migration": "kv_migration",
+                                                                       "encoders": "encoder" if encoders else ""}),
+        ActorSpec(name="worker", kind="worker", count=tp * dp, config=worker,
+                  process="worker" if disagg or encoders else ""),
         ActorSpec(name="detokenizer", kind="detokenizer", config=common),
     ]
     if disagg:
         actors.append(ActorSpec(name="kv_migration", kind="kv_migration", count=tp, process="worker",
                                 config={**common, "workers": "worker"}))
+    if encoders:
+        actors.append(ActorSpec(name="encoder", kind="encoder", count=tp * dp, process="worker",
+                                config={**common, "workers": "worker", "tensor_parallel_size": tp}))
     tcp: dict = {}
     if host is not None:
         if placement != "process":

@@ -209,6 +209,37 @@ def test_the_offline_llm_takes_images_as_data_urls_pil_images_or_bytes(folder, r
         assert out.outputs[0].text == reference(messages, images)[0]
 
 
+def test_an_encoder_actor_beside_the_worker_answers_as_the_steps_do_and_lets_go_of_every_image(folder, reference):
+    from flotilla import LLM, SamplingParams
+
+    conversations = [[{"role": "user", "content": [image_part(CAT), {"type": "text", "text": "hi"}]}],
+                     [{"role": "user", "content": [image_part(DOG), image_part(WIDE)]}],
+                     [{"role": "user", "content": [{"type": "text", "text": "again"}, image_part(CAT)]}]]
+    images = ([CAT], [DOG, WIDE], [CAT])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), image_encoder="actor", kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16) as llm:
+        actors = llm.client.runtime.actors
+        assert "encoder/0" in actors
+        outs = llm.chat(conversations, params, use_tqdm=False)
+        assert actors["encoder/0"].requests_encoded == len(conversations)
+        assert actors["encoder/0"].encoder.num_pinned == 0 and not actors["scheduler/0"]._encoding
+    for out, messages, imgs in zip(outs, conversations, images, strict=True):
+        assert out.outputs[0].text == reference(messages, imgs)[0]
+
+
+@pytest.mark.slow
+def test_a_served_engine_with_encoder_actors_in_its_worker_processes_streams_transformers_answers(folder, reference):
+    srv = start_server(str(folder), "--image-encoder", "actor", "--block-size", "4", "--kv-cache-blocks", "128",
+                       "--max-model-len", "256", "--max-num-batched-tokens", "16", timeout=300)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"}, image_part(WIDE)]}]
+        assert ask(client, messages, stream=True)[0] == reference(messages, [DOG, WIDE])[0]
+        assert any("encoder/0 ready" in line for line in srv.log), "".join(srv.log[-30:])
+    finally:
+        assert srv.stop() == 0, "".join(srv.log[-30:])
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_each_run_the_vision_tower_and_answer_as_transformers_does(folder, reference):
     from flotilla import LLM, SamplingParams
@@ -254,3 +285,26 @@ def test_a_disaggregated_pair_answers_image_requests_as_transformers_does(folder
             assert text == reference(messages, images)[0]
     finally:
         assert pd.stop() == 0, "".join(pd.log[-30:])
+
+
+def test_the_embeddings_cache_keeps_what_an_encoder_pinned_until_its_request_lets_go(folder):
+    from flotilla.actors.encoder import ImageEncoder
+    from flotilla.actors.images import ImagePrompt
+    from flotilla.transport.messages import ImageData
+    from helpers_tiny_models import load_flotilla_model
+
+    prompt = ImagePrompt(folder)
+    cat, dog, wide = (prompt.expand([IMAGE], [ImageData(data=d)])[1][0] for d in (CAT, DOG, WIDE))
+    encoder = ImageEncoder(load_flotilla_model(folder), folder, torch.device("cpu"), torch.float32,
+                           cache_tokens=cat.length)
+    encoder.prepare("a", [cat])
+    (embeds, deepstack), = encoder.embeddings([cat])
+    assert encoder.num_pinned == 1 and embeds.shape[0] == cat.length == deepstack.shape[1]
+    encoder.embeddings([dog])  # over the cache's size: the unpinned image goes, the pinned one stays
+    assert cat.hash in encoder._cache and dog.hash in encoder._cache
+    encoder.embeddings([wide])
+    assert cat.hash in encoder._cache and dog.hash not in encoder._cache
+    encoder.release("a")
+    encoder.embeddings([dog])
+    assert cat.hash not in encoder._cache and encoder.num_pinned == 0
+    torch.testing.assert_close(encoder.embeddings([cat])[0][0], embeds)  # encoded again, the same

@@ -197,6 +197,30 @@ class TokenizedRequest(Message):
 
 
 # ---------------------------------------------------------------------------------------------
+# scheduler <-> encoder (a model that takes images, with image_encoder = actor)
+
+
+class EncodeImagesCmd(Message):
+    """Encode a request's images into the worker's embeddings cache and hold them there until released."""
+
+    rid: str
+    """The request whose images these are."""
+    images: list[ImageItem] = []
+    """Its images; empty: release what was held for it (aborted before its prefill)."""
+
+
+class ImagesEncodedEvent(Message):
+    """An encoder's answer to EncodeImagesCmd: the embeddings are in its worker's cache, or why not."""
+
+    rid: str
+    """The request."""
+    rank: int
+    """The encoder's (its worker's) rank."""
+    error: str | None = None
+    """Why the images could not be encoded (the request then fails)."""
+
+
+# ---------------------------------------------------------------------------------------------
 # 3./4. scheduler <-> GPU worker
 
 
