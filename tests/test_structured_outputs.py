@@ -186,3 +186,28 @@ def test_a_grammar_after_a_reasoning_end_tag_leaves_the_tokens_before_it_free():
     assert allowed[tokenizer.encode("yes", add_special_tokens=False)[0]]
     assert masked(free + end + tokenizer.encode("no", add_special_tokens=False)).sum() == 1  # only the stop token
     grammars.close()
+
+
+@pytest.mark.gpu
+def test_grammars_hold_on_cuda_in_graph_replayed_and_overlapped_decode_steps(tmp_path):
+    """The masks reach logits that CUDA graphs produced, with steps in flight; constrained rows beside free ones."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from helpers_engine import write_tiny_engine_model
+
+    from flotilla import LLM, SamplingParams
+    from flotilla.sampling_params import StructuredOutputs
+
+    model = write_tiny_engine_model(tmp_path / "m")
+    pattern = "[a-z]{3,8}( [a-z]{3,8}){1,3}"
+    constrained = [SamplingParams(max_tokens=48, temperature=1.0, seed=s,
+                                  structured_outputs=StructuredOutputs(regex=pattern)) for s in range(8)]
+    free = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(8)]
+    with LLM(str(model), device="cuda", dtype="bfloat16", kv_cache_blocks=512, block_size=16, max_num_seqs=16) as llm:
+        outs = llm.generate(["The quick brown fox"] * 16, constrained + free, use_tqdm=False)
+        assert llm.client.ready_detail["worker/0"]["cuda_graphs"] == "on"
+    for out in outs[:8]:
+        assert re.fullmatch(pattern, out.outputs[0].text) and out.outputs[0].finish_reason == "stop", out.outputs[0]
+    assert all(len(out.outputs[0].token_ids) == 16 for out in outs[8:])
