@@ -74,6 +74,19 @@ class RequestOutput:
     """SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first) and top alternatives."""
 
 
+def image_data(value: Any, param: str) -> ImageData:
+    """One image as the engine takes it: a data URL, the file's bytes, or a PIL image (sent as PNG)."""
+    if isinstance(value, str):
+        data = decode_data_url(value, param, 2**31)
+    elif isinstance(value, bytes):
+        data = value
+    else:
+        buf = io.BytesIO()
+        value.save(buf, "PNG")
+        data = buf.getvalue()
+    return ImageData(data=data, param=param)
+
+
 def chat_images(messages: list[dict[str, Any]]) -> dict[str, Any]:
     """A conversation's messages with each image part (an OpenAI image_url with a data URL, or {"type": "image",
     "image": PIL image or file bytes}) as the template's {"type": "image"}, and the images' bytes in order."""
@@ -88,18 +101,9 @@ def chat_images(messages: list[dict[str, Any]]) -> dict[str, Any]:
             if part.get("type") not in ("image_url", "image"):
                 parts.append(part)
                 continue
-            param = f"messages[{i}].content[{j}]"
             value = part.get("image_url") or part.get("image")
-            url = value.get("url") if isinstance(value, dict) else value
-            if isinstance(url, str):
-                data = decode_data_url(url, param, 2**31)
-            elif isinstance(url, bytes):
-                data = url
-            else:  # a PIL image
-                buf = io.BytesIO()
-                url.save(buf, "PNG")
-                data = buf.getvalue()
-            images.append(ImageData(data=data, param=param))
+            images.append(image_data(value.get("url") if isinstance(value, dict) else value,
+                                     f"messages[{i}].content[{j}]"))
             parts.append({"type": "image"})
         out.append({**msg, "content": parts})
     return {"messages": out, "images": images}
@@ -149,7 +153,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Complete every prompt; results in prompt order. priority (with policy="priority"): lower runs first."""
+        """Complete every prompt (text, {"prompt": text} or {"prompt_token_ids": ids}, the latter with vLLM's
+        "multi_modal_data": {"image": images} for a model that takes images); results in prompt order. priority (with
+        policy="priority"): lower runs first."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         reqs = [self._request(p, self._params(sampling_params, i), priority[i] if priority else 0)
@@ -210,8 +216,12 @@ class LLM:
         common = dict(rid=self.client.new_rid("cmpl"), sampling=params, arrival_time=time.time(), priority=priority)
         if isinstance(prompt, str):
             return GenerateRequest(prompt=prompt, **common)
-        if "prompt_token_ids" in prompt:
-            return GenerateRequest(prompt_token_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int32), **common)
+        if "prompt_token_ids" in prompt:  # (vLLM's multi_modal_data: the ids hold one image placeholder per image)
+            images = (prompt.get("multi_modal_data") or {}).get("image", [])
+            images = [image_data(im, f"multi_modal_data.image[{i}]")
+                      for i, im in enumerate(images if isinstance(images, list) else [images])]
+            return GenerateRequest(prompt_token_ids=np.asarray(prompt["prompt_token_ids"], dtype=np.int32),
+                                   images=images, **common)
         return GenerateRequest(prompt=prompt["prompt"], **common)
 
     def _run_all(self, reqs: list[GenerateRequest], prompts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:

@@ -185,7 +185,7 @@ class TokenizerActor(Actor):
     async def setup(self) -> dict[str, str]:
         path = model_dir(self.config)
         tok = None if self.config.model.skip_tokenizer_init else load_tokenizer(path, self.config.model.chat_template)
-        images = ImagePrompt(path) if takes_images(path) and tok is not None else None
+        images = ImagePrompt(path) if takes_images(path) else None
         self.core = RequestTokenizer(tok, max_model_len_of(self.config, path), eos_token_ids(tok, path),
                                      vocab_size_of(path), images, self.config.model.limit_mm_per_prompt.image)
         return {"max_model_len": str(self.core.max_model_len)}

@@ -16,7 +16,15 @@ import torch
 from helpers_engine import CORPUS, SPECIALS
 from helpers_optional import needs, require
 from helpers_server import start_server
-from helpers_vl import IMAGE, TEXT_VOCAB, hf_inputs, load_hf_vl_model, write_tiny_qwen3_vl_model
+from helpers_vl import (
+    IMAGE,
+    TEXT_VOCAB,
+    VISION_END,
+    VISION_START,
+    hf_inputs,
+    load_hf_vl_model,
+    write_tiny_qwen3_vl_model,
+)
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoImageProcessor, PreTrainedTokenizerFast
@@ -225,6 +233,30 @@ def test_an_encoder_actor_beside_the_worker_answers_as_the_steps_do_and_lets_go_
         assert actors["encoder/0"].encoder.num_pinned == 0 and not actors["scheduler/0"]._encoding
     for out, messages, imgs in zip(outs, conversations, images, strict=True):
         assert out.outputs[0].text == reference(messages, imgs)[0]
+
+
+def test_token_id_prompts_take_images_as_vllms_multi_modal_data(folder):
+    """LLM.generate({"prompt_token_ids": ids with one placeholder per image, "multi_modal_data": {"image": ...}}), as
+    vLLM's offline API takes it (what a benchmark with dummy weights and no tokenizer sends)."""
+    from flotilla import LLM, SamplingParams
+
+    hf = load_hf_vl_model(folder)
+    processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    ids = [11, 12, VISION_START, IMAGE, VISION_END, 13, VISION_START, IMAGE, VISION_END, 14]
+    pictures = [Image.open(io.BytesIO(DOG)), WIDE]
+    batch = processor(images=[Image.open(io.BytesIO(b)) for b in (DOG, WIDE)], return_tensors="pt")
+    grids = [tuple(g) for g in batch["image_grid_thw"].tolist()]
+    expanded, it = [], iter(grids)
+    for t in ids:
+        expanded.extend([IMAGE] * (int(np.prod(next(it))) // 4) if t == IMAGE else [t])
+    with torch.inference_mode():
+        want = hf.generate(**hf_inputs(expanded, batch["pixel_values"], grids), max_new_tokens=MAX_TOKENS,
+                           min_new_tokens=MAX_TOKENS, do_sample=False)[0, len(expanded):].tolist()
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), skip_tokenizer_init=True, kv_cache_blocks=128, block_size=4) as llm:
+        out, = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}], params,
+                            use_tqdm=False)
+    assert out.outputs[0].token_ids == want and out.num_prompt_tokens == len(expanded)
 
 
 @pytest.mark.slow
