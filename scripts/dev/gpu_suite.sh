@@ -6,7 +6,8 @@
 #   then, here:  mkdir -p .gpu-suite && cp FILES_AT/* .gpu-suite/   (summary.md, suite.json, suite.log, jit-*.tgz.NN)
 # The bundle carries what every test module imports beyond the image: build it with
 #   EXTRA_WHEELS="openai==2.54.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
-#     distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 typing-extensions==4.16.0 redis==8.1.0" bash ../shared/gpu/make-bundle.sh
+#     distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 typing-extensions==4.16.0 redis==8.1.0 xgrammar==0.2.9 pillow==11.3.0" \
+#     bash ../shared/gpu/make-bundle.sh
 # (openai 2.x: its 3.x client needs httpx2, httpcore2 and truststore, which the image lacks; the image has httpx,
 # httpcore, h11, anyio, idna, certifi and tqdm. No GPU test needs a redis-server.) Without them the tests that use
 # them skip, saying so.
