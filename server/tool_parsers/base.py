@@ -194,6 +194,36 @@ class CallsOutput:
     def tool_calls(self) -> list[ToolCall]:
         return [ToolCall(id=c.id, name=c.name, arguments="".join(c.parts)) for c in self._calls]
 
+    _buf: str
+    """Text received but not yet settled (the format's parser holds it)."""
+    _skip_ws: bool
+    """Just after a closing tag: the whitespace that follows it separates calls, it is not content."""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        self._run(final=False)
+        return self._take()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._run(final=True)
+        return self._take()
+
+    def _run(self, final: bool) -> None:
+        """Advance the format's state machine over the buffer (final: no more text comes)."""
+        raise NotImplementedError
+
+    def _unskipped(self) -> str | None:
+        """The buffer without the whitespace after a closing tag; None (the buffer emptied) while only whitespace has
+        come."""
+        buf = self._buf
+        if self._skip_ws:
+            buf = buf.lstrip()
+            if not buf:
+                self._buf = ""
+                return None
+            self._skip_ws = False
+        return buf
+
     def _take(self) -> tuple[str, list[ToolCallDelta]]:
         content = "".join(self._content)
         deltas = list(self._deltas.values())

@@ -23,7 +23,7 @@ import json
 import re
 
 from flotilla.server.protocol_types import ToolDefinition
-from flotilla.server.tool_parsers.base import CallsOutput, ToolCallDelta, first_of, held_back
+from flotilla.server.tool_parsers.base import CallsOutput, first_of, held_back
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -79,28 +79,15 @@ class Glm45ToolParser(CallsOutput):
         self._value_from = 0
         """While a value is being written: where the search for its closing tag resumes (0: not waiting on one)."""
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        self._run(final=False)
-        return self._take()
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._run(final=True)
-        return self._take()
-
     def _run(self, final: bool) -> None:
         steps = (self._step_content, self._step_head, self._step_args)
         while steps[self._phase](final):
             pass
 
     def _step_content(self, final: bool) -> bool:
-        buf = self._buf
-        if self._skip_ws:
-            buf = buf.lstrip()
-            if not buf:
-                self._buf = ""
-                return False
-            self._skip_ws = False
+        buf = self._unskipped()
+        if buf is None:
+            return False
         i = buf.find(CALL_START)
         if i >= 0:
             text = buf[:i].rstrip()

@@ -30,7 +30,7 @@ import json
 import re
 
 from flotilla.server.protocol_types import ToolDefinition
-from flotilla.server.tool_parsers.base import CallsOutput, JsonValueScanner, ToolCallDelta, partial_suffix
+from flotilla.server.tool_parsers.base import CallsOutput, JsonValueScanner, partial_suffix
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -79,15 +79,6 @@ class HermesToolParser(CallsOutput):
         """In a call body, where the closing-tag search resumes (keeps long bodies linear)."""
         self._scanner = JsonValueScanner()
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        self._run(final=False)
-        return self._take()
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._run(final=True)
-        return self._take()
-
     # ---- the state machine -------------------------------------------------------------------------
 
     def _run(self, final: bool) -> None:
@@ -117,14 +108,9 @@ class HermesToolParser(CallsOutput):
         self._end_search_from = 0
 
     def _step_content(self, final: bool) -> bool:
-        buf = self._buf
-        if self._skip_ws:
-            stripped = buf.lstrip()
-            if not stripped:
-                self._buf = ""
-                return False
-            buf = stripped
-            self._skip_ws = False
+        buf = self._unskipped()
+        if buf is None:
+            return False
         i = buf.find(TOOL_CALL_START)
         if i >= 0:
             before = buf[:i]

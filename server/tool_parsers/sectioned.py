@@ -23,7 +23,6 @@ from flotilla.server.protocol_types import ToolDefinition
 from flotilla.server.tool_parsers.base import (
     CallsOutput,
     JsonValueScanner,
-    ToolCallDelta,
     first_of,
     held_back,
 )
@@ -60,15 +59,6 @@ class SectionedToolParser(CallsOutput):
         self._openers = (self.SECTION_START, self.CALL_START)
         self._args_or_start = (*self.ARGS_ENDS, self.CALL_START)
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        self._buf += text
-        self._run(final=False)
-        return self._take()
-
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        self._run(final=True)
-        return self._take()
-
     def _run(self, final: bool) -> None:
         steps = (self._step_content, self._step_section, self._step_head, self._step_args, self._step_tail)
         while steps[self._phase](final):
@@ -77,13 +67,9 @@ class SectionedToolParser(CallsOutput):
     # ---- phases: each returns whether it changed phase (and the machine should run again) -------------------------
 
     def _step_content(self, final: bool) -> bool:
-        buf = self._buf
-        if self._skip_ws:
-            buf = buf.lstrip()
-            if not buf:
-                self._buf = ""
-                return False
-            self._skip_ws = False
+        buf = self._unskipped()
+        if buf is None:
+            return False
         i, tag = first_of(buf, self._openers)
         if tag is not None:
             text = buf[:i].rstrip()
