@@ -164,10 +164,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """GEMMs of an FP8 block-scaled checkpoint's linears (DeepSeek-V3's e4m3 weights with 128x128 scales): auto
     (triton on CUDA, torch elsewhere), or force one (deep_gemm: DeepGEMM's fp8_gemm_nt, Hopper only); a model
     without FP8 weights refuses a forced one."""
-    image_encoder: Literal["step", "actor"] = "step"
+    image_encoder: Literal["step", "actor", "remote"] = "step"
     """Where a model that takes images runs its vision tower: step (in the first prefill step that holds an image's
-    tokens) or actor (an encoder actor beside each worker, in its process, decodes and encodes a request's images as
-    it arrives, and the scheduler starts its prefill once they are ready)."""
+    tokens); actor (an encoder actor beside each worker, in its process, decodes and encodes a request's images as
+    it arrives, and the scheduler starts its prefill once they are ready); remote (as actor, but the tower runs in a
+    vision encoder of its own process, on image_encoder_device, and each worker's encoder actor reads the
+    embeddings from it over the KV data plane, kv_transfer_backend dlslime_tcp or local)."""
+    image_encoder_device: str | None = None
+    """Device of the vision encoder of its own (image_encoder = remote), e.g. cuda:1 for a GPU to itself; default:
+    the worker's device."""
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -271,6 +276,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise TypeError(f"unknown engine option {name!r}; known options: {known}")
             parts[owners[name]][name] = value
         return cls(**{part: msgspec.convert(values, _PARTS[part]) for part, values in parts.items()})
+
+    def __post_init__(self) -> None:
+        if self.worker.image_encoder == "remote" and self.disagg.kv_transfer_backend == "torch_dist":
+            raise ValueError("image_encoder=remote reads the embeddings with one-sided reads: kv_transfer_backend "
+                             "must be dlslime_tcp or local, not torch_dist")
 
     def to_dict(self) -> dict:
         return msgspec.to_builtins(self)

@@ -58,6 +58,11 @@ class SeqImages:
         return np.concatenate((head, np.broadcast_to(tail, (3, len(tail)))), axis=1)
 
 
+def unique_images(items: Sequence[ImageItem]) -> list[ImageItem]:
+    """Each image once (by content hash), in order of first appearance."""
+    return list({it.hash: it for it in items}.values())
+
+
 class ImageEncoder:
     """The vision tower of a model that takes images, with its embeddings cached by image content hash.
 
@@ -95,7 +100,7 @@ class ImageEncoder:
         """Each image's (embeddings [n, hidden], deepstack [layers, n, hidden]), encoding those not cached; on the
         caller's stream, after whatever stream wrote them."""
         with self._lock:
-            missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
+            missing = unique_images([it for it in items if it.hash not in self._cache])
             if missing:
                 self._insert(missing, *self._encode(missing))
             out = []
@@ -116,7 +121,7 @@ class ImageEncoder:
         with self._lock:
             self._pins.setdefault(rid, []).extend(it.hash for it in items)
             self._pinned.update(it.hash for it in items)
-            missing = list({it.hash: it for it in items if it.hash not in self._cache}.values())
+            missing = unique_images([it for it in items if it.hash not in self._cache])
         if not missing:
             return
         if self._stream is None:
@@ -127,6 +132,21 @@ class ImageEncoder:
                 made = self._encode(missing, self._stream)
         with self._lock:
             self._insert(missing, *made)
+
+    def rows(self, items: Sequence[ImageItem]) -> torch.Tensor:
+        """The images' embeddings as one tensor, a row per token: [tokens, 1 + DeepStack layers, hidden], each row the
+        token's embedding then its DeepStack features (what a vision encoder of its own stages for the workers)."""
+        return torch.cat([torch.cat((e.unsqueeze(1), d.transpose(0, 1)), dim=1) for e, d in self.embeddings(items)])
+
+    def put(self, rid: str, items: Sequence[ImageItem], rows: Sequence[torch.Tensor]) -> None:
+        """Keep embeddings made elsewhere, rows [tokens, 1 + layers, hidden] per image (`rows` for the same items),
+        and pin them for a request until release(rid), as prepare() does."""
+        with self._lock:
+            self._pins.setdefault(rid, []).extend(it.hash for it in items)
+            self._pinned.update(it.hash for it in items)
+            for it, r in zip(items, rows, strict=True):
+                if it.hash not in self._cache:
+                    self._insert([it], r[:, 0].contiguous(), r[:, 1:].transpose(0, 1).contiguous(), None)
 
     def release(self, rid: str) -> None:
         """Unpin what prepare() held for a request (its sequence left the worker, or it was aborted first)."""

@@ -15,6 +15,7 @@ ACTOR_KINDS: dict[str, str] = {
     "detokenizer": "flotilla.actors.detokenizer:DetokenizerActor",
     "kv_migration": "flotilla.actors.kv_migration:KVMigrationActor",
     "encoder": "flotilla.actors.encoder_actor:EncoderActor",
+    "vision_encoder": "flotilla.actors.vision_encoder:VisionEncoderActor",
 }
 """kind -> "module:Class"."""
 

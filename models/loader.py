@@ -83,6 +83,7 @@ def load_model(
     progress: bool = True,
     model_kwargs: Mapping[str, Any] | None = None,
     load_format: str = "auto",
+    vision_only: bool = False,
 ) -> LoadedModel:
     """Load the HF model folder `model` (None: the embedded default model) onto `device`.
 
@@ -91,6 +92,7 @@ def load_model(
     model_kwargs: extra keyword arguments for the model class, e.g. {"attention_backend": "torch"}.
     load_format: "auto" reads the safetensors; "dummy" (vLLM's name) needs only config.json and fills every
     parameter with small seeded random values on the device: real shapes for benchmarks, no weights to ship.
+    vision_only: the vision tower of a model that takes images, alone (the class's `vision_tower`).
     """
     started = time.perf_counter()
     if load_format not in ("auto", "dummy"):
@@ -100,11 +102,12 @@ def load_model(
     model_dir = _resolve_model_dir(model, progress)
     config = read_config(model_dir)
     if load_format == "dummy":
-        return _load_dummy(config, model_dir, dtype, torch.device(device), dict(model_kwargs or {}), started)
+        return _load_dummy(config, model_dir, dtype, torch.device(device), dict(model_kwargs or {}), started,
+                           vision_only)
     files = checkpoint_files(model_dir)
     target_dtype = resolve_dtype(dtype, config, files)
     torch_device = torch.device(device)
-    module = _build_module(config, model_dir, target_dtype, torch_device, dict(model_kwargs or {}))
+    module = _build_module(config, model_dir, target_dtype, torch_device, dict(model_kwargs or {}), vision_only)
 
     total = sum(_payload_bytes(path) for path in files)
     bar = tqdm(
@@ -141,9 +144,9 @@ def load_model(
 
 
 def _load_dummy(config: HFModelConfig, model_dir: Path, dtype: torch.dtype | str, device: torch.device,
-                kwargs: dict[str, Any], started: float) -> LoadedModel:
+                kwargs: dict[str, Any], started: float, vision_only: bool = False) -> LoadedModel:
     target = (config.torch_dtype or torch.float32) if isinstance(dtype, str) else dtype
-    module = _build_module(config, model_dir, target, device, kwargs)
+    module = _build_module(config, model_dir, target, device, kwargs, vision_only)
     generator = torch.Generator(device=device)
     # modules with a dummy_init_ (FP8 block-scaled linears: e4m3 weights + their scales) fill their own
     custom = [(name, m) for name, m in module.named_modules() if hasattr(m, "dummy_init_")]
@@ -266,13 +269,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _build_module(
-    config: HFModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, kwargs: dict[str, Any]
+    config: HFModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, kwargs: dict[str, Any],
+    vision_only: bool = False,
 ) -> nn.Module:
-    """Instantiate the config's model class with its parameters born on `device` in `dtype`."""
+    """Instantiate the config's model class (or its vision tower alone) with its parameters born on `device` in
+    `dtype`."""
     try:
         cls = get_model_class(config.architectures)
     except ValueError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
+    if vision_only:
+        if not hasattr(cls, "vision_tower"):
+            raise ModelLoadError(f"{model_dir.name} ({cls.__name__}) takes no images: it has no vision tower")
+        try:
+            with torch.device(device), _default_dtype(dtype):
+                return cls.vision_tower(config)
+        except ValueError as e:
+            raise ModelLoadError(f"{model_dir / 'config.json'}: {e}") from e
     accepted = inspect.signature(cls).parameters
     if unknown := [f"{k}={v!r}" for k, v in kwargs.items() if k not in accepted]:
         # e.g. a moe_backend forced for a model without experts: say so instead of ignoring it

@@ -102,6 +102,11 @@ class Qwen3VLMixin:
         self.mrope_component = tuple(component * 2)
         """Per column of the cos || sin table: the position row (0 t, 1 h, 2 w) its angle follows."""
 
+    @classmethod
+    def vision_tower(cls, config: HFModelConfig) -> Qwen3VLVisionTower:
+        """The model's vision tower alone (an encoder of its own loads only that part of the checkpoint)."""
+        return Qwen3VLVisionTower(config)
+
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The vision tower: pixel_values [sum t*h*w patches, C * T * P * P] and grid_thw int64 [N, 3] -> the images'
         tokens [n_tokens, hidden] and DeepStack features [n_deepstack, n_tokens, hidden], images in order."""
@@ -160,6 +165,27 @@ class Qwen3VLMixin:
         vision: set[str] = set()
         loaded = super().load_weights(self._split_weights(weights, vision))  # type: ignore[misc]
         return loaded | vision
+
+
+class Qwen3VLVisionTower(torch.nn.Module):
+    """A Qwen3-VL checkpoint's vision tower without its language model: what a vision encoder of its own runs
+    (image_encoder = remote); the checkpoint's `model.visual.` tensors, no others read."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        if config.vision is None:
+            raise ValueError("config.json has no vision_config: not a Qwen3-VL checkpoint")
+        self.config = config
+        self.visual = Qwen3VLVisionModel(config.vision)
+
+    encode_images = Qwen3VLMixin.encode_images
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return {"visual." + self.visual.load_tensor(name.removeprefix("model.visual."), tensor)
+                for name, tensor in weights if name.startswith("model.visual.")}
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        return lambda name: name.startswith("model.visual.")
 
 
 def _text_name(name: str) -> str:

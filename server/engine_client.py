@@ -163,9 +163,14 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
             worker["dist_init_methods"] = addresses
     if dp_ep:  # over TP ranks alone the experts use the TP group
         worker["ep_init_method"] = f"tcp://127.0.0.1:{free_tcp_port()}"
-    # an encoder actor beside each worker rank (image_encoder = actor; a decode engine has no prefill to feed)
-    encoders = (config.worker.image_encoder == "actor" and config.disagg.role != "decode"
+    # an encoder actor beside each worker rank (image_encoder = actor, or remote: then it reads the embeddings of a
+    # vision encoder of its own process); a decode engine has no prefill to feed
+    encoders = (config.worker.image_encoder != "step" and config.disagg.role != "decode"
                 and takes_images(model_dir(config)))
+    remote = encoders and config.worker.image_encoder == "remote"
+    if remote and config.disagg.kv_transfer_backend == "local" and placement == "process":
+        raise ValueError("image_encoder=remote with kv_transfer_backend=local needs every actor in one process "
+                         "(--single-process); between processes use dlslime_tcp")
     actors = [
         ActorSpec(name="tokenizer", kind="tokenizer", config=common),
         ActorSpec(name="scheduler", kind="scheduler", count=dp, config={**common, "workers": "worker",
@@ -181,7 +186,10 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
                                 config={**common, "workers": "worker"}))
     if encoders:
         actors.append(ActorSpec(name="encoder", kind="encoder", count=tp * dp, process="worker",
-                                config={**common, "workers": "worker", "tensor_parallel_size": tp}))
+                                config={**common, "workers": "worker", "tensor_parallel_size": tp,
+                                        "vision_encoder": "vision_encoder" if remote else ""}))
+    if remote:
+        actors.append(ActorSpec(name="vision_encoder", kind="vision_encoder", config=common))
     tcp: dict = {}
     if host is not None:
         if placement != "process":

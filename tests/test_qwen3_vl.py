@@ -242,3 +242,20 @@ def test_the_fused_rope_kernels_read_the_per_token_mrope_table(vl):
     want = PagedRunner(vl.model, block_size=4).step([(0, ids)], **kwargs)[0]
     torch.testing.assert_close(PagedRunner(fused.eval(), block_size=4).step([(0, ids)], **kwargs)[0], want, atol=1e-4,
                                rtol=0)
+
+
+def test_the_vision_tower_loads_alone_from_the_checkpoint_and_encodes_as_the_whole_model(vl, tmp_path):
+    """What a vision encoder of its own loads: only the `model.visual.` tensors; a text model has no tower to load."""
+    from flotilla.models.loader import ModelLoadError, load_model
+    from helpers_tiny_models import write_tiny_model
+
+    tower = load_model(vl.path, dtype="float32", vision_only=True, progress=False).module
+    assert {n.split(".")[0] for n, _ in tower.named_parameters()} == {"visual"}
+    grids = [(1, 8, 4), (1, 4, 6)]
+    pixels = random_pixels(grids, seed=3)
+    with torch.inference_mode():
+        for got, want in zip(tower.encode_images(pixels, torch.tensor(grids)),
+                             vl.model.encode_images(pixels, torch.tensor(grids)), strict=True):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+    with pytest.raises(ModelLoadError, match="takes no images"):
+        load_model(write_tiny_model(tmp_path / "text", "qwen3"), vision_only=True, progress=False)

@@ -342,3 +342,97 @@ def test_the_embeddings_cache_keeps_what_an_encoder_pinned_until_its_request_let
     encoder.embeddings([dog])
     assert cat.hash not in encoder._cache and encoder.num_pinned == 0
     torch.testing.assert_close(encoder.embeddings([cat])[0][0], embeds)  # encoded again, the same
+
+
+def test_a_vision_encoder_of_its_own_hands_embeddings_over_the_data_plane_as_colocated_ones(folder, reference):
+    """image_encoder = remote: the tower runs in the vision encoder alone; each image's rows reach the worker's encoder
+    by a data-plane read (local backend: one process), and every answer is the one the steps give."""
+    from flotilla import LLM, SamplingParams
+
+    conversations = [[{"role": "user", "content": [image_part(CAT), {"type": "text", "text": "hi"}]}],
+                     [{"role": "user", "content": [image_part(DOG), image_part(WIDE), image_part(DOG)]}],
+                     [{"role": "user", "content": [{"type": "text", "text": "again"}, image_part(CAT)]}]]
+    images = ([CAT], [DOG, WIDE, DOG], [CAT])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), image_encoder="remote", kv_transfer_backend="local", kv_cache_blocks=128, block_size=4,
+             max_num_batched_tokens=16, limit_mm_per_prompt={"image": 3}) as llm:
+        actors = llm.client.runtime.actors
+        outs = llm.chat(conversations, params, use_tqdm=False)
+        vision, encoder = actors["vision_encoder/0"], actors["encoder/0"]
+        assert vision.images_served == 4 and encoder.requests_encoded == len(conversations)
+        assert encoder.transfer.bytes_read > 0 and not vision._leases and vision.space.used == 0
+        llm.generate(["text alone"], params, use_tqdm=False)  # (its step tells the worker the others finished)
+        assert encoder.encoder.num_pinned == 0 and not encoder._wanted and not actors["scheduler/0"]._encoding
+    for out, messages, imgs in zip(outs, conversations, images, strict=True):
+        assert out.outputs[0].text == reference(messages, imgs)[0]
+
+
+@pytest.mark.slow
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_a_served_vision_encoder_process_feeds_two_tensor_parallel_ranks_over_dlslime(folder, reference):
+    """The vision encoder in a process of its own, its staging region read over TCP by the encoder actors of both
+    tensor-parallel ranks (each in its worker's process); streamed answers equal transformers'."""
+    srv = start_server(str(folder), "--image-encoder", "remote", "--kv-transfer-backend", "dlslime_tcp",
+                       "--tensor-parallel-size", "2", "--block-size", "4", "--kv-cache-blocks", "128",
+                       "--max-model-len", "256", "--max-num-batched-tokens", "16", timeout=300)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for messages, images in (([{"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"},
+                                                                 image_part(WIDE)]}], [DOG, WIDE]),
+                                 ([{"role": "user", "content": [image_part(CAT)]}], [CAT])):
+            assert ask(client, messages, stream=True)[0] == reference(messages, images)[0]
+        assert any("vision_encoder/0 ready" in line for line in srv.log), "".join(srv.log[-30:])
+        assert sum("(Qwen3VLVisionTower" in line for line in srv.log) == 1, "".join(srv.log[-30:])
+    finally:
+        assert srv.stop() == 0, "".join(srv.log[-30:])
+
+
+def test_a_vision_encoder_staging_one_image_at_a_time_serves_a_batch_and_a_failed_encoding_fails_its_request_alone(
+        folder, reference, monkeypatch):
+    """A staging region that holds one image's rows: images wait for the rows their readers give back, and a batch of
+    requests still answers as transformers does; a tower that raises fails that request with the reason and leaves
+    nothing held, and the next request is served."""
+    from flotilla import LLM, SamplingParams
+    from flotilla.actors import vision_encoder
+    from flotilla.server.engine_client import RequestFailed
+
+    monkeypatch.setattr(vision_encoder, "STAGING_TOKENS", 0)  # (the processor's largest image: 16 tokens)
+    big = [png(128, 128, seed) for seed in (10, 11, 12)]  # 16 tokens each
+    conversations = [[{"role": "user", "content": [image_part(big[0]), image_part(WIDE)]}],
+                     [{"role": "user", "content": [image_part(big[1]), {"type": "text", "text": "hi"},
+                                                   image_part(big[2])]}],
+                     [{"role": "user", "content": [image_part(big[2]), image_part(CAT)]}]]
+    images = ([big[0], WIDE], [big[1], big[2]], [big[2], CAT])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), image_encoder="remote", kv_transfer_backend="local", kv_cache_blocks=128, block_size=4,
+             max_num_batched_tokens=16) as llm:
+        vision = llm.client.runtime.actors["vision_encoder/0"]
+        assert vision.space.rows == 16
+        outs = llm.chat(conversations, params, use_tqdm=False)
+        for out, messages, imgs in zip(outs, conversations, images, strict=True):
+            assert out.outputs[0].text == reference(messages, imgs)[0]
+
+        def broken(items):
+            raise RuntimeError("the tower fell over")
+
+        monkeypatch.setattr(vision.encoder, "rows", broken)
+        with pytest.raises(RequestFailed, match="encoding its images failed: RuntimeError: the tower fell over"):
+            llm.chat([{"role": "user", "content": [image_part(png(30, 70, 5))]}], params, use_tqdm=False)
+        monkeypatch.undo()
+        out, = llm.chat(conversations[0], params, use_tqdm=False)
+        assert out.outputs[0].text == reference(conversations[0], images[0])[0]
+        encoder = llm.client.runtime.actors["encoder/0"]
+        assert not vision._leases and not encoder._wanted and not llm.client.runtime.actors["scheduler/0"]._encoding
+
+
+def test_a_vision_encoder_of_its_own_is_refused_a_data_plane_it_cannot_read_from(folder):
+    from flotilla.config import EngineConfig
+    from flotilla.server.engine_client import engine_topology
+
+    with pytest.raises(ValueError, match="one-sided reads: kv_transfer_backend must be dlslime_tcp or local"):
+        EngineConfig.from_options(model=str(folder), image_encoder="remote", kv_transfer_backend="torch_dist")
+    config = EngineConfig.from_options(model=str(folder), image_encoder="remote", kv_transfer_backend="local")
+    with pytest.raises(ValueError, match="needs every actor in one process"):
+        engine_topology(config, placement="process")
+    topo = engine_topology(config, placement="inline")
+    assert topo.spec("vision_encoder").process == "" and topo.spec("encoder").config["vision_encoder"]

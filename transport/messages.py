@@ -221,6 +221,54 @@ class ImagesEncodedEvent(Message):
 
 
 # ---------------------------------------------------------------------------------------------
+# encoder <-> vision encoder of its own (image_encoder = remote): the embeddings move on the data plane
+
+
+class EmbedImagesRequest(Message):
+    """A worker rank's encoder asks the vision encoder for a request's images' embeddings."""
+
+    rid: str
+    """The request."""
+    images: list[ImageItem]
+    """Its images, in prompt order."""
+    reply_to: str
+    """The asking encoder's inbox (a ZeroMQ URL)."""
+
+
+class ImageEmbeddingsEvent(Message):
+    """The vision encoder's answer: where the images' embedding rows lie in its data plane's staging region, until
+    ImageEmbeddingsReleased. Row i holds token i's embedding then its DeepStack features, [1 + layers, hidden]."""
+
+    rid: str
+    """The request."""
+    lease: int = 0
+    """Names the rows' hold on the staging region (ImageEmbeddingsReleased gives it back)."""
+    endpoint: EndpointInfo | None = None
+    """How to reach the vision encoder's data plane."""
+    region: RegionInfo | None = None
+    """Its staging region."""
+    offset: int = 0
+    """Byte offset of the first row in the region."""
+    tokens: int = 0
+    """Rows: the images' tokens, in prompt order."""
+    layers: int = 0
+    """DeepStack features per token."""
+    hidden: int = 0
+    """Width of each embedding."""
+    dtype: str = ""
+    """Their dtype (`bfloat16`, ...)."""
+    error: str | None = None
+    """Why the images could not be encoded (the request then fails; nothing is held)."""
+
+
+class ImageEmbeddingsReleased(Message):
+    """The asking encoder has read (or given up on) a lease's rows: the vision encoder may reuse them."""
+
+    lease: int
+    """ImageEmbeddingsEvent.lease."""
+
+
+# ---------------------------------------------------------------------------------------------
 # 3./4. scheduler <-> GPU worker
 
 
