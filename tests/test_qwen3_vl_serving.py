@@ -286,14 +286,18 @@ def test_tensor_parallel_ranks_each_run_the_vision_tower_and_answer_as_transform
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("encoder", ["step", "actor"])
+@pytest.mark.parametrize("encoder", ["step", "actor", "remote"])
 def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, reference, encoder):
     """Decode steps replayed from CUDA graphs carry each sequence's rope delta (fp32, so tokens match exactly); an
-    encoder actor's embeddings, made on its own CUDA stream, are read after that stream wrote them."""
+    encoder actor's embeddings, made on its own CUDA stream, are read after that stream wrote them; a vision encoder
+    of its own process stages them through pinned host memory for dlslime."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    if encoder == "remote":
+        require("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
     srv = start_server(str(folder), "--device", "cuda", "--dtype", "float32", "--block-size", "16",
-                       "--kv-cache-blocks", "64", "--max-model-len", "256", "--image-encoder", encoder, timeout=600)
+                       "--kv-cache-blocks", "64", "--max-model-len", "256", "--image-encoder", encoder,
+                       "--kv-transfer-backend", "dlslime_tcp", timeout=600)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         for messages, images in (([{"role": "user", "content": [image_part(CAT)]}], [CAT]),
