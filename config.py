@@ -220,9 +220,10 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill-decode disaggregation and serving other nodes: the engine's role, how its KV blocks move, and how long
     it serves a front end that went away."""
 
-    role: Literal["both", "prefill", "decode"] = "both"
+    role: Literal["both", "prefill", "decode", "encoder"] = "both"
     """Prefill-decode disaggregation role: both runs prompts and generation here; prefill runs prompts, samples the
-    first token and hands the prompt's KV to a decode engine; decode pulls that KV and generates."""
+    first token and hands the prompt's KV to a decode engine; decode pulls that KV and generates; encoder runs only a
+    model's vision tower, for the prefills of engines with image_encoder = remote that the router pairs it with."""
     kv_transfer_backend: Literal["dlslime_tcp", "torch_dist", "local"] = "dlslime_tcp"
     """How KV blocks move between engines: dlslime_tcp (one-sided reads over TCP, between processes or hosts; a GPU
     KV cache goes through host staging buffers); torch_dist (NCCL send/recv straight between GPU KV caches, e.g.

@@ -7,16 +7,19 @@ stream of its own; the scheduler starts the request's prefill when every rank's 
 ImagesEncodedEvent. The embeddings stay pinned until the worker lets go of the sequence (or the scheduler sends an
 empty EncodeImagesCmd for a request aborted before its prefill).
 
-With worker.image_encoder = remote the tower runs in a vision encoder of its own (actors/vision_encoder.py): this
-actor asks it for the request's images (EmbedImagesRequest), reads each image's rows from its staging region over
-the KV data plane as ImageEmbeddingsEvent names them, gives the rows back, and puts the embeddings into its worker's
-cache (pinned as above) before it answers the scheduler.
+With worker.image_encoder = remote the tower runs in a vision encoder of its own (actors/vision_encoder.py): the
+engine's own, or an engine of role encoder that the router named for the request (EncodeImagesCmd.vision_encoder).
+This actor asks it for the request's images (EmbedImagesRequest), reads each image's rows from its staging region
+over the KV data plane as ImageEmbeddingsEvent names them, gives the rows back, and puts the embeddings into its
+worker's cache (pinned as above) before it answers the scheduler. A vision encoder silent for kv_transfer_timeout_s
+(gone) fails the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 
 WAIT_FOR_WORKER_S = 0.05
 """How often setup looks for its worker's loaded model, seconds."""
+WATCH_S = 1.0
+"""How often a remote-mode encoder looks for vision encoders that went silent, seconds."""
 
 
 @dataclass
@@ -47,6 +52,10 @@ class _Wanted:
     """A request's images asked of the vision encoder of its own, and what came back so far."""
 
     images: list[ImageItem]
+    source: str
+    """The vision encoder's inbox."""
+    heard: float = field(default_factory=time.monotonic)
+    """When it was asked, or last answered (time.monotonic())."""
     rows: list[torch.Tensor] = field(default_factory=list)
     answered: int = 0
     error: str | None = None
@@ -71,8 +80,11 @@ class EncoderActor(Actor):
         self._task: asyncio.Task | None = None
         self.requests_encoded = 0
         """Requests whose images this encoder made ready."""
-        self.remote = str(ctx.config.get("vision_encoder", ""))
-        """The vision encoder of its own that runs the tower (image_encoder = remote); empty: this actor runs it."""
+        self.remote = False
+        """image_encoder = remote: a vision encoder of its own runs the tower, this actor reads its embeddings."""
+        own = str(ctx.config.get("vision_encoder", ""))
+        self.own = ctx.endpoints.of(own) if own else None
+        """The engine's own vision encoder's inbox; None: each request names one (an engine of role encoder)."""
         self.transfer = None
         self._wanted: dict[str, _Wanted] = {}
         self._peers: set[str] = set()
@@ -88,14 +100,17 @@ class EncoderActor(Actor):
         if runner.encoder is None:
             raise RuntimeError(f"{runner.loaded.model_dir.name} takes no images: an encoder actor has nothing to run")
         self.encoder = runner.encoder
+        config = EngineConfig.from_dict(self.ctx.config["engine"])
+        self.remote = config.worker.image_encoder == "remote"
         if self.remote:
-            config = EngineConfig.from_dict(self.ctx.config["engine"])
+            self.timeout_s = config.disagg.kv_transfer_timeout_s
             self.transfer = create_kv_transfer_engine(config.disagg.kv_transfer_backend,
                                                       **staging_backend_options(config))
             vision = runner.loaded.config.vision
             self.device, self.dtype = runner.device, runner.dtype
             self.row_shape = (1 + len(vision.deepstack_visual_indexes), vision.out_hidden_size)
-            return {"encoder": f"reads {self.remote}'s embeddings ({self.transfer.backend})"}
+            self._task = asyncio.create_task(self._watch())
+            return {"encoder": f"reads the embeddings of {self.own or 'encoder engines'} ({self.transfer.backend})"}
         self._task = asyncio.create_task(self._serve())
         return {"encoder": "vision tower"}
 
@@ -106,9 +121,15 @@ class EncoderActor(Actor):
         if not self.remote:
             self._queue.put_nowait(cmd)  # (one at a time, in arrival order: a release never overtakes its request)
         elif cmd.images:
+            source = cmd.vision_encoder or self.own
+            if source is None:
+                await self._answer(cmd.rid, "no vision encoder: this engine runs none of its own (image_encoder "
+                                            "remote, beside engines of role encoder) and none was live to route to",
+                                   unavailable=True)
+                return
             images = unique_images(cmd.images)
-            self._wanted[cmd.rid] = _Wanted(images)
-            await self.send(self.remote, EmbedImagesRequest(rid=cmd.rid, images=images, reply_to=self.address))
+            self._wanted[cmd.rid] = _Wanted(images, source)
+            await self.send_to(source, EmbedImagesRequest(rid=cmd.rid, images=images, reply_to=self.address))
         elif (wanted := self._wanted.get(cmd.rid)) is not None:
             wanted.cancelled = True
         else:
@@ -122,11 +143,12 @@ class EncoderActor(Actor):
                     wanted.rows.append(await self._read(ev))
             except Exception as e:  # noqa: BLE001 (the request fails with the reason; the encoder serves on)
                 log.warning("%s: reading the image embeddings of %s failed: %s", self.label, ev.rid, e)
-                wanted.error = f"reading its image embeddings from {self.remote} failed: {type(e).__name__}: {e}"
+                wanted.error = f"reading its image embeddings from {ev.sender} failed: {type(e).__name__}: {e}"
             finally:
-                await self.send(self.remote, ImageEmbeddingsReleased(lease=ev.lease))
+                await self.send_to(ev.sender, ImageEmbeddingsReleased(lease=ev.lease))
         if wanted is None:
             return
+        wanted.heard = time.monotonic()
         wanted.answered += 1
         wanted.error = wanted.error or ev.error
         if wanted.error is None and wanted.answered < len(wanted.images):
@@ -137,8 +159,24 @@ class EncoderActor(Actor):
         if wanted.error is None:
             self.encoder.put(ev.rid, wanted.images, wanted.rows)
             self.requests_encoded += 1
-        await self.send(self.scheduler, ImagesEncodedEvent(rid=ev.rid, rank=self.rank, error=wanted.error),
+        await self._answer(ev.rid, wanted.error)
+
+    async def _answer(self, rid: str, error: str | None, unavailable: bool = False) -> None:
+        await self.send(self.scheduler, ImagesEncodedEvent(rid=rid, rank=self.rank, error=error,
+                                                           status=503 if unavailable else 500),
                         instance=self.rank // self.tp)
+
+    async def _watch(self) -> None:
+        """Fail the requests whose vision encoder has said nothing for timeout_s (it died, or lost them)."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            silent = time.monotonic() - self.timeout_s
+            for rid, wanted in list(self._wanted.items()):
+                if wanted.heard < silent:
+                    del self._wanted[rid]
+                    if not wanted.cancelled:
+                        await self._answer(rid, f"the vision encoder at {wanted.source} did not answer in "
+                                                f"{self.timeout_s:g} s", unavailable=True)
 
     async def _read(self, ev: ImageEmbeddingsEvent) -> torch.Tensor:
         """One image's rows [tokens, 1 + layers, hidden] from the vision encoder's staging region, on this device."""
@@ -172,5 +210,4 @@ class EncoderActor(Actor):
                 log.exception("%s: encoding the images of %s failed", self.label, cmd.rid)
                 self.encoder.release(cmd.rid)
                 error = f"encoding its images failed: {type(e).__name__}: {e}"
-            await self.send(self.scheduler, ImagesEncodedEvent(rid=cmd.rid, rank=self.rank, error=error),
-                            instance=self.rank // self.tp)
+            await self._answer(cmd.rid, error)

@@ -159,7 +159,8 @@ class SchedulerActor(Actor):
             ranks = set(range(self.first_worker, self.first_worker + self.num_ranks))
             self._encoding[req.rid] = (req, ranks)
             for rank in sorted(ranks):
-                await self.send(self.encoders, EncodeImagesCmd(rid=req.rid, images=req.images), instance=rank)
+                cmd = EncodeImagesCmd(rid=req.rid, images=req.images, vision_encoder=req.vision_encoder)
+                await self.send(self.encoders, cmd, instance=rank)
             return
         await self._accept(req)
 
@@ -172,7 +173,7 @@ class SchedulerActor(Actor):
         if ev.error is not None:
             del self._encoding[ev.rid]
             await self._release_images(ev.rid, ranks - {ev.rank})
-            await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, status=500, message=ev.error))
+            await self.reply(req.reply_to, RequestFailedEvent(rid=req.rid, status=ev.status, message=ev.error))
             return
         ranks.discard(ev.rank)
         if not ranks:

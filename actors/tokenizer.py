@@ -164,7 +164,8 @@ class RequestTokenizer:
                                code="context_length_exceeded")
         return TokenizedRequest(rid=req.rid, prompt_ids=ids, sampling=sampling, eos_token_ids=self.eos_ids,
                                 images=images, arrival_time=req.arrival_time, priority=req.priority,
-                                transfer_id=req.transfer_id, peer=req.peer, reply_to=req.reply_to)
+                                transfer_id=req.transfer_id, peer=req.peer, reply_to=req.reply_to,
+                                vision_encoder=req.vision_encoder)
 
 
 class TokenizerActor(Actor):

@@ -158,7 +158,7 @@ class VisionEncoderActor(Actor):
             except Exception as e:  # noqa: BLE001 (the request fails with the reason; the encoder serves on)
                 log.exception("%s: encoding the images of %s failed", self.label, req.rid)
                 await self.send_to(req.reply_to, ImageEmbeddingsEvent(
-                    rid=req.rid, error=f"encoding its images failed: {type(e).__name__}: {e}"))
+                    rid=req.rid, sender=self.address, error=f"encoding its images failed: {type(e).__name__}: {e}"))
                 continue
             at = 0
             for image in images:
@@ -182,7 +182,7 @@ class VisionEncoderActor(Actor):
         self._leases[lease] = (start, time.monotonic())
         self.images_served += 1
         await self.send_to(req.reply_to, ImageEmbeddingsEvent(
-            rid=req.rid, lease=lease, endpoint=self.transfer.endpoint_info(), region=self.region,
+            rid=req.rid, sender=self.address, lease=lease, endpoint=self.transfer.endpoint_info(), region=self.region,
             offset=start * self.staging[0].numel() * self.dtype.itemsize, tokens=n, layers=self.layers,
             hidden=self.hidden, dtype=str(self.dtype).removeprefix("torch.")))
 

@@ -168,7 +168,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="start several engines behind this server, one per role listed, each in its own supervised "
                         "processes, and route every request: `prefill,decode` = prefill-decode disaggregation "
                         "(1P1D), `prefill,decode,decode` = 1P2D, `both,both` = two colocated engines (data "
-                        "parallel); default: one engine of --role (which must then be both)")
+                        "parallel), `encoder,prefill,decode` = a vision encoder for the images of the prefills "
+                        "(encoder-prefill-decode; the others get --image-encoder remote); default: one engine of "
+                        "--role (which must then be both)")
     p.add_argument("--registry", default=None, metavar="URL",
                    help="service registry of the engines: `memory` (this process) or redis://HOST:PORT/DB (shared "
                         "with other nodes: front ends that share one route to each other's engines too, e.g. this "
@@ -243,18 +245,24 @@ def fleet_engines(spec: str | None, config: EngineConfig, registry: str | None,
             return None
         spec = config.disagg.role
     roles = [r.strip() for r in spec.split(",") if r.strip()]
-    if not roles or any(r not in ("prefill", "decode", "both") for r in roles):
-        raise ValueError(f"--engines takes roles prefill, decode or both, comma-separated; got {spec!r}")
+    if not roles or any(r not in ("prefill", "decode", "both", "encoder") for r in roles):
+        raise ValueError(f"--engines takes roles prefill, decode, both or encoder, comma-separated; got {spec!r}")
     if ("prefill" in roles) != ("decode" in roles) and not shared:
         raise ValueError(f"--engines {spec}: prefill engines need decode engines and the other way round (or a "
                          "redis:// --registry shared with another node's)")
+    if set(roles) == {"encoder"} and not shared:
+        raise ValueError(f"--engines {spec}: encoder engines run the vision tower for other engines' prefills: list "
+                         "prefill,decode or both engines too (or share a redis:// --registry with another node's)")
     counts: dict[str, int] = {}
     engines = []
     for role in roles:
         i = counts[role] = counts.get(role, -1) + 1
         name = f"{prefix}{'engine' if role == 'both' else role}-{i}"
-        engines.append((name, msgspec.structs.replace(config, disagg=msgspec.structs.replace(config.disagg,
-                                                                                             role=role))))
+        worker = config.worker
+        if "encoder" in roles and role != "encoder":  # beside encoder engines the others read their embeddings
+            worker = msgspec.structs.replace(worker, image_encoder="remote")
+        engines.append((name, msgspec.structs.replace(config, worker=worker, disagg=msgspec.structs.replace(
+            config.disagg, role=role))))
     return _own_gpus(engines)
 
 

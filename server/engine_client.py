@@ -126,7 +126,8 @@ async def deltas(queue: asyncio.Queue, outcome: Outcome) -> AsyncIterator[SeqTex
 
 
 def engine_topology(config: EngineConfig, placement: str = "inline", name: str = "engine",
-                    options: RuntimeOptions | None = None, host: str | None = None) -> Topology:
+                    options: RuntimeOptions | None = None, host: str | None = None,
+                    own_vision_encoder: bool = True) -> Topology:
     """The actors of one engine, wired by name; each gets the whole EngineConfig.
 
     A prefill or decode engine also runs a KV-migration actor per worker rank, in the worker's process
@@ -137,9 +138,22 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     parallelism the data-parallel ranks' workers meet at one more address instead, all tp x dp of them, and their
     TP groups are sub-groups of that world (over the tensor-parallel ranks alone the experts need none: their
     group is the TP group). `host`: every actor listens on TCP there (other nodes' front ends send it requests),
-    not on this machine's Unix sockets."""
+    not on this machine's Unix sockets. An engine of role encoder is its vision encoder alone; with
+    image_encoder = remote another engine starts a vision encoder of its own unless `own_vision_encoder` is False
+    (a fleet's engines beside encoder engines: the router names one per request)."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
+    tcp: dict = {}
+    if host is not None:
+        if placement != "process":
+            raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
+        tcp = {"transport": "tcp", "supervisor_host": host}
+    if config.disagg.role == "encoder":
+        if not takes_images(model_dir(config)):
+            raise ValueError(f"an encoder engine runs a vision tower: {model_dir(config).name} takes no images")
+        actors = [ActorSpec(name="vision_encoder", kind="vision_encoder", config=common)]
+        return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
+                        actors=[msgspec.structs.replace(a, host=host) for a in actors] if host else actors, **tcp)
     disagg = config.disagg.role != "both"
     tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
     worker = dict(common)
@@ -167,7 +181,7 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     # vision encoder of its own process); a decode engine has no prefill to feed
     encoders = (config.worker.image_encoder != "step" and config.disagg.role != "decode"
                 and takes_images(model_dir(config)))
-    remote = encoders and config.worker.image_encoder == "remote"
+    remote = encoders and config.worker.image_encoder == "remote" and own_vision_encoder
     if remote and config.disagg.kv_transfer_backend == "local" and placement == "process":
         raise ValueError("image_encoder=remote with kv_transfer_backend=local needs every actor in one process "
                          "(--single-process); between processes use dlslime_tcp")
@@ -190,12 +204,8 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
                                         "vision_encoder": "vision_encoder" if remote else ""}))
     if remote:
         actors.append(ActorSpec(name="vision_encoder", kind="vision_encoder", config=common))
-    tcp: dict = {}
     if host is not None:
-        if placement != "process":
-            raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
         actors = [msgspec.structs.replace(a, host=host) for a in actors]
-        tcp = {"transport": "tcp", "supervisor_host": host}
     return Topology(name=name, placement=placement, options=options or RuntimeOptions(), clients=[FRONTEND],
                     actors=actors, **tcp)
 
@@ -225,16 +235,18 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig, placement: str = "inline", trace: bool = False,
                  options: RuntimeOptions | None = None, name: str = "engine", host: str | None = None,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, own_vision_encoder: bool = True) -> None:
         """host: the engine's actors listen on TCP there, for other nodes' front ends (engine_topology).
-        restarts: how many times in a row a failed engine is started again before the client gives up."""
+        restarts: how many times in a row a failed engine is started again before the client gives up.
+        own_vision_encoder: see engine_topology."""
         if restarts < 0:
             raise ValueError(f"restarts must be >= 0, got {restarts}")
         self.config = config
         self.name = name
-        self._topology_args = (config, placement, name, options, host)
+        self._topology_args = (config, placement, name, options, host, own_vision_encoder)
         self._trace = trace
-        self.topology = engine_topology(config, placement, name=name, options=options, host=host)
+        self.topology = engine_topology(config, placement, name=name, options=options, host=host,
+                                        own_vision_encoder=own_vision_encoder)
         self.runtime = Runtime(self.topology, trace=trace)
         self._pending: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
@@ -283,7 +295,9 @@ class EngineClient:
         eps = self.runtime.endpoints
         self.inbox = Inbox(self.runtime.zmq, eps.of(FRONTEND), (TextDelta, RequestFailedEvent, SchedulerStatsEvent,
                                                                 ExpertLoadEvent))
-        self.to_tokenizer = Outbox(self.runtime.zmq, eps.of("tokenizer"))
+        # (an encoder engine takes no requests: the vision encoders of other engines' encoder actors ask it)
+        self.to_tokenizer = None if self.config.disagg.role == "encoder" else Outbox(self.runtime.zmq,
+                                                                                    eps.of("tokenizer"))
         self._recv_task = asyncio.create_task(self._receive(), name="engine-client-recv")
         self.runtime.on_failure.append(self._engine_died)
 
@@ -301,7 +315,8 @@ class EngineClient:
             await asyncio.gather(self._recv_task, return_exceptions=True)
             self._recv_task = None
             self.inbox.close()
-            self.to_tokenizer.close()
+            if self.to_tokenizer is not None:
+                self.to_tokenizer.close()
 
     @property
     def restarting(self) -> bool:
@@ -452,8 +467,9 @@ class EngineClient:
             log.warning("engine %s: restarting in %.0f s (restart %d of at most %d in a row)", self.name, delay,
                         self._in_a_row, self.max_restarts)
             await asyncio.sleep(delay)
-            config, placement, name, options, host = self._topology_args
-            self.topology = engine_topology(config, placement, name=name, options=options, host=host)
+            config, placement, name, options, host, own = self._topology_args
+            self.topology = engine_topology(config, placement, name=name, options=options, host=host,
+                                            own_vision_encoder=own)
             self.runtime = Runtime(self.topology, trace=self._trace)
             try:
                 await self.start()

@@ -75,6 +75,9 @@ from flotilla.transport.registry import (
 
 log = logging.getLogger(__name__)
 
+VISION_ENCODER = "vision_encoder/0"
+"""An encoder engine's actor, by its registry address key."""
+
 ROUTE_ATTEMPTS = 3
 """Routings of one request whose engine dies, or whose KV hand-off fails, before its first delta (Fleet.stream)."""
 
@@ -137,9 +140,13 @@ class Fleet:
         """Other nodes' front ends see this registry: route to their engines, and let them reach ours (TCP)."""
         self.engine_host = engine_host or "127.0.0.1"
         host = self.engine_host if self.shared else None
-        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host, restarts=restarts)
-                        for name, cfg in engines}  # fmt: skip
         self.roles = {name: cfg.disagg.role for name, cfg in engines}
+        # beside encoder engines (this node's, or with a shared registry another's) an engine with image_encoder =
+        # remote runs no vision encoder of its own: the router names one per request
+        own = "encoder" not in self.roles.values() and not self.shared
+        self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host, restarts=restarts,
+                                           own_vision_encoder=own)
+                        for name, cfg in engines}  # fmt: skip
         self.remote: dict[str, RemoteEngine] = {}
         """Other nodes' engines this front end has routed to, by engine id (dead ones until they register again)."""
         self._remote_roles: set[str] = set()  # roles of other nodes' live engines, at the last registry read
@@ -217,7 +224,8 @@ class Fleet:
         """Engine `name` is ready (at start, or restarted with new addresses): reach its scheduler, and put it in the
         registry with a heartbeat."""
         client = self.clients[name]
-        self._schedulers[name] = Outbox(client.runtime.zmq, client.runtime.endpoints.of("scheduler"))
+        if self.roles[name] != "encoder":  # (an encoder engine has no scheduler, and no transfers to speak for)
+            self._schedulers[name] = Outbox(client.runtime.zmq, client.runtime.endpoints.of("scheduler"))
         hb = Heartbeat(self.registry, self.engine_info(name), lambda c=client: self._load(c), self.heartbeat_interval_s)
         await hb.start()
         self._heartbeats[name] = hb
@@ -314,7 +322,9 @@ class Fleet:
 
     @property
     def ready_detail(self) -> dict[str, dict[str, str]]:
-        return next(iter(self.clients.values())).ready_detail
+        """The first engine's that serves requests (an encoder engine's has no worker)."""
+        serving = [c for n, c in self.clients.items() if self.roles[n] != "encoder"]
+        return (serving or list(self.clients.values()))[0].ready_detail
 
     @property
     def stats(self) -> SchedulerStatsEvent | None:
@@ -358,14 +368,18 @@ class Fleet:
         """One routing of the request: `engines` gets the engines it went to."""
         try:
             roles = {e.role for e in await self.view.engines(model=self.model)}
-            if "prefill" in roles and "decode" in roles:
+            pair = "prefill" in roles and "decode" in roles
+            if pair:
                 prefill, decode = await self.router.pick_pair()
                 engines += [prefill.engine_id, decode.engine_id]
-                source = self._stream_pd(req, self._engine(prefill), self._engine(decode))
             else:
                 info = await self.router.pick()
                 engines.append(info.engine_id)
-                source = self._engine(info).stream(req)
+            if req.images and "encoder" in roles and (encoder := await self.router.pick_encoder()) is not None:
+                engines.append(encoder.engine_id)  # (its prefill's encoder actors ask it for the embeddings)
+                req = msgspec.structs.replace(req, vision_encoder=encoder.addresses[VISION_ENCODER])
+            source = (self._stream_pd(req, self._engine(prefill), self._engine(decode)) if pair
+                      else self._engine(info).stream(req))
         except NoEngineError:
             live = ", ".join([f"{n} ({self.roles[n]})" for n, c in self.clients.items() if c.alive]
                              + [f"{n} ({r.role})" for n, r in self.remote.items() if r.alive]) or "none"

@@ -1,9 +1,10 @@
 """The router: which engine(s) serve the next request, from what the registry says about them.
 
-Two decisions, both least-loaded-first:
-  pick()      — one colocated engine (role "both") for plain data-parallel serving;
-  pick_pair() — a prefill engine and a decode engine for a disaggregated request (dedicated roles
-                preferred; a colocated engine stands in for a missing role).
+Three decisions, all least-loaded-first:
+  pick()         — one colocated engine (role "both") for plain data-parallel serving;
+  pick_pair()    — a prefill engine and a decode engine for a disaggregated request (dedicated roles
+                   preferred; a colocated engine stands in for a missing role);
+  pick_encoder() — an encoder engine (a vision tower) for a request with images, when one is live.
 
 Loads in the registry are as fresh as the engines' last heartbeat, so a burst of requests between two
 heartbeats would all land on the same "least loaded" engine. The router therefore adds the requests it
@@ -42,6 +43,11 @@ class Router:
         prefill = self._take(self._for(engines, "prefill"), "prefill")
         decode = self._take(self._for(engines, "decode", exclude=prefill.engine_id), "decode")
         return prefill, decode
+
+    async def pick_encoder(self) -> EngineInfo | None:
+        """The least loaded encoder engine; None when none is live (the engines encode images themselves)."""
+        engines = await self.registry.engines(role="encoder", model=self.model)
+        return self._take(engines, "encoder") if engines else None
 
     def finished(self, engine_id: str) -> None:
         """A request assigned to this engine ended before the engine reported again."""

@@ -194,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
         if config.model.chat_template is not None:
             chat_template_text(config.model.chat_template)
         if args.single_process and engines and any(c.disagg.role != "both" for _, c in engines):
-            raise ValueError("prefill and decode engines talk across processes: drop --single-process")
+            raise ValueError("prefill, decode and encoder engines talk across processes: drop --single-process")
         if args.single_process and shared_registry(args.registry):
             raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
         if args.engine_host in ("0.0.0.0", "::", "*", ""):

@@ -77,6 +77,19 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_when_there_are_enough(monkeypa
     assert devices("prefill,decode") == ["auto", "auto"]
 
 
+def test_engines_beside_an_encoder_engine_read_its_embeddings_and_an_encoder_alone_is_refused():
+    from flotilla.config import EngineConfig
+    from flotilla.server.cli import fleet_engines
+
+    engines = fleet_engines("encoder,prefill,decode", EngineConfig(), None)
+    assert [(n, c.disagg.role, c.worker.image_encoder) for n, c in engines] == [
+        ("encoder-0", "encoder", "step"), ("prefill-0", "prefill", "remote"), ("decode-0", "decode", "remote")]
+    with pytest.raises(ValueError, match="encoder engines run the vision tower for other engines' prefills"):
+        fleet_engines("encoder", EngineConfig(), None)
+    with pytest.raises(ValueError, match="roles prefill, decode, both or encoder"):
+        fleet_engines("vision", EngineConfig(), None)
+
+
 def test_request_ids_of_two_front_ends_started_alike_differ(monkeypatch):
     """Front ends of several nodes send requests to the same engines, and an engine refuses an id it already runs:
     two fleets with the same pid and start second (containers started together) still mint different ids."""

@@ -28,12 +28,15 @@ async def _semantics(reg, expire) -> None:
     await reg.register(engine("p2", "prefill", load=1))
     await reg.register(engine("d1", "decode", load=2))
     await reg.register(engine("c1", "both", load=5, model="other"))
+    await reg.register(engine("e1", "encoder", load=4))
     assert [e.engine_id for e in await reg.engines("prefill")] == ["p2", "p1", "c1"]  # least loaded first
+    assert [e.engine_id for e in await reg.engines("encoder")] == ["e1"]  # a colocated engine is no encoder
     assert [e.engine_id for e in await reg.engines("decode", model="m")] == ["d1"]
     assert (await reg.engines(model="m"))[0].addresses == {"tokenizer": "tcp://h:2"}
     assert await reg.heartbeat("p1", 0.5)
     assert [e.engine_id for e in await reg.engines("prefill", model="m")] == ["p1", "p2"]
     await reg.deregister("p2")
+    await reg.deregister("e1")
     assert [e.engine_id for e in await reg.engines("prefill", model="m")] == ["p1"]
     await expire()
     assert await reg.engines() == []  # nobody heartbeated: all evicted

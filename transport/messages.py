@@ -156,6 +156,9 @@ class GenerateRequest(Message):
     reply_to: str | None = None
     """Where the request's text and failures go when that is not the engine's own front end: the inbox of a front
     end on another node that routed it here through the shared registry. None: the engine's front end."""
+    vision_encoder: str | None = None
+    """The inbox of the vision encoder (an engine of role encoder, picked by the router) that encodes its images for
+    an engine with image_encoder = remote; None: the engine's own."""
 
 
 class AbortCmd(Message):
@@ -194,6 +197,8 @@ class TokenizedRequest(Message):
     """Set for a disaggregated request: the other engine of the pair."""
     reply_to: str | None = None
     """GenerateRequest.reply_to: the inbox of the front end that routed it here, when not the engine's own."""
+    vision_encoder: str | None = None
+    """GenerateRequest.vision_encoder."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,6 +212,8 @@ class EncodeImagesCmd(Message):
     """The request whose images these are."""
     images: list[ImageItem] = []
     """Its images; empty: release what was held for it (aborted before its prefill)."""
+    vision_encoder: str | None = None
+    """TokenizedRequest.vision_encoder: the vision encoder to ask (image_encoder = remote)."""
 
 
 class ImagesEncodedEvent(Message):
@@ -218,6 +225,8 @@ class ImagesEncodedEvent(Message):
     """The encoder's (its worker's) rank."""
     error: str | None = None
     """Why the images could not be encoded (the request then fails)."""
+    status: int = 500
+    """The failed request's HTTP status: 503 when no vision encoder could be reached."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +250,8 @@ class ImageEmbeddingsEvent(Message):
 
     rid: str
     """The request."""
+    sender: str = ""
+    """The vision encoder's inbox: ImageEmbeddingsReleased goes there."""
     lease: int = 0
     """Names the rows' hold on the staging region (ImageEmbeddingsReleased gives it back)."""
     endpoint: EndpointInfo | None = None

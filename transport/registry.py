@@ -22,7 +22,7 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode", "both"]
+Role = Literal["prefill", "decode", "both", "encoder"]
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Default heartbeat period, seconds."""
@@ -44,7 +44,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     """Unique engine name."""
     role: Role
-    """prefill, decode, or both (a colocated engine)."""
+    """prefill, decode, both (a colocated engine), or encoder (a vision tower for the others' prefills)."""
     model: str
     """Served model name."""
     addresses: dict[str, str]
@@ -76,7 +76,8 @@ class Registry(Protocol):
 
 
 def _matches(info: EngineInfo, role: Role | None, model: str | None) -> bool:
-    return (role is None or info.role == role or info.role == "both") and (model is None or info.model == model)
+    return ((role is None or info.role == role or (info.role == "both" and role != "encoder"))
+            and (model is None or info.model == model))
 
 
 def _sorted(infos: list[EngineInfo]) -> list[EngineInfo]:
