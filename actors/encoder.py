@@ -165,7 +165,12 @@ class ImageEncoder:
     @torch.inference_mode()
     def profile(self) -> int:
         """Run the tower on the largest image the processor makes (random pixels), for the KV budget's profiling
-        run to see its peak; returns the bytes the embeddings cache may come to hold."""
+        run to see its peak; returns the bytes the embeddings cache may come to hold (all a model built without its
+        tower, whose embeddings a vision encoder of its own makes, needs)."""
+        vision = self.model.config.vision
+        per_token = (1 + len(vision.deepstack_visual_indexes)) * vision.out_hidden_size * self.dtype.itemsize
+        if getattr(self.model, "visual", True) is None:
+            return per_token * self.cache_tokens
         p = self.processor
         factor = p.patch_size * p.merge_size
         size = p.size
@@ -174,8 +179,7 @@ class ImageEncoder:
         grid = torch.tensor([[1, side // p.patch_size, side // p.patch_size]], dtype=torch.int64, device=self.device)
         width = 3 * p.temporal_patch_size * p.patch_size**2
         pixels = torch.randn(int(grid.prod()), width, device=self.device, dtype=self.dtype)
-        embeds, deepstack = self.model.encode_images(pixels, grid)
-        per_token = (embeds.shape[-1] + deepstack.shape[0] * deepstack.shape[-1]) * embeds.element_size()
+        self.model.encode_images(pixels, grid)
         return per_token * self.cache_tokens
 
     @torch.inference_mode()

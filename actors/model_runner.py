@@ -39,7 +39,7 @@ from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.hf_config import load_max_model_len
 from flotilla.models.loader import LoadedModel, load_model
-from flotilla.models.model_folder import eos_token_ids, load_tokenizer, model_dir
+from flotilla.models.model_folder import eos_token_ids, load_tokenizer, model_dir, takes_images
 from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import NewSequence, StepPlan, StepResult
@@ -173,6 +173,8 @@ class ModelRunner:
         if spec is not None:
             check_speculative_config(config)
             kwargs["mtp"] = True
+        if config.worker.image_encoder == "remote" and takes_images(model_dir(config)):
+            kwargs["vision_tower"] = False  # (a vision encoder of its own makes the embeddings)
         self.loaded: LoadedModel = load_model(config.model.model, dtype=config.model.dtype, device=self.device,
                                               progress=progress, model_kwargs=kwargs,
                                               load_format=config.model.load_format)

@@ -82,7 +82,7 @@ class Qwen3VLMixin:
     config: HFModelConfig
     model: torch.nn.Module
 
-    def _init_vision(self) -> None:
+    def _init_vision(self, vision_tower: bool) -> None:
         config = self.config
         if config.vision is None:
             raise ValueError("config.json has no vision_config: not a Qwen3-VL checkpoint")
@@ -92,7 +92,8 @@ class Qwen3VLMixin:
         if config.vision.out_hidden_size != config.hidden_size:
             raise ValueError(f"vision out_hidden_size {config.vision.out_hidden_size} != the text model's hidden_size "
                              f"{config.hidden_size}")
-        self.visual = Qwen3VLVisionModel(config.vision)
+        self.visual = Qwen3VLVisionModel(config.vision) if vision_tower else None
+        """None: built without it (image_encoder = remote: a vision encoder of its own makes the embeddings)."""
         self.num_deepstack = len(config.vision.deepstack_visual_indexes)
         """Decoder layers (the first ones) whose output gets a DeepStack feature added at the image tokens."""
         section = config.mrope_section or _DEFAULT_MROPE_SECTION
@@ -110,6 +111,9 @@ class Qwen3VLMixin:
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The vision tower: pixel_values [sum t*h*w patches, C * T * P * P] and grid_thw int64 [N, 3] -> the images'
         tokens [n_tokens, hidden] and DeepStack features [n_deepstack, n_tokens, hidden], images in order."""
+        if self.visual is None:
+            raise RuntimeError("this model was built without its vision tower: a vision encoder of its own makes its "
+                               "image embeddings (image_encoder = remote)")
         return self.visual(pixel_values, grid_thw)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -155,6 +159,8 @@ class Qwen3VLMixin:
         """The language model's tensors under the text model's names; vision tensors are loaded on the way (their
         parameters' names added to `vision`)."""
         for name, tensor in weights:
+            if name.startswith("model.visual.") and self.visual is None:
+                continue
             if name.startswith("model.visual."):
                 vision.add("visual." + self.visual.load_tensor(name.removeprefix("model.visual."), tensor))
             else:
@@ -165,6 +171,14 @@ class Qwen3VLMixin:
         vision: set[str] = set()
         loaded = super().load_weights(self._split_weights(weights, vision))  # type: ignore[misc]
         return loaded | vision
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        """Without the tower its tensors are not read (and, under expert parallelism, other ranks' experts)."""
+        parent = getattr(super(), "checkpoint_filter", None)
+        keep = parent() if parent is not None else (lambda name: True)
+        if self.visual is not None:
+            return keep
+        return lambda name: not name.startswith("model.visual.") and keep(name)
 
 
 class Qwen3VLVisionTower(torch.nn.Module):
@@ -198,9 +212,10 @@ def _text_name(name: str) -> str:
 class Qwen3VLForConditionalGeneration(Qwen3VLMixin, Qwen3ForCausalLM):
     """Qwen3-VL dense: Qwen3's decoder with DeepStack and interleaved M-RoPE, and the vision tower."""
 
-    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto") -> None:
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
+                 vision_tower: bool = True) -> None:  # fmt: skip
         super().__init__(config, attention_backend=attention_backend, fused_ops=fused_ops)
-        self._init_vision()
+        self._init_vision(vision_tower)
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLMixin, Qwen3MoeForCausalLM):
@@ -208,11 +223,11 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLMixin, Qwen3MoeForCausalLM):
     interleaved M-RoPE, and the vision tower."""
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
-                 moe_backend: str = "auto") -> None:  # fmt: skip
+                 moe_backend: str = "auto", vision_tower: bool = True) -> None:  # fmt: skip
         if config.moe is not None:
             config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, norm_topk_prob=True))
         super().__init__(config, attention_backend=attention_backend, fused_ops=fused_ops, moe_backend=moe_backend)
-        self._init_vision()
+        self._init_vision(vision_tower)
 
     def _split_weights(self, weights: Iterable[tuple[str, torch.Tensor]], vision: set[str]
                        ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip

@@ -259,3 +259,19 @@ def test_the_vision_tower_loads_alone_from_the_checkpoint_and_encodes_as_the_who
             torch.testing.assert_close(got, want, atol=0, rtol=0)
     with pytest.raises(ModelLoadError, match="takes no images"):
         load_model(write_tiny_model(tmp_path / "text", "qwen3"), vision_only=True, progress=False)
+
+
+def test_a_model_built_without_its_tower_reads_no_vision_tensor_and_refuses_to_encode(vl):
+    from flotilla.models.loader import load_model
+
+    model = load_model(vl.path, dtype="float32", model_kwargs={"vision_tower": False}, progress=False).module
+    assert model.visual is None and not any(n.startswith("visual.") for n, _ in model.named_parameters())
+    assert not model.checkpoint_filter()("model.visual.blocks.0.attn.qkv.weight")
+    with pytest.raises(RuntimeError, match="built without its vision tower"):
+        model.encode_images(random_pixels([(1, 4, 4)], seed=1), torch.tensor([(1, 4, 4)]))
+    grids = [(1, 8, 4)]
+    ids = prompt(text(5, 1), grids[0], text(3, 2))
+    embeds, deepstack, positions, _ = image_inputs(vl.model, ids, grids, random_pixels(grids, seed=2))
+    kwargs = chunk_kwargs(ids, 0, len(ids), embeds, deepstack, positions)
+    torch.testing.assert_close(PagedRunner(model).step([(0, ids)], **kwargs)[0],
+                               PagedRunner(vl.model).step([(0, ids)], **kwargs)[0], atol=0, rtol=0)

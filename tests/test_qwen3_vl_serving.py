@@ -230,6 +230,7 @@ def test_an_encoder_actor_beside_the_worker_answers_as_the_steps_do_and_lets_go_
         assert "encoder/0" in actors
         outs = llm.chat(conversations, params, use_tqdm=False)
         assert actors["encoder/0"].requests_encoded == len(conversations)
+        llm.generate(["text alone"], params, use_tqdm=False)  # (its step tells the worker the others finished)
         assert actors["encoder/0"].encoder.num_pinned == 0 and not actors["scheduler/0"]._encoding
     for out, messages, imgs in zip(outs, conversations, images, strict=True):
         assert out.outputs[0].text == reference(messages, imgs)[0]
@@ -363,6 +364,7 @@ def test_a_vision_encoder_of_its_own_hands_embeddings_over_the_data_plane_as_col
         actors = llm.client.runtime.actors
         outs = llm.chat(conversations, params, use_tqdm=False)
         vision, encoder = actors["vision_encoder/0"], actors["encoder/0"]
+        assert actors["worker/0"].runner.model.visual is None  # (the tower's weights only where it runs)
         assert vision.images_served == 4 and encoder.requests_encoded == len(conversations)
         assert encoder.transfer.bytes_read > 0 and not vision._leases and vision.space.used == 0
         llm.generate(["text alone"], params, use_tqdm=False)  # (its step tells the worker the others finished)
