@@ -169,6 +169,48 @@ class VisionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DeepseekV4Params:
+    """DeepSeek-V4's attention and residual streams (config.json of model_type deepseek_v4)."""
+
+    q_lora_rank: int
+    """Rank of the queries' low-rank projection."""
+    o_groups: int
+    """Head groups of the grouped output projection."""
+    o_lora_rank: int
+    """Each group's intermediate width in it."""
+    layer_types: tuple[str, ...]
+    """Per layer: sliding_attention, compressed_sparse_attention (CSA) or heavily_compressed_attention (HCA)."""
+    mlp_layer_types: tuple[str, ...]
+    """Per layer: hash_moe (experts looked up by token id) or moe."""
+    compress_rates: tuple[int, int]
+    """Tokens per compressed entry of (CSA, HCA)."""
+    rope_dim: int
+    """The trailing dims of each head that RoPE rotates (interleaved pairs)."""
+    main_rope_theta: float
+    """RoPE base of the sliding-only layers."""
+    compress_rope_theta: float
+    """RoPE base of the CSA / HCA layers, their compressors and the indexer."""
+    compress_rope_scaling: dict[str, Any] | None
+    """Their scaling (YaRN in the released checkpoints, without its attention factor); None: plain."""
+    hc_mult: int
+    """Residual streams (manifold-constrained hyper-connections)."""
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    """Experts' gate and up activations are clamped to it."""
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    """Compressed entries each query of a CSA layer attends to."""
+
+    def rate(self, layer_idx: int) -> int:
+        """Tokens per compressed entry of layer `layer_idx`; 0 for a sliding-only layer."""
+        kind = self.layer_types[layer_idx]
+        return {"sliding_attention": 0, "compressed_sparse_attention": self.compress_rates[0],
+                "heavily_compressed_attention": self.compress_rates[1]}[kind]
+
+
+@dataclass(frozen=True, slots=True)
 class HFModelConfig:
     """Architecture hyper-parameters of a decoder-only checkpoint (sizes in elements, not bytes)."""
 
@@ -217,6 +259,8 @@ class HFModelConfig:
     """M-RoPE's frequencies cycle t, h, w, t, h, w, ... (Qwen3-VL) rather than lying in three contiguous sections."""
     vision: VisionConfig | None = None
     """The vision tower of a vision-language checkpoint; None for a text-only one."""
+    deepseek_v4: DeepseekV4Params | None = None
+    """DeepSeek-V4's attention and residual streams; None for another model."""
     rope_positions: int = 0
     """Positions the RoPE table covers: every max_model_len the config allows (derived_max_model_len before a
     tokenizer's cap, or config.json's model_max_length), at least max_position_embeddings (0: that alone)."""
@@ -554,8 +598,59 @@ def parse_hf_config(raw: Mapping[str, Any]) -> HFModelConfig:
         mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
         vision=vision,
+        deepseek_v4=_deepseek_v4(raw),
         rope_positions=rope_positions,
     )
+
+
+_V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_V4_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _deepseek_v4(raw: Mapping[str, Any]) -> DeepseekV4Params | None:
+    """DeepSeek-V4's own parameters, with transformers' defaults and its legacy names (compress_ratios,
+    num_hash_layers, qk_rope_head_dim); None for another model_type."""
+    if raw.get("model_type") != "deepseek_v4":
+        return None
+    n = int(raw["num_hidden_layers"])
+    head_dim = int(raw.get("head_dim") or 512)
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **(raw.get("compress_rates") or {})}
+    types = raw.get("layer_types")
+    if types is None and raw.get("compress_ratios") is not None:
+        types = [_V4_RATIO_TYPES[int(r)] for r in raw["compress_ratios"]]
+    if types is None:  # transformers' default: two HCA layers, then CSA and HCA in turn
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    if bad := [t for t in types if t not in _V4_LAYER_TYPES]:
+        raise ValueError(f"unknown DeepSeek-V4 layer_types {bad}")
+    mlp_types = raw.get("mlp_layer_types")
+    if mlp_types is None:
+        hashed = int(raw.get("num_hash_layers", 3))
+        mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+    rope = raw.get("rope_parameters") or {}
+    main, compress = rope.get("main"), rope.get("compress")
+    factor = raw.get("partial_rotary_factor")
+    if factor is None:
+        factor = (raw["qk_rope_head_dim"] / head_dim if raw.get("qk_rope_head_dim") is not None
+                  else (main or {}).get("partial_rotary_factor", 64 / 512))
+    if not isinstance(compress, dict):  # a flat rope_parameters (or rope_scaling) is the compressed layers' scaling
+        flat = {k: v for k, v in {**(raw.get("rope_scaling") or {}), **rope}.items() if k not in ("main", "compress")}
+        compress = {**flat, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+        main = {"rope_theta": raw.get("rope_theta", 10000.0)}
+    scaling = {k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return DeepseekV4Params(
+        q_lora_rank=int(raw.get("q_lora_rank", 1024)), o_groups=int(raw.get("o_groups", 8)),
+        o_lora_rank=int(raw.get("o_lora_rank", 1024)), layer_types=tuple(types[:n]),
+        mlp_layer_types=tuple(mlp_types[:n]),
+        compress_rates=(int(rates["compressed_sparse_attention"]), int(rates["heavily_compressed_attention"])),
+        rope_dim=int(head_dim * float(factor)), main_rope_theta=float(main.get("rope_theta", 10000.0)),
+        compress_rope_theta=float(compress.get("rope_theta", 160000.0)), compress_rope_scaling=scaling,
+        hc_mult=int(raw.get("hc_mult", 4)), hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)), swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+        index_n_heads=int(raw.get("index_n_heads", 64)), index_head_dim=int(raw.get("index_head_dim", 128)),
+        index_topk=int(raw.get("index_topk", 512)))
 
 
 def load_hf_config(model_dir: str | Path) -> HFModelConfig:

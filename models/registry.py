@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flotilla.models.llama import LlamaForCausalLM
 from flotilla.models.qwen3 import Qwen3ForCausalLM
 from flotilla.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -19,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # DeepSeek-V3.2 and GLM-5: DeepSeek-V3's model with sparse attention's indexer (config.json's index_topk)
     "DeepseekV32ForCausalLM": DeepseekV3ForCausalLM,
     "GlmMoeDsaForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     # Mistral is Llama's graph; configs with a real sliding window are refused by the constructor.
     "MistralForCausalLM": LlamaForCausalLM,

@@ -57,6 +57,27 @@ def run_all(url: str, reqs: list[dict]) -> list[str]:
         return list(pool.map(lambda r: run(client, r), reqs))
 
 
+def check_pair_equals_colocated(model: str, common: list[str], pd_options: tuple[str, ...] = (), n: int = 16,
+                                 offset: int = 3) -> None:
+    """A 1P1D pair over dlslime TCP answers `n` requests (chat and completion, streamed or not) as one colocated
+    engine does, moves KV bytes, and ends with neither engine holding anything; both servers stopped after."""
+    from helpers_server import start_server
+
+    colocated = start_server(model, "--single-process", *common, timeout=180)
+    try:
+        pd = start_server(model, "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp", *pd_options,
+                          *common, timeout=180)
+        try:
+            reqs = requests(n, offset=offset)
+            assert run_all(pd.url, reqs) == run_all(colocated.url, reqs)
+            m = wait_idle(pd.url, ["prefill-0", "decode-0"])
+            assert engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
+        finally:
+            assert pd.stop() == 0, "".join(pd.log[-30:])
+    finally:
+        colocated.stop()
+
+
 def metrics(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out = {}

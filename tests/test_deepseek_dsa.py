@@ -14,7 +14,6 @@ import pytest
 import torch
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
-from helpers_server import start_server
 from helpers_spec import add_mtp_layer, check_same, make_runner, oracle, run
 from helpers_tiny_models import (
     TINY_DSA_CONFIGS,
@@ -164,18 +163,6 @@ def test_mtp_speculation_with_a_sparse_mtp_layer_gives_the_tokens_of_plain_decod
 def test_a_disaggregated_pair_moves_the_indexer_keys_with_the_latents(model_dirs):
     import helpers_pd as pdh
 
-    common = ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs", "8", "--served-model-name", "m"]
-    model = str(model_dirs["deepseek_v32"])
-    colocated = start_server(model, "--single-process", *common, timeout=180)
-    try:
-        pd = start_server(model, "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp", *common,
-                          timeout=180)
-        try:
-            reqs = pdh.requests(12, offset=7)
-            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
-            m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
-            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
-        finally:
-            assert pd.stop() == 0, "".join(pd.log[-30:])
-    finally:
-        colocated.stop()
+    pdh.check_pair_equals_colocated(str(model_dirs["deepseek_v32"]), ["--block-size", "4", "--kv-cache-blocks", "200",
+                                                                     "--max-num-seqs", "8", "--served-model-name", "m"],
+                                    n=12, offset=7)

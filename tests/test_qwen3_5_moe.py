@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
-from helpers_server import start_server
 from helpers_spec import VOCAB, add_qwen35_mtp_layer, check_same, make_runner, oracle, run
 from helpers_tiny_models import (
     PagedRunner,
@@ -410,17 +409,5 @@ def test_a_disaggregated_pair_moves_each_prompts_recurrent_state_with_its_kv(mod
     holds a block, a transfer or a snapshot slot."""
     import helpers_pd as pdh
 
-    common = ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs", "8"]
-    colocated = start_server(str(model_dir), "--single-process", *common, timeout=180)
-    try:
-        pd = start_server(str(model_dir), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp",
-                          "--num-state-snapshots", "4", *common, timeout=180)
-        try:
-            reqs = pdh.requests(16, offset=3)
-            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
-            m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
-            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
-        finally:
-            assert pd.stop() == 0, "".join(pd.log[-30:])
-    finally:
-        colocated.stop()
+    pdh.check_pair_equals_colocated(str(model_dir), ["--block-size", "4", "--kv-cache-blocks", "200",
+                                                     "--max-num-seqs", "8"], ("--num-state-snapshots", "4"))

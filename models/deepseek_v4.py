@@ -1,0 +1,460 @@
+"""DeepSeek-V4 (V4-Flash, V4-Pro): attention over a sliding window plus compressed entries, residual streams mixed by
+hyper-connections, hash-routed first MoE layers.
+
+The architecture (transformers' models/deepseek_v4):
+- mHC: the residual is `hc_mult` streams. Before attention and before the MLP a hyper-connection (fp32) reads the
+  streams (an RMSNorm over them all, one linear map) into sigmoid `pre` weights that collapse them into the block's
+  input, sigmoid `post` weights that spread its output back, and a Sinkhorn-normalised `comb` mixing of the streams
+  themselves; `hc_head` collapses them before the final norm.
+- Attention, every layer: a low-rank query (q_a_proj, RMSNorm, q_b_proj, then an RMSNorm per head without weight),
+  ONE key-value head (K = V, head_dim wide) whose trailing rope_dim dims take interleaved RoPE, learned per-head sink
+  logits in the softmax's denominator, a window of the last `sliding_window` tokens, the inverse rotation of the
+  output's rope dims, and a grouped output projection (o_groups x o_lora_rank, then o_b_proj).
+- CSA layers (compressed sparse attention) add compressed entries: a compressor pools each window of `rate` tokens
+  (two overlapping series: entry w takes window w's second half and window w-1's first half of the projections,
+  softmax-gated with a learned position bias), RMSNorms and ropes the entry at position w * rate, and a lightning
+  indexer with its own smaller compressor scores the entries (sum over heads of w_h * ReLU(q_h . k)) and keeps the
+  top `index_topk` a query may see (entry w only from position (w + 1) * rate - 1 on). HCA layers (heavily
+  compressed) pool non-overlapping windows of `rate` tokens and let a query see every finished entry.
+- MoE on every layer: sqrt(softplus) router scores, top-k on scores + a bias (the first layers instead look the
+  experts up by token id: hash MoE), weights renormalised x routed_scaling_factor, a shared expert; gate and up
+  activations clamped at swiglu_limit.
+
+The paged cache holds one row per token per layer: the token's key-value head, then (CSA / HCA) its compressor
+projections and (CSA) its indexer's. Compressed entries are pooled from those rows at each step, so a prefix hit,
+a chunked prefill, a preemption or a KV migration needs nothing beyond the rows. This module is the torch reference:
+every step gathers each sequence's rows; kernels that keep the entries are a separate path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.rope import rope_inv_freq
+from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
+from flotilla.models.parallel import tp_group
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """transformers' DeepseekV4RMSNorm: a float32 weight times the float32 normalised input, in the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * rms(x, self.eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing 2 * cos.shape[-1] dims of x [T, ..., D]; cos/sin [T, rope_dim / 2]."""
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+    cos = cos.repeat_interleave(2, dim=-1).view(shape)
+    sin = sin.repeat_interleave(2, dim=-1).view(shape)
+    rope = x[..., -r:].float()
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-r], (rope * cos + turned * sin).to(x.dtype)], dim=-1)
+
+
+class Rotary:
+    """cos / sin tables [positions, rope_dim / 2] of one RoPE base (and scaling)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict | None) -> None:
+        self.inv_freq = rope_inv_freq(rope_dim, theta, scaling)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+class Compressor(nn.Module):
+    """Pools windows of `rate` tokens' projections into compressed entries [E, dim] (roped at w * rate). With
+    `overlap` (CSA) every token projects two series of `dim`: entry w pools window w-1's first series and window w's
+    second, over 2 * rate slots."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = dim * (2 if overlap else 1)
+        self.dim, self.rate, self.overlap, self.width = dim, rate, overlap, width
+        self.kv_proj = nn.Linear(hidden, width, bias=False, dtype=torch.float32)
+        self.gate_proj = nn.Linear(hidden, width, bias=False, dtype=torch.float32)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * width]: each token's kv then gate projections (what its cache row keeps)."""
+        x = x.float()
+        return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
+
+    def entries(self, rows: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The finished entries [E, dim] of a sequence whose tokens' projections are rows [S, 2 * width]."""
+        n = rows.shape[0] // self.rate
+        if n == 0:
+            return rows.new_zeros(0, self.dim, dtype=torch.float32)
+        rows = rows[:n * self.rate].float().view(n, self.rate, 2 * self.width)
+        kv, gate = rows[..., :self.width], rows[..., self.width:] + self.position_bias
+        if self.overlap:
+            d = self.dim
+            prev_kv = torch.cat([kv.new_zeros(1, self.rate, d), kv[:-1, :, :d]])
+            prev_gate = torch.cat([gate.new_full((1, self.rate, d), float("-inf")), gate[:-1, :, :d]])
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = self.kv_norm((kv * gate.softmax(dim=1)).sum(dim=1))
+        cos, sin = rotary(torch.arange(n, device=rows.device) * self.rate)
+        return rotate(pooled, cos, sin)
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: a compressor of its own (index_head_dim, overlapping) and query heads whose scores
+    weigh the entries."""
+
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, rate: int) -> None:
+        super().__init__(config.hidden_size, v4.index_head_dim, rate, True, config.rms_norm_eps)
+        self.heads, self.topk = v4.index_n_heads, v4.index_topk
+        self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False, dtype=torch.float32)
+
+
+class DeepseekV4Attention(nn.Module):
+    """One layer's attention, with its compressor (CSA, HCA) and indexer (CSA); see the module docstring."""
+
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+        super().__init__()
+        self.kind = v4.layer_types[layer_idx]
+        self.rate = v4.rate(layer_idx)
+        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window = config.sliding_window or 128
+        self.groups = v4.o_groups
+        eps = config.rms_norm_eps
+        self.eps = eps
+        self.q_a_proj = nn.Linear(config.hidden_size, v4.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(v4.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.o_a_proj = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * v4.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.groups * v4.o_lora_rank, config.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        self.compressor = (Compressor(config.hidden_size, self.head_dim, self.rate, self.kind == CSA, eps)
+                           if self.rate else None)
+        if self.kind == CSA:  # (inside the compressor, as transformers names it)
+            self.compressor.indexer = Indexer(config, v4, self.rate)
+
+    @property
+    def indexer(self) -> Indexer | None:
+        return getattr(self.compressor, "indexer", None)
+
+    @property
+    def row_width(self) -> int:
+        """Floats of one token's cache row: its key-value head, then its compressor's and indexer's projections."""
+        width = self.head_dim
+        if self.compressor is not None:
+            width += 2 * self.compressor.width
+        if self.indexer is not None:
+            width += 2 * self.indexer.width
+        return width
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, compress_rotary: Rotary,
+                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        cos, sin = rotary(positions)
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = rms(self.q_b_proj(q_res).view(t, self.heads, self.head_dim), self.eps).to(x.dtype)
+        q = rotate(q, cos, sin)
+        kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)
+        parts = [kv.float()]
+        if self.compressor is not None:
+            parts.append(self.compressor.project(x))
+        if self.indexer is not None:
+            parts.append(self.indexer.project(x))
+        rows = torch.cat(parts, dim=-1)
+        flat = cache.view(-1, cache.shape[-1])
+        keep = meta.slot_mapping >= 0
+        flat[meta.slot_mapping[keep], :rows.shape[-1]] = rows[keep].to(cache.dtype)
+        if self.indexer is not None:
+            iq = rotate(self.indexer.q_b_proj(q_res).view(t, self.indexer.heads, self.indexer.dim),
+                        *compress_rotary(positions))
+            iw = self.indexer.scorer.weights_proj(x.float()) * self.indexer.heads**-0.5
+        out = torch.empty(t, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
+        qsl = meta.query_start_loc.tolist()
+        lens = meta.seq_lens.tolist()
+        for b, length in enumerate(lens):
+            lo, hi = qsl[b], qsl[b + 1]
+            if lo == hi:
+                continue
+            blocks = meta.block_tables[b, :-(-length // meta.block_size)].long()
+            slots = (blocks[:, None] * meta.block_size + torch.arange(meta.block_size, device=x.device)).flatten()
+            seq = flat[slots[:length]].float()  # [S, row]
+            pos = positions[lo:hi]
+            keys = seq[:, :self.head_dim]
+            visible = torch.arange(length, device=x.device)[None, :]
+            mask = (visible <= pos[:, None]) & (visible > pos[:, None] - self.window)  # [n, S]
+            if self.compressor is not None:
+                at = self.head_dim
+                entries = self.compressor.entries(seq[:, at:at + 2 * self.compressor.width], compress_rotary)
+                finished = (pos[:, None] + 1) // self.rate  # entries a query may see: w < finished
+                seen = torch.arange(entries.shape[0], device=x.device)[None, :] < finished
+                if self.indexer is not None and entries.shape[0]:
+                    at += 2 * self.compressor.width
+                    ikeys = self.indexer.entries(seq[:, at:], compress_rotary)
+                    scores = torch.einsum("nhd,ed->nhe", iq[lo:hi].float(), ikeys)
+                    scores = (F.relu(scores) * self.indexer.dim**-0.5 * iw[lo:hi, :, None]).sum(dim=1)
+                    scores = scores.masked_fill(~seen, float("-inf"))
+                    top = scores.topk(min(self.indexer.topk, entries.shape[0]), dim=-1).indices
+                    chosen = torch.zeros_like(seen).scatter_(-1, top, True)
+                    seen = seen & chosen
+                keys = torch.cat([keys, entries])
+                mask = torch.cat([mask, seen], dim=-1)
+            logits = torch.einsum("nhd,sd->nhs", q[lo:hi].float(), keys) * self.head_dim**-0.5
+            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+            sinks = self.sinks.float()[None, :, None].expand(hi - lo, -1, 1)
+            probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+            out[lo:hi] = torch.einsum("nhs,sd->nhd", probs, keys).to(x.dtype)
+        out = rotate(out, cos, -sin)
+        grouped = out.reshape(t, self.groups, -1)
+        weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, weight).reshape(t, -1))
+
+
+class HyperConnection(nn.Module):
+    """mHC: the block input collapsed from the streams, and the weights that spread its output back and mix them."""
+
+    def __init__(self, hidden: int, v4: DeepseekV4Params, eps: float) -> None:
+        super().__init__()
+        n = v4.hc_mult
+        self.n, self.iters, self.hc_eps, self.eps = n, v4.hc_sinkhorn_iters, v4.hc_eps, eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, hidden] -> (post [T, n], comb [T, n, n], the block's input [T, hidden])."""
+        n = self.n
+        mix = F.linear(rms(streams.flatten(1), self.eps), self.fn)
+        pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block: its output spread by `post`, plus the streams mixed by comb (transposed)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class DeepseekV4MoE(nn.Module):
+    """Routed experts (top-k, or looked up by token id) and a shared expert, activations clamped."""
+
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        e, h, i = moe.num_experts, config.hidden_size, moe.moe_intermediate_size
+        self.top_k, self.scale, self.limit = moe.num_experts_per_tok, moe.routed_scaling_factor, v4.swiglu_limit
+        self.hashed = v4.mlp_layer_types[layer_idx] == "hash_moe"
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(e, h))
+        if self.hashed:
+            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
+        else:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.shared_experts = nn.Module()
+        shared = i * max(moe.num_shared_experts, 1)
+        self.shared_experts.gate_proj = nn.Linear(h, shared, bias=False)
+        self.shared_experts.up_proj = nn.Linear(h, shared, bias=False)
+        self.shared_experts.down_proj = nn.Linear(shared, h, bias=False)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = F.softplus(F.linear(x, self.gate.weight)).sqrt()
+        if self.hashed:
+            idx = self.gate.tid2eid[input_ids]
+        else:
+            idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            tok, k = torch.where(idx == e)
+            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate, up), self.experts.down_proj[e]) * weights[tok, k, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        s = self.shared_experts
+        return out + s.down_proj(self._act(s.gate_proj(x), s.up_proj(x)))
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = DeepseekV4Attention(config, v4, layer_idx)
+        self.mlp = DeepseekV4MoE(config, v4, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.attn_hc = HyperConnection(config.hidden_size, v4, eps)
+        self.ffn_hc = HyperConnection(config.hidden_size, v4, eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """DeepSeek-V4's decoder (the step interface of LlamaForCausalLM) over the paged rows of the module docstring."""
+
+    attention_backend_name = "torch"
+    fused_ops_name = "torch"
+
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto") -> None:
+        super().__init__()
+        v4 = config.deepseek_v4
+        if v4 is None:
+            raise ValueError("config.json is not a DeepSeek-V4 config (model_type deepseek_v4)")
+        if config.num_key_value_heads != 1:
+            raise ValueError(f"DeepSeek-V4 has one key-value head, config.json says {config.num_key_value_heads}")
+        if attention_backend not in ("auto", "torch"):
+            raise ValueError(f"DeepSeek-V4 runs on the torch reference only so far, not {attention_backend!r}")
+        if tp_group().size > 1:
+            raise ValueError("DeepSeek-V4 runs on one rank so far: tensor_parallel_size must be 1")
+        self.config, self.v4 = config, v4
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i)
+                                          for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.hc_head = nn.Module()
+        n = v4.hc_mult
+        self.model.hc_head.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
+        self.model.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.model.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(v4.rope_dim, v4.main_rope_theta, None)
+        self.compress_rotary = Rotary(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)
+        self.num_layers = config.num_hidden_layers
+        self.row_width = max(layer.self_attn.row_width for layer in self.model.layers)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Every layer's cache: [num_blocks, block_size, row] (one row per token; the widest layer's width)."""
+        return (num_blocks, block_size, self.row_width)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            attn = layer.self_attn
+            rotary = self.rotary if attn.rate == 0 else self.compress_rotary
+            post, comb, collapsed = layer.attn_hc(streams)
+            out = attn(layer.input_layernorm(collapsed), positions, rotary, self.compress_rotary, cache, meta)
+            streams = merge(streams, out, post, comb)
+            post, comb, collapsed = layer.ffn_hc(streams)
+            streams = merge(streams, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids), post, comb)
+        head = self.model.hc_head
+        pre = torch.sigmoid(F.linear(rms(streams.flatten(1), self.config.rms_norm_eps), head.hc_fn) * head.hc_scale
+                            + head.hc_base) + self.v4.hc_eps
+        return self.model.norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if out is not None:
+            out.copy_(logits)
+            return out
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """DeepSeek's checkpoint layout (layers.N.attn.wq_a, ffn.experts.E.w1, ...; with or without `model.`) or
+        transformers' names; each routed expert's w1 / w3 / w2 goes into its row of the stacked experts. The MTP
+        layers are not loaded yet."""
+        params = dict(self.named_parameters())
+        targets = {**dict(self.named_buffers()), **params}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target_name, row, part = _param_name(name)
+            target = targets.get(target_name)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of DeepSeek-V4")
+            if row is not None:  # one routed expert's matrix: its slice of the stacked tensor
+                half = target.shape[1] // 2
+                target = target[row] if part is None else target[row, part * half:(part + 1) * half]
+            if tensor.shape != target.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            if target_name in params:
+                loaded.add(target_name)
+        return loaded
+
+    def checkpoint_filter(self) -> Callable[[str], bool]:
+        return lambda name: not name.startswith("mtp.")
+
+
+
+_ROOT = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+         "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+         "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+         "hc_head_scale": "model.hc_head.hc_scale", "hc_head.hc_fn": "model.hc_head.hc_fn",
+         "hc_head.hc_base": "model.hc_head.hc_base", "hc_head.hc_scale": "model.hc_head.hc_scale"}
+_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
+          "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
+          "attn.attn_sink": "self_attn.sinks", "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+          "attn.q_norm.weight": "self_attn.q_a_norm.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+          "attn.wkv.weight": "self_attn.kv_proj.weight", "attn.norm.weight": "self_attn.kv_norm.weight",
+          "attn.wo_a.weight": "self_attn.o_a_proj.weight", "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+          "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+          "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+          "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+          "ffn.gate.tid2eid": "mlp.gate.tid2eid", "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+          "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+          "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight"}
+_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
+               "norm.weight": "kv_norm.weight"}
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def _param_name(name: str) -> tuple[str, int | None, int | None]:
+    """A checkpoint tensor's parameter (or buffer) here; for one routed expert's matrix also its expert (row) and,
+    for w1 / w3, which half of gate_up_proj (0 / 1)."""
+    bare = name.removeprefix("model.")
+    if not bare.startswith("layers."):
+        return _ROOT.get(bare, name), None, None
+    _, index, rest = bare.split(".", 2)
+    prefix = f"model.layers.{index}."
+    if rest in _LAYER:
+        return prefix + _LAYER[rest], None, None
+    if (m := _EXPERT.match(rest)) is not None:
+        kind = m[2]
+        return prefix + ("mlp.experts.down_proj" if kind == "w2" else "mlp.experts.gate_up_proj"), int(m[1]), \
+            {"w1": 0, "w3": 1, "w2": None}[kind]
+    for owner, here in (("attn.indexer.compressor.", "self_attn.compressor.indexer."),
+                        ("attn.compressor.", "self_attn.compressor.")):
+        if rest.startswith(owner) and rest[len(owner):] in _COMPRESSOR:
+            return prefix + here + _COMPRESSOR[rest[len(owner):]], None, None
+    return prefix + rest, None, None  # (transformers' own names)

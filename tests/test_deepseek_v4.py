@@ -1,0 +1,189 @@
+"""DeepSeek-V4 against transformers on a tiny random checkpoint (fp32) with all three attention kinds (sliding,
+CSA with its indexer, HCA) and a hash-MoE first layer, prompts longer than the window and than several compression
+windows: prefill and decode logits, greedy tokens, mixed batches, chunked prefill; loading DeepSeek's checkpoint
+layout; and the engine end to end (prefix hits, preemption), since every cache it needs lies in per-token rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers_engine import write_tiny_tokenizer
+from helpers_optional import needs
+from helpers_tiny_models import ATOL, PagedRunner, hf_logits, load_flotilla_model, random_tokens
+
+from flotilla import LLM, SamplingParams
+
+VOCAB = 320
+CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=32, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=8,
+    n_shared_experts=1, layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, sliding_window=8,
+    o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3, hc_mult=2, hc_sinkhorn_iters=5,
+    partial_rotary_factor=0.25, num_nextn_predict_layers=0, max_position_embeddings=512, bos_token_id=1,
+    eos_token_id=2)
+"""index_n_heads 8: an entry's indexer score is 0 only when every head's ReLU is, so top-k meets ties (which any
+two implementations may break apart) rarely."""
+
+
+def write_tiny_v4(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random DeepSeek-V4 saved as transformers saves it (DeepSeek's own tensor names); every parameter and
+    buffer drawn at random, the ones transformers starts at zero or one (sinks, position biases, mHC, hash table,
+    router bias) included."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV4Config(**{**CONFIG, **overrides})
+    model = transformers.DeepseekV4ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            one = name.endswith(("norm.weight", ".scale", "hc_scale"))
+            p.copy_((1.0 if one else 0.0) + (0.1 if one else 0.2) * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(VOCAB)]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.save_pretrained(path, safe_serialization=True)
+    write_tiny_tokenizer(path, vocab_size=VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return write_tiny_v4(tmp_path_factory.mktemp("v4") / "m")
+
+
+@pytest.fixture(scope="module")
+def models(folder):
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return load_flotilla_model(folder), hf
+
+
+def test_every_parameter_comes_from_deepseeks_layout_and_the_cache_rows_fit_the_widest_layer(folder, models):
+    from safetensors import safe_open
+
+    with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.attn.indexer.compressor.wkv.weight" in names and "head.weight" in names  # DeepSeek's
+    model, hf = models
+    ours = dict(model.named_parameters())
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
+    # a row: the key-value head (32), the compressor's kv and gate projections (CSA: two series of 32 each; HCA:
+    # one), the indexer's (two series of 16)
+    csa = 32 + 2 * (2 * 32) + 2 * (2 * 16)
+    assert [layer.self_attn.row_width for layer in model.model.layers] == [32, csa, 32 + 2 * 32, csa]
+    assert model.kv_cache_shape(10, 4) == (10, 4, csa)
+
+
+def test_prefill_then_32_decode_steps_equal_transformers_and_its_greedy_tokens(models):
+    model, hf = models
+    prompt = random_tokens(45, seed=1, vocab=VOCAB)  # > window 8, 11 CSA entries, 5 HCA entries
+    runner = PagedRunner(model, block_size=4)
+    logits = [runner.step([(0, prompt)])[0]]
+    tokens = list(prompt)
+    for _ in range(32):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(runner.step([(0, [tokens[-1]])])[0])
+    with torch.inference_mode():
+        generated = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert tokens[len(prompt):] == generated[0, len(prompt):].tolist()
+    torch.testing.assert_close(torch.cat(logits[:-1]), hf_logits(hf, tokens[:-1]), atol=ATOL, rtol=0)
+
+
+def test_yarn_on_the_compressed_layers_as_the_released_checkpoints_have_it(tmp_path):
+    """rope_parameters' scaling goes to the CSA / HCA layers, their compressors and the indexer, without YaRN's
+    attention factor; the sliding layers keep plain RoPE."""
+    folder = write_tiny_v4(tmp_path / "yarn", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1})
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = load_flotilla_model(folder)
+    assert model.v4.compress_rope_scaling["rope_type"] == "yarn"
+    prompt = random_tokens(45, seed=6, vocab=VOCAB)
+    torch.testing.assert_close(PagedRunner(model, block_size=4).step([(0, prompt)])[0], hf_logits(hf, prompt),
+                               atol=ATOL, rtol=0)
+
+
+def test_chunks_across_windows_and_a_mixed_batch_equal_one_shot(models):
+    model, hf = models
+    a, b, c = (random_tokens(n, seed=s, vocab=VOCAB) for n, s in ((37, 2), (21, 3), (9, 4)))
+    want = {i: hf_logits(hf, t) for i, t in enumerate((a, b, c))}
+    runner = PagedRunner(model, block_size=4, seed=5)
+    got = {0: [], 1: [], 2: []}
+    for step in ([(0, a[:13]), (1, b[:5])], [(0, a[13:30]), (1, b[5:]), (2, c)], [(0, a[30:])]):
+        for (i, _), out in zip(step, runner.step(step), strict=True):
+            got[i].append(out)
+    for i in got:
+        torch.testing.assert_close(torch.cat(got[i]), want[i], atol=ATOL, rtol=0)
+
+
+def test_the_engine_gives_transformers_tokens_with_chunks_prefix_hits_and_preemption(folder, models):
+    hf = models[1]
+    head = random_tokens(24, seed=30, vocab=VOCAB)
+    prompts = [head + random_tokens(n, seed=31 + n, vocab=VOCAB) for n in (3, 9, 17)]
+    want = []
+    for p in prompts:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_blocks=128, max_num_seqs=4) as llm:
+        first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in first + rest] == want
+        assert all(o.num_cached_tokens == 24 for o in rest)  # (the rows of every layer kind came from the cache)
+    with LLM(str(folder), block_size=4, kv_cache_blocks=16, max_num_seqs=3) as small:
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert small.client.runtime.actors["scheduler/0"].core.num_preemptions > 0
+
+
+def test_tensor_parallelism_is_refused_with_the_reason(folder):
+    from flotilla.models.parallel import TPGroup
+    import flotilla.models.parallel as parallel
+
+    saved = parallel._TP
+    parallel._TP = TPGroup(rank=0, size=2, group=None)
+    try:
+        with pytest.raises(Exception, match="tensor_parallel_size must be 1"):
+            load_flotilla_model(folder)
+    finally:
+        parallel._TP = saved
+
+
+@pytest.mark.slow
+@needs("openai", "the test talks to the server through the real openai client")
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_a_disaggregated_pair_moves_every_layer_kinds_rows_and_answers_as_one_engine(folder):
+    import helpers_pd as pdh
+
+    pdh.check_pair_equals_colocated(str(folder), ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs",
+                                                  "8", "--served-model-name", "m"], n=8)
+
+
+def test_the_config_reads_deepseeks_legacy_names_and_transformers_defaults():
+    from flotilla.models.hf_config import parse_hf_config
+
+    base = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 64,
+            "hidden_size": 32, "moe_intermediate_size": 16, "num_hidden_layers": 5, "num_attention_heads": 2,
+            "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    legacy = parse_hf_config({**base, "compress_ratios": [0, 4, 128, 4, 128], "num_hash_layers": 2,
+                              "qk_rope_head_dim": 16, "rope_scaling": {"type": "yarn", "factor": 16,
+                                                                       "original_max_position_embeddings": 65536}})
+    v4 = legacy.deepseek_v4
+    assert v4.layer_types == ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                              "compressed_sparse_attention", "heavily_compressed_attention")
+    assert v4.mlp_layer_types == ("hash_moe", "hash_moe", "moe", "moe", "moe") and v4.rope_dim == 16
+    assert v4.compress_rope_scaling["factor"] == 16 and v4.compress_rope_theta == 160000.0
+    assert [v4.rate(i) for i in range(5)] == [0, 4, 128, 4, 128]
+    default = parse_hf_config(base).deepseek_v4  # transformers': two HCA layers, then CSA and HCA in turn
+    assert default.layer_types[:4] == ("heavily_compressed_attention",) * 2 + (
+        "heavily_compressed_attention", "compressed_sparse_attention")
+    assert default.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * 2 and default.compress_rope_scaling is None
+    with pytest.raises(ValueError, match="unknown DeepSeek-V4 layer_types"):
+        parse_hf_config({**base, "layer_types": ["full_attention"] * 5})
