@@ -38,7 +38,7 @@ from torch import nn
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.rope import rope_inv_freq
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
-from flotilla.models.parallel import tp_group
+from flotilla.models.parallel import all_reduce, divide, tp_group
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -139,9 +139,11 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         self.kind = v4.layer_types[layer_idx]
         self.rate = v4.rate(layer_idx)
-        self.heads, self.head_dim = config.num_attention_heads, config.head_dim
+        tp = tp_group().size
+        self.heads = divide(config.num_attention_heads, tp, "attention heads")  # (this rank's)
+        self.head_dim = config.head_dim
         self.window = config.sliding_window or 128
-        self.groups = v4.o_groups
+        self.groups = divide(v4.o_groups, tp, "o_groups")
         eps = config.rms_norm_eps
         self.eps = eps
         self.q_a_proj = nn.Linear(config.hidden_size, v4.q_lora_rank, bias=False)
@@ -149,7 +151,8 @@ class DeepseekV4Attention(nn.Module):
         self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
-        self.o_a_proj = nn.Linear(self.heads * self.head_dim // self.groups, self.groups * v4.o_lora_rank, bias=False)
+        self.o_a_proj = nn.Linear(config.num_attention_heads * config.head_dim // v4.o_groups,
+                                  self.groups * v4.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(self.groups * v4.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
         self.compressor = (Compressor(config.hidden_size, self.head_dim, self.rate, self.kind == CSA, eps)
@@ -230,7 +233,7 @@ class DeepseekV4Attention(nn.Module):
         out = rotate(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, weight).reshape(t, -1))
+        return all_reduce(self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, weight).reshape(t, -1)))
 
 
 class HyperConnection(nn.Module):
@@ -274,7 +277,9 @@ class DeepseekV4MoE(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        e, h, i = moe.num_experts, config.hidden_size, moe.moe_intermediate_size
+        tp = tp_group().size
+        e, h = moe.num_experts, config.hidden_size
+        i = divide(moe.moe_intermediate_size, tp, "moe_intermediate_size")  # (this rank's share of each expert)
         self.top_k, self.scale, self.limit = moe.num_experts_per_tok, moe.routed_scaling_factor, v4.swiglu_limit
         self.hashed = v4.mlp_layer_types[layer_idx] == "hash_moe"
         self.gate = nn.Module()
@@ -287,7 +292,7 @@ class DeepseekV4MoE(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i))
         self.shared_experts = nn.Module()
-        shared = i * max(moe.num_shared_experts, 1)
+        shared = i * max(moe.num_shared_experts, 1)  # (likewise)
         self.shared_experts.gate_proj = nn.Linear(h, shared, bias=False)
         self.shared_experts.up_proj = nn.Linear(h, shared, bias=False)
         self.shared_experts.down_proj = nn.Linear(shared, h, bias=False)
@@ -310,7 +315,7 @@ class DeepseekV4MoE(nn.Module):
             y = F.linear(self._act(gate, up), self.experts.down_proj[e]) * weights[tok, k, None]
             out.index_add_(0, tok, y.to(out.dtype))
         s = self.shared_experts
-        return out + s.down_proj(self._act(s.gate_proj(x), s.up_proj(x)))
+        return all_reduce(out + s.down_proj(self._act(s.gate_proj(x), s.up_proj(x))))
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -340,8 +345,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"DeepSeek-V4 has one key-value head, config.json says {config.num_key_value_heads}")
         if attention_backend not in ("auto", "torch"):
             raise ValueError(f"DeepSeek-V4 runs on the torch reference only so far, not {attention_backend!r}")
-        if tp_group().size > 1:
-            raise ValueError("DeepSeek-V4 runs on one rank so far: tensor_parallel_size must be 1")
         self.config, self.v4 = config, v4
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -399,6 +402,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             target = targets.get(target_name)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of DeepSeek-V4")
+            tensor = _rank_share(target_name, tensor, row is not None)
             if row is not None:  # one routed expert's matrix: its slice of the stacked tensor
                 half = target.shape[1] // 2
                 target = target[row] if part is None else target[row, part * half:(part + 1) * half]
@@ -437,6 +441,33 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
 _COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
                "norm.weight": "kv_norm.weight"}
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+_SPLIT_ROWS = ("self_attn.q_b_proj.weight", "self_attn.sinks", "self_attn.o_a_proj.weight",
+               "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")
+_SPLIT_COLS = ("self_attn.o_b_proj.weight", "mlp.shared_experts.down_proj.weight")
+
+
+def _rank_share(name: str, tensor: torch.Tensor, one_expert: bool) -> torch.Tensor:
+    """This tensor-parallel rank's part of a checkpoint tensor: its heads (queries, sinks, output groups), its share
+    of every expert's intermediate dims; the rest (the key-value head, compressors, indexer, mHC, router, embeddings)
+    whole on every rank."""
+    tp = tp_group()
+    if tp.size == 1:
+        return tensor
+    share = lambda t, dim: t.chunk(tp.size, dim=dim)[tp.rank]  # noqa: E731
+    if name.endswith(_SPLIT_ROWS):
+        return share(tensor, 0)
+    if name.endswith(_SPLIT_COLS):
+        return share(tensor, 1)
+    if name.endswith("mlp.experts.down_proj"):
+        return share(tensor, 1 if one_expert else 2)  # ([H, I] of one expert, or [E, H, I] stacked)
+    if name.endswith("mlp.experts.gate_up_proj"):
+        if one_expert:  # (w1 or w3 [I, H])
+            return share(tensor, 0)
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat([share(gate, 1), share(up, 1)], dim=1)
+    return tensor
 
 
 def _param_name(name: str) -> tuple[str, int | None, int | None]:

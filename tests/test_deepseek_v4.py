@@ -122,15 +122,22 @@ def test_chunks_across_windows_and_a_mixed_batch_equal_one_shot(models):
         torch.testing.assert_close(torch.cat(got[i]), want[i], atol=ATOL, rtol=0)
 
 
+def greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt."""
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
 def test_the_engine_gives_transformers_tokens_with_chunks_prefix_hits_and_preemption(folder, models):
     hf = models[1]
     head = random_tokens(24, seed=30, vocab=VOCAB)
     prompts = [head + random_tokens(n, seed=31 + n, vocab=VOCAB) for n in (3, 9, 17)]
-    want = []
-    for p in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+    want = greedy(hf, prompts, 12)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_blocks=128, max_num_seqs=4) as llm:
         first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
@@ -143,17 +150,18 @@ def test_the_engine_gives_transformers_tokens_with_chunks_prefix_hits_and_preemp
         assert small.client.runtime.actors["scheduler/0"].core.num_preemptions > 0
 
 
-def test_tensor_parallelism_is_refused_with_the_reason(folder):
-    from flotilla.models.parallel import TPGroup
-    import flotilla.models.parallel as parallel
-
-    saved = parallel._TP
-    parallel._TP = TPGroup(rank=0, size=2, group=None)
-    try:
-        with pytest.raises(Exception, match="tensor_parallel_size must be 1"):
-            load_flotilla_model(folder)
-    finally:
-        parallel._TP = saved
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_split_heads_and_experts_and_give_transformers_tokens(folder, models):
+    """Each rank keeps half the query heads (and their sinks and output groups) and half of every expert's
+    intermediate dims; the key-value head, the compressors and the indexer are whole on both."""
+    hf = models[1]
+    prompts = [random_tokens(n, seed=40 + n, vocab=VOCAB) for n in (5, 19, 37)]
+    want = greedy(hf, prompts, 10)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(str(folder), tensor_parallel_size=2, block_size=4, max_num_batched_tokens=16, kv_cache_blocks=128,
+             max_num_seqs=4) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 @pytest.mark.slow
