@@ -191,6 +191,16 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ranks and back (all2all_backend) and the ranks step in lockstep; across tensor-parallel ranks each rank computes
     its own experts' share and the all-reduce sums them. Attention, dense layers and shared experts are unchanged.
     Needs a MoE model."""
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
+    """How the engine's processes are started (vLLM's flag): mp, one local process each; ray, one Ray actor each,
+    placed on a Ray cluster (ray_address) with a GPU for each worker; the actors talk over ZeroMQ as with mp. Needs
+    the ray extra (pip install 'flotilla[ray]')."""
+    ray_address: str | None = None
+    """The Ray cluster for distributed_executor_backend ray (e.g. ray://head:10001 or head:6379); default: the
+    RAY_ADDRESS of the environment, else a Ray instance started on this machine."""
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How an engine's processes spread over the Ray cluster's nodes (its placement group's strategy): PACK, as
+    few nodes as fit; STRICT_PACK, one node (a tensor-parallel group on one NVLink domain); SPREAD, STRICT_SPREAD."""
     all2all_backend: Literal["auto", "all_to_all", "allgather_reducescatter"] = "auto"
     """How wide EP (enable_expert_parallel with data_parallel_size > 1) moves tokens to their experts and back
     (vLLM's flag): all_to_all sends each (token, expert) pair to its expert's rank (uneven sizes, read back to the

@@ -117,13 +117,16 @@ class LLM:
         """model: HF folder (None = the embedded default model); engine_options: vLLM-named options
         (block_size, kv_cache_blocks, max_num_seqs, ...; see config.py), or a whole EngineConfig.
         placement: inline (every actor in this process) or process (one each); default process on a GPU (and with
-        tensor_parallel_size or data_parallel_size > 1: one process per rank), inline on CPU. On a GPU the host work
+        tensor_parallel_size or data_parallel_size > 1: one process per rank), inline on CPU; with
+        distributed_executor_backend="ray" one Ray actor each, placed on the Ray cluster. On a GPU the host work
         of a step (scheduling, launching, detokenizing) is what limits a small model, and one process per actor
         spreads it over cores instead of sharing one interpreter lock."""
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
         _show_info_logs()
         self.config = config or EngineConfig.from_options(model=model, **engine_options)
+        if placement is None and self.config.parallel.distributed_executor_backend == "ray":
+            placement = "ray"
         if placement is None:
             parallel = self.config.parallel
             from flotilla.actors.model_runner import resolve_device  # what the worker will run on

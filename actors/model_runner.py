@@ -136,15 +136,16 @@ class ModelRunner:
     """Loads the model, sizes and allocates the KV cache, executes plans."""
 
     def __init__(self, config: EngineConfig, progress: bool = True, rank: int = 0,
-                 dist_init_method: str | None = None) -> None:
+                 dist_init_method: str | None = None, per_rank_device: bool = True) -> None:
         """rank, dist_init_method: this runner's tensor-parallel rank and the group's rendezvous (tcp://host:port),
-        needed when config.parallel.tensor_parallel_size > 1."""
+        needed when config.parallel.tensor_parallel_size > 1. per_rank_device: rank r runs on the configured GPU +
+        r (False: on the configured device itself, as a Ray actor that sees only its own GPU does)."""
         self.config = config
         self.rank = rank
         self.tp_size = config.parallel.tensor_parallel_size
         self._log_jit = jit_log.install_from_env()  # FLOTILLA_LOG_JIT=1: a line per triton compile, with its step
         jit_log.context = "engine start"
-        self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 else None)
+        self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 and per_rank_device else None)
         if self.device.type == "cuda" and self.device.index is not None:
             # this thread's current device: triton launches on it, so a worker on cuda:1 (an engine of a fleet, a TP
             # rank) must not leave it at cuda:0 ("Pointer argument cannot be accessed from Triton"); plain "cuda" is

@@ -5,7 +5,8 @@ actor's ReadyEvent and HeartbeatEvent. It declares an actor failed when its proc
 ends or raises, or it is silent for ``heartbeat_timeout_s``; a failure tears the whole tree down, so a
 dead actor is never a silent hang. Children are spawned (never forked: torch and ZeroMQ do not survive
 fork) as ``python -m flotilla actor NAME`` in their own session, and die with their parent through
-PR_SET_PDEATHSIG, so no process outlives the runtime, also when the runtime itself is killed.
+PR_SET_PDEATHSIG, so no process outlives the runtime, also when the runtime itself is killed. Under Ray placement
+(actors/ray_placement.py) each process is a Ray actor instead, and its death (or its node's) is the failure.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flotilla.actors.registry import actor_class
 from flotilla.actors.topology import Topology, resolve
 from flotilla.transport import auth
 from flotilla.transport.channels import Inbox, Outbox, end_context, new_context
-from flotilla.transport.endpoints import Endpoints, key, new_run_dir
+from flotilla.transport.endpoints import Endpoints, free_tcp_port, key, new_run_dir
 from flotilla.transport.messages import ActorFailedEvent, HeartbeatEvent, ReadyEvent, StopCmd
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,9 @@ class Runtime:
         self.ready: dict[str, ReadyEvent] = {}
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.actors: dict[str, Actor] = {}
+        self.ray = None
+        """Under Ray placement: the placement group and host actors (actors/ray_placement.py RayPlacement)."""
+        self._ray_runs: dict[str, object] = {}  # first actor key of each Ray host -> the ObjectRef of its run
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopping = False
         self.on_failure: list[Callable[[ActorFailedEvent], None]] = []
@@ -147,6 +151,8 @@ class Runtime:
 
     async def start(self) -> dict[str, ReadyEvent]:
         """Start every actor and wait for all ready handshakes; on any failure tear down and raise."""
+        if self.topo.placement == "ray":
+            return await self._start_ray()
         self.zmq = new_context()
         if self.topo.placement == "process":
             self.run_dir = new_run_dir()
@@ -234,6 +240,7 @@ class Runtime:
                 _kill_group(proc.pid, signal.SIGKILL)
         await self._reap_inline(grace)
         await self._reap_processes(grace)
+        await self._reap_ray(grace)
         if self.endpoints is not None and self.zmq is not None:
             for out in outs:
                 out.close()  # linger: a StopCmd to another host still goes out
@@ -338,6 +345,66 @@ class Runtime:
             live = {k: p for k, p in live.items() if p.returncode is None}
             if not live:
                 return
+
+    # ---- Ray placement ---------------------------------------------------------------------------
+
+    async def _start_ray(self) -> dict[str, ReadyEvent]:
+        from flotilla.actors.ray_placement import RayPlacement
+
+        self.zmq = new_context()
+        self.failed = asyncio.get_running_loop().create_future()
+        self.failed.add_done_callback(self._notify_failure)
+        self.finished = asyncio.Event()
+        try:
+            self.ray = RayPlacement(self.topo)
+            await asyncio.to_thread(self.ray.place)
+            self.endpoints = self.ray.endpoints(free_tcp_port)
+            for address in [self.endpoints.supervisor, *self.endpoints.actors.values()]:
+                if auth.needs_auth(address):
+                    auth.require_key(address)
+            expected = [key(s.name, i) for s, i in self.topo.instances()]
+            self.supervisor = Supervisor(self.zmq, self.endpoints, expected, self.topo.options.heartbeat_timeout_s,
+                                         self.failed, self.fail)
+            settings = auth.settings()
+            for keys, ref in self.ray.start(_topology_json(self.ray.rendezvous()), self.endpoints, self.trace,
+                                            self.log_level, settings.mode, settings.key_file):
+                self._ray_runs[keys[0]] = ref
+                asyncio.create_task(self._watch_ray(keys[0], ref), name=f"watch-{keys[0]}")
+            self.ready = await self.supervisor.wait_ready(self.topo.options.ready_timeout_s)
+        except BaseException:
+            await self.stop("start-up failed")
+            raise
+        return self.ready
+
+    async def _watch_ray(self, k: str, ref: object) -> None:
+        """A Ray host's run ends: cleanly when stopped; otherwise its actors failed, or Ray lost it (or its node)."""
+        try:
+            rc = await ref  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 (RayActorError, WorkerCrashedError, a node that left, ...)
+            if not self._stopping:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.fail(k, f"its Ray actor died ({type(e).__name__}: {reason})")
+            return
+        if not self._stopping:
+            self.fail(k, f"its Ray actor's actors exited (code {rc}) before they were stopped")
+
+    async def _reap_ray(self, grace: float) -> None:
+        """Wait for the Ray hosts' actors to stop, then kill the hosts and give the placement group back."""
+        if self.ray is None:
+            return
+        if self._ray_runs:
+            runs = [asyncio.ensure_future(self._settled(ref)) for ref in self._ray_runs.values()]
+            await asyncio.wait(runs, timeout=grace)
+            for r in runs:
+                r.cancel()
+        await asyncio.to_thread(self.ray.stop)
+
+    @staticmethod
+    async def _settled(ref: object) -> None:
+        try:
+            await ref  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 (its death is reported by _watch_ray)
+            pass
 
     def _notify_failure(self, fut: asyncio.Future) -> None:
         if fut.cancelled():

@@ -98,7 +98,10 @@ async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
             a.request_stop(f"signal {sig.name}")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except (RuntimeError, ValueError):  # not the main thread (a Ray actor's method): its host stops it
+            break
     tasks = [asyncio.create_task(a.serve(), name=a.label) for a in actors]
     try:
         # one failing actor fails the whole process (the supervisor then tears the topology down)

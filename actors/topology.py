@@ -3,7 +3,8 @@
 A topology is small and declarative (a TOML file for ``flotilla launch``, or built in code):
 
     name = "pingpong"
-    placement = "process"          # "inline": all in one process; "process": one process per instance
+    placement = "process"          # "inline": all in one process; "process": one process per instance;
+                                   # "ray": one Ray actor per process, placed on a Ray cluster (actors/ray_placement.py)
     transport = "ipc"              # inline -> inproc; process -> "ipc" (one host) or "tcp" (several hosts)
 
     [[actors]]
@@ -33,7 +34,7 @@ import msgspec
 from flotilla.actors.base import RuntimeOptions
 from flotilla.transport import endpoints as ep
 
-Placement = Literal["inline", "process"]
+Placement = Literal["inline", "process", "ray"]
 Transport = Literal["inproc", "ipc", "tcp"]
 
 
@@ -71,7 +72,12 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     name: str = "flotilla"
     """Used in log lines and socket names."""
     placement: Placement = "process"
-    """inline: every actor in this process; process: one OS process per actor instance."""
+    """inline: every actor in this process; process: one OS process per actor instance; ray: one Ray actor per
+    process, on a Ray cluster (tcp addresses from the nodes Ray picks)."""
+    ray_address: str | None = None
+    """placement ray: the cluster to join (ray.init's address; None: RAY_ADDRESS, else a local Ray instance)."""
+    ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """placement ray: how the placement group spreads the processes' bundles over nodes."""
     transport: Transport | None = None
     """Address scheme; default inproc for inline, ipc for process (tcp when any host is not local)."""
     supervisor_host: str = "127.0.0.1"
@@ -94,6 +100,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("inline placement uses inproc:// addresses; drop `transport` or use placement=process")
         if self.placement == "process" and self.transport == "inproc":
             raise ValueError("inproc:// only works within one process; use placement=inline")
+        if self.placement == "ray" and self.transport not in (None, "tcp"):
+            raise ValueError("Ray places actors on any node: its placement uses tcp:// addresses")
         for group, members in self.process_groups().items():
             if len(members) > 1 and len({(m.count, m.host, m.external) for m in members}) > 1:
                 raise ValueError(f"process group {group!r}: its actors need the same count, host and external flag")
@@ -109,6 +117,8 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             return self.transport
         if self.placement == "inline":
             return "inproc"
+        if self.placement == "ray":
+            return "tcp"
         return "tcp" if any(not _is_local(a.host) for a in self.actors) else "ipc"
 
     def spec(self, name: str) -> ActorSpec:

@@ -120,7 +120,8 @@ class GPUWorkerActor(Actor):
         config = dp.rank_config(self.config, self.dp_rank)
         dp.join_expert_parallel(config, self.dp_rank, self.ctx.config.get("ep_init_method"), self.rank)
         methods = self.ctx.config.get("dist_init_methods")  # one TP rendezvous per data-parallel rank
-        return ModelRunner(config, rank=self.rank, dist_init_method=methods[self.dp_rank] if methods else
+        return ModelRunner(config, rank=self.rank, per_rank_device=bool(self.ctx.config.get("per_rank_device", True)),
+                           dist_init_method=methods[self.dp_rank] if methods else
                            self.ctx.config.get("dist_init_method"))
 
     async def teardown(self) -> None:

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="store_true", help="every actor prints every message in and out")
     p.add_argument("--model", default=None, help="deployment files only: the model folder (overrides the file's)")
     p.add_argument("--port", type=int, default=None, help="deployment files only: the HTTP port (overrides the file's)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="a topology of placement ray, or a deployment whose engines use distributed_executor_backend "
+                        "ray: the Ray cluster to place the processes on (overrides the file's; default: the "
+                        "RAY_ADDRESS of the environment, else a Ray instance started on this machine)")
     auth.add_auth_arguments(p)
 
 
@@ -102,6 +106,11 @@ def serve_argv(dep: Deployment, model: str | None, port: int | None, trace: bool
     return argv + (["--trace"] if trace else [])
 
 
+def with_ray_address(argv: list[str], address: str | None) -> list[str]:
+    """A deployment's serve command line with --ray-address set (the launcher's flag wins over the file)."""
+    return argv if address is None else [*argv, "--ray-address", address]
+
+
 def run_deployment(dep: Deployment, args: argparse.Namespace) -> int:
     from flotilla.server import serve
     from flotilla.server.cli import add_serve_arguments
@@ -109,7 +118,8 @@ def run_deployment(dep: Deployment, args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser(prog=f"flotilla launch {args.topology}")
     add_serve_arguments(parser)
     log.info("deployment %r: a front end and engines %s", dep.name, ", ".join(dep.engines))
-    return serve.main(parser.parse_args(serve_argv(dep, args.model, args.port, args.trace)))
+    argv = with_ray_address(serve_argv(dep, args.model, args.port, args.trace), args.ray_address)
+    return serve.main(parser.parse_args(argv))
 
 
 def with_externals(topo: Topology, names: list[str]) -> Topology:
@@ -152,6 +162,9 @@ async def launch(topo: Topology, host: str | None, trace: bool) -> int:
     except auth.AuthError as e:
         print(f"flotilla launch: {e}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:  # (Ray placement: Ray missing, a cluster that cannot place the processes)
+        print(f"flotilla launch: {e}", file=sys.stderr, flush=True)
+        return 1
     if rt.primary:
         print(f"topology {topo.name!r} ready: {len(rt.ready)} actor(s)", flush=True)
         print_table(rt)
@@ -193,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
         return run_deployment(deployment, args)
     try:
         topo = with_externals(load_topology(args.topology), args.external)
+        if args.ray_address is not None:
+            topo = msgspec.structs.replace(topo, ray_address=args.ray_address)
     except (ValueError, KeyError) as e:
         print(f"flotilla launch: {e}", file=sys.stderr)
         return 2

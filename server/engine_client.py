@@ -143,7 +143,12 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     (a fleet's engines beside encoder engines: the router names one per request)."""
     engine = config.to_dict()
     common = {"engine": engine, "scheduler": "scheduler", "frontend": FRONTEND, "engine_id": name}
-    tcp: dict = {}
+    if placement == "process" and config.parallel.distributed_executor_backend == "ray":
+        placement = "ray"
+    tcp: dict = ({"ray_address": config.parallel.ray_address,
+                  "ray_placement_strategy": config.parallel.ray_placement_strategy} if placement == "ray" else {})
+    if placement == "ray":
+        host = None  # (its actors listen at their Ray nodes' addresses, which other nodes reach)
     if host is not None:
         if placement != "process":
             raise ValueError("engines other nodes reach run one process per actor: drop --single-process")
@@ -157,7 +162,10 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     disagg = config.disagg.role != "both"
     tp, dp = config.parallel.tensor_parallel_size, config.parallel.data_parallel_size
     worker = dict(common)
-    if tp * dp > 1 and placement != "process":
+    if placement == "inline" and config.parallel.distributed_executor_backend == "ray":
+        raise ValueError("distributed_executor_backend ray places every actor in a process of its own: drop "
+                         "--single-process (placement inline)")
+    if tp * dp > 1 and placement == "inline":
         raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} runs one process per rank: use "
                          "placement='process' (--placement process; flotilla serve without --single-process)")
     if dp > 1 and disagg:
@@ -182,7 +190,7 @@ def engine_topology(config: EngineConfig, placement: str = "inline", name: str =
     encoders = (config.worker.image_encoder != "step" and config.disagg.role != "decode"
                 and takes_images(model_dir(config)))
     remote = encoders and config.worker.image_encoder == "remote" and own_vision_encoder
-    if remote and config.disagg.kv_transfer_backend == "local" and placement == "process":
+    if remote and config.disagg.kv_transfer_backend == "local" and placement != "inline":
         raise ValueError("image_encoder=remote with kv_transfer_backend=local needs every actor in one process "
                          "(--single-process); between processes use dlslime_tcp")
     actors = [

@@ -482,3 +482,11 @@ def test_a_front_end_that_stops_listening_is_reported_gone_after_the_grace_and_b
         ctx.term()
 
     uvloop.run(main())
+
+
+def test_ray_placement_without_ray_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # (import ray fails as where it is not installed)
+    with pytest.raises(RuntimeError, match=r"pip install 'flotilla\[ray\]'"):
+        uvloop.run(Runtime(pingpong("ray")).start())

@@ -1,0 +1,157 @@
+"""Ray placement on a real two-node Ray cluster started by the test (ray.cluster_utils: two raylets on this
+machine, four CPUs each): an engine whose processes are Ray actors gives the local engine's greedy tokens, with
+tensor parallelism across the nodes; a prefill-decode pair placed by Ray answers as one engine does; a Ray actor
+that is killed ends the requests in flight with an error naming it, and the engine's teardown gives everything
+back to the cluster."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+from helpers_engine import write_tiny_tokenizer
+from helpers_optional import needs, require
+from helpers_tiny_models import random_tokens, write_tiny_model
+
+from flotilla import LLM, SamplingParams
+
+ray = require("ray", "Ray placement's tests run a real Ray cluster")
+
+pytestmark = pytest.mark.slow
+CPUS_PER_NODE = 4
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    """The cluster key: Ray's nodes listen on this machine's address, beyond loopback, so the control plane
+    authenticates (in this process, its Ray actors, and a served front end given --auth-key-file)."""
+    from flotilla.transport import auth
+
+    path = tmp_path_factory.mktemp("key") / "cluster.key"
+    auth.create_key_file(path)
+    saved = auth.settings()
+    auth.configure(auth.AuthSettings(mode="auto", key_file=str(path)))
+    yield path
+    auth.configure(saved)
+
+
+@pytest.fixture(scope="module")
+def cluster(key_file):
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False})
+    c.add_node(num_cpus=CPUS_PER_NODE)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = write_tiny_model(tmp_path_factory.mktemp("ray") / "m", "qwen3")
+    write_tiny_tokenizer(d, vocab_size=320)
+    return d
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [random_tokens(n, seed=n) for n in (5, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def local(folder, prompts):
+    with LLM(str(folder), block_size=4, kv_cache_blocks=128) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                                                             use_tqdm=False)]
+
+
+def test_a_tensor_parallel_engine_placed_by_ray_across_two_nodes_gives_the_local_tokens(cluster, folder, prompts,
+                                                                                       local):
+    with LLM(str(folder), distributed_executor_backend="ray", ray_address=cluster.address, tensor_parallel_size=2,
+             block_size=4, kv_cache_blocks=128) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        hosts = llm.client.runtime.ray.hosts
+        # five processes of one CPU each (tokenizer, scheduler, two workers, detokenizer) on nodes of four: both
+        assert len(hosts) == 5 and len({h.node for h in hosts}) == 2
+        assert {k for h in hosts for k in h.keys} >= {"worker/0", "worker/1", "scheduler/0"}
+    assert [o.outputs[0].token_ids for o in outs] == local
+    assert ray.util.placement_group_table() and all(pg["state"] == "REMOVED"
+                                                    for pg in ray.util.placement_group_table().values())
+
+
+def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name(cluster, folder):
+    from flotilla.server.engine_client import EngineDeadError, RequestFailed
+
+    with LLM(str(folder), distributed_executor_backend="ray", ray_address=cluster.address, block_size=4,
+             kv_cache_blocks=128) as llm:
+        worker = next(h for h in llm.client.runtime.ray.hosts if "worker" in h.names)
+        failure: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate([{"prompt_token_ids": random_tokens(9, seed=i)} for i in range(64)],
+                             SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True), use_tqdm=False)
+            except BaseException as e:  # noqa: BLE001
+                failure.append(e)
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while (llm.client.stats is None or not llm.client.stats.num_running) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (until the scheduler reports sequences running)
+        assert llm.client.stats.num_running, "no sequence started"
+        started = time.monotonic()
+        ray.kill(worker.handle)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the request hung after its worker died"
+        assert time.monotonic() - started < 20
+        assert failure and isinstance(failure[0], EngineDeadError | RequestFailed)
+        assert "worker/0" in str(failure[0]) and "Ray actor died" in str(failure[0])
+
+
+@needs("openai", "the PD test talks to the server through the real openai client")
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_a_prefill_decode_pair_placed_by_ray_on_two_nodes_answers_as_one_local_engine(cluster, folder, key_file):
+    """Each engine packed on one node (STRICT_PACK: four processes, a node's four CPUs), so the pair spans two;
+    the KV moves between the nodes' data planes over dlslime."""
+    import helpers_pd as pdh
+    from helpers_server import start_server
+
+    common = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "8", "--served-model-name", "m"]
+    colocated = start_server(str(folder), "--single-process", *common, timeout=180)
+    try:
+        pd = start_server(str(folder), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp",
+                          "--distributed-executor-backend", "ray", "--ray-address", cluster.address,
+                          "--ray-placement-strategy", "STRICT_PACK", "--auth-key-file", str(key_file), *common,
+                          timeout=300)
+        try:
+            reqs = pdh.requests(8, offset=3)
+            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
+            m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
+            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
+            placed = {line.split(" placed by Ray")[0].split()[-1]: re.findall(r"node (\w+) ", line)
+                      for line in pd.log if " placed by Ray (STRICT_PACK)" in line}
+            assert placed.keys() == {"prefill-0", "decode-0"} and all(len(v) == 1 for v in placed.values())
+            assert placed["prefill-0"] != placed["decode-0"], placed
+        finally:
+            assert pd.stop() == 0, "".join(pd.log[-30:])
+    finally:
+        colocated.stop()
+
+
+def test_a_topology_placed_by_ray_answers_as_in_one_process(cluster):
+    """The relay and echoes of the pingpong topology as Ray actors: the same answers as inline; each process is
+    one Ray host, and stopping the topology gives its placement group back."""
+    import msgspec
+    import uvloop
+    from test_actors import _pingpong_results, pingpong
+
+    inline, _ = uvloop.run(_pingpong_results(pingpong("inline")))
+    topo = msgspec.structs.replace(pingpong("ray"), ray_address=cluster.address)
+    placed, pids = uvloop.run(_pingpong_results(topo))
+    assert placed == inline and len(set(pids.values())) == 3
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
