@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
 
-_DRIVER = """
+_DRIVER = r"""
 import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget

@@ -446,19 +446,25 @@ def test_a_vision_encoder_of_its_own_is_refused_a_data_plane_it_cannot_read_from
 
 @pytest.mark.slow
 @needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
-def test_encoder_prefill_decode_engines_answer_image_requests_as_transformers_does(folder, reference):
+def test_encoder_prefill_decode_engines_answer_as_transformers_and_a_503_follows_the_encoders_death(folder, reference):
     """EPD: an engine of role encoder (the vision tower alone), registered as such; the router names it for each
     request with images, the prefill engine's encoder actor reads the embeddings from it over dlslime, the decode
-    engine pulls the KV; text requests pass the encoder by."""
+    engine pulls the KV; text requests pass the encoder by. Once the encoder engine is killed a request with images
+    gets a 503 saying why (routed to it before the front end saw it die, or to no encoder at all), and text requests
+    are served on."""
+    import os
+    import re
+    import signal
+
     srv = start_server(str(folder), "--engines", "encoder,prefill,decode", "--kv-transfer-backend", "dlslime_tcp",
-                       "--block-size", "4", "--kv-cache-blocks", "256", "--max-model-len", "256",
-                       "--served-model-name", "m", timeout=300)
+                       "--kv-transfer-timeout-s", "3", "--block-size", "4", "--kv-cache-blocks", "256",
+                       "--max-model-len", "256", "--served-model-name", "m", timeout=300)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        text = [{"role": "user", "content": "no image at all"}]
         for messages, images in (([{"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"},
                                                                  image_part(WIDE)]}], [DOG, WIDE]),
-                                 ([{"role": "user", "content": [image_part(CAT)]}], [CAT]),
-                                 ([{"role": "user", "content": "no image at all"}], [])):
+                                 ([{"role": "user", "content": [image_part(CAT)]}], [CAT]), (text, [])):
             assert ask(client, messages, stream=True)[0] == reference(messages, images)[0]
         log = "".join(srv.log)
         assert "engine encoder-0 (encoder) registered" in log and sum("(Qwen3VLVisionTower" in line for line in
@@ -467,32 +473,13 @@ def test_encoder_prefill_decode_engines_answer_image_requests_as_transformers_do
         routed = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in
                   metrics.splitlines() if line.startswith("flotilla_engine_requests_routed_total{")}
         assert routed.get("encoder-0") == 2 and routed.get("prefill-0") == 3, metrics
-    finally:
-        assert srv.stop() == 0, "".join(srv.log[-30:])
-
-
-@pytest.mark.slow
-@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
-def test_image_requests_get_a_503_once_the_encoder_engine_is_gone_and_text_requests_are_served_on(folder, reference):
-    import os
-    import re
-    import signal
-
-    srv = start_server(str(folder), "--engines", "encoder,both", "--kv-transfer-backend", "dlslime_tcp",
-                       "--kv-transfer-timeout-s", "3", "--block-size", "4", "--kv-cache-blocks", "256",
-                       "--max-model-len", "256", "--served-model-name", "m", timeout=300)
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        with_image = [{"role": "user", "content": [image_part(CAT)]}]
-        assert ask(client, with_image).choices[0].message.content == reference(with_image, [CAT])[0]
         pid, = (int(m[1]) for line in srv.log if (m := re.search(r"engine encoder-0 \(encoder\) registered: "
                                                                   r"vision_encoder/0=pid:(\d+)", line)))
         os.kill(pid, signal.SIGKILL)
-        for _ in range(2):  # (routed to it before the front end saw it die, or to no encoder at all)
+        for _ in range(2):
             with pytest.raises(openai.APIStatusError) as failed:
-                ask(client, [{"role": "user", "content": [image_part(DOG)]}])
+                ask(client, [{"role": "user", "content": [image_part(png(30, 70, 6))]}])
             assert failed.value.status_code == 503 and "vision encoder" in failed.value.message
-        text = [{"role": "user", "content": "still there?"}]
         assert ask(client, text).choices[0].message.content == reference(text, [])[0]
     finally:
         srv.stop()
