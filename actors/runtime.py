@@ -137,6 +137,7 @@ class Runtime:
         self._ray_runs: dict[str, object] = {}  # first actor key of each Ray host -> the ObjectRef of its run
         self._tasks: dict[str, asyncio.Task] = {}
         self._stopping = False
+        self._stop_task: asyncio.Future | None = None
         self.on_failure: list[Callable[[ActorFailedEvent], None]] = []
         self.failed: asyncio.Future[ActorFailedEvent] | None = None
         """Resolved with the first failure."""
@@ -221,9 +222,13 @@ class Runtime:
             out.close()  # linger: it still goes out
 
     async def stop(self, reason: str = "stop requested") -> None:
-        """StopCmd to every actor, then SIGTERM and SIGKILL for the ones that linger; idempotent."""
-        if self._stopping:
-            return
+        """StopCmd to every actor, then SIGTERM and SIGKILL for the ones that linger; idempotent. The teardown runs
+        to its end even when the caller is cancelled (a later stop() waits for it), so nothing it holds is left."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._stop(reason))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, reason: str) -> None:
         self._stopping = True
         grace = self.topo.options.stop_grace_s
         if self.endpoints is not None and self.zmq is not None:

@@ -490,3 +490,21 @@ def test_ray_placement_without_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # (import ray fails as where it is not installed)
     with pytest.raises(RuntimeError, match=r"pip install 'flotilla\[ray\]'"):
         uvloop.run(Runtime(pingpong("ray")).start())
+
+
+def test_a_stop_whose_caller_is_cancelled_still_tears_everything_down():
+    """An engine's recovery task stopping its dead runtime may be cancelled by the front end's own stop: the teardown
+    goes on, and the later stop() waits for it instead of returning at once with processes (or a Ray placement
+    group) left behind."""
+    async def main():
+        rt = Runtime(pingpong("process", "ipc"))
+        await rt.start()
+        first = asyncio.create_task(rt.stop("engine failed"))
+        await asyncio.sleep(0)
+        first.cancel()
+        await rt.stop("front end stopping")
+        return rt
+
+    rt = uvloop.run(main())
+    assert rt.procs and all(p.returncode is not None for p in rt.procs.values())
+    assert not rt.run_dir.exists()
