@@ -152,6 +152,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "times in a row (waiting 1 s, 2 s, 4 s, ... up to 30 s first; an engine that served 10 "
                         "minutes starts the count over); meanwhile requests get 503 with Retry-After and /health is "
                         "503. 0: exit at the first failure (for an orchestrator that restarts the process)")
+    p.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="S",
+                   help="the wait before the first restart of a failed engine, seconds; it doubles with each failure "
+                        "in a row, up to 30 s")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                    help="an engine actor silent this long (hung, stopped) counts as failed, seconds")
     p.add_argument("--tool-call-parser", default="hermes", choices=list(TOOL_PARSERS),

@@ -7,7 +7,7 @@ into n engine requests (choice_seed(seed, i) each, so seeded choices differ yet 
 hangs, every waiting request gets EngineDeadError at once: the front end fails fast, never hangs.
 
 A dead engine is restarted when `restarts` allows: every actor of the old one is stopped (killed if need
-be), and after a backoff (RESTART_BACKOFF_S, doubling per failure in a row) a fresh topology starts. Until
+be), and after a backoff (restart_backoff_s, doubling per failure in a row) a fresh topology starts. Until
 it is ready `alive` is False and `retry_after_s` says when to try again. After `restarts` failures in a
 row (an engine that stayed up STABLE_S starts the count over) the client gives up: `on_gave_up`.
 
@@ -243,7 +243,8 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig, placement: str = "inline", trace: bool = False,
                  options: RuntimeOptions | None = None, name: str = "engine", host: str | None = None,
-                 restarts: int = 0, own_vision_encoder: bool = True) -> None:
+                 restarts: int = 0, own_vision_encoder: bool = True,
+                 restart_backoff_s: float = RESTART_BACKOFF_S) -> None:
         """host: the engine's actors listen on TCP there, for other nodes' front ends (engine_topology).
         restarts: how many times in a row a failed engine is started again before the client gives up.
         own_vision_encoder: see engine_topology."""
@@ -268,6 +269,7 @@ class EngineClient:
         """Per-expert token counts of the ranks under expert parallelism."""
         self._ranks: dict[str, int] = {}  # rid -> data-parallel rank, while it streams
         self.max_restarts = restarts
+        self.restart_backoff_s = restart_backoff_s
         self.failures = 0
         """Times the engine failed (an actor died or hung, or a restart did not come up) since start."""
         self.restarts = 0
@@ -470,7 +472,7 @@ class EngineClient:
                 for cb in self.on_gave_up:
                     cb()
                 return
-            delay = min(RESTART_BACKOFF_S * 2 ** (self._in_a_row - 1), RESTART_BACKOFF_MAX_S)
+            delay = min(self.restart_backoff_s * 2 ** (self._in_a_row - 1), RESTART_BACKOFF_MAX_S)
             self._retry_at = time.monotonic() + delay + self._start_s
             log.warning("engine %s: restarting in %.0f s (restart %d of at most %d in a row)", self.name, delay,
                         self._in_a_row, self.max_restarts)

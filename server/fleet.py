@@ -126,7 +126,7 @@ class Fleet:
     def __init__(self, engines: list[tuple[str, EngineConfig]], model_name: str, placement: str = "process",
                  trace: bool = False, options: RuntimeOptions | None = None, registry: str | None = None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, engine_host: str | None = None,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, restart_backoff_s: float = 1.0) -> None:
         """engine_host: with a shared (Redis) registry, the address this node's engines and reply inbox listen on
         for other nodes' front ends (default 127.0.0.1: several front ends of one machine). restarts: how many times
         in a row each engine is started again after a failure (EngineClient)."""
@@ -145,6 +145,7 @@ class Fleet:
         # remote runs no vision encoder of its own: the router names one per request
         own = "encoder" not in self.roles.values() and not self.shared
         self.clients = {name: EngineClient(cfg, placement, trace, options, name=name, host=host, restarts=restarts,
+                                           restart_backoff_s=restart_backoff_s,
                                            own_vision_encoder=own)
                         for name, cfg in engines}  # fmt: skip
         self.remote: dict[str, RemoteEngine] = {}

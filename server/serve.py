@@ -80,10 +80,12 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     options = RuntimeOptions(heartbeat_timeout_s=args.heartbeat_timeout)
     if engines is None:
         client: EngineClient | Fleet = EngineClient(config, placement=placement, trace=args.trace, options=options,
-                                                    restarts=args.engine_restarts)
+                                                    restarts=args.engine_restarts,
+                                                    restart_backoff_s=args.engine_restart_backoff)
     else:
         client = Fleet(engines, served_name(config, path), placement=placement, trace=args.trace, options=options,
-                       registry=args.registry, engine_host=args.engine_host, restarts=args.engine_restarts)
+                       registry=args.registry, engine_host=args.engine_host, restarts=args.engine_restarts,
+                       restart_backoff_s=args.engine_restart_backoff)
     server: _Server | None = None
     stop = asyncio.Event()
 

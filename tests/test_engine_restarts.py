@@ -24,7 +24,8 @@ from helpers_optional import require
 openai = require("openai", "the streams are read through the real openai client")
 
 pytestmark = pytest.mark.slow
-OPTIONS = ["--kv-cache-blocks", "512", "--max-num-seqs", "32", "--heartbeat-timeout", "2"]
+OPTIONS = ["--kv-cache-blocks", "512", "--max-num-seqs", "32", "--heartbeat-timeout", "2",
+           "--engine-restart-backoff", "0.25"]  # (four failures in a row: 0.25 + 0.5 + 1 + 2 s of waiting)
 STREAMS = 20
 GREEDY = [{"kind": "completion", "stream": False, "prompt": pdh.prompt(i), "max_tokens": 12} for i in range(4)]
 
