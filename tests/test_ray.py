@@ -83,12 +83,15 @@ def test_a_tensor_parallel_engine_placed_by_ray_across_two_nodes_gives_the_local
                                                     for pg in ray.util.placement_group_table().values())
 
 
-def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name(cluster, folder):
+def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name_and_the_engine_is_placed_again(
+        cluster, folder, prompts, local):
     from flotilla.server.engine_client import EngineDeadError, RequestFailed
 
     with LLM(str(folder), distributed_executor_backend="ray", ray_address=cluster.address, block_size=4,
              kv_cache_blocks=128) as llm:
-        worker = next(h for h in llm.client.runtime.ray.hosts if "worker" in h.names)
+        llm.client.max_restarts, llm.client.restart_backoff_s = 1, 0.1  # (flotilla serve's --engine-restarts)
+        first = llm.client.runtime
+        worker = next(h for h in first.ray.hosts if "worker" in h.names)
         failure: list[BaseException] = []
 
         def generate() -> None:
@@ -111,6 +114,14 @@ def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name(cluster, f
         assert time.monotonic() - started < 20
         assert failure and isinstance(failure[0], EngineDeadError | RequestFailed)
         assert "worker/0" in str(failure[0]) and "Ray actor died" in str(failure[0])
+        deadline = time.monotonic() + 60
+        while not (llm.client.alive and llm.client.runtime is not first) and time.monotonic() < deadline:
+            time.sleep(0.05)  # (the failed engine's placement group goes, a new one is placed)
+        assert llm.client.alive and llm.client.restarts == 1
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == local
+        groups = list(ray.util.placement_group_table().values())
+        assert sum(pg["state"] == "CREATED" for pg in groups) == 1, groups
 
 
 @needs("openai", "the PD test talks to the server through the real openai client")
