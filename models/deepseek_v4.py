@@ -29,13 +29,14 @@ every step gathers each sequence's rows; kernels that keep the entries are a sep
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.quant.fp8_ref import block_dequantize
 from flotilla.kernels.rope import rope_inv_freq
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
 from flotilla.models.parallel import all_reduce, divide, tp_group
@@ -392,12 +393,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """DeepSeek's checkpoint layout (layers.N.attn.wq_a, ffn.experts.E.w1, ...; with or without `model.`) or
-        transformers' names; each routed expert's w1 / w3 / w2 goes into its row of the stacked experts. The MTP
-        layers are not loaded yet."""
+        transformers' names; each routed expert's w1 / w3 / w2 goes into its row of the stacked experts. An FP8
+        block-scaled checkpoint (V4-Flash-Base) is dequantized as it loads (`X.weight` with `X.weight_scale_inv`).
+        The MTP layers are not loaded yet."""
         params = dict(self.named_parameters())
         targets = {**dict(self.named_buffers()), **params}
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self._dequantized(weights):
             target_name, row, part = _param_name(name)
             target = targets.get(target_name)
             if target is None:
@@ -414,6 +416,31 @@ class DeepseekV4ForCausalLM(nn.Module):
             if target_name in params:
                 loaded.add(target_name)
         return loaded
+
+    def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors with each FP8 weight and its block scales turned into one float weight (in
+        whichever order the two come); others as they are."""
+        quant = self.config.quantization
+        if quant is None:
+            yield from weights
+            return
+        pending: dict[str, torch.Tensor] = {}  # weight name -> the first of (weight, scales) seen
+        dtype = self.lm_head.weight.dtype
+        for name, tensor in weights:
+            is_scale = name.endswith("_scale_inv")
+            if not is_scale and tensor.dtype != torch.float8_e4m3fn:
+                yield name, tensor
+                continue
+            weight = name.removesuffix("_scale_inv")
+            other = pending.pop(weight, None)
+            if other is None:
+                pending[weight] = tensor
+                continue
+            q, scales = (other, tensor) if is_scale else (tensor, other)
+            yield weight, block_dequantize(q, scales, quant.weight_block_size).to(dtype)
+        if pending:
+            shown = ", ".join(sorted(pending)[:4])
+            raise ValueError(f"FP8 weights without their block scales (or scales without weights): {shown}")
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
         return lambda name: not name.startswith("mtp.")

@@ -5,6 +5,8 @@ layout; and the engine end to end (prefix hits, preemption), since every cache i
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,43 @@ def test_the_config_reads_deepseeks_legacy_names_and_transformers_defaults():
     assert default.mlp_layer_types == ("hash_moe",) * 3 + ("moe",) * 2 and default.compress_rope_scaling is None
     with pytest.raises(ValueError, match="unknown DeepSeek-V4 layer_types"):
         parse_hf_config({**base, "layer_types": ["full_attention"] * 5})
+
+
+FP8_LINEARS = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.(w1|w2|w3)\.weight$")
+"""The linears V4-Flash-Base keeps in FP8 blocks: attention's projections, the indexer's queries, every expert."""
+
+
+def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights(folder, tmp_path):
+    """DeepSeek-V4-Flash-Base's layout: e4m3 weights with float32 `weight_scale_inv` per 32 x 32 block here (128 x
+    128 in the release), partial blocks included; the reference dequantizes them as they load."""
+    from safetensors.torch import load_file, save_file
+
+    from flotilla.kernels.quant.fp8_ref import block_dequantize, block_quantize
+
+    fp8, dequantized = {}, {}
+    for name, w in load_file(str(folder / "model.safetensors")).items():
+        if FP8_LINEARS.search(name):
+            q, s = block_quantize(w, (32, 32))
+            fp8[name], fp8[f"{name}_scale_inv"] = q, s
+            dequantized[name] = block_dequantize(q, s, (32, 32))
+        else:
+            fp8[name] = dequantized[name] = w
+    config = json.loads((folder / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "activation_scheme": "dynamic"}
+    dirs = {}
+    for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quant}), ("float", dequantized, {})):
+        d = dirs[sub] = tmp_path / sub
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+    assert sum(FP8_LINEARS.search(n) is not None for n in fp8) == 4 * 5 + 1 * 2 + 4 * (8 + 1) * 3
+    a, b = load_flotilla_model(dirs["fp8"]), load_flotilla_model(dirs["float"])
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
+    prompt = random_tokens(30, seed=8, vocab=VOCAB)
+    torch.testing.assert_close(PagedRunner(a, block_size=4).step([(0, prompt)])[0],
+                               PagedRunner(b, block_size=4).step([(0, prompt)])[0], atol=0, rtol=0)
+    config["quantization_config"] = {**quant, "expert_dtype": "fp4"}
+    (dirs["fp8"] / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="FP4 \\(MXFP4\\) experts are not supported yet"):
+        load_flotilla_model(dirs["fp8"])
