@@ -394,7 +394,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """DeepSeek's checkpoint layout (layers.N.attn.wq_a, ffn.experts.E.w1, ...; with or without `model.`) or
         transformers' names; each routed expert's w1 / w3 / w2 goes into its row of the stacked experts. An FP8
-        block-scaled checkpoint (V4-Flash-Base) is dequantized as it loads (`X.weight` with `X.weight_scale_inv`).
+        block-scaled checkpoint (V4-Flash-Base) and MXFP4 experts (V4-Flash) are dequantized as they load (`X.weight`
+        with `X.weight_scale_inv`).
         The MTP layers are not loaded yet."""
         params = dict(self.named_parameters())
         targets = {**dict(self.named_buffers()), **params}
@@ -418,8 +419,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return loaded
 
     def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors with each FP8 weight and its block scales turned into one float weight (in
-        whichever order the two come); others as they are."""
+        """The checkpoint's tensors with each quantized weight (FP8, or FP4 packed in int8) and its block scales
+        turned into one float weight (in whichever order the two come); others as they are."""
         quant = self.config.quantization
         if quant is None:
             yield from weights
@@ -428,7 +429,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         dtype = self.lm_head.weight.dtype
         for name, tensor in weights:
             is_scale = name.endswith("_scale_inv")
-            if not is_scale and tensor.dtype != torch.float8_e4m3fn:
+            if not is_scale and tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
                 yield name, tensor
                 continue
             weight = name.removesuffix("_scale_inv")
@@ -437,7 +438,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                 pending[weight] = tensor
                 continue
             q, scales = (other, tensor) if is_scale else (tensor, other)
-            yield weight, block_dequantize(q, scales, quant.weight_block_size).to(dtype)
+            if q.dtype == torch.int8:
+                yield weight, fp4_dequantize(q, scales).to(dtype)
+            else:
+                yield weight, block_dequantize(q, scales, quant.weight_block_size).to(dtype)
         if pending:
             shown = ", ".join(sorted(pending)[:4])
             raise ValueError(f"FP8 weights without their block scales (or scales without weights): {shown}")
@@ -445,6 +449,24 @@ class DeepseekV4ForCausalLM(nn.Module):
     def checkpoint_filter(self) -> Callable[[str], bool]:
         return lambda name: not name.startswith("mtp.")
 
+
+
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an e2m1 nibble."""
+
+
+def fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 [N, K / 2] int8 (two e2m1 values a byte, the low nibble first) times its scales [N / bn, K / bk] (E8M0
+    exponents as uint8 or float8_e8m0fnu, or float32), each over a block the grid's shape gives (1 x 32 for
+    V4-Flash's experts) -> float32 [N, K]."""
+    u8 = packed.contiguous().view(torch.uint8)
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=packed.device)
+    w = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(packed.shape[0], -1)
+    s = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales.float()
+    (rows, cols), (srows, scols) = w.shape, s.shape
+    if rows % srows or cols % scols:
+        raise ValueError(f"an FP4 weight of {rows} x {cols} does not divide into its {srows} x {scols} scale blocks")
+    return w * s.repeat_interleave(rows // srows, dim=0).repeat_interleave(cols // scols, dim=1)
 
 
 _ROOT = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",

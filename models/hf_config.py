@@ -541,9 +541,9 @@ def _quantization(raw: Mapping[str, Any]) -> FP8BlockQuantConfig | None:
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"quantization_config activation_scheme {quant.get('activation_scheme')!r} is not "
                          "supported (only 'dynamic')")  # fmt: skip
-    if quant.get("expert_dtype", "fp8") != "fp8":
+    if quant.get("expert_dtype", "fp8") != "fp8" and raw.get("model_type") != "deepseek_v4":
         raise ValueError(f"quantization_config expert_dtype {quant.get('expert_dtype')!r}: FP4 (MXFP4) experts are "
-                         "not supported yet (a checkpoint with FP8 experts, such as DeepSeek-V4-Flash-Base, is)")
+                         "supported for DeepSeek-V4 only (dequantized as they load)")
     block = quant.get("weight_block_size")
     if not block or len(block) != 2 or min(int(b) for b in block) <= 0:
         raise ValueError(f"quantization_config weight_block_size {block!r}: per-tensor FP8 is not supported; "

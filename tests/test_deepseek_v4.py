@@ -201,39 +201,56 @@ def test_the_config_reads_deepseeks_legacy_names_and_transformers_defaults():
 
 FP8_LINEARS = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.(w1|w2|w3)\.weight$")
 """The linears V4-Flash-Base keeps in FP8 blocks: attention's projections, the indexer's queries, every expert."""
+ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+"""V4-Flash's routed experts are MXFP4 instead."""
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def test_an_fp8_block_checkpoint_loads_as_its_dequantized_weights(folder, tmp_path):
-    """DeepSeek-V4-Flash-Base's layout: e4m3 weights with float32 `weight_scale_inv` per 32 x 32 block here (128 x
-    128 in the release), partial blocks included; the reference dequantizes them as they load."""
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as V4-Flash stores an expert: int8 [N, K / 2] of e2m1 pairs (low nibble first) and uint8 E8M0
+    exponents [N, K / 32], one per 32 values of a row."""
+    blocks = w.float().view(w.shape[0], -1, 32)
+    exp = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=1e-12) / 6.0)).clamp(-127, 127)
+    scaled = blocks / exp.exp2()[..., None]
+    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) + 8 * (scaled < 0)
+    code = code.view(w.shape[0], -1, 2).to(torch.uint8)
+    return (code[..., 0] | (code[..., 1] << 4)).view(torch.int8), (exp + 127).to(torch.uint8)
+
+
+def test_an_fp8_and_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(folder, tmp_path):
+    """DeepSeek-V4-Flash's layout: e4m3 weights with float32 `weight_scale_inv` per 32 x 32 block here (128 x 128 in
+    the release), partial blocks included, and routed experts in MXFP4 (expert_dtype fp4); the reference
+    dequantizes both as they load, to the weights transformers' own dequantization gives."""
     from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     from flotilla.kernels.quant.fp8_ref import block_dequantize, block_quantize
 
-    fp8, dequantized = {}, {}
+    quantized, dequantized = {}, {}
     for name, w in load_file(str(folder / "model.safetensors")).items():
-        if FP8_LINEARS.search(name):
+        if ROUTED.search(name):
+            q, s = mxfp4(w)
+            dequantized[name] = Fp8Dequantize(None)._dequantize_one(q, s, torch.float32)
+        elif FP8_LINEARS.search(name):
             q, s = block_quantize(w, (32, 32))
-            fp8[name], fp8[f"{name}_scale_inv"] = q, s
             dequantized[name] = block_dequantize(q, s, (32, 32))
         else:
-            fp8[name] = dequantized[name] = w
+            quantized[name] = dequantized[name] = w
+            continue
+        quantized[name], quantized[f"{name}_scale_inv"] = q, s
     config = json.loads((folder / "config.json").read_text())
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "activation_scheme": "dynamic"}
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "activation_scheme": "dynamic",
+             "expert_dtype": "fp4"}
     dirs = {}
-    for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quant}), ("float", dequantized, {})):
+    for sub, tensors, extra in (("quantized", quantized, {"quantization_config": quant}), ("float", dequantized, {})):
         d = dirs[sub] = tmp_path / sub
         d.mkdir()
         save_file(tensors, str(d / "model.safetensors"))
         (d / "config.json").write_text(json.dumps({**config, **extra}))
-    assert sum(FP8_LINEARS.search(n) is not None for n in fp8) == 4 * 5 + 1 * 2 + 4 * (8 + 1) * 3
-    a, b = load_flotilla_model(dirs["fp8"]), load_flotilla_model(dirs["float"])
+    assert sum(t.dtype == torch.int8 for t in quantized.values()) == 4 * 8 * 3  # (every routed expert's w1, w2, w3)
+    a, b = load_flotilla_model(dirs["quantized"]), load_flotilla_model(dirs["float"])
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=name)
     prompt = random_tokens(30, seed=8, vocab=VOCAB)
     torch.testing.assert_close(PagedRunner(a, block_size=4).step([(0, prompt)])[0],
                                PagedRunner(b, block_size=4).step([(0, prompt)])[0], atol=0, rtol=0)
-    config["quantization_config"] = {**quant, "expert_dtype": "fp4"}
-    (dirs["fp8"] / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match="FP4 \\(MXFP4\\) experts are not supported yet"):
-        load_flotilla_model(dirs["fp8"])
