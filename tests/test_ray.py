@@ -154,15 +154,28 @@ def test_a_prefill_decode_pair_placed_by_ray_on_two_nodes_answers_as_one_local_e
         colocated.stop()
 
 
-def test_a_topology_placed_by_ray_answers_as_in_one_process(cluster):
-    """The relay and echoes of the pingpong topology as Ray actors: the same answers as inline; each process is
-    one Ray host, and stopping the topology gives its placement group back."""
-    import msgspec
-    import uvloop
-    from test_actors import _pingpong_results, pingpong
+def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_back(cluster, key_file, tmp_path):
+    """`flotilla launch` of a topology with placement ray (the relay and echoes of the pingpong example), its cluster
+    from --ray-address: every actor ready in a Ray host process of its own; SIGTERM stops them and frees the
+    placement group."""
+    import signal
 
-    inline, _ = uvloop.run(_pingpong_results(pingpong("inline")))
-    topo = msgspec.structs.replace(pingpong("ray"), ray_address=cluster.address)
-    placed, pids = uvloop.run(_pingpong_results(topo))
-    assert placed == inline and len(set(pids.values())) == 3
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    from test_launch import flotilla, pids_from_table, read_until
+
+    path = tmp_path / "ray.toml"
+    path.write_text('name = "pp"\nplacement = "ray"\n\n[[actors]]\nname = "relay"\nkind = "relay"\n'
+                    'config = { peer = "echo" }\n\n[[actors]]\nname = "echo"\nkind = "echo"\ncount = 2\n')
+    proc = flotilla("launch", str(path), "--ray-address", cluster.address, "--auth-key-file", str(key_file))
+    try:
+        out = read_until(proc, r"^relay/0\s", timeout=120)  # (the table's last row, after "ready: 3 actor(s)")
+        assert "ready: 3 actor" in out
+        pids = pids_from_table(out)
+        assert set(pids) == {"relay/0", "echo/0", "echo/1"} and len(set(pids.values())) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 20
+    while any(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, ray.util.placement_group_table()
+        time.sleep(0.1)
