@@ -156,7 +156,12 @@ class RayPlacement:
                 num_cpus=1, num_gpus=h.gpus, max_concurrency=2, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
                                                                      placement_group_bundle_index=b)).remote()
-        nodes = ray.get([h.handle.node.remote(len(h.names) + 2) for h in self.hosts])
+        try:
+            nodes = ray.get([h.handle.node.remote(len(h.names) + 2) for h in self.hosts])
+        except ray.exceptions.RayError as e:  # (e.g. a node without flotilla: its host cannot import the class)
+            lines = [line for line in str(e).splitlines() if "Error" in line]
+            raise RuntimeError(f"the Ray host actors did not start: {lines[-1] if lines else type(e).__name__} "
+                               "(flotilla and its dependencies must be installed on every node)") from None
         for h, (ip, node, ports) in zip(self.hosts, nodes, strict=True):
             h.ip, h.node, h.ports = ip, node, tuple(ports)
         self.driver_ip = ray.util.get_node_ip_address()
