@@ -156,3 +156,28 @@ def test_long_context_engines_on_a_shape_get_long_ctx_pys_settings():
     assert bench_offline.engine_config(nano, ("nano",)).model.max_model_len == 4096
     folder = bench_offline.build_parser().parse_args(["--model", "/some/folder", "--enable-prefix-caching"])
     assert not bench_offline.engine_config(folder, ("long16",)).cache.enable_prefix_caching
+
+
+def test_the_images_workload_runs_at_toy_size_on_a_model_that_takes_images(tmp_path):
+    """Each request one random image of its own and random text; every output full length; the shape of
+    Qwen3-VL-30B-A3B parses as that model (its tower, M-RoPE, the processor's settings beside it)."""
+    from helpers_vl import write_tiny_qwen3_vl_model
+
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.scripts.dev.bench_shapes import shape_dir
+
+    folder = write_tiny_qwen3_vl_model(tmp_path / "vl", moe=False)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "size": {"longest_edge": 64 * 64, "shortest_edge": 32 * 32}}))
+    out = tmp_path / "images.json"
+    assert bench_offline.main(["--model", str(folder), "--workload", "images", "--image-requests", "3", "--image-size", "64",
+                    "--image-text", "5", "--image-out", "4", "--vocab", "250", "--kv-cache-blocks", "64",
+                    "--block-size", "4", "--skip-tokenizer-init", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["images_requests"] == 3 and result["images_prompt_tokens"] == 3 * (2 + 5 + 4)  # (4 image tokens)
+    assert result["images_out_tok_per_s"] > 0 and result["image_encoder"] == "step"
+    shape = load_hf_config(shape_dir("qwen3-vl-30b-a3b"))
+    assert shape.vision.depth == 27 and shape.moe.num_experts == 128 and shape.mrope_interleaved
+    assert (shape_dir("qwen3-vl-30b-a3b") / "preprocessor_config.json").is_file()

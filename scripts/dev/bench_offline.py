@@ -16,6 +16,9 @@
   prefix:  128 requests of a shared 6,000-token prefix + 100 own tokens, 64 out each, prefix caching on (on an
            engine of its own), the prefix cached once first.
   --length-divisor N divides their prompt and output lengths, for toy runs.
+  images:  a model that takes images: --image-requests requests, all at once, each one random --image-size square
+           image (its own: no encoder cache hit) and --image-text random tokens, --image-out greedy tokens each;
+           requests/s and tokens/s (`--model qwen3-vl-30b-a3b`: Qwen3-VL-30B-A3B's shape).
 
 Models: an HF folder, the embedded default model (no --model), or a built-in real shape with random
 weights built on the device (`--model qwen3-8b`, `qwen3-0.6b`, `qwen3-30b-a3b`, `deepseek-v3-4l`: the vLLM peer's
@@ -120,6 +123,36 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     return {**result, **expert_imbalance(llm)}
 
 
+def run_images(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    from PIL import Image
+
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.models.model_folder import model_dir
+
+    vision = load_hf_config(model_dir(llm.config)).vision
+    if vision is None:
+        raise SystemExit("bench_offline: the images workload needs a model that takes images")
+    rng = np.random.default_rng(args.workload_seed + 3)
+    requests = []
+    for _ in range(args.image_requests):
+        pixels = rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
+        text = rng.integers(0, args.vocab, args.image_text).tolist()
+        ids = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id, *text]
+        requests.append({"prompt_token_ids": ids, "multi_modal_data": {"image": Image.fromarray(pixels)}})
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.image_out)
+    t0 = time.perf_counter()
+    outs = llm.generate(requests, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(o.num_prompt_tokens for o in outs)
+    return {"images_requests": len(outs), "images_size": args.image_size, "images_prompt_tokens": prompt_tokens,
+            "images_s": round(elapsed, 2), "images_req_per_s": round(len(outs) / elapsed, 2),
+            "images_out_tok_per_s": round(generated / elapsed, 1),
+            "images_total_tok_per_s": round((generated + prompt_tokens) / elapsed, 1),
+            "image_encoder": llm.config.worker.image_encoder}
+
+
 def _greedy(outputs: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in outputs]
 
@@ -162,7 +195,7 @@ RUNS: dict[str, tuple[Any, str]] = {
     "nano": (run_nano, "nano_workload_out_tok_per_s"), "decode1": (run_decode1, "b1_decode_tok_per_s"),
     "fixed": (run_fixed, "fixed_decode_tok_per_s"), "long16": (run_long16, "long16_out_tok_per_s"),
     "long1": (run_long1, "long1_decode_ms_per_token"), "mixed": (run_mixed, "mixed_out_tok_per_s"),
-    "prefix": (run_prefix, "prefix_out_tok_per_s")}
+    "prefix": (run_prefix, "prefix_out_tok_per_s"), "images": (run_images, "images_out_tok_per_s")}
 """Each workload's run and the figure --repeat takes the median of."""
 
 
@@ -257,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long"],
+    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long", "images"],
                    default="both",
                    help="which workload(s): both = nano and decode1; fixed = --num-requests x --fixed-in / --fixed-out "
                         "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures); long = "
@@ -274,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "each), for toy runs")
     p.add_argument("--fixed-in", type=int, default=2000, help="fixed: prompt tokens of every request")
     p.add_argument("--fixed-out", type=int, default=256, help="fixed: output tokens of every request")
+    p.add_argument("--image-requests", type=int, default=32, help="images: requests, all at once")
+    p.add_argument("--image-size", type=int, default=1024, help="images: each image's side, pixels")
+    p.add_argument("--image-text", type=int, default=200, help="images: text tokens of each prompt")
+    p.add_argument("--image-out", type=int, default=128, help="images: output tokens of each request")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--repeat", type=int, default=1,

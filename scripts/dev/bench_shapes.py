@@ -50,6 +50,23 @@ SHAPES["qwen3-8b-yarn"] = {**SHAPES["qwen3-8b"], "rope_scaling": {"rope_type": "
                                                                 "original_max_position_embeddings": 32768}}
 """qwen3-8b with the YaRN scaling its model card gives for 131,072 tokens (pass --max-model-len up to that)."""
 
+SHAPES["qwen3-vl-30b-a3b"] = dict(
+    architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe", torch_dtype="bfloat16",
+    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    tie_word_embeddings=False,
+    text_config={**SHAPES["qwen3-30b-a3b"], "architectures": None, "model_type": "qwen3_vl_moe_text",
+                 "rope_theta": 5000000.0, "max_position_embeddings": 262144,
+                 "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+    vision_config=dict(model_type="qwen3_vl_moe", depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                       in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                       out_hidden_size=2048, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                       hidden_act="gelu_pytorch_tanh"))
+"""Qwen3-VL-30B-A3B: Qwen3-30B-A3B's text layers with interleaved M-RoPE, and its 27-block vision tower."""
+SHAPE_FILES: dict[str, dict[str, dict[str, Any]]] = {"qwen3-vl-30b-a3b": {"preprocessor_config.json": dict(
+    image_processor_type="Qwen2VLImageProcessorFast", patch_size=16, temporal_patch_size=2, merge_size=2,
+    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"longest_edge": 16777216, "shortest_edge": 65536})}}
+"""The files beside config.json a shape needs (a model that takes images: its image processor's settings)."""
+
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
 
 
@@ -77,4 +94,6 @@ def shape_dir(name: str) -> Path:
     d = Path(tempfile.gettempdir()) / f"flotilla-shape-{name}"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))
+    for file, content in SHAPE_FILES.get(name, {}).items():
+        (d / file).write_text(json.dumps(content))
     return d
