@@ -33,6 +33,7 @@ RAY_HINT = "the ray backend needs Ray on every node: pip install 'flotilla[ray]'
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the placement group may wait for its resources before the start fails, seconds."""
 _RENDEZVOUS = ("dist_init_method", "ep_init_method")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _CONNECT = threading.Lock()  # (a fleet's engines place themselves at once: one of them connects the driver)
 
 
@@ -105,10 +106,12 @@ class RayHost:
         for spec in topo.actors:
             config = dict(spec.config)
             engine = config.get("engine")
-            if isinstance(engine, dict):  # the KV data plane serves on this node's address
-                engine = {**engine, "disagg": {**engine.get("disagg", {}), "kv_host": ip}}
+            if isinstance(engine, dict):
+                disagg = engine.get("disagg", {})
+                if disagg.get("kv_host", "127.0.0.1") in _LOOPBACK:  # the KV data plane serves on this node's address
+                    engine = {**engine, "disagg": {**disagg, "kv_host": ip}}
                 if gpu:  # Ray's CUDA_VISIBLE_DEVICES shows this host its one GPU
-                    engine["worker"] = {**engine.get("worker", {}), "device": "cuda:0"}
+                    engine = {**engine, "worker": {**engine.get("worker", {}), "device": "cuda:0"}}
                 config["engine"] = engine
             if gpu and spec.kind == "worker":
                 config["per_rank_device"] = False
