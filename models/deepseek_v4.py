@@ -271,6 +271,24 @@ def merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: to
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
+class HashGate(nn.Module):
+    """A hash-MoE layer's router: its learned scores' weight, and the token id -> experts table that picks."""
+
+    def __init__(self, vocab_size: int, top_k: int, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int64))
+
+    def dummy_init_(self, generator: torch.Generator) -> None:
+        """load_format dummy: small random scores, and k distinct random experts per token (an all-zero table would
+        send every token to expert 0, which no benchmark should measure)."""
+        with torch.no_grad():
+            self.weight.uniform_(-1e-3, 1e-3, generator=generator)
+            draws = torch.rand(self.tid2eid.shape[0], self.weight.shape[0], generator=generator,
+                               device=self.weight.device)
+            self.tid2eid.copy_(draws.argsort(dim=-1)[:, :self.tid2eid.shape[1]])
+
+
 class DeepseekV4MoE(nn.Module):
     """Routed experts (top-k, or looked up by token id) and a shared expert, activations clamped."""
 
@@ -283,11 +301,9 @@ class DeepseekV4MoE(nn.Module):
         i = divide(moe.moe_intermediate_size, tp, "moe_intermediate_size")  # (this rank's share of each expert)
         self.top_k, self.scale, self.limit = moe.num_experts_per_tok, moe.routed_scaling_factor, v4.swiglu_limit
         self.hashed = v4.mlp_layer_types[layer_idx] == "hash_moe"
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.zeros(e, h))
-        if self.hashed:
-            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
-        else:
+        self.gate = HashGate(config.vocab_size, self.top_k, e, h) if self.hashed else nn.Module()
+        if not self.hashed:
+            self.gate.weight = nn.Parameter(torch.zeros(e, h))
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(e, dtype=torch.float32))
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))

@@ -271,3 +271,11 @@ def test_the_engine_on_cuda_gives_transformers_tokens(folder, models):
              kv_cache_blocks=64) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_dummy_weights_give_the_hash_layers_a_random_table_of_distinct_experts(folder):
+    from flotilla.models.loader import load_model
+
+    model = load_model(folder, load_format="dummy", progress=False).module
+    table = model.model.layers[0].mlp.gate.tid2eid
+    assert table.shape == (VOCAB, 2) and (table[:, 0] != table[:, 1]).all() and len(table.unique()) == 8
