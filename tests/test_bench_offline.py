@@ -181,3 +181,13 @@ def test_the_images_workload_runs_at_toy_size_on_a_model_that_takes_images(tmp_p
     shape = load_hf_config(shape_dir("qwen3-vl-30b-a3b"))
     assert shape.vision.depth == 27 and shape.moe.num_experts == 128 and shape.mrope_interleaved
     assert (shape_dir("qwen3-vl-30b-a3b") / "preprocessor_config.json").is_file()
+
+
+def test_the_deepseek_v4_shape_parses_as_the_model_builds_it():
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.scripts.dev.bench_shapes import shape_dir
+
+    c = load_hf_config(shape_dir("deepseek-v4-flash-4l"))
+    v4 = c.deepseek_v4
+    assert c.head_dim == 512 and v4.rope_dim == 64 and [v4.rate(i) for i in range(4)] == [0, 4, 128, 4]
+    assert v4.compress_rope_scaling["rope_type"] == "yarn" and c.moe.num_experts == 256 and c.sliding_window == 128

@@ -62,6 +62,21 @@ SHAPES["qwen3-vl-30b-a3b"] = dict(
                        out_hidden_size=2048, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
                        hidden_act="gelu_pytorch_tanh"))
 """Qwen3-VL-30B-A3B: Qwen3-30B-A3B's text layers with interleaved M-RoPE, and its 27-block vision tower."""
+SHAPES["deepseek-v4-flash-4l"] = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=4096,
+    moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+    q_lora_rank=1024, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1, scoring_func="sqrtsoftplus",
+    norm_topk_prob=True, routed_scaling_factor=1.5, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=4, hc_sinkhorn_iters=20, swiglu_limit=10.0,
+    sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512,
+    partial_rotary_factor=0.125, max_position_embeddings=1048576, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0)
+"""DeepSeek-V4-Flash's layer shapes (transformers' defaults), 4 layers: one of each attention kind and a hash-MoE
+first layer (bf16 weights: the reference dequantizes FP8 / MXFP4 checkpoints as they load)."""
 SHAPE_FILES: dict[str, dict[str, dict[str, Any]]] = {"qwen3-vl-30b-a3b": {"preprocessor_config.json": dict(
     image_processor_type="Qwen2VLImageProcessorFast", patch_size=16, temporal_patch_size=2, merge_size=2,
     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"longest_edge": 16777216, "shortest_edge": 65536})}}
