@@ -42,8 +42,10 @@ class VisionAttention(nn.Module):
         q, k = apply_rope(torch.arange(n, device=x.device), q, k, cos_sin)
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]  # [heads, len, head_dim]
-            out[start:end] = F.scaled_dot_product_attention(*seg).transpose(0, 1)
+            # [1, heads, len, head_dim]: 4-D, so that on a GPU SDPA takes a fused kernel (flash or memory-efficient)
+            # rather than the math one, whose [heads, len, len] scores a large image could not hold
+            seg = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            out[start:end] = F.scaled_dot_product_attention(*seg)[0].transpose(0, 1)
         return self.proj(out.view(n, -1))
 
 
