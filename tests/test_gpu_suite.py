@@ -139,6 +139,10 @@ FAKE_TESTS = {
         import os, time, pytest
 
         @pytest.mark.gpu
+        def test_first():
+            pass
+
+        @pytest.mark.gpu
         def test_slow():
             time.sleep(float(os.environ.get("GS_SLOW_S", "0.1")))
 
@@ -162,7 +166,7 @@ def project(tmp_path, monkeypatch):
 
 def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
     ids, errors = gs.collect("gpu", ["tests"], [], dict(os.environ))
-    assert not errors and "tests/test_one.py::test_not_marked" not in ids and len(ids) == 10
+    assert not errors and "tests/test_one.py::test_not_marked" not in ids and len(ids) == 11
     assert 'tests/test_one.py::test_params[{"a": [1, 2]}]' in ids and "tests/test_two.py::TestK::test_skip" in ids
     out = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu",
                           "--junitxml=r.xml", "tests"], capture_output=True, text=True, timeout=120)
@@ -174,7 +178,7 @@ def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
         "TestK::test_skip": ("skipped", "needs two CUDA devices"), "test_xfail": ("xfailed", "known"),
         "test_setup_error": ("error", 'failed on setup with "RuntimeError: setup boom"'),
         "test_teardown_error": ("error", 'failed on teardown with "RuntimeError: teardown boom"'),
-        "test_slow": ("passed", ""), "test_after": ("passed", "")}
+        "test_first": ("passed", ""), "test_slow": ("passed", ""), "test_after": ("passed", "")}
     assert results["tests/test_one.py::test_ok"].seconds >= 0.2
     # the same outcomes from -v's lines, and the test a kill cut
     verbose, running = gs.parse_verbose_log(out.stdout, ids)
@@ -228,22 +232,26 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "the triton cache did not change: not written again" in summary
     assert not (project / "out2" / triton).exists() and state["caches"]["triton"]["parts"] == [triton]
     assert state["results"]["1"]["cut"] and "cut while running tests/test_three.py::test_slow" in summary
+    assert state["results"]["1"]["tests"]["tests/test_three.py::test_first"][0] == "passed"
     assert "shards still to run: 1, 2" in summary
     # 3: shards 1 and 2 run; a new kernel changes the cache, which is saved under a new name
     (home / ".triton" / "cache" / "k2").mkdir()
     (home / ".triton" / "cache" / "k2" / "kernel.cubin").write_bytes(b"new")
     code, state, summary = _call(project, home, project / "out3", "--shard-minutes", "0.01")
     assert sorted(state["results"]) == ["0", "1", "2"] and "shards still to run: none" in summary
+    log = (project / "out3" / gs.LOG).read_text()  # the cut shard goes on where it was cut
+    assert "shard 1: 2 tests in 1 files (resumed: 1 ran in an earlier call)" in log and "test_first" not in log
+    assert state["results"]["1"]["complete"] and state["results"]["1"]["tests"]["tests/test_three.py::test_first"][0] == "passed"
     assert state["caches"]["triton"]["parts"] != [triton] and "saved the triton cache" in summary
     assert "- shard 2: 1 x needs two CUDA devices" in summary
     assert "error tests/test_two.py::test_setup_error" in summary
     rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("| ")}
     assert rows["2"].split("|")[6:12] == [" 0 ", " 0 ", " 2 ", " 1 ", " 1 ", " 0 "]  # pass fail error skip xfail
-    assert rows["total"].split("|")[3].strip() == "10"
+    assert rows["total"].split("|")[3].strip() == "11"
     slowest = summary.split("slowest tests")[1]
     assert slowest.index("test_ok") < slowest.index("test_after")
     durations = state["durations"]
-    assert durations["tests/test_one.py::test_ok"] >= 0.2 and len(durations) == 10
+    assert durations["tests/test_one.py::test_ok"] >= 0.2 and len(durations) == 11
     # 4: every shard has run: the same command begins a new run, here in reverse order (planned again)
     code, state, summary = _call(project, home, project / "out4", "--order", "reverse", "--shard", "all")
     assert state["plan"]["order"] == "reverse" and "planned afresh" in summary
@@ -252,4 +260,4 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert len(state["plan"]["shards"]) == 1 and sorted(state["results"]) == ["0"]
     log = (project / "out4" / gs.LOG).read_text()
     assert log.index("test_two.py::TestK::test_skip") < log.index("test_one.py::test_ok")  # files in that order
-    assert "# GPU suite: 10 tests in 1 shards (order reverse" in capsys.readouterr().out
+    assert "# GPU suite: 11 tests in 1 shards (order reverse" in capsys.readouterr().out

@@ -15,7 +15,7 @@ by its content (a cache that did not change is not written again).
 
 Copy what comes back into --cache-dir before the next call: that call continues the same run with the shards still
 to run, and once every shard has run, the next call begins a new run (planned again from the durations). A shard
-cut by the budget is run again from its start.
+cut by the budget goes on where it was cut: the next call runs its tests that had not finished.
 """
 
 from __future__ import annotations
@@ -244,6 +244,15 @@ def shard_record(nodeids: list[str], results: dict[str, TestResult], wall_s: flo
     complete = not cut and exit_code in (0, 1)
     return {"ran": _now(), "wall_s": round(wall_s, 1), "exit": exit_code, "cut": cut, "complete": complete,
             "tests": tests, "log_tail": "" if complete else log_tail[-3000:]}
+
+
+def resumed_results(record: dict | None, nodeids: list[str]) -> dict[str, TestResult]:
+    """The results a shard cut by the budget already has (its tests that ran before the cut): the next call runs only
+    the rest of it, not the whole shard again."""
+    if not record or record.get("complete") or not record.get("cut"):
+        return {}
+    return {n: TestResult(*record["tests"][n]) for n in nodeids
+            if n in record["tests"] and record["tests"][n][0] != "not run"}
 
 
 def merge_durations(durations: dict[str, float], record: dict) -> dict[str, float]:
@@ -503,21 +512,26 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     ran: list[int] = []
     with (args.out / LOG).open("w") as log:
         for k in select_shards(args.shard, state):
+            shard_ids = [n for f in plan["shards"][k] for n in by_file[f]]
+            earlier = resumed_results(state.get("results", {}).get(str(k)), shard_ids)
+            todo = [n for n in shard_ids if n not in earlier]
             left = deadline - time.monotonic()
-            if ran and plan["estimate_s"][k] > left:
-                notes.append(f"shard {k} (planned {plan['estimate_s'][k]:.0f} s) left for the next call: "
+            planned = estimate_s(todo, durations) if earlier else plan["estimate_s"][k]
+            if ran and planned > left:
+                notes.append(f"shard {k} (planned {planned:.0f} s) left for the next call: "
                              f"{max(left, 0):.0f} s of the budget remain")
                 break
-            shard_ids = [n for f in plan["shards"][k] for n in by_file[f]]
-            log.write(f"===== shard {k}: {len(shard_ids)} tests in {len(plan['shards'][k])} files\n")
+            log.write(f"===== shard {k}: {len(todo)} tests in {len(plan['shards'][k])} files"
+                      + (f" (resumed: {len(earlier)} ran in an earlier call)" if earlier else "") + "\n")
             log.flush()
             xml = args.out / f"shard-{k}.xml"
-            code, cut, wall, text = run_shard(shard_ids, args.marker, args.options, xml, log, deadline, environ)
-            results, running = parse_verbose_log(text, shard_ids)
+            code, cut, wall, text = run_shard(todo, args.marker, args.options, xml, log, deadline, environ)
+            results, running = parse_verbose_log(text, todo)
             if xml.is_file():
                 with contextlib.suppress(ET.ParseError):
-                    results.update(parse_junit(xml.read_text(), shard_ids))
+                    results.update(parse_junit(xml.read_text(), todo))
                 xml.unlink()
+            results.update(earlier)
             record = shard_record(shard_ids, results, wall, code, cut, running, text)
             state.setdefault("results", {})[str(k)] = record
             state["durations"] = durations = merge_durations(durations, record)
