@@ -1,5 +1,5 @@
 """A dead or hung engine under load: `flotilla serve` on a tiny model, its actors killed (SIGKILL) or frozen
-(SIGSTOP, caught by missed heartbeats) one at a time under 20 streams. Every stream ends with a clear error, the
+(SIGSTOP, caught by missed heartbeats) one at a time under 20 streams (each actor once). Every stream ends with a clear error, the
 server keeps answering (/health 503 with Retry-After, then 200), the restarted engine gives the same greedy text,
 and nothing is left behind: no old process, run directory or file descriptor, no KV block in use."""
 
@@ -35,7 +35,7 @@ def model(tmp_path_factory) -> Path:
     return write_tiny_engine_model(tmp_path_factory.mktemp("restarts") / "m")
 
 
-@pytest.fixture(scope="module", params=["SIGKILL", "SIGSTOP"])
+@pytest.fixture(scope="module")
 def served(request, model):
     """(server, its greedy answers, the file descriptors it holds once serving, the failures so far)."""
     srv = start_server(str(model), "--engine-restarts", "6", *OPTIONS, timeout=180)
@@ -86,7 +86,9 @@ def health(url: str) -> tuple[int, str | None]:
         return e.code, e.headers.get("Retry-After")
 
 
-@pytest.mark.parametrize("actor", ["tokenizer", "detokenizer", "scheduler", "worker"])
+# every actor once, each signal on two (a server per signal: its second failure checks the first left nothing)
+@pytest.mark.parametrize("served,actor", [("SIGKILL", "worker"), ("SIGKILL", "tokenizer"),
+                                          ("SIGSTOP", "scheduler"), ("SIGSTOP", "detokenizer")], indirect=["served"])
 def test_an_actor_killed_or_frozen_under_load_ends_its_streams_and_the_engine_comes_back(served, actor):
     srv, expected, state = served
     pids = actor_pids(srv)

@@ -261,19 +261,6 @@ def test_token_id_prompts_take_images_as_vllms_multi_modal_data(folder):
 
 
 @pytest.mark.slow
-def test_a_served_engine_with_encoder_actors_in_its_worker_processes_streams_transformers_answers(folder, reference):
-    srv = start_server(str(folder), "--image-encoder", "actor", "--block-size", "4", "--kv-cache-blocks", "128",
-                       "--max-model-len", "256", "--max-num-batched-tokens", "16", timeout=300)
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": [image_part(DOG), {"type": "text", "text": "and"}, image_part(WIDE)]}]
-        assert ask(client, messages, stream=True)[0] == reference(messages, [DOG, WIDE])[0]
-        assert any("encoder/0 ready" in line for line in srv.log), "".join(srv.log[-30:])
-    finally:
-        assert srv.stop() == 0, "".join(srv.log[-30:])
-
-
-@pytest.mark.slow
 def test_tensor_parallel_ranks_each_run_the_vision_tower_and_answer_as_transformers_does(folder, reference):
     from flotilla import LLM, SamplingParams
 
@@ -312,9 +299,11 @@ def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, refere
 @needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
 def test_a_disaggregated_pair_answers_image_requests_as_transformers_does(folder, reference):
     """The decode engine tokenizes the same request, so it knows each image's grid and decodes at index +
-    rope_delta; the image's embeddings stay on the prefill side, inside the KV it sends."""
+    rope_delta; the image's embeddings stay on the prefill side, inside the KV it sends. The prefill engine encodes
+    in encoder actors of its worker processes, in chunks of 16 tokens."""
     pd = start_server(str(folder), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp", "--block-size", "4",
-                      "--kv-cache-blocks", "256", "--max-model-len", "256", "--served-model-name", "m", timeout=300)
+                      "--kv-cache-blocks", "256", "--max-model-len", "256", "--served-model-name", "m",
+                      "--image-encoder", "actor", "--max-num-batched-tokens", "16", timeout=300)
     try:
         client = openai.OpenAI(base_url=pd.url + "/v1", api_key="unused", max_retries=0)
         for messages, images in (([{"role": "user", "content": [image_part(CAT), {"type": "text", "text": "hi"}]}],
@@ -322,6 +311,7 @@ def test_a_disaggregated_pair_answers_image_requests_as_transformers_does(folder
                                  ([{"role": "user", "content": [image_part(DOG), image_part(WIDE)]}], [DOG, WIDE])):
             text, usage = ask(client, messages, stream=True)
             assert text == reference(messages, images)[0]
+        assert any("encoder/0 ready" in line for line in pd.log), "".join(pd.log[-30:])
     finally:
         assert pd.stop() == 0, "".join(pd.log[-30:])
 
@@ -435,8 +425,9 @@ def test_a_vision_encoder_of_its_own_is_refused_a_data_plane_it_cannot_read_from
     from flotilla.config import EngineConfig
     from flotilla.server.engine_client import engine_topology
 
-    with pytest.raises(ValueError, match="one-sided reads: kv_transfer_backend must be dlslime_tcp or local"):
-        EngineConfig.from_options(model=str(folder), image_encoder="remote", kv_transfer_backend="torch_dist")
+    for backend in ("torch_dist", "cuda_ipc"):
+        with pytest.raises(ValueError, match=f"host memory: kv_transfer_backend must be dlslime_tcp or local, not {backend}"):
+            EngineConfig.from_options(model=str(folder), image_encoder="remote", kv_transfer_backend=backend)
     config = EngineConfig.from_options(model=str(folder), image_encoder="remote", kv_transfer_backend="local")
     with pytest.raises(ValueError, match="needs every actor in one process"):
         engine_topology(config, placement="process")
