@@ -63,7 +63,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     kv_cache_blocks: int | None = None
     """Number of KV blocks; default: as many as gpu_memory_utilization (GPU) or cpu_kv_cache_gib (CPU) allows."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights + activations + KV) when sizing the KV cache."""
+    """Fraction of the GPU's memory this engine may use (weights + activations + KV) when sizing the KV cache; engines
+    sharing one GPU each take their own fraction (e.g. 0.45 each for a prefill and a decode engine)."""
     cpu_kv_cache_gib: float = 1.0
     """KV cache size on CPU, in GiB, when kv_cache_blocks is not given."""
     enable_prefix_caching: bool = True
@@ -234,10 +235,11 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill-decode disaggregation role: both runs prompts and generation here; prefill runs prompts, samples the
     first token and hands the prompt's KV to a decode engine; decode pulls that KV and generates; encoder runs only a
     model's vision tower, for the prefills of engines with image_encoder = remote that the router pairs it with."""
-    kv_transfer_backend: Literal["dlslime_tcp", "torch_dist", "local"] = "dlslime_tcp"
+    kv_transfer_backend: Literal["dlslime_tcp", "cuda_ipc", "torch_dist", "local"] = "dlslime_tcp"
     """How KV blocks move between engines: dlslime_tcp (one-sided reads over TCP, between processes or hosts; a GPU
-    KV cache goes through host staging buffers); torch_dist (NCCL send/recv straight between GPU KV caches, e.g.
-    over NVLink within a host; gloo on CPU); local (both engines in one process: a tensor copy)."""
+    KV cache goes through host staging buffers); cuda_ipc (GPU caches of processes on one host, on one GPU or
+    several: device-to-device copies through CUDA IPC); torch_dist (NCCL send/recv straight between GPU KV caches,
+    e.g. over NVLink within a host; gloo on CPU); local (both engines in one process: a tensor copy)."""
     kv_host: str = "127.0.0.1"
     """Address the KV data plane serves this engine's blocks on (torch_dist: its rendezvous store and gloo
     sockets); never a wildcard, since dlslime checks no access."""
@@ -259,9 +261,9 @@ class DisaggConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("frontend_grace_s must not be negative")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be positive")
-        if self.kv_transfer_backend == "torch_dist" and self.kv_staging == "always":
-            raise ValueError("kv_staging=always does not apply to torch_dist: it sends from the KV cache's own "
-                             "memory (GPU or CPU)")
+        if self.kv_transfer_backend in ("torch_dist", "cuda_ipc") and self.kv_staging == "always":
+            raise ValueError(f"kv_staging=always does not apply to {self.kv_transfer_backend}: it moves blocks from "
+                             "the KV cache's own memory")
         if self.kv_staging_blocks < 1:
             raise ValueError("kv_staging_blocks must be at least 1")
 
@@ -289,9 +291,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return cls(**{part: msgspec.convert(values, _PARTS[part]) for part, values in parts.items()})
 
     def __post_init__(self) -> None:
-        if self.worker.image_encoder == "remote" and self.disagg.kv_transfer_backend == "torch_dist":
-            raise ValueError("image_encoder=remote reads the embeddings with one-sided reads: kv_transfer_backend "
-                             "must be dlslime_tcp or local, not torch_dist")
+        if self.worker.image_encoder == "remote" and self.disagg.kv_transfer_backend in ("torch_dist", "cuda_ipc"):
+            raise ValueError("image_encoder=remote stages the embeddings in host memory: kv_transfer_backend must be "
+                             f"dlslime_tcp or local, not {self.disagg.kv_transfer_backend}")
 
     def to_dict(self) -> dict:
         return msgspec.to_builtins(self)

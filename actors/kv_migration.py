@@ -3,7 +3,8 @@
 One per worker rank, in the worker's process group (actors/topology.py `process`), so it reaches the
 rank's KV cache through `flotilla.actors.worker.local_runner` and never over a socket. At start it
 registers memory with a KV transfer engine (transport/kv_transfer.py: dlslime TCP between processes or
-hosts; a local copy when both engines share one process): the KV cache itself, one region per layer,
+hosts; CUDA IPC between GPU caches of one host; a local copy when both engines share one process): the KV
+cache itself, one region per layer,
 or, when the KV cache is not in memory the backend can read (a GPU cache under dlslime TCP), host
 staging buffers instead (see below).
 
@@ -25,8 +26,7 @@ which are contiguous, into its own host buffer when its cache needs staging too,
 its KV blocks. The prefill side's copy runs after the step that computed the blocks returned its
 sampled token (so the device finished writing them); the decode side's copy into the device finishes
 before MigrationDone, so no step reads the blocks earlier. On a GPU staging uses pinned host buffers and plain
-device copies (CUDA IPC / NCCL within a host and dlslime RDMA across hosts would avoid the host hop; torch_dist
-below does within a host).
+device copies (cuda_ipc and torch_dist avoid the host hop within a host; dlslime RDMA would across hosts).
 
 torch_dist (transport/kv_transfer_torch.py) is two-sided: the KVEndpointRequest makes the prefill rank
 announce a 2-rank process group for this requester alone (a TCPStore on its kv_host and a free port), which
@@ -45,7 +45,8 @@ of unstaged memory do not pass through this actor and are bounded only by the re
 A hybrid model's recurrent state (Qwen3.5's delta nets) moves with the prompt's blocks: the prefill side saves it
 into a snapshot slot its transfer holds (actors/disagg.py), and a migration also reads that row of every state pool
 (KVEndpointEvent.state_regions) into the snapshot slot the decode side gave it (MigrateKVCmd.dst_state_slot), on
-unstaged reads only for now (dlslime and local; staging and torch_dist are refused at start for such a model).
+unstaged reads only for now (dlslime, cuda_ipc and local; staging and torch_dist are refused at start for such a
+model).
 
 Migrations from one peer run one at a time (dlslime opens a connection per range; concurrent reads on
 one endpoint gain nothing on TCP), and all of them while this rank stages; the actor keeps receiving.
@@ -126,7 +127,7 @@ class KVMemory:
         """Whether the backend must reach this cache through host staging buffers."""
         if config.kv_staging != "auto":
             return config.kv_staging == "always"
-        return self.device.type != "cpu" and config.kv_transfer_backend not in ("local", "torch_dist")
+        return self.device.type != "cpu" and config.kv_transfer_backend not in ("local", "torch_dist", "cuda_ipc")
 
     def staging_buffer(self, blocks: int) -> torch.Tensor:
         """A host buffer of `blocks` slots per layer, [layers, blocks, *block shape] (pinned when a GPU is there)."""

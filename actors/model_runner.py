@@ -46,6 +46,10 @@ from flotilla.transport.messages import NewSequence, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
+KV_FREE_MARGIN_BYTES = 256 << 20
+"""Memory the KV cache leaves free on the GPU beyond its share: later allocations outside the profiling run (CUDA
+graphs' pools, NCCL's buffers) take theirs from it."""
+
 
 @dataclass(slots=True)
 class SeqState:
@@ -314,8 +318,10 @@ class ModelRunner:
         """Bytes the KV cache may take: gpu_memory_utilization of the GPU minus what the largest step needs.
 
         A profiling run pushes max_num_batched_tokens through the model (prompts of up to max_model_len over
-        a scratch cache) and samples max_num_seqs rows; its peak memory (weights + activations + logits) and
-        everything other processes hold on the GPU are what the KV cache must leave free.
+        a scratch cache) and samples max_num_seqs rows; its peak memory (weights + activations + logits) is what
+        the KV cache must leave of this engine's share. The share is this engine's alone, as vLLM's is: engines
+        sharing a GPU each take theirs (0.45 and 0.45, say), and what other processes hold is not subtracted, only
+        checked against the memory free now, so two engines starting together on one GPU size alike.
         """
         sched = self.config.scheduler
         tokens = max(1, sched.max_num_batched_tokens)
@@ -347,10 +353,16 @@ class ModelRunner:
         del scratch, hidden, logits
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, CUDA context
-        budget = total * self.config.cache.gpu_memory_utilization - others - (peak - scratch_bytes) - image_cache
+        utilization = self.config.cache.gpu_memory_utilization
+        budget = total * utilization - (peak - scratch_bytes) - image_cache
         log.info("profiling run: peak %.2f GiB for %d tokens; %.2f GiB of %.2f GiB left for the KV cache",
                  (peak - scratch_bytes) / 2**30, tokens, budget / 2**30, total / 2**30)
+        if budget > free - KV_FREE_MARGIN_BYTES:
+            others = total - free - torch.cuda.memory_reserved(self.device)
+            raise RuntimeError(
+                f"gpu_memory_utilization {utilization} leaves {budget / 2**30:.2f} GiB for the KV cache, but only "
+                f"{free / 2**30:.2f} GiB of the GPU are free ({others / 2**30:.2f} GiB held outside this engine's "
+                "allocator: other processes, CUDA contexts); lower gpu_memory_utilization or set kv_cache_blocks")
         return budget
 
     @property

@@ -58,15 +58,15 @@ def run_all(url: str, reqs: list[dict]) -> list[str]:
 
 
 def check_pair_equals_colocated(model: str, common: list[str], pd_options: tuple[str, ...] = (), n: int = 16,
-                                 offset: int = 3) -> None:
-    """A 1P1D pair over dlslime TCP answers `n` requests (chat and completion, streamed or not) as one colocated
+                                 offset: int = 3, backend: str = "dlslime_tcp", timeout: float = 180) -> None:
+    """A 1P1D pair over `backend` answers `n` requests (chat and completion, streamed or not) as one colocated
     engine does, moves KV bytes, and ends with neither engine holding anything; both servers stopped after."""
     from helpers_server import start_server
 
-    colocated = start_server(model, "--single-process", *common, timeout=180)
+    colocated = start_server(model, "--single-process", *common, timeout=timeout)
     try:
-        pd = start_server(model, "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp", *pd_options,
-                          *common, timeout=180)
+        pd = start_server(model, "--engines", "prefill,decode", "--kv-transfer-backend", backend, *pd_options,
+                          *common, timeout=timeout)
         try:
             reqs = requests(n, offset=offset)
             assert run_all(pd.url, reqs) == run_all(colocated.url, reqs)

@@ -9,6 +9,8 @@ Backends (chosen by name with `create_kv_transfer_engine`):
 
   local        LocalCopyEngine: both engines in one process (colocated roles, tests): a tensor copy.
   dlslime_tcp  DlslimeTCPEngine: CPU buffers over dlslime's TCP transport (transport/kv_transfer_dlslime.py).
+  cuda_ipc     CudaIpcEngine: GPU caches of processes on one host (one GPU or several), device-to-device copies
+               through CUDA IPC mappings (transport/kv_transfer_cuda_ipc.py).
   torch_dist   TorchDistEngine: two-sided send/recv over a 2-rank torch.distributed group per rank pair, NCCL
                between GPU caches, gloo on CPU (transport/kv_transfer_torch.py). It has no one-sided `read`:
                the prefill side `send_blocks`, the decode side `recv_blocks` (actors/kv_migration.py asks).
@@ -225,7 +227,7 @@ class KVTransferEngine(ABC):
         info = RegionInfo(
             name=name, engine_id=self.engine_id, backend=self.backend, length=data.numel(), addr=data.data_ptr()
         )
-        self._register(info, data)
+        info = self._register(info, data) or info
         self._regions[name] = (info, data)
         return info
 
@@ -286,8 +288,9 @@ class KVTransferEngine(ABC):
             raise KVTransferError(f"transfer engine {self.engine_id} is closed")
 
     @abstractmethod
-    def _register(self, info: RegionInfo, data: torch.Tensor) -> None:
-        """Backend registration of a validated region (`data` is its flat uint8 view)."""
+    def _register(self, info: RegionInfo, data: torch.Tensor) -> RegionInfo | None:
+        """Backend registration of a validated region (`data` is its flat uint8 view); may return `info` with
+        what the backend adds for peers (cuda_ipc: the IPC handle)."""
 
     @abstractmethod
     async def _read_call(
@@ -370,8 +373,8 @@ class LocalCopyEngine(KVTransferEngine):
 
 
 def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
-    """Build a transfer engine by backend name (`local`, `dlslime_tcp`, `torch_dist`); options go to its
-    constructor."""
+    """Build a transfer engine by backend name (`local`, `dlslime_tcp`, `cuda_ipc`, `torch_dist`); options go to
+    its constructor."""
     if backend == LocalCopyEngine.backend:
         return LocalCopyEngine(**options)
     if backend == "dlslime_tcp":
@@ -386,7 +389,12 @@ def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
         from flotilla.transport.kv_transfer_torch import TorchDistEngine  # that module imports this one
 
         return TorchDistEngine(**options)
-    raise KVTransferError(f"unknown KV transfer backend {backend!r} (known: local, dlslime_tcp, torch_dist)")
+    if backend == "cuda_ipc":
+        from flotilla.transport.kv_transfer_cuda_ipc import CudaIpcEngine
+
+        return CudaIpcEngine(**options)
+    raise KVTransferError(
+        f"unknown KV transfer backend {backend!r} (known: local, dlslime_tcp, cuda_ipc, torch_dist)")
 
 
 __all__ = [

@@ -52,6 +52,26 @@ class EndpointInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, o
     device: str = ""
     """Device the engine's KV is on ("cpu", "cuda:1"; torch_dist only: gloo pairs with gloo, NCCL with NCCL,
     and NCCL needs two GPUs)."""
+    host_id: str = ""
+    """The kernel boot id of the engine's host (cuda_ipc only: IPC reaches processes of one host)."""
+
+
+class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Where a GPU region lives, for a process of the same host to map it (transport/kv_transfer_cuda_ipc.py)."""
+
+    device_uuid: str
+    """The GPU's UUID (device indices differ between processes)."""
+    handle: bytes
+    """cudaIpcMemHandle of the allocation segment that holds the region."""
+    storage_bytes: int
+    """Size of the tensor storage the region belongs to."""
+    storage_offset: int
+    """Offset of that storage inside the allocation segment, bytes."""
+    offset: int
+    """Offset of the region inside its storage, bytes."""
+    ref_counter: bytes
+    """torch's shared reference-counter file of the handle (the exporter keeps the segment while it counts)."""
+    ref_counter_offset: int
 
 
 class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -67,6 +87,8 @@ class RegionInfo(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omi
     """Size of the region, bytes; every range must stay inside it."""
     addr: int = 0
     """Start address in the owner's process (network backends address remote memory with it)."""
+    ipc: CudaIpcHandle | None = None
+    """cuda_ipc only: how a process of the same host maps the region."""
 
 
 class PromptLogprobs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -14,7 +14,10 @@
 # RATES (default 2,4), PROMPTS per rate (48), INPUT_LEN / OUTPUT_LEN / RANGE (3072 / 96 / 0.33: prompts of
 # 2058-4086 tokens, outputs of 64-128), MAX_LEN (4608), MIG_ARGS (bench_migration's flags; default
 # "--round-blocks 64,256 --poll-caps 0.0001"), SERVE_ARGS (extra `flotilla serve` flags for both setups), STAGES (default
-# "tests migration pd dp"), READY_S (how long a server may take to start, 240).
+# "tests migration pd dp"), READY_S (how long a server may take to start, 240), KV_BACKEND (torch_dist; cuda_ipc for
+# two engines on one GPU), PD_ARGS (flags of the 1P1D server only, e.g. "--gpu-memory-utilization 0.45" when both
+# engines share a GPU), DP_ENGINES (the colocated setup's engines, default both,both; "both" on one GPU),
+# BENCH_ARGS (bench_serving flags replacing the random workload's, e.g. the mixed dataset's).
 # CPU smoke run at toy size (no GPU; gloo instead of NCCL), on a tiny random model written first with
 #   python3 -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from helpers_engine import \
 #     write_tiny_engine_model as w; w(Path('/tmp/tiny'))"
@@ -83,16 +86,18 @@ print("".join(l + "\n" for l in text.splitlines()
 PY
 }
 
-BENCH=(python3 -m flotilla.scripts.dev.bench_serving --input-len "${INPUT_LEN:-3072}" --output-len "${OUTPUT_LEN:-96}"
-       --range-ratio "${RANGE:-0.33}" --vocab-size "${VOCAB:-10000}" --request-timeout 120)
+# shellcheck disable=SC2206
+BENCH=(python3 -m flotilla.scripts.dev.bench_serving ${BENCH_ARGS:---input-len "${INPUT_LEN:-3072}" --output-len \
+       "${OUTPUT_LEN:-96}" --range-ratio "${RANGE:-0.33}"} --vocab-size "${VOCAB:-10000}" --request-timeout 120)
 
-serve() {  # label, port, engines: start `flotilla serve`, warm it up, benchmark it, stop it
-  local label=$1 port=$2 engines=$3 url="http://127.0.0.1:$2" pid
+serve() {  # label, port, engines, extra flags: start `flotilla serve`, warm it up, benchmark it, stop it
+  local label=$1 port=$2 engines=$3 extra=${4:-} url="http://127.0.0.1:$2" pid
   stage "serving $label (--engines $engines)"
   # shellcheck disable=SC2086
   setsid timeout "$(cap 900)" python3 -m flotilla serve "$DIR" --port "$port" --engines "$engines" \
-    --kv-transfer-backend torch_dist --load-format dummy --skip-tokenizer-init --dtype "${DTYPE:-bfloat16}" \
-    --max-model-len "${MAX_LEN:-4608}" --no-enable-prefix-caching ${SERVE_ARGS:-} > "$R/server-$label.log" 2>&1 &
+    --kv-transfer-backend "${KV_BACKEND:-torch_dist}" --load-format dummy --skip-tokenizer-init \
+    --dtype "${DTYPE:-bfloat16}" --max-model-len "${MAX_LEN:-4608}" --no-enable-prefix-caching ${SERVE_ARGS:-} $extra \
+    > "$R/server-$label.log" 2>&1 &
   pid=$!
   if wait_ready "$url" "$(cap "${READY_S:-240}")" "$pid"; then
     stage "$label ready"
@@ -114,8 +119,8 @@ serve() {  # label, port, engines: start `flotilla serve`, warm it up, benchmark
   grep -E "Traceback|ERROR|failed" "$R/server-$label.log" | head -5
 }
 
-want pd && serve pd 8000 prefill,decode
-want dp && serve dp 8001 both,both
+want pd && serve pd 8000 prefill,decode "${PD_ARGS:-}"
+want dp && serve dp 8001 "${DP_ENGINES:-both,both}"
 if [ -f "$R/serve-pd.json" ] && [ -f "$R/serve-dp.json" ]; then
   python3 - "$R/serve-pd.json" "$R/serve-dp.json" <<'PY'
 import json, sys
