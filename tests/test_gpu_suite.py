@@ -261,3 +261,12 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     log = (project / "out4" / gs.LOG).read_text()
     assert log.index("test_two.py::TestK::test_skip") < log.index("test_one.py::test_ok")  # files in that order
     assert "# GPU suite: 11 tests in 1 shards (order reverse" in capsys.readouterr().out
+
+
+def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):
+    (tmp_path / gs.STATE).write_text(json.dumps({"caches": {"triton": {"digest": "d", "parts": ["jit-triton-new.tgz.00"]}}}))
+    for name in ("jit-triton-new.tgz.00", "jit-triton-old.tgz.00", "jit-flashinfer-old.tgz.01", "summary.md"):
+        (tmp_path / name).write_bytes(b"x")
+    assert gs.main(["--prune", "--cache-dir", str(tmp_path)]) == 0
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["jit-triton-new.tgz.00", gs.STATE, "summary.md"]
+    assert "deleted" in capsys.readouterr().out

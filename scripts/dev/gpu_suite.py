@@ -455,8 +455,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="seconds kept from the budget to save the caches and write the summary (default 20)")
     p.add_argument("--cache-dir", type=Path, default=Path(".gpu-suite"),
                    help="where the last call's suite.json and cache archives are (default .gpu-suite)")
-    p.add_argument("--out", type=Path, required=True, help="where this call writes its files")
-    p.add_argument("--cache-max-mb", type=float, default=40.0,
+    p.add_argument("--out", type=Path, help="where this call writes its files (required unless --prune)")
+    p.add_argument("--prune", action="store_true",
+                   help="here, after copying a call's files into --cache-dir: delete the cache archives its suite.json "
+                        "no longer names (so the carried folder holds only what the next call restores), then exit")
+    p.add_argument("--cache-max-mb", type=float, default=32.0,
                    help="the most the cache archives may take together (a cache that would pass it is not saved)")
     p.add_argument("--no-caches", action="store_true", help="neither restore nor save the JIT caches")
     p.add_argument("--marker", default="gpu", help="the pytest mark expression (default gpu)")
@@ -464,13 +467,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="after --, pytest's: paths or test ids choose what is collected (default tests); options "
                         "(-k EXPR, -x, --timeout N) go to the collection and to every shard")
     args = p.parse_args(argv)
+    if args.out is None and not args.prune:
+        p.error("--out is required")
     args.targets, args.options = split_pytest_args(args.pytest_args)
     args.targets = args.targets or ["tests"]
     return args
 
 
+def prune(cache_dir: Path) -> list[str]:
+    """Delete the cache archives in cache_dir that its suite.json does not name; the names deleted."""
+    state = json.loads((cache_dir / STATE).read_text()) if (cache_dir / STATE).is_file() else {}
+    named = {p for archive in state.get("caches", {}).values() for p in archive["parts"]}
+    stale = sorted(f.name for f in cache_dir.glob("jit-*") if f.name not in named)
+    for name in stale:
+        (cache_dir / name).unlink()
+    return stale
+
+
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.prune:
+        for name in prune(args.cache_dir):
+            print(f"deleted {args.cache_dir / name}")
+        return 0
     environ = dict(os.environ if environ is None else environ)
     t0 = time.monotonic()
     deadline = t0 + args.budget_s - args.reserve_s

@@ -4,6 +4,8 @@
 # the shards still to run; repeat it until the summary says none are left (a call after that begins a new run).
 #   device run, carry [".gpu-bundle", ".gpu-suite"], timeout_s 600:  bash scripts/dev/gpu_suite.sh [gpu_suite.py options]
 #   then, here:  mkdir -p .gpu-suite && cp FILES_AT/* .gpu-suite/   (summary.md, suite.json, suite.log, jit-*.tgz.NN)
+#                python3 -m flotilla.scripts.dev.gpu_suite --prune   (drops the archives suite.json no longer names: the
+#                bundle and .gpu-suite together must stay within the 64 MiB a device call carries)
 # The bundle carries what every test module imports beyond the image: build it with
 #   EXTRA_WHEELS="openai==2.54.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
 #     distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 typing-extensions==4.16.0 redis==8.1.0 xgrammar==0.2.9 pillow==11.3.0" \
