@@ -179,3 +179,44 @@ def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_b
     while any(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values()):
         assert time.monotonic() < deadline, ray.util.placement_group_table()
         time.sleep(0.1)
+
+
+@needs("openai", "the front ends are asked through the real openai client")
+@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
+def test_front_ends_sharing_a_redis_registry_route_to_each_others_ray_placed_engines(cluster, folder, key_file):
+    """Two nodes' front ends, each with one engine placed by Ray (a's prefill, b's decode), share a real Redis
+    registry: what the engines register there are their Ray nodes' addresses, which the other front end reaches,
+    so each front end serves through both engines and gives the colocated outputs."""
+    import helpers_pd as pdh
+    from helpers_server import start_server, start_servers
+
+    with pdh.redis_server() as url:
+        if url is None:
+            pytest.skip("needs redis-server and the redis client (the registry both nodes share)")
+        common = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "8", "--served-model-name", "m"]
+
+        def node(name: str, engines: str) -> list[str]:
+            return [str(folder), "--engines", engines, "--registry", url, "--node-name", name,
+                    "--kv-transfer-backend", "dlslime_tcp", "--distributed-executor-backend", "ray",
+                    "--ray-address", cluster.address, "--auth-key-file", str(key_file), *common]
+
+        a = start_server(*node("a", "prefill"), timeout=300)
+        try:
+            b, colocated = start_servers((node("b", "decode"), {"timeout": 300}),
+                                         ((str(folder), "--single-process", *common), {"timeout": 180}))
+            try:
+                for front in (a, b):
+                    pdh.wait_health(front.url, 200, timeout=30)
+                reqs = pdh.requests(8, offset=5)
+                want = pdh.run_all(colocated.url, reqs)
+                assert pdh.run_all(a.url, reqs) == want and pdh.run_all(b.url, reqs) == want
+                assert any("routing to engine b-decode-0 (decode) of another node" in x for x in a.log)
+                assert any("routing to engine a-prefill-0 (prefill) of another node" in x for x in b.log)
+                m = pdh.wait_idle(b.url, ["b-decode-0"])
+                assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "b-decode-0") > 0
+                assert all(" placed by Ray" in "".join(front.log) for front in (a, b))
+            finally:
+                colocated.stop()
+                assert b.stop() == 0, "".join(b.log[-30:])
+        finally:
+            assert a.stop() == 0, "".join(a.log[-30:])
