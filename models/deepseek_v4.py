@@ -21,9 +21,11 @@ The architecture (transformers' models/deepseek_v4):
   activations clamped at swiglu_limit.
 
 The paged cache holds one row per token per layer: the token's key-value head, then (CSA / HCA) its compressor
-projections and (CSA) its indexer's. Compressed entries are pooled from those rows at each step, so a prefix hit,
-a chunked prefill, a preemption or a KV migration needs nothing beyond the rows. This module is the torch reference:
-every step gathers each sequence's rows; kernels that keep the entries are a separate path.
+projections and (CSA) its indexer's, then the entry (and indexer entry) of the window the token ends, if it ends one:
+the step whose tokens finish a window pools it from the window's rows and writes it there. So a prefix hit, a chunked
+prefill, a preemption or a KV migration needs nothing beyond the rows, and a step reads the window's rows and the
+entries' rows, O(sliding_window + length / rate) per sequence, not the whole context. This module is the torch
+reference (a loop over the step's sequences); kernels are a separate path.
 """
 
 from __future__ import annotations
@@ -103,21 +105,27 @@ class Compressor(nn.Module):
         x = x.float()
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
-    def entries(self, rows: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """The finished entries [E, dim] of a sequence whose tokens' projections are rows [S, 2 * width]."""
-        n = rows.shape[0] // self.rate
-        if n == 0:
+    def entries(self, rows: torch.Tensor, rotary: Rotary, first: int = 0) -> torch.Tensor:
+        """Entries first, first + 1, ... [E, dim] of the windows whose tokens' projections rows [S, 2 * width] hold,
+        as many as finish in them. With overlap and first > 0 the rows begin one window earlier (window first - 1
+        feeds entry first)."""
+        lead = 1 if self.overlap and first > 0 else 0
+        n = rows.shape[0] // self.rate - lead
+        if n <= 0:
             return rows.new_zeros(0, self.dim, dtype=torch.float32)
-        rows = rows[:n * self.rate].float().view(n, self.rate, 2 * self.width)
+        rows = rows[:(n + lead) * self.rate].float().view(n + lead, self.rate, 2 * self.width)
         kv, gate = rows[..., :self.width], rows[..., self.width:] + self.position_bias
         if self.overlap:
             d = self.dim
-            prev_kv = torch.cat([kv.new_zeros(1, self.rate, d), kv[:-1, :, :d]])
-            prev_gate = torch.cat([gate.new_full((1, self.rate, d), float("-inf")), gate[:-1, :, :d]])
+            if lead:
+                prev_kv, prev_gate, kv, gate = kv[:-1, :, :d], gate[:-1, :, :d], kv[1:], gate[1:]
+            else:
+                prev_kv = torch.cat([kv.new_zeros(1, self.rate, d), kv[:-1, :, :d]])
+                prev_gate = torch.cat([gate.new_full((1, self.rate, d), float("-inf")), gate[:-1, :, :d]])
             kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
             gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
         pooled = self.kv_norm((kv * gate.softmax(dim=1)).sum(dim=1))
-        cos, sin = rotary(torch.arange(n, device=rows.device) * self.rate)
+        cos, sin = rotary((torch.arange(n, device=rows.device) + first) * self.rate)
         return rotate(pooled, cos, sin)
 
 
@@ -160,20 +168,40 @@ class DeepseekV4Attention(nn.Module):
                            if self.rate else None)
         if self.kind == CSA:  # (inside the compressor, as transformers names it)
             self.compressor.indexer = Indexer(config, v4, self.rate)
+        # a row's columns: kv head | compressor projections | indexer projections | entry | indexer entry
+        at = self.head_dim
+        if self.compressor is not None:
+            self.proj_at, at = at, at + 2 * self.compressor.width
+        if self.indexer is not None:
+            self.iproj_at, at = at, at + 2 * self.indexer.width
+        if self.compressor is not None:
+            self.entry_at, at = at, at + self.compressor.dim
+        if self.indexer is not None:
+            self.ientry_at, at = at, at + self.indexer.dim
+        self.row_width = at  # (an entry lives in the row of its window's last token)
 
     @property
     def indexer(self) -> Indexer | None:
         return getattr(self.compressor, "indexer", None)
 
-    @property
-    def row_width(self) -> int:
-        """Floats of one token's cache row: its key-value head, then its compressor's and indexer's projections."""
-        width = self.head_dim
-        if self.compressor is not None:
-            width += 2 * self.compressor.width
+    def _store_entries(self, flat: torch.Tensor, slots: Callable[[torch.Tensor], torch.Tensor], p0: int, p1: int,
+                       rotary: Rotary) -> None:
+        """Pool the windows that this step's tokens (positions p0..p1) finish and write each entry (and its indexer
+        entry) into the row of the window's last token, where later steps read it."""
+        rate = self.rate
+        w_lo, w_hi = (p0 + rate) // rate - 1, (p1 + 1) // rate  # windows w with p0 <= (w + 1) * rate - 1 <= p1
+        if w_hi <= w_lo:
+            return
+        lead = 1 if self.compressor.overlap and w_lo > 0 else 0
+        rows = flat[slots(torch.arange((w_lo - lead) * rate, w_hi * rate, device=flat.device))]
+        ends = slots(torch.arange(w_lo + 1, w_hi + 1, device=flat.device) * rate - 1)
+        comp = self.compressor
+        entries = comp.entries(rows[:, self.proj_at:self.proj_at + 2 * comp.width], rotary, first=w_lo)
+        flat[ends, self.entry_at:self.entry_at + comp.dim] = entries.to(flat.dtype)
         if self.indexer is not None:
-            width += 2 * self.indexer.width
-        return width
+            idx = self.indexer
+            ientries = idx.entries(rows[:, self.iproj_at:self.iproj_at + 2 * idx.width], rotary, first=w_lo)
+            flat[ends, self.ientry_at:self.ientry_at + idx.dim] = ientries.to(flat.dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, compress_rotary: Rotary,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -199,25 +227,30 @@ class DeepseekV4Attention(nn.Module):
         out = torch.empty(t, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
         qsl = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
+        bs = meta.block_size
         for b, length in enumerate(lens):
             lo, hi = qsl[b], qsl[b + 1]
             if lo == hi:
                 continue
-            blocks = meta.block_tables[b, :-(-length // meta.block_size)].long()
-            slots = (blocks[:, None] * meta.block_size + torch.arange(meta.block_size, device=x.device)).flatten()
-            seq = flat[slots[:length]].float()  # [S, row]
+            table = meta.block_tables[b].long()
+
+            def slots(p: torch.Tensor, table: torch.Tensor = table) -> torch.Tensor:
+                return table[p // bs] * bs + p % bs
+
+            p0, p1 = length - (hi - lo), length - 1  # (a step's tokens are the sequence's last ones)
             pos = positions[lo:hi]
-            keys = seq[:, :self.head_dim]
-            visible = torch.arange(length, device=x.device)[None, :]
-            mask = (visible <= pos[:, None]) & (visible > pos[:, None] - self.window)  # [n, S]
+            # the window's rows only, and the entries' rows: a step reads O(window + length / rate) rows
+            visible = torch.arange(max(0, p0 - self.window + 1), length, device=x.device)
+            keys = flat[slots(visible), :self.head_dim].float()
+            mask = (visible[None, :] <= pos[:, None]) & (visible[None, :] > pos[:, None] - self.window)  # [n, S]
             if self.compressor is not None:
-                at = self.head_dim
-                entries = self.compressor.entries(seq[:, at:at + 2 * self.compressor.width], compress_rotary)
+                self._store_entries(flat, slots, p0, p1, compress_rotary)
+                ends = flat[slots(torch.arange(1, length // self.rate + 1, device=x.device) * self.rate - 1)]
+                entries = ends[:, self.entry_at:self.entry_at + self.compressor.dim].float()
                 finished = (pos[:, None] + 1) // self.rate  # entries a query may see: w < finished
                 seen = torch.arange(entries.shape[0], device=x.device)[None, :] < finished
                 if self.indexer is not None and entries.shape[0]:
-                    at += 2 * self.compressor.width
-                    ikeys = self.indexer.entries(seq[:, at:], compress_rotary)
+                    ikeys = ends[:, self.ientry_at:self.ientry_at + self.indexer.dim].float()
                     scores = torch.einsum("nhd,ed->nhe", iq[lo:hi].float(), ikeys)
                     scores = (F.relu(scores) * self.indexer.dim**-0.5 * iw[lo:hi, :, None]).sum(dim=1)
                     scores = scores.masked_fill(~seen, float("-inf"))

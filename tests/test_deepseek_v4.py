@@ -80,9 +80,9 @@ def test_every_parameter_comes_from_deepseeks_layout_and_the_cache_rows_fit_the_
     for name, p in hf.named_parameters():
         torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
     # a row: the key-value head (32), the compressor's kv and gate projections (CSA: two series of 32 each; HCA:
-    # one), the indexer's (two series of 16)
-    csa = 32 + 2 * (2 * 32) + 2 * (2 * 16)
-    assert [layer.self_attn.row_width for layer in model.model.layers] == [32, csa, 32 + 2 * 32, csa]
+    # one), the indexer's (two series of 16), then the entry (32) and indexer entry (16) of a window it ends
+    csa = 32 + 2 * (2 * 32) + 2 * (2 * 16) + 32 + 16
+    assert [layer.self_attn.row_width for layer in model.model.layers] == [32, csa, 32 + 2 * 32 + 32, csa]
     assert model.kv_cache_shape(10, 4) == (10, 4, csa)
 
 
@@ -125,6 +125,34 @@ def test_chunks_across_windows_and_a_mixed_batch_equal_one_shot(models):
             got[i].append(out)
     for i in got:
         torch.testing.assert_close(torch.cat(got[i]), want[i], atol=ATOL, rtol=0)
+
+
+def test_each_entry_is_written_once_into_the_row_that_ends_its_window_as_pooled_from_all_rows(models):
+    """Chunks that end inside windows and a decode step that ends one: every window's entry (and indexer entry) sits
+    in the row of its last token, equal to pooling the whole sequence's projections at once; no other row's entry
+    columns are written (the cache starts NaN)."""
+    model, _ = models
+    tokens = random_tokens(41, seed=8, vocab=VOCAB)
+    runner = PagedRunner(model, block_size=4, seed=9)
+    for chunk in (tokens[:6], tokens[6:19], tokens[19:40], tokens[40:]):
+        runner.step([(0, chunk)])
+    slots = torch.tensor([runner.blocks[0][p // 4] * 4 + p % 4 for p in range(41)])
+    for layer, cache in zip(model.model.layers, runner.kv_caches, strict=True):
+        attn = layer.self_attn
+        if attn.compressor is None:
+            continue
+        rows = cache.view(-1, cache.shape[-1])[slots]
+        ends = torch.arange(attn.rate - 1, 41, attn.rate)
+        for part, at, proj_at in ((attn.compressor, attn.entry_at, attn.proj_at),
+                                  (attn.indexer, getattr(attn, "ientry_at", 0), getattr(attn, "iproj_at", 0))):
+            if part is None:
+                continue
+            want = part.entries(rows[:, proj_at:proj_at + 2 * part.width], model.compress_rotary)
+            assert want.shape[0] == len(ends) == 41 // attn.rate
+            torch.testing.assert_close(rows[ends, at:at + part.dim], want, atol=1e-6, rtol=0)
+            others = torch.ones(41, dtype=torch.bool)
+            others[ends] = False
+            assert rows[others, at:at + part.dim].isnan().all()
 
 
 def greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
