@@ -270,3 +270,27 @@ def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):
     assert gs.main(["--prune", "--cache-dir", str(tmp_path)]) == 0
     assert sorted(f.name for f in tmp_path.iterdir()) == ["jit-triton-new.tgz.00", gs.STATE, "summary.md"]
     assert "deleted" in capsys.readouterr().out
+
+
+def test_a_cache_travels_xz_compressed_in_parts_and_comes_back_with_its_times(tmp_path):
+    root = tmp_path / "cache"
+    (root / "k1").mkdir(parents=True)
+    blob = bytes(range(256)) * 4096  # 1 MiB that compresses
+    (root / "k1" / "kernel.so").write_bytes(blob)
+    os.utime(root / "k1" / "kernel.so", (1_000_000_000, 1_000_000_000))
+    out = tmp_path / "out"
+    out.mkdir()
+    names = gs.archive_cache("triton", root, "abc", out, part_bytes=256)
+    assert len(names) > 1 and all(n.startswith("jit-triton-abc.txz.") for n in names)
+    assert sum((out / n).stat().st_size for n in names) < len(blob) // 10
+    back = tmp_path / "back"
+    gs.restore_cache([out / n for n in names], back)
+    assert (back / "k1" / "kernel.so").read_bytes() == blob
+    assert (back / "k1" / "kernel.so").stat().st_mtime == 1_000_000_000
+    # an archive an older call wrote (gzip) still restores
+    import tarfile
+
+    with tarfile.open(out / "jit-old-d.tgz.00", "w:gz") as tar:
+        tar.add(root / "k1", arcname="k1")
+    gs.restore_cache([out / "jit-old-d.tgz.00"], tmp_path / "old")
+    assert (tmp_path / "old" / "k1" / "kernel.so").read_bytes() == blob
