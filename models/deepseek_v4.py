@@ -105,6 +105,21 @@ class Compressor(nn.Module):
         x = x.float()
         return torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)
 
+    def pool(self, cur: torch.Tensor, prev: torch.Tensor | None, w: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """Entries [n, dim] of windows w [n] from their tokens' projections cur [n, rate, 2 * width] and, with overlap,
+        the window before's prev [n, rate, 2 * width] (ignored where w == 0: window 0 has none)."""
+        kv, gate = cur[..., :self.width], cur[..., self.width:] + self.position_bias
+        if self.overlap:
+            d = self.dim
+            first = (w == 0)[:, None, None]
+            prev_kv = prev[..., :d].masked_fill(first, 0.0)
+            prev_gate = (prev[..., self.width:self.width + d] + self.position_bias[:, :d]).masked_fill(first, float("-inf"))
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
+        pooled = self.kv_norm((kv * gate.softmax(dim=1)).sum(dim=1))
+        cos, sin = rotary(w * self.rate)
+        return rotate(pooled, cos, sin)
+
     def entries(self, rows: torch.Tensor, rotary: Rotary, first: int = 0) -> torch.Tensor:
         """Entries first, first + 1, ... [E, dim] of the windows whose tokens' projections rows [S, 2 * width] hold,
         as many as finish in them. With overlap and first > 0 the rows begin one window earlier (window first - 1
@@ -113,20 +128,10 @@ class Compressor(nn.Module):
         n = rows.shape[0] // self.rate - lead
         if n <= 0:
             return rows.new_zeros(0, self.dim, dtype=torch.float32)
-        rows = rows[:(n + lead) * self.rate].float().view(n + lead, self.rate, 2 * self.width)
-        kv, gate = rows[..., :self.width], rows[..., self.width:] + self.position_bias
-        if self.overlap:
-            d = self.dim
-            if lead:
-                prev_kv, prev_gate, kv, gate = kv[:-1, :, :d], gate[:-1, :, :d], kv[1:], gate[1:]
-            else:
-                prev_kv = torch.cat([kv.new_zeros(1, self.rate, d), kv[:-1, :, :d]])
-                prev_gate = torch.cat([gate.new_full((1, self.rate, d), float("-inf")), gate[:-1, :, :d]])
-            kv = torch.cat([prev_kv, kv[..., d:]], dim=1)
-            gate = torch.cat([prev_gate, gate[..., d:]], dim=1)
-        pooled = self.kv_norm((kv * gate.softmax(dim=1)).sum(dim=1))
-        cos, sin = rotary((torch.arange(n, device=rows.device) + first) * self.rate)
-        return rotate(pooled, cos, sin)
+        windows = rows[:(n + lead) * self.rate].float().view(n + lead, self.rate, 2 * self.width)
+        prev = windows[:-1] if lead else torch.cat([torch.zeros_like(windows[:1]), windows[:-1]])
+        w = torch.arange(n, device=rows.device) + first
+        return self.pool(windows[lead:], prev, w, rotary)
 
 
 class Indexer(Compressor):
@@ -203,6 +208,68 @@ class DeepseekV4Attention(nn.Module):
             ientries = idx.entries(rows[:, self.iproj_at:self.iproj_at + 2 * idx.width], rotary, first=w_lo)
             flat[ends, self.ientry_at:self.ientry_at + idx.dim] = ientries.to(flat.dtype)
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Queries q [n, heads, D] over keys where mask [n, S] allows, with the sinks in the softmax's denominator:
+        keys [S, D] shared by the queries (a sequence's chunk), or [n, S, D] each query's own (batched decode; there
+        a masked key may hold anything, and is zeroed)."""
+        own = keys.dim() == 3
+        keys = keys.float().masked_fill(~mask[..., None], 0.0) if own else keys.float()
+        logits = torch.einsum("nhd,nsd->nhs" if own else "nhd,sd->nhs", q.float(), keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("nhs,nsd->nhd" if own else "nhs,sd->nhd", probs, keys)
+
+    def _decode(self, flat: torch.Tensor, q: torch.Tensor, iq: torch.Tensor | None, iw: torch.Tensor | None,
+                seqs: list[int], lens: list[int], meta: AttentionMetadata, rotary: Rotary) -> torch.Tensor:
+        """Attention of sequences `seqs`, one new token each (q [n, heads, D]), batched: each token's window rows
+        and its sequence's entries, gathered through the block tables; windows its token finishes pooled first."""
+        dev, bs, n = flat.device, meta.block_size, len(seqs)
+        index = torch.tensor(seqs, device=dev)
+        tables = meta.block_tables[index].long()
+        p = meta.seq_lens[index].long() - 1  # each new token's position
+
+        def slots(pos: torch.Tensor, tables: torch.Tensor = tables) -> torch.Tensor:
+            pos = pos.clamp(min=0)
+            return tables.gather(1, pos // bs) * bs + pos % bs
+
+        window = p[:, None] - self.window + 1 + torch.arange(self.window, device=dev)[None, :]  # [n, W]
+        keys, mask = flat[slots(window), :self.head_dim], window >= 0
+        if self.compressor is not None:
+            rate = self.rate
+            ending = [i for i, b in enumerate(seqs) if lens[b] % rate == 0]
+            if ending:  # their token ends window w = length / rate - 1: pool it into that token's row
+                sel = torch.tensor(ending, device=dev)
+                w = (p[sel] + 1) // rate - 1
+                r = torch.arange(rate, device=dev)[None, :]
+                cur, prev = flat[slots(w[:, None] * rate + r, tables[sel])], flat[slots((w[:, None] - 1) * rate + r,
+                                                                                        tables[sel])]
+                at = slots(p[sel][:, None], tables[sel])[:, 0]
+                comp = self.compressor
+                cols = slice(self.proj_at, self.proj_at + 2 * comp.width)
+                flat[at, self.entry_at:self.entry_at + comp.dim] = comp.pool(
+                    cur[..., cols].float(), prev[..., cols].float(), w, rotary).to(flat.dtype)
+                if self.indexer is not None:
+                    idx, icols = self.indexer, slice(self.iproj_at, self.iproj_at + 2 * self.indexer.width)
+                    flat[at, self.ientry_at:self.ientry_at + idx.dim] = idx.pool(
+                        cur[..., icols].float(), prev[..., icols].float(), w, rotary).to(flat.dtype)
+            most = max(lens[b] for b in seqs) // rate
+            if most:
+                e = torch.arange(most, device=dev)[None, :]
+                ends = flat[slots(((e + 1) * rate - 1).expand(n, -1))]  # [n, E, row]
+                seen = e < ((p + 1) // rate)[:, None]
+                entries = ends[..., self.entry_at:self.entry_at + self.compressor.dim]
+                if self.indexer is not None:
+                    ikeys = ends[..., self.ientry_at:self.ientry_at + self.indexer.dim].float()
+                    ikeys = ikeys.masked_fill(~seen[..., None], 0.0)
+                    scores = torch.einsum("nhd,ned->nhe", iq.float(), ikeys)
+                    scores = (F.relu(scores) * self.indexer.dim**-0.5 * iw[:, :, None]).sum(dim=1)
+                    scores = scores.masked_fill(~seen, float("-inf"))
+                    top = scores.topk(min(self.indexer.topk, most), dim=-1).indices
+                    seen = seen & torch.zeros_like(seen).scatter_(-1, top, True)
+                keys, mask = torch.cat([keys, entries], dim=1), torch.cat([mask, seen], dim=1)
+        return self._attend(q, keys, mask)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, compress_rotary: Rotary,
                 cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -224,13 +291,21 @@ class DeepseekV4Attention(nn.Module):
             iq = rotate(self.indexer.q_b_proj(q_res).view(t, self.indexer.heads, self.indexer.dim),
                         *compress_rotary(positions))
             iw = self.indexer.scorer.weights_proj(x.float()) * self.indexer.heads**-0.5
+        else:
+            iq = iw = None
         out = torch.empty(t, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
         qsl = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
         bs = meta.block_size
+        decoding = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
+        if decoding:  # sequences with one new token: all at once
+            rows_of = torch.tensor([qsl[b] for b in decoding], device=x.device)
+            out[rows_of] = self._decode(flat, q[rows_of], iq if iq is None else iq[rows_of],
+                                        iw if iw is None else iw[rows_of], decoding, lens, meta,
+                                        compress_rotary).to(x.dtype)
         for b, length in enumerate(lens):
             lo, hi = qsl[b], qsl[b + 1]
-            if lo == hi:
+            if hi - lo <= 1:
                 continue
             table = meta.block_tables[b].long()
 
@@ -259,11 +334,7 @@ class DeepseekV4Attention(nn.Module):
                     seen = seen & chosen
                 keys = torch.cat([keys, entries])
                 mask = torch.cat([mask, seen], dim=-1)
-            logits = torch.einsum("nhd,sd->nhs", q[lo:hi].float(), keys) * self.head_dim**-0.5
-            logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-            sinks = self.sinks.float()[None, :, None].expand(hi - lo, -1, 1)
-            probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-            out[lo:hi] = torch.einsum("nhs,sd->nhd", probs, keys).to(x.dtype)
+            out[lo:hi] = self._attend(q[lo:hi], keys, mask).to(x.dtype)
         out = rotate(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])

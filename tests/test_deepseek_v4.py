@@ -116,11 +116,15 @@ def test_yarn_on_the_compressed_layers_as_the_released_checkpoints_have_it(tmp_p
 
 def test_chunks_across_windows_and_a_mixed_batch_equal_one_shot(models):
     model, hf = models
-    a, b, c = (random_tokens(n, seed=s, vocab=VOCAB) for n, s in ((37, 2), (21, 3), (9, 4)))
-    want = {i: hf_logits(hf, t) for i, t in enumerate((a, b, c))}
+    a, b, c, d = (random_tokens(n, seed=s, vocab=VOCAB) for n, s in ((37, 2), (21, 3), (9, 4), (12, 6)))
+    want = {i: hf_logits(hf, t) for i, t in enumerate((a, b, c, d))}
     runner = PagedRunner(model, block_size=4, seed=5)
-    got = {0: [], 1: [], 2: []}
-    for step in ([(0, a[:13]), (1, b[:5])], [(0, a[13:30]), (1, b[5:]), (2, c)], [(0, a[30:])]):
+    got = {0: [], 1: [], 2: [], 3: []}
+    # d: a 2-token prompt, then one token a step, beside the others' chunks and then alone (decoding inside and past
+    # the first window)
+    steps = [[(0, a[:13]), (1, b[:5]), (3, d[:2])], [(0, a[13:30]), (1, b[5:]), (2, c), (3, d[2:3])],
+             [(0, a[30:]), (3, d[3:4])], *([(3, d[i:i + 1])] for i in range(4, 12))]
+    for step in steps:
         for (i, _), out in zip(step, runner.step(step), strict=True):
             got[i].append(out)
     for i in got:
@@ -128,31 +132,35 @@ def test_chunks_across_windows_and_a_mixed_batch_equal_one_shot(models):
 
 
 def test_each_entry_is_written_once_into_the_row_that_ends_its_window_as_pooled_from_all_rows(models):
-    """Chunks that end inside windows and a decode step that ends one: every window's entry (and indexer entry) sits
-    in the row of its last token, equal to pooling the whole sequence's projections at once; no other row's entry
-    columns are written (the cache starts NaN)."""
+    """Chunks that end inside windows, then decode steps of two sequences at once that end windows of both rates:
+    every window's entry (and indexer entry) sits in the row of its last token, equal to pooling the whole
+    sequence's projections at once; no other row's entry columns are written (the cache starts NaN)."""
     model, _ = models
-    tokens = random_tokens(41, seed=8, vocab=VOCAB)
+    a, b = random_tokens(48, seed=8, vocab=VOCAB), random_tokens(21, seed=10, vocab=VOCAB)
     runner = PagedRunner(model, block_size=4, seed=9)
-    for chunk in (tokens[:6], tokens[6:19], tokens[19:40], tokens[40:]):
-        runner.step([(0, chunk)])
-    slots = torch.tensor([runner.blocks[0][p // 4] * 4 + p % 4 for p in range(41)])
-    for layer, cache in zip(model.model.layers, runner.kv_caches, strict=True):
-        attn = layer.self_attn
-        if attn.compressor is None:
-            continue
-        rows = cache.view(-1, cache.shape[-1])[slots]
-        ends = torch.arange(attn.rate - 1, 41, attn.rate)
-        for part, at, proj_at in ((attn.compressor, attn.entry_at, attn.proj_at),
-                                  (attn.indexer, getattr(attn, "ientry_at", 0), getattr(attn, "iproj_at", 0))):
-            if part is None:
+    runner.step([(0, a[:6]), (1, b[:13])])
+    runner.step([(0, a[6:19])])
+    runner.step([(0, a[19:39]), (1, b[13:14])])  # (a prefill chunk and a decoding sequence in one step)
+    for i in range(9):  # a's positions 39..47, and b's 14..20 beside the first seven: batched decode steps
+        runner.step([(0, a[39 + i:40 + i])] + ([(1, b[14 + i:15 + i])] if 14 + i < 21 else []))
+    for seq, length in ((0, 48), (1, 21)):
+        slots = torch.tensor([runner.blocks[seq][p // 4] * 4 + p % 4 for p in range(length)])
+        for layer, cache in zip(model.model.layers, runner.kv_caches, strict=True):
+            attn = layer.self_attn
+            if attn.compressor is None:
                 continue
-            want = part.entries(rows[:, proj_at:proj_at + 2 * part.width], model.compress_rotary)
-            assert want.shape[0] == len(ends) == 41 // attn.rate
-            torch.testing.assert_close(rows[ends, at:at + part.dim], want, atol=1e-6, rtol=0)
-            others = torch.ones(41, dtype=torch.bool)
-            others[ends] = False
-            assert rows[others, at:at + part.dim].isnan().all()
+            rows = cache.view(-1, cache.shape[-1])[slots]
+            ends = torch.arange(attn.rate - 1, length, attn.rate)
+            for part, at, proj_at in ((attn.compressor, attn.entry_at, attn.proj_at),
+                                      (attn.indexer, getattr(attn, "ientry_at", 0), getattr(attn, "iproj_at", 0))):
+                if part is None:
+                    continue
+                want = part.entries(rows[:, proj_at:proj_at + 2 * part.width], model.compress_rotary)
+                assert want.shape[0] == len(ends) == length // attn.rate
+                torch.testing.assert_close(rows[ends, at:at + part.dim], want, atol=1e-6, rtol=0)
+                others = torch.ones(length, dtype=torch.bool)
+                others[ends] = False
+                assert rows[others, at:at + part.dim].isnan().all()
 
 
 def greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
