@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
+from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.quant.fp8_ref import block_dequantize
 from flotilla.kernels.rope import rope_inv_freq
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
@@ -396,10 +397,11 @@ class HashGate(nn.Module):
 class DeepseekV4MoE(nn.Module):
     """Routed experts (top-k, or looked up by token id) and a shared expert, activations clamped."""
 
-    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int, backend: MoEBackend) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
+        self.backend = backend
         tp = tp_group().size
         e, h = moe.num_experts, config.hidden_size
         i = divide(moe.moe_intermediate_size, tp, "moe_intermediate_size")  # (this rank's share of each expert)
@@ -429,22 +431,18 @@ class DeepseekV4MoE(nn.Module):
             idx = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, idx)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            tok, k = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self._act(gate, up), self.experts.down_proj[e]) * weights[tok, k, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        out = self.backend.fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights.float(),
+                                         idx.to(torch.int32), swiglu_limit=self.limit)
         s = self.shared_experts
         return all_reduce(out + s.down_proj(self._act(s.gate_proj(x), s.up_proj(x))))
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int, backend: MoEBackend) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = DeepseekV4Attention(config, v4, layer_idx)
-        self.mlp = DeepseekV4MoE(config, v4, layer_idx)
+        self.mlp = DeepseekV4MoE(config, v4, layer_idx, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.attn_hc = HyperConnection(config.hidden_size, v4, eps)
@@ -457,7 +455,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     attention_backend_name = "torch"
     fused_ops_name = "torch"
 
-    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto") -> None:
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", moe_backend: str = "auto") -> None:
         super().__init__()
         v4 = config.deepseek_v4
         if v4 is None:
@@ -467,9 +465,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         if attention_backend not in ("auto", "torch"):
             raise ValueError(f"DeepSeek-V4 runs on the torch reference only so far, not {attention_backend!r}")
         self.config, self.v4 = config, v4
+        self.moe_backend = get_moe_backend(moe_backend, device=torch.get_default_device(),
+                                           dtype=torch.get_default_dtype())
+        self.moe_backend_name = self.moe_backend.name
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i)
+        self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i, self.moe_backend)
                                           for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.model.hc_head = nn.Module()

@@ -163,6 +163,26 @@ def test_each_entry_is_written_once_into_the_row_that_ends_its_window_as_pooled_
                 assert rows[others, at:at + part.dim].isnan().all()
 
 
+@needs("triton", "the triton experts run under triton's CPU interpreter here")
+def test_the_triton_experts_with_the_clamped_swiglu_give_the_torch_experts_logits(folder, models):
+    """The MoE backend's fused kernels (the sorted GEMMs for a prefill, the small-batch path for decode steps) with
+    swiglu_limit, hash-routed first layer included, against the torch experts."""
+    from safetensors.torch import load_file
+
+    from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from flotilla.models.hf_config import load_hf_config
+
+    model = DeepseekV4ForCausalLM(load_hf_config(folder), moe_backend="triton")
+    model.load_weights(load_file(str(next(folder.glob("*.safetensors")))).items())
+    assert model.moe_backend_name == "triton"
+    runners = [PagedRunner(models[0], block_size=4, seed=3), PagedRunner(model.eval(), block_size=4, seed=3)]
+    tokens = random_tokens(30, seed=12, vocab=VOCAB)
+    for batch in ([(0, tokens[:26]), (1, tokens[:5])], [(0, tokens[26:27]), (1, tokens[5:6])]):
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt."""
     out = []

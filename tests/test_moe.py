@@ -423,6 +423,39 @@ def test_expert_gemm_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     compile_for_sm90(kernels, tmp_path)
 
 
+@needs_triton
+@pytest.mark.parametrize("path", ["sorted", "small", "deep_gemm_layout"])
+def test_every_backend_clamps_the_swiglu_as_deepseek_v4_does(path):
+    """swiglu_limit (DeepSeek-V4's experts): gate clamped to at most the limit, up to within +-it, before
+    silu(gate) * up; at a limit that binds, each backend gives the reference's clamped result, not the plain one."""
+    from flotilla.kernels.moe import triton_experts, triton_experts_small
+
+    limit = 0.3
+    x, w13, w2, weights, ids = _case(6, 32, 16, 4, 2, torch.float32, seed=3, device=torch.device("cpu"))
+    x, w13 = 3 * x, 2 * w13  # activations of a few units: the limit binds on most of them
+    want = torch_ref.fused_experts(x, w13, w2, weights, ids, swiglu_limit=limit)
+    plain = torch_ref.fused_experts(x, w13, w2, weights, ids)
+    assert not torch.allclose(want, plain, atol=1e-3)
+
+    def manual(e, rows):  # the clamp written out, for the reference itself
+        gate, up = torch.nn.functional.linear(rows, w13[e]).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        return torch.nn.functional.linear(act, w2[e])
+
+    torch.testing.assert_close(want, torch_ref._combine(x, weights, ids, manual), atol=1e-6, rtol=0)
+    move = (lambda t: t.to(DEVICE)) if path != "deep_gemm_layout" else (lambda t: t)
+    args = [move(t) for t in (x, w13, w2, weights, ids)]
+    if path == "sorted":
+        got = triton_experts.fused_experts(*args, swiglu_limit=limit, block_m=16, block_n=16, block_k=16,
+                                           small_tokens=0)
+    elif path == "small":
+        got = triton_experts_small.fused_experts_small(*args, 16, 16, swiglu_limit=limit)
+    else:
+        got = deep_gemm_experts.fused_experts(*args, swiglu_limit=limit, gemm=deep_gemm_experts.grouped_gemm_reference,
+                                              alignment=4)
+    torch.testing.assert_close(got.float().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 # ---- realistic sizes on the GPU (bf16, Qwen3-30B-A3B's expert shapes) ----
 
 
@@ -432,6 +465,20 @@ def test_gpu_triton_fused_experts_at_qwen3_30b_sizes(tokens):
     from flotilla.kernels.moe import triton_experts
 
     _check_fused(triton_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+
+
+@gpu_test
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gpu_clamped_swiglu_experts_at_deepseek_v4_flash_sizes(tokens):
+    """V4-Flash's experts (H 4096, I 2048, 256 experts, top-6) with their swiglu_limit of 10, on the path each batch
+    takes, against the float32 reference."""
+    from flotilla.kernels.moe import triton_experts
+
+    x, w13, w2, weights, ids = _case(tokens, 4096, 2048, 256, 6, torch.bfloat16, seed=tokens, device=DEVICE)
+    x = 8 * x  # gate and up values past the limit
+    want = torch_ref.fused_experts(x.float(), w13.float(), w2.float(), weights, ids, swiglu_limit=10.0)
+    got = triton_experts.fused_experts(x, w13, w2, weights, ids, swiglu_limit=10.0)
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[torch.bfloat16] * 8, rtol=TOLERANCE[torch.bfloat16])
 
 
 @gpu_test

@@ -70,11 +70,12 @@ def fused_experts(
     topk_ids: torch.Tensor,
     masked: bool = False,
     *,
+    swiglu_limit: float | None = None,
     gemm: GroupedGemm | None = None,
     alignment: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as torch_ref.fused_experts, without masked slots. gemm/alignment default to DeepGEMM's (tests
-    pass the torch reference of the GEMM to check the layout on CPU)."""
+    """Same contract as torch_ref.fused_experts (swiglu_limit included), without masked slots. gemm/alignment
+    default to DeepGEMM's (tests pass the torch reference of the GEMM to check the layout on CPU)."""
     if masked:
         raise NotImplementedError("the deep_gemm experts take no masked routing (negative expert ids); use the "
                                   "triton or torch MoE backend")
@@ -87,7 +88,7 @@ def fused_experts(
     layout = _Layout(hidden, topk_ids, w13.shape[0], alignment)
     gate_up = torch.empty(layout.a.shape[0], w13.shape[1], dtype=hidden.dtype, device=hidden.device)
     gemm(layout.a, w13, gate_up, layout.m_indices)
-    act = silu_and_mul(gate_up)
+    act = silu_and_mul(gate_up, swiglu_limit)
     down = torch.empty(layout.a.shape[0], hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     gemm(act.contiguous(), w2, down, layout.m_indices)
     return layout.combine(down, topk_weights)

@@ -42,12 +42,15 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     masked: bool = False,
+    *,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights float32 and
     topk_ids int [T, k] -> [T, H] in hidden's dtype. One loop over the experts that got tokens. Negative ids are
-    skipped whether or not `masked` says they may be there."""
+    skipped whether or not `masked` says they may be there. swiglu_limit: gate clamped to at most it and up to within
+    +-it before silu(gate) * up (DeepSeek-V4's experts)."""
     return _combine(hidden, topk_weights, topk_ids,
-                    lambda e, x: F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e]))  # fmt: skip
+                    lambda e, x: F.linear(silu_and_mul(F.linear(x, w13[e]), swiglu_limit), w2[e]))  # fmt: skip
 
 
 def _combine(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:

@@ -54,6 +54,7 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr = False, UP_SCALE_ROW: tl.constexpr = 0, BLOCK_SCALE_N: tl.constexpr = 1,
     BLOCK_SCALE_K: tl.constexpr = 1, combined_ptr=None, count_ptr=None, stride_cm=0, COMBINE: tl.constexpr = False,
+    SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """One program: rows [pid_m * BLOCK_M, +BLOCK_M) of the sorted slots (one expert) times columns
     [pid_n * BLOCK_N, +BLOCK_N) of that expert's weight [N(, +N for up), K] transposed. With FP8, a and w are
@@ -61,7 +62,8 @@ def _expert_gemm_kernel(
     block (up's from block row UP_SCALE_ROW on); the scale arguments are unused otherwise. COMBINE (down pass):
     after writing its slots' weighted rows, a program counts each slot in count_ptr[token, pid_n] (kernels/
     arrivals.py), and for a token whose last slot it wrote, sums the token's TOP_K rows in slot order, in float32,
-    into combined_ptr[token] (rounded once, as the separate sum does): the combine without a launch of its own."""
+    into combined_ptr[token] (rounded once, as the separate sum does): the combine without a launch of its own.
+    SWIGLU_LIMIT > 0 (gate_up pass): gate clamped to at most it and up to within +-it before silu(gate) * up."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -112,6 +114,9 @@ def _expert_gemm_kernel(
     if GATE_UP:
         gate = acc.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
+        if SWIGLU_LIMIT > 0:
+            gate = tl.minimum(gate, SWIGLU_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, (act * up).to(dtype), mask=n_mask[None, :])
@@ -195,7 +200,8 @@ def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
                  topk_weights: torch.Tensor, top_k: int, gate_up: bool, block_n: int, block_k: int,
                  w_scale: torch.Tensor | None = None, block_size: tuple[int, int] = (1, 1),
-                 launch: dict | None = None, combined: torch.Tensor | None = None) -> bool:  # fmt: skip
+                 launch: dict | None = None, combined: torch.Tensor | None = None,
+                 swiglu_limit: float = 0.0) -> bool:  # fmt: skip
     """One pass; with w_scale (FP8 weights), a is first quantized per row and block_size[1] group. `combined`
     ([T, H], down pass only): also sum each token's rows into it in the same launch (COMBINE) when the device's
     arrival counters allow; returns whether it did."""
@@ -223,6 +229,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: Ex
         blocks.num_slots, a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales,
         N=n, K=k, TOP_K=top_k, GATE_UP=gate_up, BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision, **fp8, **combine, **(launch or {}),
+        **({"SWIGLU_LIMIT": float(swiglu_limit)} if swiglu_limit and gate_up else {}),
     )  # fmt: skip
     return counters is not None
 
@@ -235,6 +242,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
     masked: bool = False,
     *,
+    swiglu_limit: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -254,7 +262,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
-    ids, slots that add nothing. Batches of at most `small_tokens` tokens (default
+    ids, slots that add nothing; `swiglu_limit`: the clamped SwiGLU of torch_ref.silu_and_mul. Batches of at most `small_tokens` tokens (default
     triton_experts_small.SMALL_BATCH_MAX_TOKENS; 0: none) take the small-batch path, tiled by small_block_n /
     small_block_k; others the sorted GEMMs, with block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs).
     Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (sorted_tiles by the batch's
@@ -271,11 +279,12 @@ def fused_experts(
         if hidden.shape[0] == 1 and not down:  # one token: a program per slot (ONE_TOKEN_DOWN; "ds=0" says no)
             down = dict(small.ONE_TOKEN_DOWN)
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
-                                         t.get("small_block_k"), _launch(t), down=down)  # fmt: skip
+                                         t.get("small_block_k"), _launch(t), down=down,
+                                         swiglu_limit=swiglu_limit)  # fmt: skip
     t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
     down = {key: t[f"down_{key}"] for key in ("block_n", "block_k", "num_warps", "num_stages") if f"down_{key}" in t}
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
-                       launch=_launch(t), masked=masked, down=down)  # fmt: skip
+                       launch=_launch(t), masked=masked, down=down, swiglu_limit=swiglu_limit)  # fmt: skip
 
 
 def _tiles(**given: int | None) -> dict[str, int]:
@@ -291,7 +300,8 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                 topk_ids: torch.Tensor, block_m: int | None, block_n: int, block_k: int,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                 block_size: tuple[int, int] = (1, 1), launch: dict | None = None,
-                masked: bool = False, combine: bool = True, down: dict | None = None) -> torch.Tensor:  # fmt: skip
+                masked: bool = False, combine: bool = True, down: dict | None = None,
+                swiglu_limit: float | None = None) -> torch.Tensor:  # fmt: skip
     """Sort, gate_up pass, down pass, combine; `scales` (w13's, w2's) for FP8 weights; `down`: the down pass's own
     block_n, block_k, num_warps and num_stages (any subset; else the gate_up pass's). `masked`: the slots of
     negative ids are in no expert's run, so the down pass never writes their rows: those start at zero.
@@ -310,7 +320,8 @@ def _two_passes(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     combine = combine and slots is not None
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(blocks.sorted_slots.numel(), two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch)
+    _expert_gemm(hidden, w13, act, blocks, weights, top_k, True, block_n, block_k, w13_scale, block_size, launch,
+                 swiglu_limit=swiglu_limit or 0.0)
     per_slot = (torch.zeros if masked else torch.empty)(blocks.num_slots, hidden_size, dtype=hidden.dtype,
                                                         device=hidden.device)
     out = torch.empty_like(hidden) if combine else None

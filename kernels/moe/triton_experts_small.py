@@ -58,10 +58,11 @@ gate_up pass is faster with 8 warps than with triton's default 4 too."""
 def _small_gate_up_kernel(
     x_ptr, w_ptr, ids_ptr, out_ptr, stride_xm, stride_we, stride_wn, stride_om,
     N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Program (slot, pid_n): out[slot, cols] = silu(x[token] @ gate[cols].T) * (x[token] @ up[cols].T) for the
-    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's."""
+    slot's expert, cols = [pid_n * BLOCK_N, +BLOCK_N) of the intermediate size N; up's rows sit N below gate's.
+    SWIGLU_LIMIT > 0: gate clamped to at most it and up to within +-it first."""
     launch_next(USE_GDC)  # kernels/triton/pdl.py: FLOTILLA_PDL
     wait_prior(USE_GDC)
     slot = tl.program_id(0)
@@ -91,6 +92,9 @@ def _small_gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
     up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    if SWIGLU_LIMIT > 0:
+        gate = tl.minimum(gate, SWIGLU_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + slot * stride_om + offs_n, (act * up).to(dtype), mask=n_mask)
 
@@ -176,7 +180,8 @@ def _small_down_slot_kernel(
 
 def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                        launch: dict | None = None, down: dict | None = None) -> torch.Tensor:  # fmt: skip
+                        launch: dict | None = None, down: dict | None = None,
+                        swiglu_limit: float | None = None) -> torch.Tensor:  # fmt: skip
     """torch_ref.fused_experts's contract (negative ids always allowed) in two launches: hidden [T, H], w13
     [E, 2I, H], w2 [E, H, I], topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype. Meant for
     T <= SMALL_BATCH_MAX_TOKENS; any T works. block_n / block_k (powers of two) tile both passes unless `down`
@@ -199,6 +204,7 @@ def fused_experts_small(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
         hidden, w13, ids, act, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         N=inter, K=hidden_size, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(hidden_size)),
         **{"num_warps": NUM_WARPS, **(launch or {})}, **pdl_options(hidden.device),
+        **({"SWIGLU_LIMIT": float(swiglu_limit)} if swiglu_limit else {}),
     )  # fmt: skip
     down = down or {}
     dn, dk = down.get("block_n", bn), down.get("block_k", bk)
