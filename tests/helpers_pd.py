@@ -61,21 +61,19 @@ def check_pair_equals_colocated(model: str, common: list[str], pd_options: tuple
                                  offset: int = 3, backend: str = "dlslime_tcp", timeout: float = 180) -> None:
     """A 1P1D pair over `backend` answers `n` requests (chat and completion, streamed or not) as one colocated
     engine does, moves KV bytes, and ends with neither engine holding anything; both servers stopped after."""
-    from helpers_server import start_server
+    from helpers_server import start_servers
 
-    colocated = start_server(model, "--single-process", *common, timeout=timeout)
+    colocated, pd = start_servers(((model, "--single-process", *common), {"timeout": timeout}),
+                                  ((model, "--engines", "prefill,decode", "--kv-transfer-backend", backend,
+                                    *pd_options, *common), {"timeout": timeout}))  # (both start at once)
     try:
-        pd = start_server(model, "--engines", "prefill,decode", "--kv-transfer-backend", backend, *pd_options,
-                          *common, timeout=timeout)
-        try:
-            reqs = requests(n, offset=offset)
-            assert run_all(pd.url, reqs) == run_all(colocated.url, reqs)
-            m = wait_idle(pd.url, ["prefill-0", "decode-0"])
-            assert engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
-        finally:
-            assert pd.stop() == 0, "".join(pd.log[-30:])
+        reqs = requests(n, offset=offset)
+        assert run_all(pd.url, reqs) == run_all(colocated.url, reqs)
+        m = wait_idle(pd.url, ["prefill-0", "decode-0"])
+        assert engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
     finally:
         colocated.stop()
+        assert pd.stop() == 0, "".join(pd.log[-30:])
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Ray placement on a real two-node Ray cluster started by the test (ray.cluster_utils: two raylets on this
 machine, four CPUs each): an engine whose processes are Ray actors gives the local engine's greedy tokens, with
-tensor parallelism across the nodes; a prefill-decode pair placed by Ray answers as one engine does; a Ray actor
+tensor parallelism across the nodes; a prefill engine and a decode engine placed by Ray on two nodes, each with a
+front end of its own sharing a Redis registry, answer as one engine does; a Ray actor
 that is killed ends the requests in flight with an error naming it, and the engine's teardown gives everything
 back to the cluster."""
 
@@ -124,36 +125,6 @@ def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name_and_the_en
         assert sum(pg["state"] == "CREATED" for pg in groups) == 1, groups
 
 
-@needs("openai", "the PD test talks to the server through the real openai client")
-@needs("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
-def test_a_prefill_decode_pair_placed_by_ray_on_two_nodes_answers_as_one_local_engine(cluster, folder, key_file):
-    """Each engine packed on one node (STRICT_PACK: four processes, a node's four CPUs), so the pair spans two;
-    the KV moves between the nodes' data planes over dlslime."""
-    import helpers_pd as pdh
-    from helpers_server import start_server
-
-    common = ["--block-size", "4", "--kv-cache-blocks", "160", "--max-num-seqs", "8", "--served-model-name", "m"]
-    colocated = start_server(str(folder), "--single-process", *common, timeout=180)
-    try:
-        pd = start_server(str(folder), "--engines", "prefill,decode", "--kv-transfer-backend", "dlslime_tcp",
-                          "--distributed-executor-backend", "ray", "--ray-address", cluster.address,
-                          "--ray-placement-strategy", "STRICT_PACK", "--auth-key-file", str(key_file), *common,
-                          timeout=300)
-        try:
-            reqs = pdh.requests(8, offset=3)
-            assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
-            m = pdh.wait_idle(pd.url, ["prefill-0", "decode-0"])
-            assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "decode-0") > 0
-            placed = {line.split(" placed by Ray")[0].split()[-1]: re.findall(r"node (\w+) ", line)
-                      for line in pd.log if " placed by Ray (STRICT_PACK)" in line}
-            assert placed.keys() == {"prefill-0", "decode-0"} and all(len(v) == 1 for v in placed.values())
-            assert placed["prefill-0"] != placed["decode-0"], placed
-        finally:
-            assert pd.stop() == 0, "".join(pd.log[-30:])
-    finally:
-        colocated.stop()
-
-
 def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_back(cluster, key_file, tmp_path):
     """`flotilla launch` of a topology with placement ray (the relay and echoes of the pingpong example), its cluster
     from --ray-address: every actor ready in a Ray host process of its own; SIGTERM stops them and frees the
@@ -186,7 +157,9 @@ def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_b
 def test_front_ends_sharing_a_redis_registry_route_to_each_others_ray_placed_engines(cluster, folder, key_file):
     """Two nodes' front ends, each with one engine placed by Ray (a's prefill, b's decode), share a real Redis
     registry: what the engines register there are their Ray nodes' addresses, which the other front end reaches,
-    so each front end serves through both engines and gives the colocated outputs."""
+    so each front end serves through both engines and gives the colocated outputs. Each engine is packed on one node
+    (STRICT_PACK: four processes, a node's four CPUs), so the pair spans both and the KV moves between the nodes'
+    data planes over dlslime."""
     import helpers_pd as pdh
     from helpers_server import start_server, start_servers
 
@@ -198,7 +171,8 @@ def test_front_ends_sharing_a_redis_registry_route_to_each_others_ray_placed_eng
         def node(name: str, engines: str) -> list[str]:
             return [str(folder), "--engines", engines, "--registry", url, "--node-name", name,
                     "--kv-transfer-backend", "dlslime_tcp", "--distributed-executor-backend", "ray",
-                    "--ray-address", cluster.address, "--auth-key-file", str(key_file), *common]
+                    "--ray-address", cluster.address, "--ray-placement-strategy", "STRICT_PACK",
+                    "--auth-key-file", str(key_file), *common]
 
         a = start_server(*node("a", "prefill"), timeout=300)
         try:
@@ -214,7 +188,10 @@ def test_front_ends_sharing_a_redis_registry_route_to_each_others_ray_placed_eng
                 assert any("routing to engine a-prefill-0 (prefill) of another node" in x for x in b.log)
                 m = pdh.wait_idle(b.url, ["b-decode-0"])
                 assert pdh.engine_metric(m, "flotilla_kv_migration_bytes_total", "b-decode-0") > 0
-                assert all(" placed by Ray" in "".join(front.log) for front in (a, b))
+                placed = {line.split(" placed by Ray")[0].split()[-1]: re.findall(r"node (\w+) ", line)
+                          for front in (a, b) for line in front.log if " placed by Ray (STRICT_PACK)" in line}
+                assert placed.keys() == {"a-prefill-0", "b-decode-0"} and all(len(v) == 1 for v in placed.values())
+                assert placed["a-prefill-0"] != placed["b-decode-0"], placed
             finally:
                 colocated.stop()
                 assert b.stop() == 0, "".join(b.log[-30:])
