@@ -202,6 +202,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ray_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How an engine's processes spread over the Ray cluster's nodes (its placement group's strategy): PACK, as
     few nodes as fit; STRICT_PACK, one node (a tensor-parallel group on one NVLink domain); SPREAD, STRICT_SPREAD."""
+    ranks_share_device: bool = False
+    """Every rank of the engine (tensor and data parallel) runs on the one configured GPU, its collectives over gloo
+    through host memory, and every step eager: the parallel code paths on a machine with one GPU (slow; for checks,
+    not serving). NCCL cannot pair two ranks on one GPU."""
     all2all_backend: Literal["auto", "all_to_all", "allgather_reducescatter"] = "auto"
     """How wide EP (enable_expert_parallel with data_parallel_size > 1) moves tokens to their experts and back
     (vLLM's flag): all_to_all sends each (token, expert) pair to its expert's rank (uneven sizes, read back to the

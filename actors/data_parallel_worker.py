@@ -51,7 +51,7 @@ def rank_config(config: EngineConfig, dp_rank: int) -> EngineConfig:
     if config.parallel.expert_parallel_size > 1 and not worker.enforce_eager and not ep_graphs_enabled(config):
         worker = msgspec.structs.replace(worker, enforce_eager=True)
     device = "cuda" if worker.device == "auto" and torch.cuda.is_available() else worker.device
-    if config.parallel.data_parallel_size > 1 and device.startswith("cuda"):
+    if config.parallel.data_parallel_size > 1 and device.startswith("cuda") and not config.parallel.ranks_share_device:
         first = int(device.partition(":")[2] or 0) + dp_rank * config.parallel.tensor_parallel_size
         worker = msgspec.structs.replace(worker, device=f"cuda:{first}")
     return config if worker is config.worker else msgspec.structs.replace(config, worker=worker)
@@ -77,13 +77,15 @@ def join_expert_parallel(config: EngineConfig, dp_rank: int, init_method: str | 
         return
     if init_method is None:
         raise ValueError("enable_expert_parallel needs the ranks' rendezvous address (ep_init_method)")
+    shared = config.parallel.ranks_share_device
     if device.type == "cuda":
-        device = torch.device("cuda", (device.index or 0) + tp_rank)  # rank_config gave the DP rank's first GPU
+        # rank_config gave the DP rank's first GPU (the one GPU, when the ranks share it)
+        device = torch.device("cuda", (device.index or 0) + (0 if shared else tp_rank))
         torch.cuda.set_device(device)
     if tp_size == 1:
-        init_expert_parallel(dp_rank, ep, init_method, device)
+        init_expert_parallel(dp_rank, ep, init_method, device, share_device=shared)
     else:
-        init_data_parallel_world(dp_rank, dp_size, tp_rank, tp_size, init_method, device)
+        init_data_parallel_world(dp_rank, dp_size, tp_rank, tp_size, init_method, device, share_device=shared)
     if config.parallel.gathers_tokens:
         gather_tokens_over_expert_parallel()
 

@@ -35,6 +35,7 @@ from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels import jit_log
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
+from flotilla.kernels.comm import through_host
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.hf_config import load_max_model_len
@@ -149,7 +150,9 @@ class ModelRunner:
         self.tp_size = config.parallel.tensor_parallel_size
         self._log_jit = jit_log.install_from_env()  # FLOTILLA_LOG_JIT=1: a line per triton compile, with its step
         jit_log.context = "engine start"
-        self.device = resolve_device(config.worker.device, rank if self.tp_size > 1 and per_rank_device else None)
+        shared = config.parallel.ranks_share_device
+        self.device = resolve_device(config.worker.device,
+                                     rank if self.tp_size > 1 and per_rank_device and not shared else None)
         if self.device.type == "cuda" and self.device.index is not None:
             # this thread's current device: triton launches on it, so a worker on cuda:1 (an engine of a fleet, a TP
             # rank) must not leave it at cuda:0 ("Pointer argument cannot be accessed from Triton"); plain "cuda" is
@@ -161,7 +164,7 @@ class ModelRunner:
             if self.device.type != "cuda":  # the ranks share the host's cores; more threads than cores would thrash
                 ranks = self.tp_size * config.parallel.data_parallel_size
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-            init_tensor_parallel(rank, self.tp_size, dist_init_method, self.device)
+            init_tensor_parallel(rank, self.tp_size, dist_init_method, self.device, share_device=shared)
         elif self.tp_size > 1 and (tp_group().size, tp_group().rank) != (self.tp_size, rank):
             raise RuntimeError(f"this process is tensor-parallel rank {tp_group().rank} of {tp_group().size}, "
                                f"not rank {rank} of {self.tp_size}")
@@ -231,7 +234,8 @@ class ModelRunner:
                                                                         or config.parallel.data_parallel_size == 1))
         static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS
         # (a hybrid model's state slots are not graph inputs yet: its steps run eager)
-        graphs_ok = self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok and not self.num_state_slots
+        graphs_ok = (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok and not self.num_state_slots
+                     and not through_host())  # (a collective through host memory cannot be captured)
         max_blocks = -(-self.max_model_len // self.block_size)
         if self.spec is not None:
             # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flotilla.kernels.comm import stage_through_host, staged, through_host
 from flotilla.kernels.linear import linear
 from flotilla.kernels.moe.ep_allgather import ep_tokens
 from flotilla.kernels.quant import Fp8LinearBackend
@@ -67,12 +68,16 @@ TPGroup = EPGroup = ParallelGroup
 _TP = TPGroup()
 
 
-def _join_world(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float) -> ParallelGroup:
+def _join_world(rank: int, size: int, init_method: str, device: torch.device, timeout_s: float,
+                share_device: bool = False) -> ParallelGroup:
     """The process-wide group of `size` ranks at rendezvous `init_method` (tcp://host:port), joined as `rank`;
-    blocks until every rank has joined. gloo for CPU tensors, nccl for CUDA ones."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    blocks until every rank has joined. gloo for CPU tensors, nccl for CUDA ones; gloo through host memory when the
+    ranks share one GPU (`share_device`: kernels/comm.py)."""
+    shared = share_device and device.type == "cuda"
+    backend = "nccl" if device.type == "cuda" and not shared else "gloo"
     dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    stage_through_host(shared)
     return ParallelGroup(rank=rank, size=size, group=dist.group.WORLD)
 
 
@@ -82,15 +87,16 @@ def tp_group() -> TPGroup:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 600.0) -> TPGroup:
+                         timeout_s: float = 600.0, share_device: bool = False) -> TPGroup:
     """Join the group of `size` ranks at rendezvous `init_method` (tcp://host:port) as `rank`; blocks until
-    every rank has joined. gloo for CPU tensors, nccl for CUDA ones. One group per process."""
+    every rank has joined. gloo for CPU tensors, nccl for CUDA ones (gloo with `share_device`). One group per
+    process."""
     global _TP
     if size == 1:
         return _TP
     if _TP.size > 1:
         raise RuntimeError(f"this process already is rank {_TP.rank} of a tensor-parallel group of {_TP.size}")
-    _TP = _join_world(rank, size, init_method, device, timeout_s)
+    _TP = _join_world(rank, size, init_method, device, timeout_s, share_device)
     return _TP
 
 
@@ -164,7 +170,7 @@ def agree_on_rows(rows: int, eager: bool = False) -> tuple[int, bool]:
 
 
 def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 600.0) -> EPGroup:
+                         timeout_s: float = 600.0, share_device: bool = False) -> EPGroup:
     """Join the expert-parallel group of `size` ranks at `init_method` (tcp://host:port) as `rank`, like
     init_tensor_parallel (whose group it cannot share: expert parallelism runs with one TP rank per process)."""
     global _EP
@@ -172,12 +178,13 @@ def init_expert_parallel(rank: int, size: int, init_method: str, device: torch.d
         return _EP
     if _EP.size > 1 or _TP.size > 1 or _EP_OVER_TP:
         raise RuntimeError("this process already belongs to a parallel group")
-    _EP = _join_world(rank, size, init_method, device, timeout_s)
+    _EP = _join_world(rank, size, init_method, device, timeout_s, share_device)
     return _EP
 
 
 def init_data_parallel_world(dp_rank: int, dp_size: int, tp_rank: int, tp_size: int, init_method: str,
-                             device: torch.device, timeout_s: float = 600.0) -> tuple[TPGroup, EPGroup]:
+                             device: torch.device, timeout_s: float = 600.0,
+                             share_device: bool = False) -> tuple[TPGroup, EPGroup]:
     """Data parallelism x tensor parallelism x expert parallelism: join the world of every rank of the engine
     (dp_size x tp_size processes, global rank dp_rank * tp_size + tp_rank) at `init_method`; it is the
     expert-parallel group, and each data-parallel rank's tp_size ranks form a tensor-parallel sub-group (every
@@ -188,7 +195,8 @@ def init_data_parallel_world(dp_rank: int, dp_size: int, tp_rank: int, tp_size: 
         raise RuntimeError("this process already belongs to a parallel group")
     if not (0 <= dp_rank < dp_size and 0 <= tp_rank < tp_size):
         raise ValueError(f"rank (dp {dp_rank}, tp {tp_rank}) is not in a world of {dp_size} x {tp_size}")
-    world = _join_world(dp_rank * tp_size + tp_rank, dp_size * tp_size, init_method, device, timeout_s)
+    world = _join_world(dp_rank * tp_size + tp_rank, dp_size * tp_size, init_method, device, timeout_s,
+                        share_device)
     groups = [dist.new_group(list(range(d * tp_size, (d + 1) * tp_size))) for d in range(dp_size)]
     _TP = TPGroup(rank=tp_rank, size=tp_size, group=groups[dp_rank])
     _EP = world
@@ -207,7 +215,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks (in place); x itself with one rank."""
     tp = _TP
     if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+        staged(lambda t: dist.all_reduce(t, group=tp.group), x)
     return x
 
 
@@ -216,16 +224,17 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     tp = _TP
     if tp.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=-1)
+    local = x.cpu() if through_host() else x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local, group=tp.group)
+    return torch.cat(parts, dim=-1).to(x.device)
 
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank (in place)."""
     tp = _TP
     if tp.size > 1:  # group_src: the group's rank 0 (a data-parallel rank's sub-group starts at d * tp globally)
-        dist.broadcast(x, group_src=0, group=tp.group)
+        staged(lambda t: dist.broadcast(t, group_src=0, group=tp.group), x)
     return x
 
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from flotilla.kernels.comm import staged
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.moe.expert_parallel import ExpertPlacement, pack_routing, unpack_routing
 
@@ -155,8 +156,8 @@ class GatheredTokenExperts:
         else:
             all_rows = rows.new_empty((ep * padded, hidden_size))
             all_routing = routing.new_empty((ep * padded, 2 * top_k))
-            _all_gather(all_rows, rows, group=self.group)
-            _all_gather(all_routing, routing, group=self.group)
+            staged(lambda o, i: _all_gather(o, i, group=self.group), all_rows, rows)
+            staged(lambda o, i: _all_gather(o, i, group=self.group), all_routing, routing)
         ids, weights = unpack_routing(all_routing)
         local_ids = self.to_local[ids.long()]  # -1 (the last entry) for padding rows
         self.placement.record_masked(topk_ids.reshape(-1).long(), local_ids)
@@ -168,5 +169,5 @@ class GatheredTokenExperts:
         if self.group is None:
             return part[:num_tokens]
         out = part.new_empty((part.shape[0] // self.placement.ep_size, part.shape[1]))
-        _reduce_scatter(out, part, group=self.group)
+        staged(lambda o, i: _reduce_scatter(o, i, group=self.group), out, part)
         return out[:num_tokens]

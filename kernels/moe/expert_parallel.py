@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flotilla.kernels.comm import staged
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 
 __all__ = [
@@ -146,7 +147,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | No
     if group is None:  # one rank: what is sent is what is received
         out.copy_(inp)
     else:
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        staged(lambda o, i: dist.all_to_all_single(o, i, out_splits, in_splits, group=group), out, inp)
     return out
 
 
