@@ -191,3 +191,24 @@ def test_the_deepseek_v4_shape_parses_as_the_model_builds_it():
     v4 = c.deepseek_v4
     assert c.head_dim == 512 and v4.rope_dim == 64 and [v4.rate(i) for i in range(4)] == [0, 4, 128, 4]
     assert v4.compress_rope_scaling["rope_type"] == "yarn" and c.moe.num_experts == 256 and c.sliding_window == 128
+
+
+def test_the_vllm_side_of_the_images_workload_gets_the_same_requests_and_a_tokenizer_of_qwens_ids(tmp_path):
+    """bench_images_vllm draws bench_offline's requests (one generator, one seed); the placeholder tokenizer that
+    vLLM's Qwen3-VL processor needs puts Qwen's special tokens at the ids the shape's config names."""
+    import transformers
+
+    from flotilla.scripts.dev import bench_workload as wl
+    from flotilla.scripts.dev.bench_shapes import shape_config, write_qwen_placeholder_tokenizer
+
+    a, b = (wl.image_workload(3, 32, 5, 250, 7, 8, 9, seed=3) for _ in range(2))
+    assert [r.prompt_token_ids for r in a] == [r.prompt_token_ids for r in b] and all(
+        (x.pixels == y.pixels).all() for x, y in zip(a, b, strict=True))
+    assert a[0].prompt_token_ids[:3] == [7, 8, 9] and len(a[0].prompt_token_ids) == 8 and a[0].pixels.shape == (32, 32, 3)
+    assert a[0].prompt_token_ids != a[1].prompt_token_ids
+    write_qwen_placeholder_tokenizer(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    config = shape_config("qwen3-vl-30b-a3b")
+    ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    assert ids == [config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]]
+    assert len(tok) <= config["text_config"]["vocab_size"] and tok.decode([5, ids[1]]) == "t5 <|image_pad|>"

@@ -124,7 +124,6 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_images(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
     from PIL import Image
 
     from flotilla.models.hf_config import load_hf_config
@@ -133,13 +132,11 @@ def run_images(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     vision = load_hf_config(model_dir(llm.config)).vision
     if vision is None:
         raise SystemExit("bench_offline: the images workload needs a model that takes images")
-    rng = np.random.default_rng(args.workload_seed + 3)
-    requests = []
-    for _ in range(args.image_requests):
-        pixels = rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
-        text = rng.integers(0, args.vocab, args.image_text).tolist()
-        ids = [vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id, *text]
-        requests.append({"prompt_token_ids": ids, "multi_modal_data": {"image": Image.fromarray(pixels)}})
+    work = wl.image_workload(args.image_requests, args.image_size, args.image_text, args.vocab,
+                             vision.vision_start_token_id, vision.image_token_id, vision.vision_end_token_id,
+                             seed=args.workload_seed + 3)
+    requests = [{"prompt_token_ids": r.prompt_token_ids, "multi_modal_data": {"image": Image.fromarray(r.pixels)}}
+                for r in work]
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.image_out)
     t0 = time.perf_counter()
     outs = llm.generate(requests, params, use_tqdm=False)

@@ -82,7 +82,32 @@ SHAPE_FILES: dict[str, dict[str, dict[str, Any]]] = {"qwen3-vl-30b-a3b": {"prepr
     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"longest_edge": 16777216, "shortest_edge": 65536})}}
 """The files beside config.json a shape needs (a model that takes images: its image processor's settings)."""
 
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                       "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                       "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen2/3's special tokens, in id order from 151,643 (the image ones at the ids Qwen3-VL's config names)."""
+
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
+
+
+def write_qwen_placeholder_tokenizer(folder: Path, first_special: int = 151643) -> None:
+    """A tokenizer for a dummy-weight Qwen-shaped model whose engine needs one (vLLM's Qwen3-VL processor): a word
+    per id ("t0", "t1", ...) below Qwen's special tokens, which sit at their real ids. No text is meant to be read
+    through it: the benchmarks send token ids."""
+    vocab = {f"t{i}": i for i in range(first_special)}
+    added = []
+    for i, token in enumerate(QWEN_SPECIAL_TOKENS):
+        vocab[token] = first_special + i
+        added.append({"id": first_special + i, "content": token, "single_word": False, "lstrip": False,
+                      "rstrip": False, "normalized": False, "special": True})
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<|endoftext|>"}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}))
 
 
 def shape_config(name: str | None) -> dict[str, Any] | None:

@@ -12,6 +12,9 @@ vLLM, or `bench_offline` and `bench_serving` on one model, see identical prompts
           nano-vllm's (it draws randint(0, 10000)); the default 10000 keeps every id below 10000.
   mixed:  a long/short mix: num_long prompts of one length among others of another, the order shuffled (seeded)
           so the long ones arrive spread among the short.
+  images: each request one random square RGB image (its pixels a seeded array) and random text token ids after the
+          image's one placeholder token between its start and end tokens: the engine expands the placeholder to the
+          image's tokens, as vLLM's processor does for token-id prompts.
   long contexts (long16, long1, mixed, prefix): ../shared/gpu/vllm-peer/long_ctx.py's workloads, the same seeded
           generators call for call, so flotilla's numbers compare with the ones that script measures for vLLM.
           A divisor above 1 shortens every prompt and output for toy runs (at least 1 token each; the prompts are
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 NANO_MIN_LEN = 100
 """nano-vllm's shortest prompt and output, tokens."""
@@ -175,3 +179,28 @@ def prefix_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> tuple[li
     warm = prefix + _long_ctx_prompt(rng, 10, divisor, top_id)
     return warm, Workload([prefix + _long_ctx_prompt(rng, 100, divisor, top_id) for _ in range(128)],
                           [_shorter(64, divisor)] * 128)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRequest:
+    """One request of the images workload: token ids with one image placeholder, and the image's pixels."""
+
+    prompt_token_ids: list[int]
+    pixels: Any
+    """uint8 [size, size, 3] (a numpy array)."""
+
+
+def image_workload(num_requests: int, image_size: int, text_tokens: int, vocab_size: int, start_id: int,
+                   placeholder_id: int, end_id: int, seed: int) -> list[ImageRequest]:
+    """num_requests of (start, placeholder, end, text_tokens random ids below vocab_size) with a random
+    image_size x image_size RGB image each, drawn from numpy's seeded generator (the same for every engine)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_requests):
+        pixels = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
+        text = rng.integers(0, vocab_size, text_tokens).tolist()
+        out.append(ImageRequest([start_id, placeholder_id, end_id, *text], pixels))
+    return out
+
