@@ -42,7 +42,7 @@ def cuda_runner_factory(tmp_path_factory):
     model_dir = write_tiny_model(Path(tmp_path_factory.mktemp("overlap-cuda")) / "m", "qwen3_hd64")
 
     def make(num_blocks: int) -> ModelRunner:
-        config = EngineConfig.from_options(model=str(model_dir), device="cuda", dtype="float16",
+        config = EngineConfig.from_options(model=str(model_dir), device="cuda", dtype="bfloat16",
                                            kv_cache_blocks=num_blocks, block_size=4, max_num_seqs=8)
         return ModelRunner(config, progress=False)
     return make
