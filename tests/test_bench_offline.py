@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -193,9 +194,9 @@ def test_the_deepseek_v4_shape_parses_as_the_model_builds_it():
     assert v4.compress_rope_scaling["rope_type"] == "yarn" and c.moe.num_experts == 256 and c.sliding_window == 128
 
 
-def test_the_vllm_side_of_the_images_workload_gets_the_same_requests_and_a_tokenizer_of_qwens_ids(tmp_path):
-    """bench_images_vllm draws bench_offline's requests (one generator, one seed); the placeholder tokenizer that
-    vLLM's Qwen3-VL processor needs puts Qwen's special tokens at the ids the shape's config names."""
+def test_the_images_workload_is_one_seeded_generator_and_vllm_gets_a_tokenizer_of_qwens_ids(tmp_path):
+    """Both engines (bench_offline --engine) draw the same requests; the placeholder tokenizer that vLLM's Qwen3-VL
+    processor needs puts Qwen's special tokens at the ids the shape's config names."""
     import transformers
 
     from flotilla.scripts.dev import bench_workload as wl
@@ -212,3 +213,47 @@ def test_the_vllm_side_of_the_images_workload_gets_the_same_requests_and_a_token
     ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     assert ids == [config["vision_start_token_id"], config["image_token_id"], config["vision_end_token_id"]]
     assert len(tok) <= config["text_config"]["vocab_size"] and tok.decode([5, ids[1]]) == "t5 <|image_pad|>"
+
+
+def test_the_vllm_engine_runs_the_same_workload_code_with_vllms_own_objects(tmp_path, monkeypatch):
+    """--engine vllm: vLLM's LLM built from the same engine config (a stand-in module records what it is given),
+    flotilla's SamplingParams turned into vLLM's, the nano and images workloads run through the very same code, and
+    a model that takes images gets a folder with a tokenizer beside its config."""
+    import sys
+    import types
+
+    made: list[dict] = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            params = params if isinstance(params, list) else [params] * len(prompts)
+            assert all(isinstance(p, FakeParams) for p in params)
+            return [types.SimpleNamespace(
+                outputs=[types.SimpleNamespace(token_ids=[0] * p.kwargs["max_tokens"])], num_cached_tokens=0,
+                prompt_token_ids=list(r["prompt_token_ids"]) + ([9] * 4 if "multi_modal_data" in r else []))
+                for r, p in zip(prompts, params, strict=True)]
+
+    class FakeParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeParams,
+                                                                   __version__="0.26.0"))
+    out = tmp_path / "v.json"
+    assert bench_offline.main(["--engine", "vllm", "--model", "qwen3-8b", "--workload", "nano", "--num-requests", "3",
+                               "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["engine"] == "vllm 0.26.0" and result["nano_workload_seqs"] == 3
+    assert made[0]["load_format"] == "dummy" and made[0]["dtype"] == "bfloat16" and made[0]["max_model_len"] == 4096
+    assert made[0]["skip_tokenizer_init"] and not made[0]["enable_prefix_caching"]
+    assert bench_offline.main(["--engine", "vllm", "--model", "qwen3-vl-30b-a3b", "--workload", "images",
+                               "--image-requests", "2", "--image-size", "32", "--image-text", "5",
+                               "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["images_requests"] == 2 and result["images_prompt_tokens"] == 2 * (3 + 5 + 4)
+    folder = Path(made[1]["model"])
+    assert made[1]["limit_mm_per_prompt"] == {"image": 1} and not made[1]["skip_tokenizer_init"]
+    assert (folder / "tokenizer.json").is_file() and (folder / "preprocessor_config.json").is_file()

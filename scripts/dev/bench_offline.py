@@ -22,11 +22,16 @@
 
 Models: an HF folder, the embedded default model (no --model), or a built-in real shape with random
 weights built on the device (`--model qwen3-8b`, `qwen3-0.6b`, `qwen3-30b-a3b`, `deepseek-v3-4l`: the vLLM peer's
-configs, load_format=dummy, no tokenizer).
+configs, load_format=dummy, no tokenizer; and qwen3.5-35b-a3b, qwen3-vl-30b-a3b, deepseek-v4-flash-4l).
+
+`--engine vllm` runs the same workloads through the same code on vLLM's LLM (in vLLM's environment), built from the
+same engine config: one generator and one clock for both engines, on any shape.
 
     python -m flotilla.scripts.dev.bench_offline --model qwen3-8b --workload both --json $OUT/flotilla-qwen3-8b.json
     python -m flotilla.scripts.dev.bench_offline --workload nano --num-requests 32 --min-len 32 --max-len 128
     python -m flotilla.scripts.dev.bench_offline --model qwen3-8b --workload long --gpu-memory-utilization 0.85
+    (source /tmp/vp/env.sh && PYTHONPATH=/tmp/flotilla-path:$PYTHONPATH \
+       python3 -m flotilla.scripts.dev.bench_offline --engine vllm --model qwen3.5-35b-a3b --workload both)
 """
 
 from __future__ import annotations
@@ -35,18 +40,21 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from flotilla.config import EngineConfig
-from flotilla.llm import LLM
 from flotilla.sampling_params import SamplingParams
 from flotilla.scripts.dev import bench_workload as wl
-from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
+from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir, write_qwen_placeholder_tokenizer
 from flotilla.server.cli import HelpFormatter, add_engine_arguments, engine_config_from_args
 
+Engine = Any
+"""flotilla's LLM, or VllmEngine: what the workloads call (generate with flotilla's SamplingParams, .config)."""
 LONG_MAX_MODEL_LEN = 40960
 """long_ctx.py's max_model_len (Qwen3-8B's max_position_embeddings), for the long-context workloads on a shape."""
 WORKLOADS = {"both": ("nano", "decode1"), "long": ("long16", "long1", "mixed", "prefix")}
@@ -64,7 +72,7 @@ def nano_workload(n: int, lo: int = 100, hi: int = 1024, seed: int = 0,
     return prompts, outputs
 
 
-def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int]:
+def timed_generate(llm: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int, int]:
     """(seconds, tokens generated, prompt tokens the prefix cache served) of one generate() call."""
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -74,7 +82,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
     return elapsed, generated, sum(o.num_cached_tokens for o in outs)
 
 
-def run_nano(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_nano(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     prompts, outputs = nano_workload(args.num_requests, args.min_len, args.max_len, args.workload_seed, args.vocab)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outputs]
     elapsed, generated, _ = timed_generate(llm, prompts, params)
@@ -84,7 +92,7 @@ def run_nano(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
             "nano_workload_total_tok_per_s": round((generated + prompt_tokens) / elapsed, 1)}
 
 
-def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_decode1(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     random.seed(args.workload_seed + 1)
     prompt = [random.randint(0, args.vocab) for _ in range(args.decode_in)]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_out)]
@@ -93,7 +101,7 @@ def run_decode1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     return {"b1_decode_tok_per_s": round(generated / elapsed, 1), "b1_decode_ms_per_token": round(1000 * elapsed / generated, 3)}
 
 
-def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_fixed(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """--num-requests prompts of --fixed-in random tokens, each --fixed-out greedy tokens (ignore_eos), all at
     once; before them as many other prompts of the same length for one token each, whose time stands for the
     prefill's share, so the rest is the decode's: decode tok/s = requests x (fixed_out - 1) / (full time - prefill
@@ -123,7 +131,7 @@ def run_fixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     return {**result, **expert_imbalance(llm)}
 
 
-def run_images(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_images(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     from PIL import Image
 
     from flotilla.models.hf_config import load_hf_config
@@ -142,7 +150,8 @@ def run_images(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
     outs = llm.generate(requests, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    prompt_tokens = sum(o.num_prompt_tokens for o in outs)
+    # the prompts' tokens with their images': flotilla counts them, vLLM returns the expanded ids
+    prompt_tokens = sum(getattr(o, "num_prompt_tokens", 0) or len(o.prompt_token_ids) for o in outs)
     return {"images_requests": len(outs), "images_size": args.image_size, "images_prompt_tokens": prompt_tokens,
             "images_s": round(elapsed, 2), "images_req_per_s": round(len(outs) / elapsed, 2),
             "images_out_tok_per_s": round(generated / elapsed, 1),
@@ -159,13 +168,13 @@ def _rates(name: str, w: wl.Workload, elapsed: float) -> dict[str, Any]:
             f"{name}_total_tok_per_s": round((w.input_tokens + w.output_tokens) / elapsed, 1)}
 
 
-def run_long16(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_long16(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     w = wl.long16_workload(args.length_divisor, args.long_top_id)
     elapsed, _, _ = timed_generate(llm, w.prompts, _greedy(w.output_lens))
     return _rates("long16", w, elapsed)
 
 
-def run_long1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_long1(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     """Prefill: the faster of two one-token runs; decode: what the longer run takes beyond it, per step."""
     w = wl.long1_workload(args.length_divisor, args.long_top_id)
     (first, second, full), steps = w.prompts, w.output_lens[2] - 1
@@ -175,13 +184,13 @@ def run_long1(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
             "long1_decode_ms_per_token": round(1000 * (elapsed - prefill_s) / steps, 3)}
 
 
-def run_mixed(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_mixed(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     w = wl.long_mixed_workload(args.length_divisor, args.long_top_id)
     elapsed, _, _ = timed_generate(llm, w.prompts, _greedy(w.output_lens))
     return _rates("mixed", w, elapsed)
 
 
-def run_prefix(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
+def run_prefix(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
     warm, w = wl.prefix_workload(args.length_divisor, args.long_top_id)
     timed_generate(llm, [warm], _greedy([1]))  # caches the shared prefix
     elapsed, _, cached = timed_generate(llm, w.prompts, _greedy(w.output_lens))
@@ -196,11 +205,13 @@ RUNS: dict[str, tuple[Any, str]] = {
 """Each workload's run and the figure --repeat takes the median of."""
 
 
-def expert_imbalance(llm: LLM) -> dict[str, Any]:
+def expert_imbalance(llm: Engine) -> dict[str, Any]:
     """Under expert parallelism, from the ranks' per-expert token counts since start (they report every half
     second): per MoE layer the busiest expert's tokens over the mean, and the busiest rank's (contiguous
     placement: rank r holds experts [r E / ep, (r + 1) E / ep)) over the mean; each averaged over the layers,
     and the worst layer's. Empty without expert parallelism or before the first report."""
+    if isinstance(llm, VllmEngine):
+        return {}
     time.sleep(0.6)  # one more report, so the counts include the workload's end
     loads = llm.client.expert_loads.total()
     ep = llm.config.parallel.expert_parallel_size
@@ -214,7 +225,7 @@ def expert_imbalance(llm: LLM) -> dict[str, Any]:
             "rank_imbalance_mean": round(float(ranks.mean()), 3), "rank_imbalance_max": round(float(ranks.max()), 3)}
 
 
-def repeated(run: Any, llm: LLM, args: argparse.Namespace, key: str) -> dict[str, Any]:
+def repeated(run: Any, llm: Engine, args: argparse.Namespace, key: str) -> dict[str, Any]:
     """`run` --repeat times on the same engine: the run with the median `key`, and every run's `key` (so the
     spread between runs of the same code is measured, not guessed)."""
     runs = [run(llm, args) for _ in range(args.repeat)]
@@ -256,9 +267,57 @@ def _parallel(config: EngineConfig) -> dict[str, Any]:
     return out
 
 
+class VllmEngine:
+    """vLLM's LLM (run in vLLM's environment) behind the calls the workloads make, so that vLLM runs the very same
+    requests through the very same timing code: generate() takes flotilla's SamplingParams (the fields the workloads
+    set), .config is the engine config both engines are built from. A model that takes images gets a copy of its
+    folder with a placeholder tokenizer of Qwen's ids, which vLLM's processor needs (bench_shapes)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import vllm
+
+        self.config, self.version = config, vllm.__version__
+        model = Path(config.model.model)
+        images = "vision_config" in json.loads((model / "config.json").read_text())
+        if images:
+            copy = Path(tempfile.gettempdir()) / f"vllm-{model.name}"
+            copy.mkdir(exist_ok=True)
+            for f in model.iterdir():
+                if f.is_file():
+                    shutil.copy(f, copy / f.name)
+            write_qwen_placeholder_tokenizer(copy)
+            model = copy
+        self.llm = vllm.LLM(model=str(model), load_format=config.model.load_format, dtype=config.model.dtype,
+                            max_model_len=config.model.max_model_len, seed=0,
+                            gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                            enable_prefix_caching=config.cache.enable_prefix_caching,
+                            tensor_parallel_size=config.parallel.tensor_parallel_size,
+                            skip_tokenizer_init=not images, **({"limit_mm_per_prompt": {"image": 1}} if images else {}))
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], use_tqdm: bool = False) -> list:
+        import vllm
+
+        def convert(p: SamplingParams) -> vllm.SamplingParams:
+            return vllm.SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
+                                       seed=p.seed)
+
+        return self.llm.generate(prompts, [convert(p) for p in params] if isinstance(params, list) else
+                                 convert(params), use_tqdm=use_tqdm)
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.llm
+
+
 def run_engine(args: argparse.Namespace, workloads: tuple[str, ...], describe: bool) -> dict[str, Any]:
     """Start an engine for these workloads, run each (--repeat times), stop it; describe: also the engine's facts."""
     config = engine_config(args, workloads)
+    if args.engine == "vllm":
+        return run_vllm(args, config, workloads, describe)
+    from flotilla.llm import LLM
+
     t0 = time.perf_counter()
     result: dict[str, Any] = {}
     with LLM(config=config, placement=args.placement) as llm:
@@ -275,6 +334,29 @@ def run_engine(args: argparse.Namespace, workloads: tuple[str, ...], describe: b
         if any(w in WORKLOADS["long"] for w in workloads):
             result.update(length_divisor=args.length_divisor,
                           max_model_len=int(llm.client.ready_detail.get("tokenizer/0", {}).get("max_model_len", 0)))
+        for name in workloads:
+            run, key = RUNS[name]
+            result.update(repeated(run, llm, args, key))
+    return result
+
+
+def run_vllm(args: argparse.Namespace, config: EngineConfig, workloads: tuple[str, ...],
+             describe: bool) -> dict[str, Any]:
+    """run_engine's work on vLLM (VllmEngine), with the same warm-up."""
+    import torch
+
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {}
+    with VllmEngine(config) as llm:
+        start_s = time.perf_counter() - t0
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))  # warm-up
+        if describe:
+            result = {"engine": f"vllm {llm.version}", "model": args.model,
+                      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                      "dtype": config.model.dtype, "engine_start_s": round(start_s, 2),
+                      "parallel": _parallel(config)}
+        if any(w in WORKLOADS["long"] for w in workloads):
+            result.update(length_divisor=args.length_divisor, max_model_len=config.model.max_model_len)
         for name in workloads:
             run, key = RUNS[name]
             result.update(repeated(run, llm, args, key))
@@ -316,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=["inline", "process"], default=None,
                    help="engine actors in this process (inline) or one process each; default: LLM's (process on a "
                         "GPU, inline on CPU)")
+    p.add_argument("--engine", choices=["flotilla", "vllm"], default="flotilla",
+                   help="which engine runs the workloads: vllm runs vLLM's LLM on the same requests and timing code "
+                        "(in vLLM's environment; a built-in shape, the engine flags that both take: dtype, "
+                        "max-model-len, gpu-memory-utilization, tensor-parallel-size)")
     p.add_argument("--json", default=None, help="write the result to this file too")
     add_engine_arguments(p)
     return p
@@ -335,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     elif os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / f"flotilla-{args.model or 'default'}.json").write_text(json.dumps(result, indent=2))
+        (Path(os.environ["OUT"]) / f"{args.engine}-{args.model or 'default'}.json").write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -77,6 +77,26 @@ SHAPES["deepseek-v4-flash-4l"] = dict(
     torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0)
 """DeepSeek-V4-Flash's layer shapes (transformers' defaults), 4 layers: one of each attention kind and a hash-MoE
 first layer (bf16 weights: the reference dequantizes FP8 / MXFP4 checkpoints as they load)."""
+SHAPES["qwen3.5-35b-a3b"] = dict(
+    architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", tie_word_embeddings=False,
+    image_token_id=248056, video_token_id=248057, vision_start_token_id=248053, vision_end_token_id=248054,
+    torch_dtype="bfloat16",
+    text_config=dict(
+        model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, hidden_act="silu",
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, bos_token_id=248044,
+        eos_token_id=248046),
+    vision_config=dict(model_type="qwen3_5_moe_vision", depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh",
+                       intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2,
+                       temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304))
+"""Qwen3.5-35B-A3B as its checkpoint's config has it (the conditional-generation layout vLLM registers): 40 layers,
+three gated delta nets to each gated attention layer, 256 experts top-8 and a shared expert; flotilla reads the
+text model (the vision tower is not built for it)."""
 SHAPE_FILES: dict[str, dict[str, dict[str, Any]]] = {"qwen3-vl-30b-a3b": {"preprocessor_config.json": dict(
     image_processor_type="Qwen2VLImageProcessorFast", patch_size=16, temporal_patch_size=2, merge_size=2,
     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"longest_edge": 16777216, "shortest_edge": 65536})}}
