@@ -5,7 +5,9 @@
 # and batch-1 decode):
 #   with .vllm-peer/wheels, .vllm-peer/install.sh, .vllm-peer/peer_bench.py and .gpu-bundle/ (without py-spy and
 #   triton-cache.tar: the machine keeps ~/.triton from earlier runs):  bash scripts/dev/device_compare.sh
-# MODELS (default "qwen3-0.6b qwen3-8b") and REPEAT (flotilla's --repeat, default 2) adjust it; the JSON lands in
+# MODELS (default "qwen3-0.6b qwen3-8b"; a shape peer_bench.py does not know, e.g. qwen3.5-35b-a3b or
+# qwen3-vl-30b-a3b, runs bench_offline --engine vllm instead), WORKLOAD (bench_offline's, default both) and REPEAT
+# (flotilla's --repeat, default 2) adjust it; the JSON lands in
 # $OUT/compare.tgz (peer-*.json and flotilla-*.json: python -m flotilla.scripts.dev.plot_performance reads them).
 # A later run on the same machine skips the install (/tmp/vp/site stays); TESTS="tests/a.py ..." first runs
 # those GPU tests (pytest -m gpu).
@@ -27,11 +29,19 @@ fi
 for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
   # vLLM's environment stays in its subshell: it must not leak into flotilla's run
   # (deepseek-v3-4l: VLLM_DEEP_GEMM_WARMUP=skip, or vLLM's warm-up compiles for ~50 minutes)
-  (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout "${PEER_TIMEOUT:-300}" python3 .vllm-peer/peer_bench.py "$m") \
-    > "$R/peer-$m.log" 2>&1
+  case "$m" in
+    qwen3-8b|qwen3-0.6b|qwen3-30b-a3b|deepseek-v3-4l)
+      (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && OUT=$R timeout "${PEER_TIMEOUT:-300}" python3 .vllm-peer/peer_bench.py "$m") \
+        > "$R/peer-$m.log" 2>&1 ;;
+    *)  # a shape peer_bench.py does not know: bench_offline's own workloads on vLLM (the checkout importable, not the bundle)
+      (source /tmp/vp/env.sh && export VLLM_DEEP_GEMM_WARMUP=skip && mkdir -p /tmp/flotilla-path \
+        && ln -sfn "$(pwd)" /tmp/flotilla-path/flotilla && PYTHONPATH=/tmp/flotilla-path:${PYTHONPATH:-} \
+        timeout "${PEER_TIMEOUT:-300}" python3 -m flotilla.scripts.dev.bench_offline --engine vllm --model "$m" \
+        --workload "${WORKLOAD:-both}" --json "$R/peer-$m.json") > "$R/peer-$m.log" 2>&1 ;;
+  esac
   tail -2 "$R/peer-$m.log"
   (source scripts/dev/device_env.sh && timeout "${FLOTILLA_TIMEOUT:-240}" python3 -m flotilla.scripts.dev.bench_offline --model "$m" \
-    --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
+    --workload "${WORKLOAD:-both}" --repeat "${REPEAT:-2}" --json "$R/flotilla-$m.json") > "$R/flotilla-$m.log" 2>&1
   tail -1 "$R/flotilla-$m.log"
 done
 tar -czf "$OUT/compare.tgz" -C "$OUT" compare
