@@ -130,7 +130,9 @@ class Compressor(nn.Module):
         if n <= 0:
             return rows.new_zeros(0, self.dim, dtype=torch.float32)
         windows = rows[:(n + lead) * self.rate].float().view(n + lead, self.rate, 2 * self.width)
-        prev = windows[:-1] if lead else torch.cat([torch.zeros_like(windows[:1]), windows[:-1]])
+        prev = None
+        if self.overlap:  # (window w - 1's rows, any rows for window 0, which pool masks)
+            prev = windows[:-1] if lead else torch.cat([windows[:1], windows[:-1]])
         w = torch.arange(n, device=rows.device) + first
         return self.pool(windows[lead:], prev, w, rotary)
 
@@ -145,6 +147,32 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(v4.q_lora_rank, self.heads * self.dim, bias=False)
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False, dtype=torch.float32)
+
+
+class StepRows:
+    """What every layer's attention needs of a step's batch, taken from its metadata once per step (not per layer):
+    the query rows and lengths on the host, and the decoding sequences (one new token each) gathered for the batched
+    path: their rows, block tables and positions on the device."""
+
+    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        self.qsl: list[int] = meta.query_start_loc.tolist()
+        self.lens: list[int] = meta.seq_lens.tolist()
+        self.block_size = meta.block_size
+        self.block_tables = meta.block_tables
+        self.decoding = [b for b in range(len(self.lens)) if self.qsl[b + 1] - self.qsl[b] == 1]
+        if self.decoding:
+            index = torch.tensor(self.decoding, device=device)
+            self.rows = torch.tensor([self.qsl[b] for b in self.decoding], device=device)
+            self.tables = meta.block_tables[index].long()
+            self.positions = meta.seq_lens[index].long() - 1  # each new token's
+            self._ending: dict[int, torch.Tensor | None] = {}
+
+    def ending(self, rate: int) -> torch.Tensor | None:
+        """Indices (into `decoding`) of the sequences whose new token ends a window of `rate` tokens; None: none."""
+        if rate not in self._ending:
+            ending = [i for i, b in enumerate(self.decoding) if self.lens[b] % rate == 0]
+            self._ending[rate] = torch.tensor(ending, device=self.rows.device) if ending else None
+        return self._ending[rate]
 
 
 class DeepseekV4Attention(nn.Module):
@@ -222,13 +250,12 @@ class DeepseekV4Attention(nn.Module):
         return torch.einsum("nhs,nsd->nhd" if own else "nhs,sd->nhd", probs, keys)
 
     def _decode(self, flat: torch.Tensor, q: torch.Tensor, iq: torch.Tensor | None, iw: torch.Tensor | None,
-                seqs: list[int], lens: list[int], meta: AttentionMetadata, rotary: Rotary) -> torch.Tensor:
-        """Attention of sequences `seqs`, one new token each (q [n, heads, D]), batched: each token's window rows
-        and its sequence's entries, gathered through the block tables; windows its token finishes pooled first."""
-        dev, bs, n = flat.device, meta.block_size, len(seqs)
-        index = torch.tensor(seqs, device=dev)
-        tables = meta.block_tables[index].long()
-        p = meta.seq_lens[index].long() - 1  # each new token's position
+                step: StepRows, rotary: Rotary) -> torch.Tensor:
+        """Attention of the step's decoding sequences, one new token each (q [n, heads, D]), batched: each token's
+        window rows and its sequence's entries, gathered through the block tables; windows its token finishes pooled
+        first."""
+        dev, bs, n = flat.device, step.block_size, len(step.decoding)
+        tables, p = step.tables, step.positions
 
         def slots(pos: torch.Tensor, tables: torch.Tensor = tables) -> torch.Tensor:
             pos = pos.clamp(min=0)
@@ -238,9 +265,8 @@ class DeepseekV4Attention(nn.Module):
         keys, mask = flat[slots(window), :self.head_dim], window >= 0
         if self.compressor is not None:
             rate = self.rate
-            ending = [i for i, b in enumerate(seqs) if lens[b] % rate == 0]
-            if ending:  # their token ends window w = length / rate - 1: pool it into that token's row
-                sel = torch.tensor(ending, device=dev)
+            sel = step.ending(rate)
+            if sel is not None:  # their token ends window w = length / rate - 1: pool it into that token's row
                 w = (p[sel] + 1) // rate - 1
                 r = torch.arange(rate, device=dev)[None, :]
                 cur, prev = flat[slots(w[:, None] * rate + r, tables[sel])], flat[slots((w[:, None] - 1) * rate + r,
@@ -254,7 +280,7 @@ class DeepseekV4Attention(nn.Module):
                     idx, icols = self.indexer, slice(self.iproj_at, self.iproj_at + 2 * self.indexer.width)
                     flat[at, self.ientry_at:self.ientry_at + idx.dim] = idx.pool(
                         cur[..., icols].float(), prev[..., icols].float(), w, rotary).to(flat.dtype)
-            most = max(lens[b] for b in seqs) // rate
+            most = max(step.lens[b] for b in step.decoding) // rate
             if most:
                 e = torch.arange(most, device=dev)[None, :]
                 ends = flat[slots(((e + 1) * rate - 1).expand(n, -1))]  # [n, E, row]
@@ -272,7 +298,7 @@ class DeepseekV4Attention(nn.Module):
         return self._attend(q, keys, mask)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, compress_rotary: Rotary,
-                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                cache: torch.Tensor, meta: AttentionMetadata, step: StepRows) -> torch.Tensor:
         t = x.shape[0]
         cos, sin = rotary(positions)
         q_res = self.q_a_norm(self.q_a_proj(x))
@@ -295,20 +321,16 @@ class DeepseekV4Attention(nn.Module):
         else:
             iq = iw = None
         out = torch.empty(t, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
-        qsl = meta.query_start_loc.tolist()
-        lens = meta.seq_lens.tolist()
-        bs = meta.block_size
-        decoding = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
-        if decoding:  # sequences with one new token: all at once
-            rows_of = torch.tensor([qsl[b] for b in decoding], device=x.device)
-            out[rows_of] = self._decode(flat, q[rows_of], iq if iq is None else iq[rows_of],
-                                        iw if iw is None else iw[rows_of], decoding, lens, meta,
-                                        compress_rotary).to(x.dtype)
-        for b, length in enumerate(lens):
+        qsl, bs = step.qsl, step.block_size
+        if step.decoding:  # sequences with one new token: all at once
+            rows = step.rows
+            out[rows] = self._decode(flat, q[rows], iq if iq is None else iq[rows], iw if iw is None else iw[rows],
+                                     step, compress_rotary).to(x.dtype)
+        for b, length in enumerate(step.lens):
             lo, hi = qsl[b], qsl[b + 1]
             if hi - lo <= 1:
                 continue
-            table = meta.block_tables[b].long()
+            table = step.block_tables[b].long()
 
             def slots(p: torch.Tensor, table: torch.Tensor = table) -> torch.Tensor:
                 return table[p // bs] * bs + p % bs
@@ -491,12 +513,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        step = StepRows(meta, x.device)  # (once for every layer)
         streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             attn = layer.self_attn
             rotary = self.rotary if attn.rate == 0 else self.compress_rotary
             post, comb, collapsed = layer.attn_hc(streams)
-            out = attn(layer.input_layernorm(collapsed), positions, rotary, self.compress_rotary, cache, meta)
+            out = attn(layer.input_layernorm(collapsed), positions, rotary, self.compress_rotary, cache, meta, step)
             streams = merge(streams, out, post, comb)
             post, comb, collapsed = layer.ffn_hc(streams)
             streams = merge(streams, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids), post, comb)

@@ -48,7 +48,7 @@ def _strategy(tp: typing.Any) -> st.SearchStrategy:
 
 
 def _message(cls: type[m.Message]) -> st.SearchStrategy:
-    hints = typing.get_type_hints(cls, globalns=vars(m))
+    hints = typing.get_type_hints(cls)  # (in its own module: the data plane's structs live apart)
     fields = msgspec.structs.fields(cls)
     return st.builds(cls, **{f.name: _strategy(hints[f.name]) for f in fields})
 

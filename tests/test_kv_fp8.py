@@ -40,7 +40,8 @@ from flotilla.models.hf_config import load_hf_config
 from flotilla.models.loader import load_model
 from flotilla.models.registry import get_model_class
 from flotilla.server.cli import add_engine_arguments, engine_config_from_args
-from flotilla.transport.messages import EndpointInfo, KVEndpointEvent, RegionInfo
+from flotilla.transport.data_plane import EndpointInfo, RegionInfo
+from flotilla.transport.messages import KVEndpointEvent
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available()

@@ -17,7 +17,8 @@ from flotilla.actors.kv_migration import KVMemory
 from flotilla.config import DisaggConfig, EngineConfig
 from flotilla.transport.codec import Decoder, Encoder
 from flotilla.transport.kv_transfer import KVTransferError, create_kv_transfer_engine
-from flotilla.transport.messages import CudaIpcHandle, EndpointInfo, KVEndpointEvent, RegionInfo
+from flotilla.transport.data_plane import CudaIpcHandle, EndpointInfo, RegionInfo
+from flotilla.transport.messages import KVEndpointEvent
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import numpy as np
 import torch
 
-from flotilla.transport.messages import EndpointInfo, RegionInfo
+from flotilla.transport.data_plane import EndpointInfo, RegionInfo
 
 Range = tuple[int, int, int]
 """(local_offset, remote_offset, length), bytes, offsets relative to the start of each registered region."""

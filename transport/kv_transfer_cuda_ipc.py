@@ -40,7 +40,7 @@ from flotilla.transport.kv_transfer import (
     RegionInfo,
     poll_until,
 )
-from flotilla.transport.messages import CudaIpcHandle
+from flotilla.transport.data_plane import CudaIpcHandle
 
 GPU_POLL_MAX_S = 0.0002
 """Longest sleep between checks of a copy's event (a block's copy takes microseconds on the device)."""

@@ -262,9 +262,10 @@ def fused_experts(
 ) -> torch.Tensor:
     """Same contract as torch_ref.fused_experts: hidden [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights float32 / topk_ids int [T, k] -> [T, H] in hidden's dtype; `masked`: topk_ids may hold negative
-    ids, slots that add nothing; `swiglu_limit`: the clamped SwiGLU of torch_ref.silu_and_mul. Batches of at most `small_tokens` tokens (default
-    triton_experts_small.SMALL_BATCH_MAX_TOKENS; 0: none) take the small-batch path, tiled by small_block_n /
-    small_block_k; others the sorted GEMMs, with block sizes of at least 16 (tl.dot's minimum on NVIDIA GPUs).
+    ids, slots that add nothing; `swiglu_limit`: the clamped SwiGLU (torch_ref.fused_experts). Batches of at most
+    `small_tokens` tokens (default triton_experts_small.SMALL_BATCH_MAX_TOKENS; 0: none) take the small-batch path,
+    tiled by small_block_n / small_block_k; others the sorted GEMMs, with block sizes of at least 16 (tl.dot's minimum
+    on NVIDIA GPUs).
     Tiles and launch options not given come from FLOTILLA_MOE_TILES, else the defaults (sorted_tiles by the batch's
     slots per expert)."""
     t = _tiles(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,

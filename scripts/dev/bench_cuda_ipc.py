@@ -30,7 +30,7 @@ from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.attention import kv_cache_shape
 from flotilla.scripts.dev.bench_shapes import SHAPES
 from flotilla.transport.kv_transfer import kv_block_ranges
-from flotilla.transport.messages import EndpointInfo, RegionInfo
+from flotilla.transport.data_plane import EndpointInfo, RegionInfo
 
 EXPORTER = r"""
 import sys, msgspec, torch
