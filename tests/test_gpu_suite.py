@@ -278,6 +278,9 @@ def test_a_cache_travels_xz_compressed_in_parts_and_comes_back_with_its_times(tm
     blob = bytes(range(256)) * 4096  # 1 MiB that compresses
     (root / "k1" / "kernel.so").write_bytes(blob)
     os.utime(root / "k1" / "kernel.so", (1_000_000_000, 1_000_000_000))
+    for ir in ("kernel.ptx", "kernel.llir"):  # triton's intermediate stages stay behind; its cubin travels
+        (root / "k1" / ir).write_text("text")
+    (root / "k1" / "kernel.cubin").write_bytes(b"sass")
     out = tmp_path / "out"
     out.mkdir()
     names = gs.archive_cache("triton", root, "abc", out, part_bytes=256)
@@ -287,6 +290,7 @@ def test_a_cache_travels_xz_compressed_in_parts_and_comes_back_with_its_times(tm
     gs.restore_cache([out / n for n in names], back)
     assert (back / "k1" / "kernel.so").read_bytes() == blob
     assert (back / "k1" / "kernel.so").stat().st_mtime == 1_000_000_000
+    assert sorted(p.name for p in (back / "k1").iterdir()) == ["kernel.cubin", "kernel.so"]
     # an archive an older call wrote (gzip) still restores
     import tarfile
 

@@ -372,14 +372,22 @@ def xz(data: bytes) -> bytes:
     return lzma.compress(data, preset=6)
 
 
+# Triton keeps each compilation stage's text beside the cubin; a cache hit loads only the cubin, the metadata json
+# and the launcher .so (a group's missing members are skipped), and the text is most of the cache's size.
+TRITON_IR_SUFFIXES = (".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn")
+
+
 def archive_cache(name: str, root: Path, digest: str, out: Path, part_bytes: int = PART_BYTES) -> list[str]:
     """The folder as an xz-compressed tar (compiled kernels shrink to about a third of what gzip leaves: the bundle
     and the caches travel within the device call's 64 MiB) split into parts of at most part_bytes under out;
-    returns the parts' names."""
+    returns the parts' names. Triton's intermediate stages are left out."""
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if name == "triton" and info.isfile() and info.name.endswith(TRITON_IR_SUFFIXES) else info
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for path in sorted(root.iterdir()):
-            tar.add(path, arcname=path.name)
+            tar.add(path, arcname=path.name, filter=keep)
     data = xz(buf.getvalue())
     names = []
     for i in range(0, max(len(data), 1), part_bytes):
