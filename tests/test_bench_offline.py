@@ -184,6 +184,31 @@ def test_the_images_workload_runs_at_toy_size_on_a_model_that_takes_images(tmp_p
     assert (shape_dir("qwen3-vl-30b-a3b") / "preprocessor_config.json").is_file()
 
 
+def test_the_structured_workload_runs_at_toy_size_with_a_byte_level_placeholder_tokenizer(tmp_path):
+    """Every other request under the JSON schema, every output its full length (the schema cannot complete in it),
+    both runs timed; the placeholder tokenizer is byte-level, so xgrammar's masks spell JSON from its bytes."""
+    import transformers
+    import xgrammar as xgr
+
+    from flotilla.scripts.dev.bench_shapes import write_byte_level_placeholder_tokenizer
+
+    model = write_tiny_engine_model(tmp_path / "tiny")
+    write_byte_level_placeholder_tokenizer(model, first_special=300)  # (256 bytes + 44 pieces, then the specials)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    assert len(tok) == 314 and tok.convert_tokens_to_ids("<|im_end|>") == 302 and tok.decode([123, 34]) == '{"'
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=320)
+    assert info.vocab_type == xgr.VocabType.BYTE_LEVEL
+    out = tmp_path / "structured.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "structured", "--structured-requests", "3",
+                               "--structured-in", "6", "--structured-out", "20", "--vocab", "250",
+                               "--kv-cache-blocks", "128", "--block-size", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["structured_requests"] == 3 and result["structured_constrained"] == 2
+    assert result["structured_plain_s"] > 0 and result["structured_masked_s"] > 0
+    want = (result["structured_masked_s"] - result["structured_plain_s"]) / 20 * 1000
+    assert result["structured_mask_ms_per_step"] == pytest.approx(want, abs=0.01)
+
+
 def test_the_deepseek_v4_shape_parses_as_the_model_builds_it():
     from flotilla.models.hf_config import load_hf_config
     from flotilla.scripts.dev.bench_shapes import shape_dir
@@ -242,6 +267,7 @@ def test_the_vllm_engine_runs_the_same_workload_code_with_vllms_own_objects(tmp_
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, SamplingParams=FakeParams,
                                                                    __version__="0.26.0"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", types.SimpleNamespace(StructuredOutputsParams=dict))
     out = tmp_path / "v.json"
     assert bench_offline.main(["--engine", "vllm", "--model", "qwen3-8b", "--workload", "nano", "--num-requests", "3",
                                "--json", str(out)]) == 0
@@ -257,3 +283,14 @@ def test_the_vllm_engine_runs_the_same_workload_code_with_vllms_own_objects(tmp_
     folder = Path(made[1]["model"])
     assert made[1]["limit_mm_per_prompt"] == {"image": 1} and not made[1]["skip_tokenizer_init"]
     assert (folder / "tokenizer.json").is_file() and (folder / "preprocessor_config.json").is_file()
+    # the structured workload: a shape's folder with the byte-level tokenizer; the schema as vLLM's own params
+    seen: list = []
+    real_generate = FakeLLM.generate
+    monkeypatch.setattr(FakeLLM, "generate", lambda self, prompts, params, use_tqdm=False: (
+        seen.extend(params if isinstance(params, list) else [params]), real_generate(self, prompts, params))[1])
+    assert bench_offline.main(["--engine", "vllm", "--model", "qwen3-8b", "--workload", "structured",
+                               "--structured-requests", "4", "--structured-out", "8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["structured_constrained"] == 2
+    assert not made[2]["skip_tokenizer_init"] and (Path(made[2]["model"]) / "tokenizer.json").is_file()
+    schemas = [p.kwargs["structured_outputs"]["json"] for p in seen if "structured_outputs" in p.kwargs]
+    assert len(schemas) == 4 and schemas[0] == bench_offline.STRUCTURED_SCHEMA  # (warm-up and timed run: 2 each)

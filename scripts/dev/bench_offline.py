@@ -16,6 +16,9 @@
   prefix:  128 requests of a shared 6,000-token prefix + 100 own tokens, 64 out each, prefix caching on (on an
            engine of its own), the prefix cached once first.
   --length-divisor N divides their prompt and output lengths, for toy runs.
+  structured: --structured-requests prompts of --structured-in random tokens, --structured-out greedy tokens each
+           (ignore_eos), all at once: unconstrained, then every other one under a JSON schema; the difference per
+           decode step is what the token masks cost (a shape gets a byte-level placeholder tokenizer for them).
   images:  a model that takes images: --image-requests requests, all at once, each one random --image-size square
            image (its own: no encoder cache hit) and --image-text random tokens, --image-out greedy tokens each;
            requests/s and tokens/s (`--model qwen3-vl-30b-a3b`: Qwen3-VL-30B-A3B's shape).
@@ -48,9 +51,15 @@ from pathlib import Path
 from typing import Any
 
 from flotilla.config import EngineConfig
-from flotilla.sampling_params import SamplingParams
+from flotilla.sampling_params import SamplingParams, StructuredOutputs
 from flotilla.scripts.dev import bench_workload as wl
-from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir, write_qwen_placeholder_tokenizer
+from flotilla.scripts.dev.bench_shapes import (
+    SHAPE_NAMES,
+    shape_config,
+    shape_dir,
+    write_byte_level_placeholder_tokenizer,
+    write_qwen_placeholder_tokenizer,
+)
 from flotilla.server.cli import HelpFormatter, add_engine_arguments, engine_config_from_args
 
 Engine = Any
@@ -159,6 +168,37 @@ def run_images(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
             "image_encoder": llm.config.worker.image_encoder}
 
 
+STRUCTURED_SCHEMA = {
+    "type": "object", "required": ["records"],
+    "properties": {"records": {"type": "array", "minItems": 300, "items": {
+        "type": "object", "required": ["id", "name", "score"],
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"}}}}}}
+"""The structured workload's schema: records of three typed fields, at least 300 of them (over 8,000 characters),
+so no output of a few hundred tokens completes it and every constrained output runs its full length in both
+engines."""
+
+
+def run_structured(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """The cost of structured outputs per decode step: the same batch shape unconstrained, then with every other
+    request under STRUCTURED_SCHEMA (after a warm-up of the constrained batch, so the grammar is compiled and cached
+    and every path has run); other prompts each time (the prefix cache serves none)."""
+    rng = random.Random(args.workload_seed + 3)
+    n, out = args.structured_requests, args.structured_out
+    warm, plain_prompts, masked_prompts = ([[rng.randint(0, args.vocab) for _ in range(args.structured_in)]
+                                            for _ in range(n)] for _ in range(3))  # fmt: skip
+    plain = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out)
+    constrained = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=out,
+                                 structured_outputs=StructuredOutputs(json=json.dumps(STRUCTURED_SCHEMA)))
+    mixed = [constrained if i % 2 == 0 else plain for i in range(n)]
+    timed_generate(llm, warm, mixed)
+    plain_s, _, _ = timed_generate(llm, plain_prompts, [plain] * n)
+    masked_s, _, _ = timed_generate(llm, masked_prompts, mixed)
+    return {"structured_requests": n, "structured_constrained": (n + 1) // 2, "structured_in": args.structured_in,
+            "structured_out": out, "structured_plain_s": round(plain_s, 4), "structured_masked_s": round(masked_s, 4),
+            "structured_mask_ms_per_step": round((masked_s - plain_s) / out * 1000, 3),
+            "structured_overhead_pct": round(100 * (masked_s / plain_s - 1), 2)}
+
+
 def _greedy(outputs: list[int]) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in outputs]
 
@@ -201,7 +241,8 @@ RUNS: dict[str, tuple[Any, str]] = {
     "nano": (run_nano, "nano_workload_out_tok_per_s"), "decode1": (run_decode1, "b1_decode_tok_per_s"),
     "fixed": (run_fixed, "fixed_decode_tok_per_s"), "long16": (run_long16, "long16_out_tok_per_s"),
     "long1": (run_long1, "long1_decode_ms_per_token"), "mixed": (run_mixed, "mixed_out_tok_per_s"),
-    "prefix": (run_prefix, "prefix_out_tok_per_s"), "images": (run_images, "images_out_tok_per_s")}
+    "prefix": (run_prefix, "prefix_out_tok_per_s"), "images": (run_images, "images_out_tok_per_s"),
+    "structured": (run_structured, "structured_mask_ms_per_step")}
 """Each workload's run and the figure --repeat takes the median of."""
 
 
@@ -247,7 +288,20 @@ def engine_config(args: argparse.Namespace, workloads: tuple[str, ...] = ()) -> 
     if long_ctx:
         args.enable_prefix_caching = any(w in PREFIX_CACHED for w in workloads)
     model = str(shape_dir(args.model)) if shape_config(args.model) is not None else args.model
+    if "structured" in workloads and shape_config(args.model) is not None:  # token masks need a tokenizer's strings
+        model, args.skip_tokenizer_init = str(with_tokenizer(Path(model), write_byte_level_placeholder_tokenizer)), False
     return engine_config_from_args(args, model)
+
+
+def with_tokenizer(folder: Path, write: Any) -> Path:
+    """A copy of a shape's folder with a placeholder tokenizer (bench_shapes' `write`) beside its config."""
+    copy = Path(tempfile.gettempdir()) / f"bench-{folder.name}-{write.__name__}"
+    copy.mkdir(exist_ok=True)
+    for f in folder.iterdir():
+        if f.is_file():
+            shutil.copy(f, copy / f.name)
+    write(copy)
+    return copy
 
 
 def engine_groups(workload: str) -> list[tuple[str, ...]]:
@@ -280,26 +334,28 @@ class VllmEngine:
         model = Path(config.model.model)
         images = "vision_config" in json.loads((model / "config.json").read_text())
         if images:
-            copy = Path(tempfile.gettempdir()) / f"vllm-{model.name}"
-            copy.mkdir(exist_ok=True)
-            for f in model.iterdir():
-                if f.is_file():
-                    shutil.copy(f, copy / f.name)
-            write_qwen_placeholder_tokenizer(copy)
-            model = copy
+            model = with_tokenizer(model, write_qwen_placeholder_tokenizer)
+        tokenizer = (model / "tokenizer.json").is_file()
         self.llm = vllm.LLM(model=str(model), load_format=config.model.load_format, dtype=config.model.dtype,
                             max_model_len=config.model.max_model_len, seed=0,
                             gpu_memory_utilization=config.cache.gpu_memory_utilization,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
                             tensor_parallel_size=config.parallel.tensor_parallel_size,
-                            skip_tokenizer_init=not images, **({"limit_mm_per_prompt": {"image": 1}} if images else {}))
+                            skip_tokenizer_init=not tokenizer,
+                            **({"limit_mm_per_prompt": {"image": 1}} if images else {}))
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], use_tqdm: bool = False) -> list:
         import vllm
 
         def convert(p: SamplingParams) -> vllm.SamplingParams:
+            so = p.structured_outputs
+            extra = {}
+            if so is not None:  # (the structured workload's: a JSON schema)
+                from vllm.sampling_params import StructuredOutputsParams
+
+                extra["structured_outputs"] = StructuredOutputsParams(json=json.loads(so.json))
             return vllm.SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos,
-                                       seed=p.seed)
+                                       seed=p.seed, **extra)
 
         return self.llm.generate(prompts, [convert(p) for p in params] if isinstance(params, list) else
                                  convert(params), use_tqdm=use_tqdm)
@@ -369,11 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long", "images"],
+    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long", "images",
+                                          "structured"],
                    default="both",
                    help="which workload(s): both = nano and decode1; fixed = --num-requests x --fixed-in / --fixed-out "
                         "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures); long = "
-                        "long16, long1, mixed and prefix (long_ctx.py's long-context workloads)")
+                        "long16, long1, mixed and prefix (long_ctx.py's long-context workloads); structured = the "
+                        "cost of JSON-schema token masks per decode step")
     p.add_argument("--num-requests", type=int, default=256, help="nano: number of requests")
     p.add_argument("--min-len", type=int, default=100, help="nano: shortest prompt / output, tokens")
     p.add_argument("--max-len", type=int, default=1024, help="nano: longest prompt / output, tokens")
@@ -390,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=1024, help="images: each image's side, pixels")
     p.add_argument("--image-text", type=int, default=200, help="images: text tokens of each prompt")
     p.add_argument("--image-out", type=int, default=128, help="images: output tokens of each request")
+    p.add_argument("--structured-requests", type=int, default=64, help="structured: requests, all at once")
+    p.add_argument("--structured-in", type=int, default=128, help="structured: prompt tokens of each request")
+    p.add_argument("--structured-out", type=int, default=256, help="structured: output tokens of each request")
     p.add_argument("--decode-in", type=int, default=128, help="decode1: prompt tokens")
     p.add_argument("--decode-out", type=int, default=256, help="decode1: output tokens")
     p.add_argument("--repeat", type=int, default=1,

@@ -4,6 +4,7 @@ vLLM, built as a folder holding only config.json (weights come from load_format=
 from __future__ import annotations
 
 import json
+import random
 import re
 import tempfile
 from pathlib import Path
@@ -128,6 +129,46 @@ def write_qwen_placeholder_tokenizer(folder: Path, first_special: int = 151643) 
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
         "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}))
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character byte-level BPE vocabularies write each byte as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_byte_level_placeholder_tokenizer(folder: Path, first_special: int = 151643, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer for a dummy-weight Qwen-shaped model whose benchmark constrains outputs (a grammar's
+    token masks need real token strings): the 256 bytes, then seeded pieces of text, JSON and numbers of 2 to 8
+    characters (a space-prefixed word, as BPE vocabularies hold them, or punctuation with letters and digits) up to
+    Qwen's special tokens at their real ids. Nothing is encoded through it (no merges): the benchmarks send ids."""
+    rng = random.Random(seed)
+    chars = _byte_chars()
+    space = chars[ord(" ")]
+    pieces = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" * 4 + '{}[]:,."_-+=/\\()'
+    vocab = {c: i for i, c in enumerate(chars)}
+    while len(vocab) < first_special:
+        word = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 7)))
+        token = (space + word) if rng.random() < 0.4 else word + rng.choice(pieces)
+        vocab.setdefault("".join(chars[b] for b in token.encode()) if token[0] != space else token, len(vocab))
+    added = []
+    for i, token in enumerate(QWEN_SPECIAL_TOKENS):
+        vocab[token] = first_special + i
+        added.append({"id": first_special + i, "content": token, "single_word": False, "lstrip": False,
+                      "rstrip": False, "normalized": False, "special": True})
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                   "use_regex": True},
+                 "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                                                     "trim_offsets": True, "use_regex": True},
+                 "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": vocab, "merges": []}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>"}))
 
 
 def shape_config(name: str | None) -> dict[str, Any] | None:
