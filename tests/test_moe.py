@@ -471,14 +471,18 @@ def test_gpu_triton_fused_experts_at_qwen3_30b_sizes(tokens):
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_gpu_clamped_swiglu_experts_at_deepseek_v4_flash_sizes(tokens):
     """V4-Flash's experts (H 4096, I 2048, 256 experts, top-6) with their swiglu_limit of 10, on the path each batch
-    takes, against the float32 reference."""
+    takes, against the float32 reference: as close to it as torch's own bfloat16 computation is (the clamped
+    activations reach 110, where bfloat16 steps by 0.5, so a fixed tolerance would measure the rounding)."""
     from flotilla.kernels.moe import triton_experts
 
     x, w13, w2, weights, ids = _case(tokens, 4096, 2048, 256, 6, torch.bfloat16, seed=tokens, device=DEVICE)
     x = 8 * x  # gate and up values past the limit
     want = torch_ref.fused_experts(x.float(), w13.float(), w2.float(), weights, ids, swiglu_limit=10.0)
-    got = triton_experts.fused_experts(x, w13, w2, weights, ids, swiglu_limit=10.0)
-    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[torch.bfloat16] * 8, rtol=TOLERANCE[torch.bfloat16])
+    rounded = torch_ref.fused_experts(x, w13, w2, weights, ids, swiglu_limit=10.0).float()
+    got = triton_experts.fused_experts(x, w13, w2, weights, ids, swiglu_limit=10.0).float()
+    err, torch_err = (got - want).abs().max().item(), (rounded - want).abs().max().item()
+    assert err <= 2 * torch_err + 1e-2, (err, torch_err)
+    assert torch_err < 0.05 * want.abs().max().item()  # (the bound is not loose: bf16 rounding, not a lost clamp)
 
 
 @gpu_test
