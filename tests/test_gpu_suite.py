@@ -261,6 +261,11 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     log = (project / "out4" / gs.LOG).read_text()
     assert log.index("test_two.py::TestK::test_skip") < log.index("test_one.py::test_ok")  # files in that order
     assert "# GPU suite: 11 tests in 1 shards (order reverse" in capsys.readouterr().out
+    # --restore alone: the carried caches unpacked on a fresh machine, nothing run or written
+    shutil.rmtree(home)
+    assert gs.main(["--restore", "--cache-dir", str(project / "state")], environ={"HOME": str(home)}) == 0
+    assert (home / ".triton" / "cache" / "k2" / "kernel.cubin").read_bytes() == b"new"
+    assert "restored the triton cache" in capsys.readouterr().out
 
 
 def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):

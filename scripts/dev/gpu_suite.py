@@ -486,12 +486,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cache-max-mb", type=float, default=32.0,
                    help="the most the cache archives may take together (a cache that would pass it is not saved)")
     p.add_argument("--no-caches", action="store_true", help="neither restore nor save the JIT caches")
+    p.add_argument("--restore", action="store_true",
+                   help="on the GPU machine: restore the JIT caches --cache-dir carries, then exit (before other "
+                        "work in a device call, so that it compiles nothing the suite already did)")
     p.add_argument("--marker", default="gpu", help="the pytest mark expression (default gpu)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
                    help="after --, pytest's: paths or test ids choose what is collected (default tests); options "
                         "(-k EXPR, -x, --timeout N) go to the collection and to every shard")
     args = p.parse_args(argv)
-    if args.out is None and not args.prune:
+    if args.out is None and not (args.prune or args.restore):
         p.error("--out is required")
     args.targets, args.options = split_pytest_args(args.pytest_args)
     args.targets = args.targets or ["tests"]
@@ -508,6 +511,21 @@ def prune(cache_dir: Path) -> list[str]:
     return stale
 
 
+def restore_caches(cache_dir: Path, caches: dict[str, dict], dirs: dict[str, Path]) -> list[str]:
+    """Unpack each archive the state names (caches: name -> digest and parts) into its library's folder, dropping
+    from `caches` those whose parts are not all there; a note per cache."""
+    notes = []
+    for name, archive in list(caches.items()):
+        paths = [cache_dir / p for p in archive["parts"]]
+        if name in dirs and all(p.is_file() for p in paths):
+            size = restore_cache(paths, dirs[name])
+            notes.append(f"restored the {name} cache ({size / 2**20:.1f} MiB) into {dirs[name]}")
+        else:
+            notes.append(f"the {name} cache's parts are not all in {cache_dir}: not restored")
+            del caches[name]
+    return notes
+
+
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.prune:
@@ -517,22 +535,18 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     environ = dict(os.environ if environ is None else environ)
     t0 = time.monotonic()
     deadline = t0 + args.budget_s - args.reserve_s
-    args.out.mkdir(parents=True, exist_ok=True)
     state_file = args.cache_dir / STATE
     state = json.loads(state_file.read_text()) if state_file.is_file() else {}
     notes = []
 
     dirs = jit_cache_dirs(environ)
     caches = state.get("caches", {})  # name -> {"digest", "parts"}: the archives in --cache-dir
+    if args.restore:
+        print("\n".join(restore_caches(args.cache_dir, caches, dirs)), flush=True)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
     if not args.no_caches:
-        for name, archive in list(caches.items()):
-            paths = [args.cache_dir / p for p in archive["parts"]]
-            if name in dirs and all(p.is_file() for p in paths):
-                size = restore_cache(paths, dirs[name])
-                notes.append(f"restored the {name} cache ({size / 2**20:.1f} MiB) into {dirs[name]}")
-            else:
-                notes.append(f"the {name} cache's parts are not all in {args.cache_dir}: not restored")
-                del caches[name]
+        notes += restore_caches(args.cache_dir, caches, dirs)
 
     nodeids, collection_errors = collect(args.marker, args.targets, args.options, environ)
     if collection_errors:
