@@ -188,6 +188,8 @@ def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
     cut += "\ntests/test_three.py::test_slow \n!!! KeyboardInterrupt !!!"
     verbose, running = gs.parse_verbose_log(cut, ids)
     assert running == "tests/test_three.py::test_slow" and "tests/test_three.py::test_after" not in verbose
+    whole = gs.shard_record(ids, results, 3.0, -2, True, None, "")  # cut after every test reported: complete
+    assert whole["complete"] and whole["cut"]
     record = gs.shard_record(ids, verbose, 3.0, 2, True, running, cut)
     assert record["tests"]["tests/test_three.py::test_slow"][::2] == ["not run", "running when the budget ran out"]
     assert record["tests"]["tests/test_three.py::test_after"][::2] == ["not run", "cut at the budget"]
@@ -224,10 +226,18 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "failed tests/test_one.py::test_bad: AssertionError: one is not two" in summary
     (triton,) = state["caches"]["triton"]["parts"]
     assert triton.startswith("jit-triton-") and (project / "state" / triton).is_file()
-    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running
+    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running. (Shard
+    # 0 as if the budget had cut its pytest after its last test reported: nothing of it runs again, not even an empty
+    # pytest, which would run the whole suite)
+    saved = json.loads((project / "state" / gs.STATE).read_text())
+    saved["results"]["0"].update(complete=False, cut=True)
+    (project / "state" / gs.STATE).write_text(json.dumps(saved))
     shutil.rmtree(home)
     code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "35",
                                  "--reserve-s", "30", slow_s="20")
+    log = (project / "out2" / gs.LOG).read_text()
+    assert "shard 0: 0 tests in 1 files (resumed: 4 ran in an earlier call)" in log and "test_ok" not in log
+    assert state["results"]["0"]["complete"]
     assert (home / ".triton" / "cache" / "k1" / "kernel.cubin").read_bytes()[:4] == b"\x7fELF"  # restored
     assert "the triton cache did not change: not written again" in summary
     assert not (project / "out2" / triton).exists() and state["caches"]["triton"]["parts"] == [triton]

@@ -243,7 +243,9 @@ def shard_record(nodeids: list[str], results: dict[str, TestResult], wall_s: flo
             if n == running:
                 r.message = "running when the budget ran out"
         tests[n] = [r.outcome, round(r.seconds, 2), r.message[:500]]
-    complete = not cut and exit_code in (0, 1)
+    # a shard is complete when pytest ended on its own, or when every test reported before the budget cut it (the
+    # process may outlive its last test: teardown, exit)
+    complete = (not cut and exit_code in (0, 1)) or all(t[0] != "not run" for t in tests.values())
     return {"ran": _now(), "wall_s": round(wall_s, 1), "exit": exit_code, "cut": cut, "complete": complete,
             "tests": tests, "log_tail": "" if complete else log_tail[-3000:]}
 
@@ -567,6 +569,7 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     by_file = group_by_file(nodeids)
 
     ran: list[int] = []
+    started = False
     with (args.out / LOG).open("w") as log:
         for k in select_shards(args.shard, state):
             shard_ids = [n for f in plan["shards"][k] for n in by_file[f]]
@@ -574,7 +577,7 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             todo = [n for n in shard_ids if n not in earlier]
             left = deadline - time.monotonic()
             planned = estimate_s(todo, durations) if earlier else plan["estimate_s"][k]
-            if ran and planned > left:
+            if started and planned > left:  # (the call's first pytest starts whatever its estimate)
                 notes.append(f"shard {k} (planned {planned:.0f} s) left for the next call: "
                              f"{max(left, 0):.0f} s of the budget remain")
                 break
@@ -582,7 +585,11 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
                       + (f" (resumed: {len(earlier)} ran in an earlier call)" if earlier else "") + "\n")
             log.flush()
             xml = args.out / f"shard-{k}.xml"
-            code, cut, wall, text = run_shard(todo, args.marker, args.options, xml, log, deadline, environ)
+            if todo:
+                started = True
+                code, cut, wall, text = run_shard(todo, args.marker, args.options, xml, log, deadline, environ)
+            else:  # (every test had its result when the budget cut the shard: pytest with no ids would run them all)
+                code, cut, wall, text = 0, False, 0.0, ""
             results, running = parse_verbose_log(text, todo)
             if xml.is_file():
                 with contextlib.suppress(ET.ParseError):
