@@ -98,8 +98,8 @@ def load_flotilla_model(model_dir: str | Path, attention_backend: str = "torch")
 
 @torch.inference_mode()
 def hf_logits(hf_model: nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """float32 [len, vocab]: the reference logits of every position of one sequence."""
-    return hf_model(torch.tensor([token_ids])).logits[0].float()
+    """float32 [len, vocab]: the reference logits of every position of one sequence (on the model's device)."""
+    return hf_model(torch.tensor([token_ids], device=next(hf_model.parameters()).device)).logits[0].float()
 
 
 class PagedRunner:

@@ -16,10 +16,12 @@ import pytest
 import torch
 from flotilla.transport.kv_transfer import (
     MAX_RANGES_PER_CALL,
+    MIN_GATHER_UNIT,
     EndpointInfo,
     KVTransferError,
     LocalCopyEngine,
     RegionInfo,
+    copy_ranges,
     create_kv_transfer_engine,
     kv_block_bytes,
     kv_block_ranges,
@@ -98,6 +100,25 @@ def _kv_caches(num_layers: int, num_blocks: int, fill: bool) -> tuple[torch.Tens
     shape = (num_layers, num_blocks, 2, 4, 2, 8)
     storage = torch.randn(shape, dtype=torch.float16) if fill else torch.zeros(shape, dtype=torch.float16)
     return storage, [storage[layer] for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize("unit", [4096, 1024 + 256, 40, 3])  # (8-byte words; bytes; below the gather's unit)
+def test_copy_ranges_moves_exactly_the_ranges_in_one_gather_or_one_copy_each(unit: int, monkeypatch) -> None:
+    rng = np.random.default_rng(unit)
+    src = torch.from_numpy(rng.integers(0, 256, 64 * unit, dtype=np.uint8))
+    dst = torch.zeros(48 * unit + 5, dtype=torch.uint8)  # (a length that is no multiple of the unit)
+    # blocks of one or two units at even unit indices: disjoint, in scattered order, some merged where they run on
+    pairs = zip(2 * rng.permutation(24)[:16], 2 * rng.permutation(32)[:16], rng.integers(1, 3, 16))
+    ranges = merge_ranges([(int(d) * unit, int(s) * unit, int(n) * unit) for d, s, n in pairs])
+    want = dst.clone()
+    for d, s, n in ranges:
+        want[d:d + n] = src[s:s + n]
+    gathers = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda self, *a: gathers.append(1) or real(self, *a))
+    copy_ranges(dst, src, ranges)
+    assert torch.equal(dst, want)
+    assert len(gathers) == (1 if unit >= MIN_GATHER_UNIT else 0)
 
 
 def test_local_copy_engine_copies_exactly_the_requested_blocks() -> None:

@@ -5,6 +5,7 @@ the engine end to end (greedy equal to transformers' generate, concurrent, chunk
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -239,7 +240,9 @@ def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
         a, b = a + step[0][1], b + step[1][1]
         for (i, _), logits in zip(step, runner.step(step)):
             got[i].append(logits)
-    hf = models[1]
+    # transformers on CUDA too: where fla-core is installed it takes fla's kernels, which run on CUDA only (older
+    # transformers would hand them CPU tensors)
+    hf = copy.deepcopy(models[1]).to("cuda")
     for i, tokens in ((0, a), (1, b)):  # (fla and triton's dots run in TF32)
         torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens), atol=5e-3, rtol=0)
 

@@ -146,6 +146,37 @@ def plan_reads(
     return split_ranges(merge_ranges(ranges), max_per_call)
 
 
+MIN_GATHER_UNIT = 256
+"""copy_ranges moves ranges as one gather and one scatter when they share a divisor of at least this many bytes."""
+
+
+def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[Range]) -> None:
+    """Copy each validated (dst_offset, src_offset, length) of the flat uint8 `src` into the flat uint8 `dst`, on the
+    current stream. Ranges of one device that share a divisor of at least MIN_GATHER_UNIT bytes (KV blocks: a block's
+    bytes) move as one gather and one scatter of such units: a copy per range costs a launch each (~10 us on a GPU),
+    and a migration of 256 blocks of 36 layers is 9,216 ranges. Otherwise one copy per range."""
+    unit = 0
+    for d, s, n in ranges:
+        unit = np.gcd.reduce([unit, d, s, n])
+    unit = int(unit)
+    if len(ranges) < 2 or unit < MIN_GATHER_UNIT or src.device != dst.device:
+        for d, s, n in ranges:
+            dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+        return
+    wide = unit % 8 == 0 and all(t.data_ptr() % 8 == 0 and t.storage_offset() % 8 == 0 for t in (dst, src))
+    dtype, word = (torch.int64, 8) if wide else (torch.uint8, 1)  # (8-byte words: fewer, wider loads)
+
+    def units(t: torch.Tensor) -> torch.Tensor:
+        return t[: len(t) // unit * unit].view(dtype).view(-1, unit // word)  # (every range ends inside this prefix)
+
+    table = np.asarray(ranges, dtype=np.int64) // unit  # [n, 3]: dst, src, length in units
+    counts = table[:, 2]
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = torch.from_numpy(np.stack((np.repeat(table[:, 0], counts), np.repeat(table[:, 1], counts))) + within)
+    index = index.to(dst.device, non_blocking=True)
+    units(dst).index_copy_(0, index[0], units(src).index_select(0, index[1]))
+
+
 # ---------------------------------------------------------------------------------------------
 # KV block ids -> byte ranges
 
@@ -207,6 +238,8 @@ class KVTransferEngine(ABC):
     """
 
     backend: ClassVar[str]
+    max_ranges_per_call: ClassVar[int] = MAX_RANGES_PER_CALL
+    """Most ranges one _read_call gets (dlslime's completion mask: 32; a backend copying on a GPU takes them all)."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.engine_id = f"{self.backend}-{uuid.uuid4().hex[:12]}"
@@ -262,7 +295,7 @@ class KVTransferEngine(ABC):
         local = self.region(name)
         if peer_region.backend != self.backend:
             raise KVTransferError(f"region {peer_region.name!r} is a {peer_region.backend} region, not {self.backend}")
-        calls = plan_reads(ranges, local, peer_region)
+        calls = plan_reads(ranges, local, peer_region, self.max_ranges_per_call)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -296,7 +329,7 @@ class KVTransferEngine(ABC):
     async def _read_call(
         self, peer: RegionInfo, local: RegionInfo, local_data: torch.Tensor, ranges: list[Range], deadline: float
     ) -> None:
-        """One backend call of at most MAX_RANGES_PER_CALL validated, merged ranges; done by `deadline`
+        """One backend call of at most max_ranges_per_call validated, merged ranges; done by `deadline`
         (event-loop time) or KVTransferError."""
 
     @abstractmethod
@@ -353,9 +386,10 @@ class LocalCopyEngine(KVTransferEngine):
         remote_data = entry[1]
 
         def copy() -> None:
-            for local_offset, remote_offset, length in ranges:
-                source = remote_data[remote_offset : remote_offset + length]
-                local_data[local_offset : local_offset + length].copy_(source)
+            copy_ranges(local_data, remote_data, ranges)
+            if local_data.device.type == "cuda" or remote_data.device.type == "cuda":
+                torch.cuda.current_stream(local_data.device if local_data.device.type == "cuda"
+                                          else remote_data.device).synchronize()
 
         remaining = deadline - asyncio.get_running_loop().time()
         try:  # torch copies release the GIL: large ones run off the event loop
@@ -400,6 +434,7 @@ def create_kv_transfer_engine(backend: str, **options: Any) -> KVTransferEngine:
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_RANGES_PER_CALL",
+    "copy_ranges",
     "EndpointInfo",
     "KVTransferEngine",
     "KVTransferError",

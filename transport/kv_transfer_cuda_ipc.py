@@ -3,8 +3,9 @@
 The prefill side registers its KV layers (device tensors) and describes each with the CUDA IPC handle of the
 allocation that holds it (`CudaIpcHandle` in its RegionInfo: the handle, where the region sits inside the
 allocation, the GPU's UUID). The decode side opens each handle once, on the device with that UUID, and a read is
-a device-to-device copy of the merged ranges on one stream of its own, completion polled through an event, so the
-event loop never blocks and the worker's streams are not serialized with it. The same code serves two processes
+one gather and one scatter of the merged ranges (copy_ranges: one launch each, however many blocks) on one stream of
+its own, completion polled through an event, so the event loop never blocks and the worker's streams are not
+serialized with it. The same code serves two processes
 on one GPU and two GPUs of one host (CUDA maps the peer device's memory with peer access on).
 
 What it rests on:
@@ -38,6 +39,7 @@ from flotilla.transport.kv_transfer import (
     KVTransferError,
     Range,
     RegionInfo,
+    copy_ranges,
     poll_until,
 )
 from flotilla.transport.data_plane import CudaIpcHandle
@@ -75,6 +77,7 @@ class CudaIpcEngine(KVTransferEngine):
     """KV transfer between processes of one host through CUDA IPC: GPU regions, device-to-device reads."""
 
     backend: ClassVar[str] = "cuda_ipc"
+    max_ranges_per_call: ClassVar[int] = 1 << 20  # (a call is one gather and one scatter: copy_ranges)
 
     def __init__(self, host: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """`host` is only named in errors and logs: nothing listens, the handles travel in the RegionInfos."""
@@ -162,9 +165,7 @@ class CudaIpcEngine(KVTransferEngine):
         source = self._remote_bytes(peer)
         stream = self._stream(local_data.device)
         with torch.cuda.stream(stream):
-            for local_offset, remote_offset, length in ranges:
-                local_data[local_offset : local_offset + length].copy_(
-                    source[remote_offset : remote_offset + length], non_blocking=True)
+            copy_ranges(local_data, source, ranges)
             done = torch.cuda.Event()
             done.record(stream)
         if await poll_until(lambda: True if done.query() else None, deadline, GPU_POLL_MAX_S) is None:
