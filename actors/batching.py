@@ -361,6 +361,7 @@ class BatchScheduler:
     def _plan(self, batch: list[tuple[Sequence, int]]) -> StepPlan:
         step = next(self._step)
         new_seqs, rids, counts, appended, save_rows, save_slots = [], [], [], [], [], []
+        every_row_samples = True
         for row, (seq, n) in enumerate(batch):
             rids.append(seq.rid)
             if not seq.in_worker:
@@ -380,6 +381,8 @@ class BatchScheduler:
                 save_slots.append(snapshot[1])
             if seq.num_computed + n >= seq.num_tokens + seq.pending:  # reaches its end (drafts: beyond): samples
                 seq.pending += 1
+            else:
+                every_row_samples = False
             seq.num_computed += n
             seq.inflight += 1
         plan = StepPlan(step=step, new_seqs=new_seqs, rids=rids,
@@ -387,7 +390,8 @@ class BatchScheduler:
                         new_block_counts=np.asarray(counts, dtype=np.int32),
                         new_block_ids=np.asarray(appended, dtype=np.int32), finished_rids=self._forget,
                         state_save_rows=np.asarray(save_rows, dtype=np.int32) if save_rows else None,
-                        state_save_slots=np.asarray(save_slots, dtype=np.int32) if save_rows else None)
+                        state_save_slots=np.asarray(save_slots, dtype=np.int32) if save_rows else None,
+                        every_row_samples=every_row_samples)
         self._forget = []
         self.inflight[step] = batch
         return plan

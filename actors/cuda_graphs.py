@@ -17,6 +17,9 @@ launches belong inside the graph too. Sampling other than greedy runs on the log
   replay refills. The triton decode kernels take a number of context splits fixed at capture (sized for
   max_model_len), which is correct for any context length (kernels/triton/attention.py); FlashMLA's scheduler
   metadata is computed inside the captured first layer (kernels/mla/flash_mla_backend.py).
+
+A hybrid model's delta-net layers read each row's recurrent-state slot from a static buffer too; padding rows have
+slot -1, which the decode kernels skip (their outputs are zeros).
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 def decodes_only(plan: StepPlan) -> bool:
-    """Whether the step gives each of its sequences one new token (a decode batch a graph can run)."""
-    return bool(plan.rids) and len(plan.rids) == int(plan.num_new_tokens.sum())
+    """Whether the step gives each of its sequences one new token whose next one it samples (a decode batch a graph
+    can run; a prompt's one-token chunk short of its end is not one)."""
+    return bool(plan.rids) and plan.every_row_samples and len(plan.rids) == int(plan.num_new_tokens.sum())
 
 
 def page_tables(size: int, seq_lens: np.ndarray, tables: list[np.ndarray], block_size: int,
@@ -92,7 +96,8 @@ class DecodeGraphs:
     """Captured decode forwards, one per batch size of the ladder."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, scratch_block: int,
-                 max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_batch: int, max_blocks_per_seq: int, device: torch.device, state_slots: bool = False) -> None:
+        """state_slots: the model keeps recurrent state per sequence (a hybrid model), whose slots each step gives."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = device
         self.scratch_slot = scratch_block * block_size
@@ -106,7 +111,7 @@ class DecodeGraphs:
             model.attention_backend_name == "flashinfer_triton" and decodes_with_flashinfer(size))}
         self.max_blocks_per_seq = max_blocks_per_seq
         self.inputs = StaticInputs(gmax, gmax if self.static_tables else 0, max_blocks_per_seq if self.static_tables
-                                   else 0, scratch_block, self.scratch_slot, device)  # fmt: skip
+                                   else 0, scratch_block, self.scratch_slot, device, state_slots)  # fmt: skip
         """The graphs' inputs (and the static-table backends' seq_lens and block tables): one copy per step."""
         self.input_ids, self.positions, self.slots = self.inputs.ids, self.inputs.positions, self.inputs.slots
         if self.static_tables:
@@ -115,7 +120,8 @@ class DecodeGraphs:
         if self.planned_sizes:
             self.attn = flashinfer_backend.shared()
             cfg = model.config
-            attn = model.model.layers[0].self_attn  # this rank's heads (all of them with one rank)
+            # this rank's heads (all of them with one rank), from the first layer with paged attention
+            attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
             self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=cfg.head_dim,
                               page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
                               scale=cfg.head_dim ** -0.5)  # fmt: skip
@@ -140,16 +146,17 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.sizes, time.perf_counter() - t0)
 
     def _meta(self, size: int) -> AttentionMetadata:
+        state = None if self.inputs.state_slots is None else self.inputs.state_slots[:size]
         if size not in self.planned_sizes:  # the kernels read these buffers; max_seq_len sizes their fixed splits
             return AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                      block_tables=self.block_tables[:size], slot_mapping=self.slots[:size],
                                      max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.block_size,
-                                     block_size=self.block_size)  # fmt: skip
+                                     block_size=self.block_size, state_slots=state)  # fmt: skip
         # Only slot_mapping and the python ints matter inside the graph; flashinfer reads its own buffers.
         ones = torch.ones(size, dtype=torch.int32, device=self.device)
         return AttentionMetadata(query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=self.device),
                                  seq_lens=ones, block_tables=ones[:, None], slot_mapping=self.slots[:size],
-                                 max_query_len=1, max_seq_len=1, block_size=self.block_size)
+                                 max_query_len=1, max_seq_len=1, block_size=self.block_size, state_slots=state)
 
     def page_tables(self, size: int, seq_lens: np.ndarray,
                     tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -162,12 +169,14 @@ class DecodeGraphs:
         return static_tables(size, seq_lens, tables, self.block_size, self.scratch_block)
 
     def _stage(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               seq_lens: np.ndarray, tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None) -> None:
-        """Queue a step's inputs for the graph of `size`: ids, positions and slots (padding rows past them), patched
-        ids, and the attention tables: with the inputs in one copy (static-table sizes) or planned (flashinfer)."""
+               seq_lens: np.ndarray, tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None,
+               state_slots: np.ndarray | None = None) -> None:
+        """Queue a step's inputs for the graph of `size`: ids, positions, slots and state slots (padding rows past
+        them), patched ids, and the attention tables: with the inputs in one copy (static-table sizes) or planned
+        (flashinfer)."""
         planned = size in self.planned_sizes
-        tables_now = () if planned else self.static_tables_for(size, seq_lens, tables)
-        self.inputs.write(input_ids, positions, slots, *tables_now)
+        seq_tables = (None, None) if planned else self.static_tables_for(size, seq_lens, tables)
+        self.inputs.write(input_ids, positions, slots, *seq_tables, state_slots=state_slots)
         if patch is not None:
             patch(self.input_ids)
         if planned:
@@ -193,7 +202,7 @@ class DecodeGraphs:
                     self.device, self.kv_indptr[:size + 1], self.kv_indices, self.kv_last[:size])
             self.metas[size] = self._meta(size)
             none = np.zeros(0, dtype=np.int64)
-            self._stage(size, none, none, none, none, [], None)
+            self._stage(size, none, none, none, none, [], None, None if self.inputs.state_slots is None else none)
             args = (self.input_ids[:size], self.positions[:size], self.kv_caches, self.metas[size])
             # under gathering expert parallelism every rank captures the same sizes in this order, so the MoE
             # layers' all-gathers and reduce-scatters of `size` rows pair up across the ranks inside the captures
@@ -224,10 +233,11 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: list[np.ndarray], patch: Callable[[torch.Tensor], None] | None = None,
-            size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            size: int | None = None, state_slots: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of B sequences, by replay of the graph of `size` (default: the smallest that holds them;
         expert-parallel ranks that gather tokens replay the size they agreed on): its float32 logits [B, vocab] and
-        their argmax int64 [B], views of the graph's buffers (the next replay overwrites them).
+        their argmax int64 [B], views of the graph's buffers (the next replay overwrites them). state_slots [B]: a
+        hybrid model's recurrent-state slot of each sequence.
 
         patch(input_ids) may then overwrite ids the host does not know yet (tokens still on the device).
         """
@@ -235,6 +245,6 @@ class DecodeGraphs:
         size = size or self.padded_size(batch)
         if size not in self.graphs or size < batch:
             raise ValueError(f"no captured graph of {size} rows for a batch of {batch}")
-        self._stage(size, input_ids, positions, slots, seq_lens, tables, patch)
+        self._stage(size, input_ids, positions, slots, seq_lens, tables, patch, state_slots)
         self.graphs[size].replay()
         return self.logits[:batch], self.greedy[size][:batch]

@@ -8,11 +8,13 @@ copies out of it, seq_lens, the block table and its device-side scatter into the
 at batch 1 the device idles around them. Here they are views of one int64 buffer laid out so that a step's part of
 it is one contiguous prefix:
 
-    ids [rows] | positions [rows] | slots [rows] | seq_lens int32 [seqs] | block tables int32 [seqs, max_blocks]
+    ids [rows] | positions [rows] | slots [rows] | (state slots [rows]) | seq_lens int32 [seqs] |
+    block tables int32 [seqs, max_blocks]
 
 and `write` builds that prefix on the host (each section padded as the graph's padding rows need) and queues it
 with one copy from pinned memory: the block tables' rows [:size] whole, scratch-filled past each table. Where those
 rows would be large (long max_model_len at a large batch) the table keeps its own copy of only the columns in use.
+A hybrid model's rows also carry their recurrent-state slots (-1 on padding rows, which the delta-net kernels skip).
 Every section starts on a 64-byte boundary, so the kernels see the alignment they would with tensors of their own.
 """
 
@@ -38,21 +40,26 @@ def _up(n: int) -> int:
 
 
 class StaticInputs:
-    """Views of one device buffer: `ids`, `positions`, `slots` (int64 [rows]) and, with `max_seqs`, `seq_lens` (int32
-    [max_seqs]) and `block_tables` (int32 [max_seqs, max_blocks])."""
+    """Views of one device buffer: `ids`, `positions`, `slots` (int64 [rows]), with `state_slots` also
+    `state_slots` (int64 [rows]), and with `max_seqs`, `seq_lens` (int32 [max_seqs]) and `block_tables` (int32
+    [max_seqs, max_blocks])."""
 
     def __init__(self, rows: int, max_seqs: int, max_blocks: int, scratch_block: int, scratch_slot: int,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, state_slots: bool = False) -> None:  # fmt: skip
         """max_seqs 0: token inputs only (a backend planned on the host keeps its own tables)."""
         self.rows, self.max_seqs, self.max_blocks = rows, max_seqs, max_blocks
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
-        self.lens_at = 3 * _up(rows)  # int64 offsets of the sections
+        self.token_sections = 4 if state_slots else 3
+        self.lens_at = self.token_sections * _up(rows)  # int64 offsets of the sections
         self.tables_at = self.lens_at + _up(-(-max_seqs // 2))
         self.size = self.tables_at + _up(-(-max_seqs * max_blocks // 2))
         self.buffer = torch.zeros(self.size, dtype=torch.int64, device=device)
         r = _up(rows)
         self.ids, self.positions, self.slots = (self.buffer[i * r:i * r + rows] for i in range(3))
         self.slots.fill_(scratch_slot)
+        self.state_slots = self.buffer[3 * r:3 * r + rows] if state_slots else None
+        if self.state_slots is not None:
+            self.state_slots.fill_(-1)
         as32 = self.buffer.view(torch.int32)
         self.seq_lens = as32[2 * self.lens_at:2 * self.lens_at + max_seqs]
         self.seq_lens.fill_(1)
@@ -61,20 +68,22 @@ class StaticInputs:
         self.block_tables.fill_(scratch_block)
 
     def write(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray | None = None,
-              table: np.ndarray | None = None) -> None:
-        """Queue a step's inputs: ids / positions / slots of its first len(ids) rows (every later row is padding:
-        token 0 at position 0 on the scratch slot); with seq_lens [size] and table [size, w] (static_tables', padding
-        sequences included), the attention tables of its `size` sequences (later ones: length 1; columns past w: the
-        scratch block)."""
+              table: np.ndarray | None = None, state_slots: np.ndarray | None = None) -> None:
+        """Queue a step's inputs: ids / positions / slots (and state slots) of its first len(ids) rows (every later
+        row is padding: token 0 at position 0 on the scratch slot, state slot -1); with seq_lens [size] and table
+        [size, w] (static_tables', padding sequences included), the attention tables of its `size` sequences (later
+        ones: length 1; columns past w: the scratch block)."""
         r, n = _up(self.rows), len(ids)
-        end, whole, size = 3 * r, False, 0
+        assert (state_slots is not None) == (self.state_slots is not None), "state slots: all the rows' or none"
+        end, whole, size = self.token_sections * r, False, 0
         if seq_lens is not None:
             assert table is not None and self.max_seqs, "this buffer holds no attention tables"
             size = len(seq_lens)
             whole = size * self.max_blocks * 4 <= WHOLE_TABLE_BYTES
             end = self.tables_at + (-(-size * self.max_blocks // 2) if whole else 0)
         host = np.empty(end, dtype=np.int64)
-        for i, (values, pad) in enumerate(((ids, 0), (positions, 0), (slots, self.scratch_slot))):
+        sections = ((ids, 0), (positions, 0), (slots, self.scratch_slot), (state_slots, -1))
+        for i, (values, pad) in enumerate(sections[:self.token_sections]):
             host[i * r:i * r + n] = values
             host[i * r + n:(i + 1) * r] = pad
         if seq_lens is not None:

@@ -233,24 +233,24 @@ class ModelRunner:
         tp_ok = self.tp_size == 1 or (config.worker.tp_cuda_graphs and (not config.parallel.enable_expert_parallel
                                                                         or config.parallel.data_parallel_size == 1))
         static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS
-        # (a hybrid model's state slots are not graph inputs yet: its steps run eager)
-        graphs_ok = (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok and not self.num_state_slots
+        graphs_ok = (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
                      and not through_host())  # (a collective through host memory cannot be captured)
+        hybrid = bool(self.num_state_slots)  # (its recurrent-state slots: graph inputs of decode steps only)
         max_blocks = -(-self.max_model_len // self.block_size)
         if self.spec is not None:
             # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the
             # verify step's tokens would be broadcast and the MTP layer's all-to-alls padded per step otherwise)
-            if graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers:
+            if graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers and not hybrid:
                 self.spec.graphs = SpecGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
                                               config.scheduler.max_num_seqs, max_blocks,
                                               self.spec.num_speculative_tokens, self.device)
         elif graphs_ok and (self.model.attention_backend_name == "flashinfer" or static):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
-                                       device=self.device)
+                                       device=self.device, state_slots=hybrid)
         self.prefill_graphs: PrefillGraphs | None = None
         """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; prefill_cuda_graphs)."""
-        if (graphs_ok and static and self.spec is None and self.tp_size == 1
+        if (graphs_ok and static and self.spec is None and self.tp_size == 1 and not hybrid
                 and self.model.attention_backend_name in prefill_graph_backends(config.worker.prefill_cuda_graphs)
                 and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
                 and not (config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1)):
@@ -482,8 +482,9 @@ class ModelRunner:
             graph_size = (self.graphs.padded_size(len(seqs)) if self.graphs is not None and decodes_only(plan)
                           and self.graphs.fits(len(seqs)) else 0)  # fmt: skip
         if graph_size:
-            # one new token per sequence: a captured decode step
+            # one new token per sequence, each sampling the next: a captured decode step
             logits, greedy = self._decode_by_graph(seqs, cached, ids, patch, graph_size)
+            self._save_states(plan, seqs)
             scores = None
             sampling_rows = list(range(len(seqs)))
             for s in seqs:
@@ -665,9 +666,12 @@ class ModelRunner:
         tables = [s.table for s in seqs]  # storage with spare room: the plan reads each one's first pages
         blocks = np.fromiter((t[c // bs] for t, c in zip(tables, cached)), dtype=np.int64, count=len(seqs))
         rope = pos if self.encoder is None else pos + np.fromiter((s.rope_delta for s in seqs), np.int64, len(seqs))
+        state = (np.fromiter((s.state_slot for s in seqs), dtype=np.int64, count=len(seqs)) if self.num_state_slots
+                 else None)
         assert self.graphs is not None
         return self.graphs.run(ids, rope, blocks * bs + pos % bs, pos + 1, tables,
-                               patch=lambda input_ids: apply_patch(input_ids, patch, self.device), size=size)
+                               patch=lambda input_ids: apply_patch(input_ids, patch, self.device), size=size,
+                               state_slots=state)
 
 
 def _needs_history(p: SamplingParams) -> bool:

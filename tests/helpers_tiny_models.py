@@ -232,6 +232,7 @@ TINY_QWEN35_CONFIGS: dict[str, dict[str, Any]] = {
         eos_token_id=None,  # (generate's min_new_tokens would mask the EOS ids the engine's ignore_eos keeps)
     ),
 }
+TINY_QWEN35_CONFIGS["qwen3_5_moe_hd64"] = {**TINY_QWEN35_CONFIGS["qwen3_5_moe"], "head_dim": 64}  # (FlashInfer's)
 
 
 def write_tiny_qwen35_model(model_dir: str | Path, name: str = "qwen3_5_moe", seed: int = 0) -> Path:

@@ -58,3 +58,18 @@ def test_token_inputs_alone_for_a_backend_planned_on_the_host():
     with pytest.raises(AssertionError, match="no attention tables"):
         inputs.write(np.array([5]), np.array([7]), np.array([9]), np.array([8], dtype=np.int32),
                      np.zeros((1, 2), dtype=np.int32))
+
+
+def test_a_hybrid_models_rows_carry_their_state_slots_and_padding_rows_slot_minus_one():
+    inputs = StaticInputs(rows=8, max_seqs=8, max_blocks=3, scratch_block=SCRATCH_BLOCK,
+                          scratch_slot=SCRATCH_BLOCK * BLOCK, device=torch.device("cpu"), state_slots=True)
+    assert inputs.state_slots is not None and (inputs.state_slots.data_ptr() - inputs.buffer.data_ptr()) % 64 == 0
+    assert inputs.state_slots.tolist() == [-1] * 8  # (before any step: every row is padding)
+    seq_lens, table = static_tables(4, np.array([5, 2]), [np.array([7, 8]), np.array([3])], BLOCK, SCRATCH_BLOCK)
+    inputs.write(np.array([11, 12]), np.array([4, 1]), np.array([32, 13]), seq_lens, table,
+                 state_slots=np.array([3, 0]))
+    assert inputs.state_slots[:4].tolist() == [3, 0, -1, -1]
+    assert inputs.ids[:4].tolist() == [11, 12, 0, 0] and inputs.slots[:2].tolist() == [32, 13]
+    assert inputs.seq_lens[:4].tolist() == [5, 2, 1, 1] and inputs.block_tables[0, :2].tolist() == [7, 8]
+    with pytest.raises(AssertionError, match="state slots"):
+        inputs.write(np.array([5]), np.array([7]), np.array([9]), seq_lens[:1], table[:1])

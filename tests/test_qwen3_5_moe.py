@@ -104,7 +104,7 @@ def test_the_causal_conv_over_slots_equals_one_conv_over_the_whole_sequence():
     assert torch.equal(state[[0, 2, 4]], torch.zeros(3, c, kernel - 1))
 
 
-def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_skip_padded_rows():
+def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_zero_padded_rows():
     """(under TRITON_INTERPRET on a CPU; compiled on a GPU)"""
     tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,6 +129,7 @@ def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_s
     got_x = tg.causal_conv1d_update(x_d, w_d, conv_d, slots_d)
     got_o = tg.gated_delta_rule_update(q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d)
     torch.testing.assert_close(got_x.cpu()[real], want_x, atol=1e-5, rtol=1e-5)
+    assert not got_x[1].any() and not got_o[1].any()  # the padded row's outputs: zeros
     torch.testing.assert_close(conv_d.cpu(), want_conv, atol=1e-6, rtol=0)  # slots 1, 2, 4, 6 untouched
     torch.testing.assert_close(got_o.cpu()[real], want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state_d.cpu(), want_state, atol=1e-5, rtol=1e-5)
@@ -245,6 +246,31 @@ def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
     hf = copy.deepcopy(models[1]).to("cuda")
     for i, tokens in ((0, a), (1, b)):  # (fla and triton's dots run in TF32)
         torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens), atol=5e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_decode_cuda_graphs_give_the_eager_tokens(tmp_path, backend):
+    """Decode steps replayed from CUDA graphs, each row's state slot a graph input and padding rows on slot -1, give
+    the eager engine's greedy tokens: batches shrinking through the captured sizes, state slots reused by later
+    requests, prompts in chunks of a small budget (one-token chunks beside decodes stay eager)."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    model = write_tiny_qwen35_model(tmp_path / "m", "qwen3_5_moe_hd64")
+    prompts = [random_tokens(n, seed=40 + n) for n in (3, 9, 17, 30, 41, 6, 12, 25, 2, 8)]
+    params = [SamplingParams(max_tokens=4 + 2 * i, **GREEDY) for i in range(len(prompts))]  # batches shrink
+    outs = {}
+    for eager in (True, False):
+        with LLM(str(model), device="cuda", dtype="bfloat16", block_size=16, kv_cache_blocks=256, max_num_seqs=6,
+                 max_num_batched_tokens=24, enforce_eager=eager, attention_backend=backend, placement="inline",
+                 skip_tokenizer_init=True) as llm:  # fmt: skip
+            graphs = llm.client.runtime.actors["worker/0"].runner.graphs
+            assert (graphs is None) == eager
+            assert eager or graphs.inputs.state_slots is not None
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs[eager] = [o.outputs[0].token_ids for o in got]
+    assert outs[False] == outs[True]
 
 
 # ---- the engine -------------------------------------------------------------------------------------------------

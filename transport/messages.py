@@ -297,6 +297,9 @@ class StepPlan(Message):
     """Hybrid models: rows of `rids` whose recurrent state the worker saves after this step, int32."""
     state_save_slots: Array | None = None
     """The snapshot slot each of those rows saves into, int32 (BlockManager.reserve_snapshot)."""
+    every_row_samples: bool = True
+    """Every row reaches the end of its sequence's tokens and samples (False: some row is a prompt chunk short of its
+    end; a one-token chunk of that kind must not run as a decode)."""
 
 
 class StepResult(Message):

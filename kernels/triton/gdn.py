@@ -6,7 +6,8 @@
   projections (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), q and k L2-normalised, the float32
   recurrent state read and written in its slot (no gather, no scatter).
 
-A slot of -1 is a padded row (CUDA graphs): nothing is read or written for it. The semantics are kernels/gdn.py's.
+A slot of -1 is a padded row (CUDA graphs): its state is not touched and its output is zeros, so the layers after it
+see finite values. The semantics are kernels/gdn.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, stride_x, st
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = offs < channels
     slot = tl.load(slot_ptr + b).to(tl.int64)
-    if slot < 0:
+    if slot < 0:  # a padded row: zeros out, its slot untouched
+        tl.store(out_ptr + b * stride_o + offs, tl.zeros([BLOCK_C], dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=mask)
         return
     x = tl.load(x_ptr + b * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     row = state_ptr + slot * stride_s0 + offs * stride_s1
@@ -65,6 +68,8 @@ def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
     mask_v = offs_v < DV
     slot = tl.load(slot_ptr + b).to(tl.int64)
     if slot < 0:
+        tl.store(out_ptr + b * stride_o + h * DV + offs_v,
+                 tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=mask_v)
         return
     hk = h // HV_PER_HK
     q = tl.load(q_ptr + b * stride_q + hk * DK + offs_k).to(tl.float32)
