@@ -104,9 +104,20 @@ def as_byte_tensor(buffer: Buffer) -> torch.Tensor:
 # range math (pure)
 
 
+def _table(ranges: Sequence[Range]) -> np.ndarray:
+    """The ranges as an int64 array [n, 3] (local offset, remote offset, length)."""
+    return np.asarray(ranges, dtype=np.int64).reshape(-1, 3)
+
+
 def validate_ranges(ranges: Sequence[Range], local: RegionInfo, remote: RegionInfo) -> None:
     """Raise KVTransferError naming the first range that is malformed or leaves either region."""
-    for i, (local_offset, remote_offset, length) in enumerate(ranges):
+    t = _table(ranges)
+    bad = ((t[:, 2] <= 0) | (t[:, 0] < 0) | (t[:, 1] < 0) | (t[:, 0] + t[:, 2] > local.length)
+           | (t[:, 1] + t[:, 2] > remote.length))
+    if not bad.any():  # (checked at once: a migration's read is a range per block per layer)
+        return
+    first = int(np.argmax(bad))
+    for i, (local_offset, remote_offset, length) in enumerate(ranges[first:first + 1], start=first):
         where = f"range #{i} (local_offset={local_offset}, remote_offset={remote_offset}, length={length})"
         if length <= 0:
             raise KVTransferError(f"{where}: length must be positive")
@@ -155,10 +166,8 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[Range]) -
     current stream. Ranges of one device that share a divisor of at least MIN_GATHER_UNIT bytes (KV blocks: a block's
     bytes) move as one gather and one scatter of such units: a copy per range costs a launch each (~10 us on a GPU),
     and a migration of 256 blocks of 36 layers is 9,216 ranges. Otherwise one copy per range."""
-    unit = 0
-    for d, s, n in ranges:
-        unit = np.gcd.reduce([unit, d, s, n])
-    unit = int(unit)
+    table = _table(ranges)
+    unit = int(np.gcd.reduce(table.ravel())) if len(table) else 0
     if len(ranges) < 2 or unit < MIN_GATHER_UNIT or src.device != dst.device:
         for d, s, n in ranges:
             dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
@@ -169,7 +178,7 @@ def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[Range]) -
     def units(t: torch.Tensor) -> torch.Tensor:
         return t[: len(t) // unit * unit].view(dtype).view(-1, unit // word)  # (every range ends inside this prefix)
 
-    table = np.asarray(ranges, dtype=np.int64) // unit  # [n, 3]: dst, src, length in units
+    table = table // unit  # [n, 3]: dst, src, length in units
     counts = table[:, 2]
     within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     index = torch.from_numpy(np.stack((np.repeat(table[:, 0], counts), np.repeat(table[:, 1], counts))) + within)
