@@ -58,7 +58,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     L2-normalised here, q scaled by Dk^-0.5; each q/k head serves Hv / Hk consecutive value heads. Returns the
     output [T, Hv, Dv] in v's dtype.
 
-    Per token: S = S * exp(g); S += k (x) beta * (v - S^T k); o = S^T q."""
+    Per token: S = S * exp(g); S += k (x) beta * (v - S^T k); o = S^T q. A prompt's chunk runs chunked_delta_rule;
+    decodes and verify steps (`history`) run it token by token."""
     dtype, rep = v.dtype, v.shape[1] // q.shape[1]
     q = l2norm(q).repeat_interleave(rep, dim=1) * q.shape[-1] ** -0.5
     k = l2norm(k).repeat_interleave(rep, dim=1)
@@ -72,6 +73,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return out.to(dtype)
     for b, slot in enumerate(slots.tolist()):
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        if history is None:  # a prompt's chunk: chunk by chunk of CHUNK tokens, not token by token
+            out[start:end], state[slot] = chunked_delta_rule(q[start:end], k[start:end], v[start:end],
+                                                             g[start:end].float(), beta[start:end], state[slot])
+            continue
         s = state[slot].unsqueeze(0)
         for t in range(start, end):
             out[t] = _delta_step(s, q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1])[0]
@@ -79,6 +84,50 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                 state[history[t]] = s[0]
         state[slot] = s[0]
     return out.to(dtype)
+
+
+CHUNK = 64
+"""Tokens the chunked delta rule takes at once (fla's chunk size)."""
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       s: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule over one sequence's n tokens from state s [H, Dk, Dv], as matrix products over chunks of
+    `chunk` tokens (the WY form of Gated DeltaNet's chunked algorithm) rather than n rank-one updates: q, k [n, H, Dk]
+    (normalised, q scaled), v [n, H, Dv], g (log decay) and beta [n, H], all float32. Returns (o [n, H, Dv], the
+    state after the last token).
+
+    Within a chunk, with G the cumulative log decay from its start and S its starting state, the state after token t
+    is exp(G_t) S + sum_{j<=t} exp(G_t - G_j) k_j u_j^T, where the u solve the unit lower-triangular system
+    u_t + beta_t sum_{j<t} exp(G_t - G_j) (k_t . k_j) u_j = beta_t (v_t - exp(G_t) S^T k_t): one batched triangular
+    solve for every chunk at once, then a short loop over the chunks carries S."""
+    n, h, _ = k.shape
+    pad = -n % chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [n, H, ...] -> [H, chunks, chunk, ...], padded with zeros
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+        return x.reshape(-1, chunk, *x.shape[1:]).movedim(2, 0)
+
+    # padding tokens: no decay (g 0), no update (beta 0): the state passes them unchanged
+    q, k, v, g, beta = blocks(q), blocks(k), blocks(v), blocks(g), blocks(beta)
+    cum = g.cumsum(-1)  # [H, C, chunk]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    gaps = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # exp(G_t - G_j), j <= t
+    system = (k @ k.transpose(-1, -2) * gaps).tril(-1) * beta[..., None]
+    system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    grow = cum.exp()  # exp(G_t)
+    solved = torch.linalg.solve_triangular(system, torch.cat((v * beta[..., None], k * (beta * grow)[..., None]), -1),
+                                           upper=False, unitriangular=True)
+    u0, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)  # u = u0 - w S
+    scores = q @ k.transpose(-1, -2) * gaps  # [H, C, chunk, chunk]: q_t . k_j exp(G_t - G_j), j <= t
+    rest = (cum[..., -1:] - cum).exp()[..., None] * k  # k_j exp(G_last - G_j)
+    last = grow[..., -1, None, None]  # [H, C, 1, 1]
+    out = torch.empty_like(v)
+    for c in range(v.shape[1]):
+        u = u0[:, c] - w[:, c] @ s
+        out[:, c] = grow[:, c, :, None] * (q[:, c] @ s) + scores[:, c] @ u
+        s = last[:, c] * s + rest[:, c].transpose(-1, -2) @ u
+    return out.movedim(0, 2).reshape(-1, h, v.shape[-1])[:n], s
 
 
 def _delta_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,

@@ -87,6 +87,26 @@ def test_the_delta_rule_over_slots_equals_transformers_chunked_one_from_each_ini
         torch.testing.assert_close(got[i:i + 1], ref)
 
 
+@pytest.mark.parametrize(("n", "chunk"), [(1, 64), (37, 16), (64, 64), (150, 64)])
+def test_the_chunked_delta_rule_equals_it_token_by_token(n, chunk):
+    """A prompt's chunk runs the delta rule as matrix products over chunks of tokens (padded at the end): the same
+    outputs and final state as the token-by-token update, steep decays (and none) included."""
+    g = torch.Generator().manual_seed(n)
+    h, dk, dv = 3, 16, 24
+    q = gdn.l2norm(torch.randn(n, h, dk, generator=g)) * dk ** -0.5
+    k = gdn.l2norm(torch.randn(n, h, dk, generator=g))
+    v, beta = torch.randn(n, h, dv, generator=g), torch.rand(n, h, generator=g)
+    decay = -torch.rand(n, h, generator=g) * 8
+    decay[::5] = 0.0
+    s0 = torch.randn(h, dk, dv, generator=g)
+    s, want = s0.clone().unsqueeze(0), torch.empty(n, h, dv)
+    for t in range(n):
+        want[t] = gdn._delta_step(s, q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1].exp(), beta[t:t + 1])[0]
+    got, final = gdn.chunked_delta_rule(q, k, v, decay, beta, s0, chunk=chunk)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final, s[0], atol=2e-5, rtol=1e-5)
+
+
 def test_the_causal_conv_over_slots_equals_one_conv_over_the_whole_sequence():
     g = torch.Generator().manual_seed(1)
     c, kernel = 12, 4
