@@ -13,8 +13,8 @@ the backend's reads are one-sided. On a decode engine it executes MigrateKVCmd:
 
   1. the first command naming a prefill rank's inbox asks that actor for its endpoint and regions
      (KVEndpointRequest -> KVEndpointEvent), connects, and checks the layouts match (layers, block bytes);
-  2. the (src block, dst block) pairs become merged byte ranges (`kv_block_ranges`), read in calls of at
-     most 32 ranges (the transfer engine validates every range against both regions);
+  2. the (src block, dst block) pairs become merged byte ranges (`kv_block_table`), read in calls of as many
+     ranges as the backend takes (dlslime: 32; the transfer engine validates every range against both regions);
   3. MigrationDoneEvent goes to the scheduler, with the bytes moved, or with an error when the peer is
      unreachable, its layout differs, or the read times out (`kv_transfer_timeout_s`).
 
@@ -67,10 +67,9 @@ from flotilla.config import DisaggConfig, EngineConfig
 from flotilla.transport.kv_transfer import (
     KVTransferEngine,
     KVTransferError,
-    Range,
     create_kv_transfer_engine,
     kv_block_bytes,
-    kv_block_ranges,
+    kv_block_table,
 )
 from flotilla.transport.kv_transfer_torch import TorchDistEngine, check_pairs
 from flotilla.transport.messages import (
@@ -543,13 +542,14 @@ class KVMigrationActor(Actor):
         assert self.engine is not None and self.memory is not None
         bb = self.memory.block_bytes
         layers = len(self.memory.caches)
-        calls: dict[tuple[int, int], list[Range]] = {}  # (remote region #, local region #) -> ranges
+        calls: dict[tuple[int, int], list[np.ndarray]] = {}  # (remote region #, local region #) -> ranges
+        block_pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
         for layer in range(layers):
             remote = (0, layer * info.staging_blocks * bb) if info.staging_blocks else (layer, 0)
             local = (0, layer * self._read_stage.shape[1] * bb) if self.staged else (layer, 0)
-            calls.setdefault((remote[0], local[0]), []).extend(kv_block_ranges(pairs, [local[1]], [remote[1]], bb))
+            calls.setdefault((remote[0], local[0]), []).append(kv_block_table(block_pairs, [local[1]], [remote[1]], bb))
         for (r, lo), ranges in calls.items():
-            await self.engine.read(info.regions[r], ranges, self.regions[lo])
+            await self.engine.read(info.regions[r], np.concatenate(ranges), self.regions[lo])
 
     async def _read_state(self, cmd: MigrateKVCmd, info: KVEndpointEvent) -> None:
         """A hybrid model's recurrent state: the prefill side's snapshot row into ours, in every pool."""

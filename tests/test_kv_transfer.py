@@ -25,8 +25,10 @@ from flotilla.transport.kv_transfer import (
     create_kv_transfer_engine,
     kv_block_bytes,
     kv_block_ranges,
+    kv_block_table,
     kv_layer_offsets,
     merge_ranges,
+    merge_table,
     plan_reads,
     split_ranges,
     validate_ranges,
@@ -89,6 +91,21 @@ def test_block_ranges_merge_consecutive_blocks_per_layer() -> None:
         kv_block_ranges([(-1, 0)], [0], [0], 100)
     with pytest.raises(ValueError):
         kv_block_ranges([(0, 0)], [0, 1], [0], 100)
+    # the same ranges as an array, built at once (the KV-migration actor's), and planned at once
+    table = kv_block_table(pairs, [0, 10_000], [0, 20_000], 100)
+    assert table.dtype == np.int64 and sorted(map(tuple, table.tolist())) == sorted(ranges)
+    with pytest.raises(KVTransferError, match="negative block id"):
+        kv_block_table([(-1, 0)], [0], [0], 100)
+    rng = np.random.default_rng(1)
+    many = [(int(s), int(d)) for s, d in zip(rng.permutation(64)[:40], rng.permutation(64)[:40])]
+    many += [(70 + i, 80 + i) for i in range(5)]  # a run
+    listed = kv_block_ranges(many, [0, 9_000], [0, 9_000], 100)
+    local, remote = _region("l", 18_000), _region("r", 18_000)
+    assert [list(map(tuple, c.tolist())) for c in plan_reads(kv_block_table(many, [0, 9_000], [0, 9_000], 100), local,
+                                                             remote, 16)] == plan_reads(listed, local, remote, 16)
+    assert merge_table(np.asarray(listed)).tolist() == [list(r) for r in merge_ranges(listed)]
+    with pytest.raises(KVTransferError, match=r"range #\d+ .* leaves local region"):
+        plan_reads(kv_block_table(many, [0, 9_000], [0, 9_000], 250), local, remote)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +138,8 @@ def test_copy_ranges_moves_exactly_the_ranges_in_one_gather_or_one_copy_each(uni
     assert len(gathers) == (1 if unit >= MIN_GATHER_UNIT else 0)
 
 
-def test_local_copy_engine_copies_exactly_the_requested_blocks() -> None:
+@pytest.mark.parametrize("build", [kv_block_ranges, kv_block_table])  # (ranges as tuples, or as one array)
+def test_local_copy_engine_copies_exactly_the_requested_blocks(build) -> None:
     src_storage, src_layers = _kv_caches(3, 16, fill=True)
     dst_storage, dst_layers = _kv_caches(3, 12, fill=False)
     prefill, decode = LocalCopyEngine(), LocalCopyEngine()
@@ -130,7 +148,7 @@ def test_local_copy_engine_copies_exactly_the_requested_blocks() -> None:
         local = decode.register("kv", dst_storage)
         decode.connect(prefill.endpoint_info())
         pairs = [(3, 0), (4, 1), (5, 2), (10, 7), (0, 11), (15, 5)]
-        ranges = kv_block_ranges(
+        ranges = build(
             pairs,
             kv_layer_offsets(dst_layers, dst_storage.data_ptr()),
             kv_layer_offsets(src_layers, src_storage.data_ptr()),

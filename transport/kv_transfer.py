@@ -149,11 +149,28 @@ def split_ranges(ranges: Sequence[Range], max_per_call: int = MAX_RANGES_PER_CAL
     return [list(ranges[i : i + max_per_call]) for i in range(0, len(ranges), max_per_call)]
 
 
+def merge_table(table: np.ndarray) -> np.ndarray:
+    """merge_ranges over an int64 array [n, 3], at once: sorted, runs that continue on both sides joined."""
+    if not len(table):
+        return table.reshape(0, 3)
+    t = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]
+    ends = t[:-1, :2] + t[:-1, 2:]
+    starts = np.flatnonzero(np.concatenate(([True], (ends != t[1:, :2]).any(axis=1))))  # (where a run begins)
+    merged = t[starts]
+    merged[:, 2] = np.add.reduceat(t[:, 2], starts)
+    return merged
+
+
 def plan_reads(
-    ranges: Sequence[Range], local: RegionInfo, remote: RegionInfo, max_per_call: int = MAX_RANGES_PER_CALL
-) -> list[list[Range]]:
-    """Validate, merge and split: the backend calls that perform `ranges`, each safe to hand to a backend."""
+    ranges: Sequence[Range] | np.ndarray, local: RegionInfo, remote: RegionInfo,
+    max_per_call: int = MAX_RANGES_PER_CALL,
+) -> list[list[Range]] | list[np.ndarray]:
+    """Validate, merge and split: the backend calls that perform `ranges`, each safe to hand to a backend. Ranges
+    given as an int64 array [n, 3] (kv_block_table's) are planned at once and come back as arrays."""
     validate_ranges(ranges, local, remote)
+    if isinstance(ranges, np.ndarray):
+        merged = merge_table(_table(ranges))
+        return [merged[i : i + max_per_call] for i in range(0, len(merged), max_per_call)]
     return split_ranges(merge_ranges(ranges), max_per_call)
 
 
@@ -206,6 +223,22 @@ def kv_layer_offsets(caches: Sequence[torch.Tensor], region_base: int) -> list[i
     return [cache.data_ptr() - region_base for cache in caches]
 
 
+def kv_block_table(block_pairs: Sequence[tuple[int, int]] | np.ndarray, local_layer_offsets: Sequence[int],
+                   remote_layer_offsets: Sequence[int], block_bytes: int) -> np.ndarray:
+    """kv_block_ranges as an int64 array [n, 3], built at once (a migration's read is a range per block per layer:
+    thousands of them)."""
+    if len(local_layer_offsets) != len(remote_layer_offsets):
+        raise ValueError(f"{len(local_layer_offsets)} local layers but {len(remote_layer_offsets)} remote layers")
+    pairs = np.asarray(block_pairs, dtype=np.int64).reshape(-1, 2)
+    if (pairs < 0).any():
+        src, dst = pairs[int(np.argmax((pairs < 0).any(axis=1)))].tolist()
+        raise KVTransferError(f"block pair ({src}, {dst}) has a negative block id")
+    runs = merge_table(np.stack((pairs[:, 1], pairs[:, 0], np.ones(len(pairs), np.int64)), axis=1))  # dst, src, n
+    local = np.asarray(local_layer_offsets, dtype=np.int64)[:, None] + runs[:, 0] * block_bytes  # [layers, runs]
+    remote = np.asarray(remote_layer_offsets, dtype=np.int64)[:, None] + runs[:, 1] * block_bytes
+    return np.stack((local, remote, np.broadcast_to(runs[:, 2] * block_bytes, local.shape)), axis=-1).reshape(-1, 3)
+
+
 def kv_block_ranges(
     block_pairs: Sequence[tuple[int, int]],
     local_layer_offsets: Sequence[int],
@@ -249,6 +282,8 @@ class KVTransferEngine(ABC):
     backend: ClassVar[str]
     max_ranges_per_call: ClassVar[int] = MAX_RANGES_PER_CALL
     """Most ranges one _read_call gets (dlslime's completion mask: 32; a backend copying on a GPU takes them all)."""
+    array_ranges: ClassVar[bool] = False
+    """_read_call takes ranges given as an array [n, 3] as they are (copy_ranges does); else as (int, int, int)s."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.engine_id = f"{self.backend}-{uuid.uuid4().hex[:12]}"
@@ -290,11 +325,12 @@ class KVTransferEngine(ABC):
     async def read(
         self,
         peer_region: RegionInfo,
-        ranges: Sequence[Range],
+        ranges: Sequence[Range] | np.ndarray,
         local_region: RegionInfo | str,
         timeout_s: float | None = None,
     ) -> None:
-        """Copy each (local_offset, remote_offset, length) of `peer_region` into `local_region`.
+        """Copy each (local_offset, remote_offset, length) of `peer_region` into `local_region` (a sequence of them,
+        or an int64 array [n, 3]: kv_block_table's).
 
         Returns when every byte has landed; raises KVTransferError on a bad range, an unknown region, a
         peer that is gone, or when `timeout_s` (default: the engine's) passes first.
@@ -305,12 +341,14 @@ class KVTransferEngine(ABC):
         if peer_region.backend != self.backend:
             raise KVTransferError(f"region {peer_region.name!r} is a {peer_region.backend} region, not {self.backend}")
         calls = plan_reads(ranges, local, peer_region, self.max_ranges_per_call)
+        if isinstance(ranges, np.ndarray) and not self.array_ranges:
+            calls = [list(map(tuple, call.tolist())) for call in calls]
         timeout = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         for call in calls:
             await self._read_call(peer_region, local, self._regions[name][1], call, deadline)
-            self.bytes_read += sum(length for _, _, length in call)
+            self.bytes_read += int(_table(call)[:, 2].sum())
 
     def close(self) -> None:
         """Stop serving and reading; registered buffers are released. Idempotent."""
@@ -360,6 +398,7 @@ class LocalCopyEngine(KVTransferEngine):
     """
 
     backend: ClassVar[str] = "local"
+    array_ranges: ClassVar[bool] = True
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(timeout_s)
@@ -454,8 +493,10 @@ __all__ = [
     "create_kv_transfer_engine",
     "kv_block_bytes",
     "kv_block_ranges",
+    "kv_block_table",
     "kv_layer_offsets",
     "merge_ranges",
+    "merge_table",
     "plan_reads",
     "split_ranges",
     "validate_ranges",

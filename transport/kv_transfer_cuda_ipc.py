@@ -78,6 +78,7 @@ class CudaIpcEngine(KVTransferEngine):
 
     backend: ClassVar[str] = "cuda_ipc"
     max_ranges_per_call: ClassVar[int] = 1 << 20  # (a call is one gather and one scatter: copy_ranges)
+    array_ranges: ClassVar[bool] = True
 
     def __init__(self, host: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         """`host` is only named in errors and logs: nothing listens, the handles travel in the RegionInfos."""

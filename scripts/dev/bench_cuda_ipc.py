@@ -29,7 +29,7 @@ import torch
 from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.attention import kv_cache_shape
 from flotilla.scripts.dev.bench_shapes import SHAPES
-from flotilla.transport.kv_transfer import kv_block_ranges
+from flotilla.transport.kv_transfer import kv_block_table
 from flotilla.transport.data_plane import EndpointInfo, RegionInfo
 
 EXPORTER = r"""
@@ -82,7 +82,7 @@ async def bench(args: argparse.Namespace, endpoint: EndpointInfo, regions: list[
     for n in [int(x) for x in args.blocks.split(",")]:
         src_ids = torch.randperm(args.cache_blocks, generator=gen)[:n].tolist()
         dst_ids = torch.randperm(args.cache_blocks, generator=gen)[:n].tolist()
-        ranges = kv_block_ranges(list(zip(src_ids, dst_ids)), [0], [0], block_bytes)
+        ranges = kv_block_table(list(zip(src_ids, dst_ids)), [0], [0], block_bytes)
 
         async def once() -> float:
             t0 = time.perf_counter()
