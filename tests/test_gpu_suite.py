@@ -278,6 +278,24 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "restored the triton cache" in capsys.readouterr().out
 
 
+def test_restored_flashinfer_modules_are_linked_where_flashinfer_loads_prebuilt_ones(tmp_path):
+    """Each module built for this version and this GPU's arch goes into the package's data/aot as <name>/<name>.so;
+    an unfinished build (no .so), another arch's or another version's stay out."""
+    cache = tmp_path / "cache"
+    for version, arch, name, built in (("0.6.6", "90a", "mod_a", True), ("0.6.6", "90a", "mod_b", False),
+                                       ("0.6.6", "80", "mod_c", True), ("0.6.5", "90a", "mod_d", True)):
+        folder = cache / version / arch / "cached_ops" / name
+        folder.mkdir(parents=True)
+        (folder / f"{name}.cuda.o").write_bytes(b"obj")
+        if built:
+            (folder / f"{name}.so").write_bytes(name.encode())
+    aot = tmp_path / "site" / "flashinfer" / "data" / "aot"
+    assert gs.promote_flashinfer(cache, aot, "0.6.6", "90") == 1
+    assert (aot / "mod_a" / "mod_a.so").read_bytes() == b"mod_a"
+    assert sorted(p.name for p in aot.iterdir()) == ["mod_a"]
+    assert gs.promote_flashinfer(cache, aot, "0.6.6", "90") == 0  # (already there)
+
+
 def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):
     (tmp_path / gs.STATE).write_text(json.dumps({"caches": {"triton": {"digest": "d", "parts": ["jit-triton-new.tgz.00"]}}}))
     for name in ("jit-triton-new.tgz.00", "jit-triton-old.tgz.00", "jit-flashinfer-old.tgz.01", "summary.md"):

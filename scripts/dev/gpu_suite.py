@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.metadata
+import importlib.util
 import io
 import json
 import lzma
@@ -513,6 +515,42 @@ def prune(cache_dir: Path) -> list[str]:
     return stale
 
 
+def flashinfer_aot_dir() -> Path | None:
+    """The installed FlashInfer's folder of prebuilt modules (its package's data/aot), found without importing it."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "aot"
+
+
+def gpu_arch() -> str | None:
+    """The first GPU's compute capability as FlashInfer names its cache folders' prefix ("90" for sm_90)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0].replace(".", "") if out else None
+
+
+def promote_flashinfer(cache_root: Path, aot_dir: Path, version: str, arch: str) -> int:
+    """Link each module the restored FlashInfer cache holds built (<version>/<arch>*/cached_ops/<name>/<name>.so,
+    this GPU's arch) into the package's prebuilt-module folder, where FlashInfer loads a module from without running
+    ninja: ninja rebuilt some objects of restored modules on every fresh machine, a minute of compiling per call.
+    Returns how many were linked."""
+    count = 0
+    for arch_dir in sorted((cache_root / version).glob(f"{arch}*")):
+        for so in sorted(arch_dir.glob("cached_ops/*/*.so")):
+            if so.stem != so.parent.name:
+                continue
+            target = aot_dir / so.stem / so.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                target.symlink_to(so)
+                count += 1
+    return count
+
+
 def restore_caches(cache_dir: Path, caches: dict[str, dict], dirs: dict[str, Path]) -> list[str]:
     """Unpack each archive the state names (caches: name -> digest and parts) into its library's folder, dropping
     from `caches` those whose parts are not all there; a note per cache."""
@@ -522,6 +560,12 @@ def restore_caches(cache_dir: Path, caches: dict[str, dict], dirs: dict[str, Pat
         if name in dirs and all(p.is_file() for p in paths):
             size = restore_cache(paths, dirs[name])
             notes.append(f"restored the {name} cache ({size / 2**20:.1f} MiB) into {dirs[name]}")
+            aot, arch = (flashinfer_aot_dir(), gpu_arch()) if name == "flashinfer" else (None, None)
+            if aot is not None and arch is not None:
+                with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                    version = importlib.metadata.version("flashinfer-python")
+                    linked = promote_flashinfer(dirs[name], aot, version, arch)
+                    notes.append(f"linked {linked} built FlashInfer modules into {aot} (loaded without ninja)")
         else:
             notes.append(f"the {name} cache's parts are not all in {cache_dir}: not restored")
             del caches[name]
