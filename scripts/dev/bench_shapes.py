@@ -111,16 +111,22 @@ QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
 
 
-def write_qwen_placeholder_tokenizer(folder: Path, first_special: int = 151643) -> None:
-    """A tokenizer for a dummy-weight Qwen-shaped model whose engine needs one (vLLM's Qwen3-VL processor): a word
-    per id ("t0", "t1", ...) below Qwen's special tokens, which sit at their real ids. No text is meant to be read
-    through it: the benchmarks send token ids."""
-    vocab = {f"t{i}": i for i in range(first_special)}
+def _add_qwen_special_tokens(vocab: dict[str, int], first_special: int) -> list[dict[str, Any]]:
+    """Qwen's special tokens into `vocab` from id first_special on; their tokenizer.json added_tokens entries."""
     added = []
     for i, token in enumerate(QWEN_SPECIAL_TOKENS):
         vocab[token] = first_special + i
         added.append({"id": first_special + i, "content": token, "single_word": False, "lstrip": False,
                       "rstrip": False, "normalized": False, "special": True})
+    return added
+
+
+def write_qwen_placeholder_tokenizer(folder: Path, first_special: int = 151643) -> None:
+    """A tokenizer for a dummy-weight Qwen-shaped model whose engine needs one (vLLM's Qwen3-VL processor): a word
+    per id ("t0", "t1", ...) below Qwen's special tokens, which sit at their real ids. No text is meant to be read
+    through it: the benchmarks send token ids."""
+    vocab = {f"t{i}": i for i in range(first_special)}
+    added = _add_qwen_special_tokens(vocab, first_special)
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
                  "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
                  "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<|endoftext|>"}}
@@ -145,18 +151,13 @@ def write_byte_level_placeholder_tokenizer(folder: Path, first_special: int = 15
     Qwen's special tokens at their real ids. Nothing is encoded through it (no merges): the benchmarks send ids."""
     rng = random.Random(seed)
     chars = _byte_chars()
-    space = chars[ord(" ")]
     pieces = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" * 4 + '{}[]:,."_-+=/\\()'
     vocab = {c: i for i, c in enumerate(chars)}
     while len(vocab) < first_special:
         word = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 7)))
-        token = (space + word) if rng.random() < 0.4 else word + rng.choice(pieces)
-        vocab.setdefault("".join(chars[b] for b in token.encode()) if token[0] != space else token, len(vocab))
-    added = []
-    for i, token in enumerate(QWEN_SPECIAL_TOKENS):
-        vocab[token] = first_special + i
-        added.append({"id": first_special + i, "content": token, "single_word": False, "lstrip": False,
-                      "rstrip": False, "normalized": False, "special": True})
+        token = (" " + word) if rng.random() < 0.4 else word + rng.choice(pieces)
+        vocab.setdefault("".join(chars[b] for b in token.encode()), len(vocab))
+    added = _add_qwen_special_tokens(vocab, first_special)
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
                  "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                                    "use_regex": True},

@@ -536,8 +536,7 @@ def gpu_arch() -> str | None:
 def promote_flashinfer(cache_root: Path, aot_dir: Path, version: str, arch: str) -> int:
     """Link each module the restored FlashInfer cache holds built (<version>/<arch>*/cached_ops/<name>/<name>.so,
     this GPU's arch) into the package's prebuilt-module folder, where FlashInfer loads a module from without running
-    ninja: ninja rebuilt some objects of restored modules on every fresh machine, a minute of compiling per call.
-    Returns how many were linked."""
+    ninja (which rebuilds parts of restored modules on a fresh machine). Returns how many were linked."""
     count = 0
     for arch_dir in sorted((cache_root / version).glob(f"{arch}*")):
         for so in sorted(arch_dir.glob("cached_ops/*/*.so")):
