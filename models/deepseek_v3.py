@@ -66,7 +66,7 @@ from torch import nn
 
 from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.attention import AttentionMetadata
-from flotilla.kernels.mla import MLABackend, get_mla_backend, mla_cache_shape
+from flotilla.kernels.mla import MLABackend, best_mla_backend, get_mla_backend, mla_cache_shape
 from flotilla.kernels.mla.flash_mla_backend import BLOCK_SIZE as FLASH_MLA_BLOCK
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
@@ -243,11 +243,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         """KV cache layers: the decoder stack's, then the MTP layer's."""
         device = torch.get_default_device()
         requested = mla_backend if mla_backend != "auto" else attention_backend
-        if config.dsa is not None:  # sparse attention over the indexer's choice: the torch reference's only so far
-            if requested not in ("auto", "torch"):
-                raise NotImplementedError(f"sparse attention (index_topk in config.json) runs on the torch MLA "
-                                          f"backend only so far, not {requested!r}")
-            requested = "torch"
+        if config.dsa is not None:  # sparse attention over the indexer's choice: triton's sparse kernel or torch's
+            if requested not in ("auto", "torch", "triton"):
+                raise NotImplementedError(f"sparse attention (index_topk in config.json) runs on the triton or torch "
+                                          f"MLA backends, not {requested!r}")
+            if requested == "auto":
+                requested = best_mla_backend(device)  # (triton on a GPU: FlashMLA's dense decode reads every row)
         self._mla_auto = requested == "auto"
         """Whether the MLA kernels were picked here (settle_kv_layout may then trade FlashMLA for triton)."""
         backend = get_mla_backend(requested, device=device, kv_lora_rank=mla.kv_lora_rank,

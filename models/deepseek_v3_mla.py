@@ -108,7 +108,9 @@ class DSAIndexer(nn.Module):
     index_n_heads queries from the q low-rank residual (wq_b -> RoPE), weighted per head from the hidden state
     (weights_proj); every rank runs it whole (it is per token, like the latent)."""
 
-    def __init__(self, config: HFModelConfig, mla: MLAConfig, dsa: DSAConfig, linears: Linears) -> None:
+    def __init__(self, config: HFModelConfig, mla: MLAConfig, dsa: DSAConfig, linears: Linears,
+                 kernels: str = "torch") -> None:
+        """kernels: "triton" scores, stores and picks with kernels/mla/dsa_triton.py, "torch" with dsa_ref."""
         super().__init__()
         if mla.q_lora_rank is None:
             raise ValueError("sparse attention's indexer reads the low-rank query: config.json lacks q_lora_rank")
@@ -121,11 +123,17 @@ class DSAIndexer(nn.Module):
         self.weights_proj = Linear(config.hidden_size, self.num_heads)  # (float in DeepSeek's FP8 checkpoints)
         self.scale = self.head_dim**-0.5
         self.ops = current_ops()
+        if kernels == "triton":
+            from flotilla.kernels.mla import dsa_triton  # optional dependency: imported only when chosen
+
+            self._store, self._select = dsa_triton.store_index_keys, dsa_triton.select_topk
+        else:
+            self._store, self._select = dsa_ref.store_index_keys, dsa_ref.select_positions
 
     def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Store the new tokens' keys into index_cache (the rows' indexer columns); the positions each attends to,
-        bool [B, max_query_len, max_seq_len]."""
+        int32 [T, K] (-1 = none)."""
         t, r = hidden.shape[0], self.rope_dim
         q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(hidden))
@@ -136,9 +144,9 @@ class DSAIndexer(nn.Module):
                                            cos_sin_cache)
         q = torch.cat((q_rot, q[..., r:]), dim=-1)
         k = torch.cat((k_rot.view(t, r), k[:, r:]), dim=-1)
-        dsa_ref.store_index_keys(k, index_cache, meta.slot_mapping)
+        self._store(k, index_cache, meta.slot_mapping)
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
-        return dsa_ref.select_positions(q, weights, index_cache, meta, self.topk, self.scale)
+        return self._select(q, weights, index_cache, meta, self.topk, self.scale)
 
 
 class DeepseekV3Attention(nn.Module):
@@ -191,8 +199,8 @@ class DeepseekV3Attention(nn.Module):
         self.sparse = dsa is not None
         """Sparse attention: each query reads only the positions an indexer chose (its own, or the previous
         layer's)."""
-        self.indexer = DSAIndexer(config, mla, dsa, linears) if dsa is not None and dsa.runs_indexer(layer_idx) \
-            else None  # fmt: skip
+        self.indexer = (DSAIndexer(config, mla, dsa, linears, kernels=backend.name)
+                        if dsa is not None and dsa.runs_indexer(layer_idx) else None)  # fmt: skip
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank]): views of kv_b_proj's weight, so no copy

@@ -14,7 +14,7 @@ from flotilla import LLM, SamplingParams
 from flotilla.actors.cuda_graphs import DecodeGraphs
 
 from helpers_engine import write_tiny_engine_model
-from helpers_tiny_models import write_tiny_deepseek_model
+from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_dsa_model
 
 
 def test_static_tables_take_each_sequences_pages_then_pad_on_the_scratch_block():
@@ -60,4 +60,14 @@ def test_triton_gqa_attention_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_mla_in_cuda_graphs_gives_the_eager_tokens(tmp_path):
     outs = _graph_and_eager(str(write_tiny_deepseek_model(tmp_path / "ds")))
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_mla_in_cuda_graphs_gives_the_eager_tokens(tmp_path, name):
+    """DeepSeek Sparse Attention's indexer, top-k and sparse MLA replayed in decode graphs (prompts longer than
+    the tiny configs' top-k, so attention is sparse)."""
+    outs = _graph_and_eager(str(write_tiny_dsa_model(tmp_path / name, name)))
     assert outs[False] == outs[True]

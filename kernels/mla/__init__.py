@@ -9,7 +9,8 @@ kv_scale, the read dequantizes (kernels/attention/fp8_kv.py).
 
 - "torch": torch_ref, the reference and the CPU path ("auto" without CUDA).
 - "triton": triton_mla, a flash-decoding kernel for decode steps, a one-launch store (no host sync) and
-  a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA where FlashMLA cannot run.
+  a causal flash-attention kernel for prefill and mixed steps. "auto" on CUDA where FlashMLA cannot run, and for
+  sparse attention (DeepSeek-V3.2, GLM-5: dsa_triton's indexer, top-k and sparse MLA kernels).
 - "flash_mla": DeepSeek's FlashMLA for decode steps (flash_mla_backend.py; block size 64, bf16 cache, Hopper),
   the triton kernels for prefill and the store. "auto" on a Hopper GPU for DeepSeek-V3's latent (kv_lora_rank
   512, rope 64) in bfloat16, whose decode at large batches and long contexts reads the cache several times faster
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 class MLABackend:
     """One MLA implementation: store_latent(c_kv, k_pe, kv_cache, slot_mapping, kv_scale=1.0) writes the new
     tokens' cache rows; forward(q_latent, q_pe, kv_cache, meta, scale, kv_scale=1.0) -> [T, H, kv_lora_rank]
-    attends over the cache (kv_scale matters only for an FP8 cache)."""
+    attends over the cache (kv_scale matters only for an FP8 cache); the torch and triton backends also take
+    select=, the positions sparse attention reads (int32 [T, K], -1 = none: kernels/mla/dsa_ref.py)."""
 
     name: str
     store_latent: Callable[..., None]

@@ -5,7 +5,8 @@ Each token writes one indexer key (index_head_dim, LayerNorm'd and roped) into i
 after the latent (models/deepseek_v3_mla.py: the row is [c_kv | k_pe | index key]). A query's score of a cached
 position s is sum_h w_h * ReLU(scale * q_h . k_s) over the indexer's heads (w from the hidden state); the query
 attends to the `topk` best-scored positions at or before its own (all of them while there are fewer). The result is
-a mask [B, Lq, S] that paged_mla (torch_ref) applies with the causal one. transformers computes the same in float32,
+their list per token, int32 [T, min(topk, S)] (-1 where fewer are visible), which paged_mla (torch_ref) and the
+triton backend's sparse kernel (dsa_triton) read. transformers computes the same in float32,
 skipping DeepSeek's FP8 scoring and Hadamard rotation (an orthogonal transform leaves the dot products as they are).
 """
 
@@ -28,8 +29,9 @@ def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping
 
 def select_positions(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
                      topk: int, scale: float) -> torch.Tensor:
-    """bool [B, max_query_len, max_seq_len]: the positions each new token attends to. q [T, H, D] and the head
-    weights [T, H] are the new tokens' (their keys stored already); index_cache as store_index_keys'."""
+    """int32 [T, min(topk, max_seq_len)]: the positions each new token attends to, -1 where fewer are visible.
+    q [T, H, D] and the head weights [T, H] are the new tokens' (their keys stored already); index_cache as
+    store_index_keys'."""
     num_tokens = q.shape[0]
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     qsl = meta.query_start_loc.long()
@@ -47,6 +49,21 @@ def select_positions(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.
     last_visible = cached_lens[:, None] + torch.arange(max_q, device=q.device)[None, :]  # [B, Lq]
     visible = torch.arange(meta.max_seq_len, device=q.device)[None, None, :] <= last_visible[:, :, None]
     scores = scores.masked_fill(~visible, float("-inf"))
-    k = min(topk, meta.max_seq_len)
-    chosen = torch.zeros_like(visible).scatter_(-1, scores.topk(k, dim=-1).indices, True)
-    return chosen & visible
+    best, where = scores.topk(min(topk, meta.max_seq_len), dim=-1)  # [B, Lq, K]
+    chosen = torch.where(best == float("-inf"), -1, where)
+    return chosen[seq_idx, pos_in_query].to(torch.int32)
+
+
+def selection_mask(select: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """bool [B, max_query_len, max_seq_len]: select_positions' lists as the mask paged_mla applies."""
+    num_tokens = select.shape[0]
+    qsl = meta.query_start_loc.long()
+    seq_idx = torch.repeat_interleave(torch.arange(meta.num_seqs, device=qsl.device), qsl[1:] - qsl[:-1],
+                                      output_size=num_tokens)
+    pos_in_query = torch.arange(num_tokens, device=qsl.device) - qsl[seq_idx]
+    width = meta.max_seq_len
+    rows = torch.zeros(num_tokens, width + 1, dtype=torch.bool, device=select.device)  # column `width`: the -1s
+    rows.scatter_(1, torch.where(select < 0, width, select.long()), True)
+    mask = torch.zeros(meta.num_seqs, meta.max_query_len, width, dtype=torch.bool, device=select.device)
+    mask[seq_idx, pos_in_query] = rows[:, :width]
+    return mask

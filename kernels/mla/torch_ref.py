@@ -56,8 +56,8 @@ def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     """Causal MQA of every new token over its sequence's latent cache: q_latent [T, H, kv_lora_rank] (the
     absorbed no-rope query) and q_pe [T, H, rope_dim] (the roped query) -> [T, H, kv_lora_rank] in
     q_latent's dtype; softmax in float32. The new tokens must already be stored (store_latent first);
-    kv_scale dequantizes an FP8 cache. select: bool [B, max_query_len, max_seq_len], the only positions each
-    new token attends to (sparse attention, dsa_ref.select_positions)."""
+    kv_scale dequantizes an FP8 cache. select: int32 [T, K], the only positions each new token attends to (-1 =
+    none; sparse attention, dsa_ref.select_positions)."""
     num_tokens, num_heads, kv_lora_rank = q_latent.shape
     num_seqs, max_q = meta.num_seqs, meta.max_query_len
     qsl = meta.query_start_loc.long()
@@ -77,7 +77,9 @@ def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     key_pos = torch.arange(meta.max_seq_len, device=q.device)
     mask = key_pos[None, None, :] <= last_visible[:, :, None]  # [B, Lq, S]; padded rows still see key 0
     if select is not None:
-        mask = mask & select
+        from flotilla.kernels.mla.dsa_ref import selection_mask  # (dsa_ref reads this module's gather)
+
+        mask = mask & selection_mask(select, meta)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     out = torch.einsum("bhqs,bsl->bqhl", probs, ctx[..., :kv_lora_rank])  # [B, Lq, H, kv_lora_rank]

@@ -85,6 +85,23 @@ def _mla_tile(
 
 
 @triton.jit
+def _head_queries(
+    qn_ptr, qp_ptr, token, heads, mask_h, kv_lora_rank, rope_dim, stride_qnt, stride_qnh, stride_qpt, stride_qph,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One token's query rows for `heads`: (qn [H, BLOCK_L], qp [H, BLOCK_R], offs_l, mask_l, offs_r, mask_r)."""
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < kv_lora_rank
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < rope_dim
+    qn = tl.load(qn_ptr + token * stride_qnt + heads[:, None] * stride_qnh + offs_l[None, :],
+                 mask=mask_h[:, None] & mask_l[None, :], other=0.0)  # fmt: skip
+    qp = tl.load(qp_ptr + token * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :],
+                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+    return qn, qp, offs_l, mask_l, offs_r, mask_r
+
+
+@triton.jit
 def _mla_decode_kernel(
     qn_ptr, qp_ptr, cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     sm_scale_log2, kv_scale, num_splits, num_heads, kv_lora_rank, rope_dim,
@@ -102,14 +119,9 @@ def _mla_decode_kernel(
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < num_heads
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_l = offs_l < kv_lora_rank
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < rope_dim
-    qn = tl.load(qn_ptr + token * stride_qnt + heads[:, None] * stride_qnh + offs_l[None, :],
-                 mask=mask_h[:, None] & mask_l[None, :], other=0.0)  # fmt: skip
-    qp = tl.load(qp_ptr + token * stride_qpt + heads[:, None] * stride_qph + offs_r[None, :],
-                 mask=mask_h[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
+    qn, qp, offs_l, mask_l, offs_r, mask_r = _head_queries(
+        qn_ptr, qp_ptr, token, heads, mask_h, kv_lora_rank, rope_dim, stride_qnt, stride_qnh, stride_qpt, stride_qph,
+        BLOCK_L, BLOCK_R)  # fmt: skip
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
@@ -275,9 +287,13 @@ def paged_mla_prefill(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
 
 
 def paged_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-              scale: float, kv_scale: float = 1.0) -> torch.Tensor:
-    """The backend's forward: the split-context decode kernel when every sequence has one new token, the
-    causal prefill kernel otherwise."""
+              scale: float, kv_scale: float = 1.0, select: torch.Tensor | None = None) -> torch.Tensor:
+    """The backend's forward: sparse attention over `select`'s positions (dsa_triton.sparse_mla) when given, else
+    the split-context decode kernel when every sequence has one new token, the causal prefill kernel otherwise."""
+    if select is not None:
+        from flotilla.kernels.mla.dsa_triton import sparse_mla  # (it builds on this module's tile)
+
+        return sparse_mla(q_latent, q_pe, kv_cache, meta, scale, kv_scale, select)
     if meta.max_query_len == 1:
         return paged_mla_decode(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
     return paged_mla_prefill(q_latent, q_pe, kv_cache, meta, scale, kv_scale)
