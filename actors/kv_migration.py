@@ -4,7 +4,8 @@ One per worker rank, in the worker's process group (actors/topology.py `process`
 rank's KV cache through `flotilla.actors.worker.local_runner` and never over a socket. At start it
 registers memory with a KV transfer engine (transport/kv_transfer.py: dlslime TCP between processes or
 hosts; CUDA IPC between GPU caches of one host; a local copy when both engines share one process): the KV
-cache itself, one region per layer,
+cache itself, one region for all layers when they are views of one allocation (the worker's: a migration is then
+one read of every layer's ranges, one gather and one scatter under CUDA IPC), else one region per layer,
 or, when the KV cache is not in memory the backend can read (a GPU cache under dlslime TCP), host
 staging buffers instead (see below).
 
@@ -99,8 +100,9 @@ MAX_WAITING_REQUESTS = 1024
 
 
 class KVMemory:
-    """A rank's KV cache as the data plane sees it: one contiguous tensor per layer, same block layout; and a hybrid
-    model's recurrent-state pools (`states`, row `state_row_base + s` holding snapshot slot s)."""
+    """A rank's KV cache as the data plane sees it: one contiguous tensor per layer, same block layout (`whole`:
+    all of them as one tensor when they lie back to back in one allocation); and a hybrid model's recurrent-state
+    pools (`states`, row `state_row_base + s` holding snapshot slot s)."""
 
     def __init__(self, caches: list[torch.Tensor], states: list[torch.Tensor] = (), state_row_base: int = 0) -> None:
         if not caches:
@@ -112,6 +114,8 @@ class KVMemory:
         self.states = list(states)
         self.state_row_base = state_row_base
         self.state_row_bytes = [kv_block_bytes(t) for t in self.states]
+        self.whole = _back_to_back(caches)
+        """The layers as one tensor [layers, *layer shape] sharing their memory, or None when they are apart."""
 
     @property
     def device(self) -> torch.device:
@@ -152,6 +156,18 @@ class KVMemory:
             torch.cuda.synchronize(self.device)
 
 
+def _back_to_back(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers as one tensor when each starts where the one before ends, in one storage; else None."""
+    first = caches[0]
+    size = first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for i, c in enumerate(caches):
+        if (c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous()
+                or c.untyped_storage().data_ptr() != storage or c.data_ptr() != first.data_ptr() + i * size):
+            return None
+    return first.as_strided((len(caches), *first.shape), (first.numel(), *first.stride()))
+
+
 class _PeerSilent(KVTransferError):
     """The prefill rank did not answer a request in time: gone or stuck, for every migration from it."""
 
@@ -187,6 +203,9 @@ class KVMigrationActor(Actor):
         """This rank's KV is reached through staging buffers."""
         self.regions: list[RegionInfo] = []
         """The KV layers' regions (unstaged), or this rank's read staging region (staged)."""
+        self.layer_blocks = 0
+        """Unstaged with one region for every layer: blocks per layer in it (layer l's block b at l * layer_blocks +
+        b); 0 with a region per layer."""
         self.state_regions: list[RegionInfo] = []
         """A hybrid model's recurrent-state pools (kv_migration moves a transfer's snapshot row of each)."""
         self._read_stage: torch.Tensor | None = None
@@ -225,6 +244,9 @@ class KVMigrationActor(Actor):
             if self.memory.device.type == "cuda":
                 log.warning("%s: GPU KV moves through host staging buffers; this path has not run on a GPU yet",
                             self.label)
+        elif self.memory.whole is not None and not isinstance(self.engine, TorchDistEngine):  # (it sends per layer)
+            self.regions = [self.engine.register("kv", self.memory.whole)]
+            self.layer_blocks = self.memory.caches[0].shape[0]
         else:
             self.regions = [self.engine.register(f"kv.layer{i}", c) for i, c in enumerate(self.memory.caches)]
         self.state_regions = [self.engine.register(f"state.{i}", t) for i, t in enumerate(self.memory.states)]
@@ -262,8 +284,8 @@ class KVMigrationActor(Actor):
                                  kv_dtype=self.memory.kv_dtype)
         else:
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
-                                 block_bytes=self.memory.block_bytes, kv_dtype=self.memory.kv_dtype,
-                                 state_regions=self.state_regions, state_row_bytes=self.memory.state_row_bytes,
+                                 block_bytes=self.memory.block_bytes, layer_blocks=self.layer_blocks,
+                                 kv_dtype=self.memory.kv_dtype, state_regions=self.state_regions, state_row_bytes=self.memory.state_row_bytes,
                                  state_row_base=self.memory.state_row_base)
         await self.send_to(req.reply_to, ev)
 
@@ -418,10 +440,11 @@ class KVMigrationActor(Actor):
     def _layout_mismatch(self, ev: KVEndpointEvent) -> str | None:
         assert self.memory is not None
         layers = len(self.memory.caches)
-        if not ev.staging_blocks:
+        per_layer = ev.staging_blocks or ev.layer_blocks  # one region of layers x per_layer blocks, or one per layer
+        if not per_layer:
             theirs = len(ev.regions)
-        elif ev.regions and ev.block_bytes:  # one staging region of layers x staging_blocks blocks
-            theirs = ev.regions[0].length // (ev.block_bytes * ev.staging_blocks)
+        elif ev.regions and ev.block_bytes:
+            theirs = ev.regions[0].length // (ev.block_bytes * per_layer)
         else:
             theirs = 0
         if theirs != layers:
@@ -541,15 +564,18 @@ class KVMigrationActor(Actor):
         """Read (remote index, local index) pairs of every layer: block ids, or staging slots on a staged side."""
         assert self.engine is not None and self.memory is not None
         bb = self.memory.block_bytes
-        layers = len(self.memory.caches)
-        calls: dict[tuple[int, int], list[np.ndarray]] = {}  # (remote region #, local region #) -> ranges
-        block_pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-        for layer in range(layers):
-            remote = (0, layer * info.staging_blocks * bb) if info.staging_blocks else (layer, 0)
-            local = (0, layer * self._read_stage.shape[1] * bb) if self.staged else (layer, 0)
-            calls.setdefault((remote[0], local[0]), []).append(kv_block_table(block_pairs, [local[1]], [remote[1]], bb))
-        for (r, lo), ranges in calls.items():
-            await self.engine.read(info.regions[r], np.concatenate(ranges), self.regions[lo])
+        remote_blocks = info.staging_blocks or info.layer_blocks  # blocks per layer of a one-region side, else 0
+        local_blocks = self._read_stage.shape[1] if self.staged else self.layer_blocks
+        calls: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (remote #, local #) -> layers' offsets
+        for layer in range(len(self.memory.caches)):
+            remote = (0, layer * remote_blocks * bb) if remote_blocks else (layer, 0)
+            local = (0, layer * local_blocks * bb) if local_blocks else (layer, 0)
+            offsets = calls.setdefault((remote[0], local[0]), ([], []))
+            offsets[0].append(local[1])
+            offsets[1].append(remote[1])
+        for (r, lo), (local_offsets, remote_offsets) in calls.items():  # one read when both sides are one region
+            ranges = kv_block_table(np.asarray(pairs, dtype=np.int64), local_offsets, remote_offsets, bb)
+            await self.engine.read(info.regions[r], ranges, self.regions[lo])
 
     async def _read_state(self, cmd: MigrateKVCmd, info: KVEndpointEvent) -> None:
         """A hybrid model's recurrent state: the prefill side's snapshot row into ours, in every pool."""

@@ -217,9 +217,10 @@ class ModelRunner:
             self._allocate_state()
         self.num_blocks = self._num_kv_blocks()
         # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
+        # one allocation, a view per layer: the KV data plane reaches every layer through one region
         shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.model.num_layers)]
+        self.kv_caches = list(torch.zeros((self.model.num_layers, *shape), dtype=self.kv_dtype,
+                                          device=self.device).unbind(0))
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[PendingStep] = deque()
         self._st_cache: tuple[tuple, SamplingTensors] | None = None

@@ -47,18 +47,26 @@ async def _migrate(backend: str, cmds_of, decode_dim: int = DIM, timeout_s: floa
                    staging: tuple[str, str] = ("auto", "auto"),
                    dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), between=None,
                    devices: tuple[str, str] = ("cpu", "cpu"), block_shape: tuple[int, ...] | None = None,
-                   announce: Callable[[MigrateKVCmd], np.ndarray] | None = lambda cmd: cmd.src_block_ids):
+                   announce: Callable[[MigrateKVCmd], np.ndarray] | None = lambda cmd: cmd.src_block_ids,
+                   one_allocation: tuple[bool, bool] = (False, False)):
     """Run a prefill and a decode migration actor inline; feed the decode one the commands `cmds_of(src)`
     builds; return (prefill caches, decode caches, MigrationDone events). dtypes: the two caches'.
     between: called with the number of commands done so far, after each (then they go one at a time).
     devices: where the two caches live (the returned ones are CPU copies). block_shape: one block of both caches
     (default: the GQA layout [2, BS, HEADS, DIM]). announce: the blocks the prefill scheduler's KVReadyEvent names for
-    each command's transfer, sent to the prefill actor first (as SchedulerActor does); None: no announcement."""
+    each command's transfer, sent to the prefill actor first (as SchedulerActor does); None: no announcement.
+    one_allocation: each side's layers are views of one tensor (as the worker allocates them), else apart."""
     torch.manual_seed(0)
     src_block = block_shape or (2, BS, HEADS, DIM)
     dst_block = block_shape or (2, BS, HEADS, decode_dim)
-    pre = [torch.randn(NUM_BLOCKS + 1, *src_block).to(dtypes[0]).to(devices[0]) for _ in range(LAYERS)]
-    dec = [torch.zeros(NUM_BLOCKS + 1, *dst_block, dtype=dtypes[1], device=devices[1]) for _ in range(LAYERS)]
+    if one_allocation[0]:
+        pre = list(torch.randn(LAYERS, NUM_BLOCKS + 1, *src_block).to(dtypes[0]).to(devices[0]).unbind(0))
+    else:
+        pre = [torch.randn(NUM_BLOCKS + 1, *src_block).to(dtypes[0]).to(devices[0]) for _ in range(LAYERS)]
+    if one_allocation[1]:
+        dec = list(torch.zeros(LAYERS, NUM_BLOCKS + 1, *dst_block, dtype=dtypes[1], device=devices[1]).unbind(0))
+    else:
+        dec = [torch.zeros(NUM_BLOCKS + 1, *dst_block, dtype=dtypes[1], device=devices[1]) for _ in range(LAYERS)]
     _fake_runner("pw", pre)
     _fake_runner("dw", dec)
     def config(workers: str, stage: str) -> dict:
@@ -132,6 +140,48 @@ def test_migrated_blocks_land_exactly_and_nothing_else_is_touched(backend, stagi
                 assert torch.equal(d[dst], p[moved[dst]]), dst
             else:
                 assert not d[dst].any(), dst
+
+
+@pytest.mark.parametrize("backend", ["local", "dlslime_tcp", "torch_dist"])
+@pytest.mark.parametrize("one_allocation", [(True, True), (True, False), (False, True)])
+def test_layers_of_one_allocation_are_one_region_read_in_one_call(backend, one_allocation, monkeypatch):
+    """The worker's layers are views of one tensor: both sides one region, a migration is one read of every layer's
+    ranges; with the other side apart, a read per layer; torch_dist sends per layer either way."""
+    if backend == "dlslime_tcp":
+        _need_dlslime()
+    from flotilla.transport.kv_transfer import KVTransferEngine
+
+    calls, read = [], KVTransferEngine.read
+
+    async def counted(self, remote, ranges, local, *args, **kwargs):
+        calls.append((remote.name, local.name))
+        return await read(self, remote, ranges, local, *args, **kwargs)
+
+    monkeypatch.setattr(KVTransferEngine, "read", counted)
+    scattered = (list(range(1, 61, 2)), list(range(90, 60, -1)))
+    pre, dec, done = uvloop.run(_migrate(backend, lambda src_kv: [_cmd("a", src_kv, *scattered)],
+                                         one_allocation=one_allocation))
+    assert done[0].error is None, done
+    moved = dict(zip(scattered[1], scattered[0]))
+    for p, d in zip(pre, dec):
+        for dst in range(NUM_BLOCKS + 1):
+            assert torch.equal(d[dst], p[moved[dst]]) if dst in moved else not d[dst].any(), dst
+    if backend == "torch_dist":
+        assert calls == []
+    elif one_allocation == (True, True):
+        assert calls == [("kv", "kv")]
+    else:
+        assert len(calls) == LAYERS and {"kv"} & {name for pair in calls for name in pair}
+
+
+def test_only_layers_back_to_back_in_one_storage_are_one_tensor():
+    whole = torch.randn(3, 9, 2, 4, 2, 8)
+    mem = KVMemory(list(whole.unbind(0)))
+    assert mem.whole is not None and mem.whole.data_ptr() == whole.data_ptr() and torch.equal(mem.whole, whole)
+    assert KVMemory(_caches()).whole is None  # separate allocations
+    spaced = torch.zeros(5, 9, 2, 4, 2, 8)
+    assert KVMemory([spaced[0], spaced[2]]).whole is None  # one storage, a gap between
+    assert KVMemory([whole[1], whole[0]]).whole is None  # out of order
 
 
 @pytest.mark.parametrize("backend,staging", [("local", ("auto", "auto")), ("torch_dist", ("auto", "auto")),

@@ -458,12 +458,16 @@ class KVEndpointEvent(Message):
     key: str = ""
     """The request's key."""
     regions: list[RegionInfo] = []
-    """One region per layer, in layer order; block b of a layer starts at b * block_bytes."""
+    """One region per layer, in layer order, block b of a layer at b * block_bytes; or one region of all layers
+    (`layer_blocks`, `staging_blocks`)."""
     block_bytes: int = 0
     """Bytes of one block of one layer, bytes."""
     staging_blocks: int = 0
     """0: `regions` are the KV layers. Otherwise one staging region of layers x staging_blocks blocks (layer l's
     slot i at (l * staging_blocks + i) * block_bytes), filled on KVStageRequest: the KV is not in host memory."""
+    layer_blocks: int = 0
+    """Unstaged, 0: one region per layer. Otherwise one region holds every layer, layer l's block b at
+    (l * layer_blocks + b) * block_bytes."""
     error: str | None = None
     """Set when the rank cannot serve its KV (then the other fields are empty)."""
     kv_dtype: str = ""

@@ -1,10 +1,11 @@
 """KV bytes per second through the cuda_ipc backend, per transfer size, between two processes of one host.
 
 A child process holds a prefill KV cache at a real model's KV shape (default Qwen3-8B: 36 layers, 8 KV heads, head_dim
-128, bf16, the engine's block size) on --src-device and registers each layer with a CudaIpcEngine; this process
-maps those regions and reads, for each --blocks size, that many scattered blocks of every layer into its own cache
-on --dst-device (random block ids on both sides, as an allocator hands them out: one range per block per layer,
-merged where ids run on), exactly as the KV-migration actor's reads do. Reported per size: the median and best
+128, bf16, the engine's block size) on --src-device, its layers in one allocation as the worker keeps them, and
+registers it with a CudaIpcEngine as one region; this process maps it and reads, for each --blocks size, that many
+scattered blocks of every layer into its own cache on --dst-device (random block ids on both sides, as an allocator
+hands them out: one range per block per layer, merged where ids run on, all layers in one read), exactly as the
+KV-migration actor's reads do. Reported per size: the median and best
 seconds of --repeat reads after --warmup, GB/s (1e9 bytes/s of the KV moved), and, for reference, a plain copy of
 the same bytes within this process (contiguous, one copy per layer). After the last read the blocks are checked
 byte for byte against the child's.
@@ -38,11 +39,11 @@ from flotilla.transport.kv_transfer_cuda_ipc import CudaIpcEngine
 layers, blocks, device, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 shape = msgspec.json.decode(sys.argv[5])
 torch.manual_seed(seed)
-caches = [torch.randint(0, 256, (blocks, *shape), dtype=torch.uint8, device=device) for _ in range(layers)]
+cache = torch.randint(0, 256, (layers, blocks, *shape), dtype=torch.uint8, device=device)
 engine = CudaIpcEngine(host="127.0.0.1")
-regions = [engine.register(f"kv.layer{i}", c) for i, c in enumerate(caches)]
+region = engine.register("kv", cache)
 torch.cuda.synchronize()
-print(msgspec.json.encode([engine.endpoint_info(), regions]).decode(), flush=True)
+print(msgspec.json.encode([engine.endpoint_info(), region]).decode(), flush=True)
 sys.stdin.readline()
 engine.close()
 """
@@ -67,26 +68,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def bench(args: argparse.Namespace, endpoint: EndpointInfo, regions: list[RegionInfo], block_bytes: int
-                ) -> tuple[list[dict[str, Any]], list[torch.Tensor], list[int], list[int]]:
-    """The rows, this side's caches, and the last transfer's (source, destination) block ids."""
+async def bench(args: argparse.Namespace, endpoint: EndpointInfo, region: RegionInfo, block_bytes: int
+                ) -> tuple[list[dict[str, Any]], torch.Tensor, list[int], list[int]]:
+    """The rows, this side's cache [layers, blocks, block_bytes], and the last transfer's (source, destination)
+    block ids."""
     from flotilla.transport.kv_transfer_cuda_ipc import CudaIpcEngine
 
-    dst = [torch.zeros(args.cache_blocks, block_bytes, dtype=torch.uint8, device=args.dst_device)
-           for _ in range(args.layers)]
+    dst = torch.zeros(args.layers, args.cache_blocks, block_bytes, dtype=torch.uint8, device=args.dst_device)
     engine = CudaIpcEngine()
-    mine = [engine.register(f"dst.{i}", d) for i, d in enumerate(dst)]
+    mine = engine.register("kv", dst)
     engine.connect(endpoint)
+    layer_offsets = [layer * args.cache_blocks * block_bytes for layer in range(args.layers)]
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for n in [int(x) for x in args.blocks.split(",")]:
         src_ids = torch.randperm(args.cache_blocks, generator=gen)[:n].tolist()
         dst_ids = torch.randperm(args.cache_blocks, generator=gen)[:n].tolist()
-        ranges = kv_block_table(list(zip(src_ids, dst_ids)), [0], [0], block_bytes)
 
         async def once() -> float:
             t0 = time.perf_counter()
-            await asyncio.gather(*(engine.read(r, ranges, m) for r, m in zip(regions, mine)))
+            ranges = kv_block_table(list(zip(src_ids, dst_ids)), layer_offsets, layer_offsets, block_bytes)
+            await engine.read(region, ranges, mine)
             return time.perf_counter() - t0
 
         for _ in range(args.warmup):
@@ -125,18 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         line = child.stdout.readline()
         if not line:
             raise SystemExit(f"bench_cuda_ipc: the exporting process ended ({child.wait()})")
-        endpoint, regions = msgspec.json.decode(line, type=tuple[EndpointInfo, list[RegionInfo]])
-        rows, dst, src_ids, dst_ids = asyncio.run(bench(args, endpoint, regions, block_bytes))
+        endpoint, region = msgspec.json.decode(line, type=tuple[EndpointInfo, RegionInfo])
+        rows, dst, src_ids, dst_ids = asyncio.run(bench(args, endpoint, region, block_bytes))
         # check the last transfer: reread the child's blocks the same way into a fresh buffer and compare
         from flotilla.transport.kv_transfer_cuda_ipc import CudaIpcEngine
 
         with CudaIpcEngine() as engine:
             engine.connect(endpoint)
-            whole = torch.empty(args.cache_blocks, block_bytes, dtype=torch.uint8, device=args.dst_device)
-            region = engine.register("whole", whole)
-            for layer, r in enumerate(regions):
-                asyncio.run(engine.read(r, [(0, 0, r.length)], region))
-                if not torch.equal(dst[layer][dst_ids], whole[src_ids]):
+            whole = torch.empty_like(dst)
+            asyncio.run(engine.read(region, [(0, 0, region.length)], engine.register("whole", whole)))
+            for layer in range(args.layers):
+                if not torch.equal(dst[layer][dst_ids], whole[layer][src_ids]):
                     raise SystemExit(f"bench_cuda_ipc: layer {layer}'s blocks differ from the exporter's")
         print("every block of the last transfer equals its source", flush=True)
     finally:
