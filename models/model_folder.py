@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from flotilla.config import EngineConfig
 from flotilla.models.default_model import default_model_dir
 from flotilla.models.hf_config import load_max_model_len, text_config
+
+if TYPE_CHECKING:  # (transformers costs about half a second to import: a worker loads it only to build grammars)
+    from transformers import PreTrainedTokenizerBase
 
 
 def model_dir(config: EngineConfig) -> Path:
@@ -34,6 +36,8 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTo
     tokenizer, no remote code, a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES) that class is loaded directly;
     everything else goes through AutoTokenizer."""
     if _generic_fast_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast
+
         tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     else:
         from transformers import AutoTokenizer  # (imports torch)

@@ -88,6 +88,15 @@ def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_p
     assert out.stdout.strip() == "[]"
 
 
+def test_a_worker_process_imports_no_transformers():
+    """A worker needs transformers' tokenizer only to build grammars (structured outputs): importing it at start
+    would cost every engine start about half a second."""
+    code = "import sys\nimport flotilla.actors.worker\nprint('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_a_folder_without_tokenizer_files_is_refused_with_a_way_out(tmp_path):
     """transformers builds an empty tokenizer of the config's class for a folder with no tokenizer files (an engine
     on such a folder would refuse every prompt: "prompt token ids must be in [0, 1)"); loading says what is missing
