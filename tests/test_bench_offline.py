@@ -219,6 +219,17 @@ def test_the_deepseek_v4_shape_parses_as_the_model_builds_it():
     assert v4.compress_rope_scaling["rope_type"] == "yarn" and c.moe.num_experts == 256 and c.sliding_window == 128
 
 
+def test_the_sparse_attention_shapes_parse_as_the_models_build_them():
+    from flotilla.models.hf_config import load_hf_config
+    from flotilla.scripts.dev.bench_shapes import shape_dir
+
+    v32, glm = load_hf_config(shape_dir("deepseek-v32-4l")), load_hf_config(shape_dir("glm5-4l"))
+    assert (v32.dsa.index_topk, v32.dsa.index_n_heads, v32.dsa.rope_interleave) == (2048, 64, False)
+    assert (glm.dsa.index_topk, glm.dsa.index_n_heads, glm.dsa.rope_interleave) == (2048, 32, True)
+    assert glm.mla.qk_nope_head_dim == 192 and glm.mla.v_head_dim == 256 and not any(glm.dsa.shared)
+    assert v32.quantization is not None and glm.quantization is not None and glm.moe.num_experts == 256
+
+
 def test_the_images_workload_is_one_seeded_generator_and_vllm_gets_a_tokenizer_of_qwens_ids(tmp_path):
     """Both engines (bench_offline --engine) draw the same requests; the placeholder tokenizer that vLLM's Qwen3-VL
     processor needs puts Qwen's special tokens at the ids the shape's config names."""

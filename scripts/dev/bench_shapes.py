@@ -45,6 +45,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+SHAPES["deepseek-v32-4l"] = {**SHAPES["deepseek-v3-4l"], "architectures": ["DeepseekV32ForCausalLM"],
+                              "model_type": "deepseek_v32", "index_topk": 2048, "index_head_dim": 128,
+                              "index_n_heads": 64}
+"""DeepSeek-V3.2: DeepSeek-V3's 4 layers, each with the lightning indexer of sparse attention (top 2,048)."""
+SHAPES["glm5-4l"] = dict(
+    architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144,
+    intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=64,
+    num_key_value_heads=64, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256, qk_nope_head_dim=192, topk_method="noaux_tc", n_group=1,
+    topk_group=1, num_experts_per_tok=8, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
+    max_position_embeddings=202752, rms_norm_eps=1e-5, rope_theta=10000, tie_word_embeddings=False,
+    torch_dtype="bfloat16", hidden_act="silu", num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1,
+    index_topk=2048, index_head_dim=128, index_n_heads=32, indexer_types=["full"] * 4,
+    quantization_config=SHAPES["deepseek-v3-4l"]["quantization_config"])
+"""GLM-5's layer shapes (transformers' GlmMoeDsaConfig), 4 layers (1 dense + 3 MoE), FP8 block-scaled weights."""
 SHAPES["deepseek-v3-4l-mtp"] = {**SHAPES["deepseek-v3-4l"], "num_nextn_predict_layers": 1}
 """deepseek-v3-4l with DeepSeek-V3's MTP layer (scripts/dev/bench_mtp.py); the peer's shape has none."""
 SHAPES["qwen3-8b-yarn"] = {**SHAPES["qwen3-8b"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
