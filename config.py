@@ -139,7 +139,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Attention kernels: auto picks the fastest usable backend (on CUDA flashinfer_triton where FlashInfer is
     installed, else triton; torch on CPU; for an MLA model flash_mla on Hopper, else triton). Force one by name:
     torch, triton, flashinfer or flashinfer_triton (FlashInfer for prefill, triton's decode kernel in CUDA graphs);
-    an MLA model takes torch, triton, flash_mla or flashinfer."""
+    an MLA model takes torch, triton, flash_mla or flashinfer; sparse attention (DeepSeek-V3.2, GLM-5) and
+    DeepSeek-V4 take torch or triton (auto: triton on CUDA)."""
     enforce_eager: bool = False
     """Run every step eagerly, without CUDA graphs (for debugging and profiling)."""
     prefill_cuda_graphs: Literal["auto", "all", "off"] = "auto"

@@ -24,13 +24,16 @@ The paged cache holds one row per token per layer: the token's key-value head, t
 projections and (CSA) its indexer's, then the entry (and indexer entry) of the window the token ends, if it ends one:
 the step whose tokens finish a window pools it from the window's rows and writes it there. So a prefix hit, a chunked
 prefill, a preemption or a KV migration needs nothing beyond the rows, and a step reads the window's rows and the
-entries' rows, O(sliding_window + length / rate) per sequence, not the whole context. This module is the torch
-reference (a loop over the step's sequences); kernels are a separate path.
+entries' rows, O(sliding_window + length / rate) per sequence, not the whole context.
+
+Two paths share the projections, the cache rows and the pooling of finished windows: the torch reference (a loop
+over the step's prompt chunks, decodes batched), and the kernels ("triton", auto on a GPU): each token's keys as a
+list of cache offsets (its window, then the entries it sees: all of them under HCA, the indexer's top-k under CSA,
+scored by kernels/mla/dsa_triton.py over the entries' rows), read by kernels/triton/sink_attention.py.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -41,6 +44,7 @@ from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.quant.fp8_ref import block_dequantize
 from flotilla.kernels.rope import rope_inv_freq
+from flotilla.models.deepseek_v4_checkpoint import fp4_dequantize, param_name, rank_share
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
 from flotilla.models.parallel import all_reduce, divide, tp_group
 
@@ -178,8 +182,10 @@ class StepRows:
 class DeepseekV4Attention(nn.Module):
     """One layer's attention, with its compressor (CSA, HCA) and indexer (CSA); see the module docstring."""
 
-    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int) -> None:
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int, kernels: str = "torch") -> None:
+        """kernels: "triton" attends through the kernels, "torch" through the reference (module docstring)."""
         super().__init__()
+        self.kernels = kernels
         self.kind = v4.layer_types[layer_idx]
         self.rate = v4.rate(layer_idx)
         tp = tp_group().size
@@ -249,6 +255,73 @@ class DeepseekV4Attention(nn.Module):
         probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("nhs,nsd->nhd" if own else "nhs,sd->nhd", probs, keys)
 
+    def _pool_decoding(self, flat: torch.Tensor, step: StepRows, rotary: Rotary) -> None:
+        """The windows that the step's decoding tokens finish, pooled (batched) into those tokens' rows."""
+        sel = step.ending(self.rate)
+        if sel is None:
+            return
+        bs, rate, tables, p = step.block_size, self.rate, step.tables[sel], step.positions[sel]
+
+        def slots(pos: torch.Tensor) -> torch.Tensor:
+            pos = pos.clamp(min=0)
+            return tables.gather(1, pos // bs) * bs + pos % bs
+
+        w = (p + 1) // rate - 1  # their token ends window w = length / rate - 1: pool it into that token's row
+        r = torch.arange(rate, device=flat.device)[None, :]
+        cur, prev = flat[slots(w[:, None] * rate + r)], flat[slots((w[:, None] - 1) * rate + r)]
+        at = slots(p[:, None])[:, 0]
+        comp = self.compressor
+        cols = slice(self.proj_at, self.proj_at + 2 * comp.width)
+        flat[at, self.entry_at:self.entry_at + comp.dim] = comp.pool(
+            cur[..., cols].float(), prev[..., cols].float(), w, rotary).to(flat.dtype)
+        if self.indexer is not None:
+            idx, icols = self.indexer, slice(self.iproj_at, self.iproj_at + 2 * self.indexer.width)
+            flat[at, self.ientry_at:self.ientry_at + idx.dim] = idx.pool(
+                cur[..., icols].float(), prev[..., icols].float(), w, rotary).to(flat.dtype)
+
+    def _attend_listed(self, flat: torch.Tensor, cache: torch.Tensor, q: torch.Tensor, iq: torch.Tensor | None,
+                       iw: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata, step: StepRows,
+                       rotary: Rotary) -> torch.Tensor:
+        """The kernels' path for every token of the step: the windows its tokens finish pooled first, then each
+        token's keys as cache offsets (window rows, then the entries it sees) read by the sink-attention kernel."""
+        from flotilla.kernels.mla.dsa_triton import select_topk, token_sequences
+        from flotilla.kernels.triton.sink_attention import sink_attention
+
+        bs, width = step.block_size, flat.shape[1]
+        if self.compressor is not None:
+            if step.decoding:
+                self._pool_decoding(flat, step, rotary)
+            for b, length in enumerate(step.lens):  # prompt chunks: the windows each finishes
+                lo, hi = step.qsl[b], step.qsl[b + 1]
+                if hi - lo > 1:
+                    table = step.block_tables[b].long()
+                    self._store_entries(flat, lambda p, table=table: table[p // bs] * bs + p % bs, length - (hi - lo),
+                                        length - 1, rotary)
+        tables = meta.block_tables.long()[token_sequences(meta, q.shape[0]).long()]
+        pos = positions.long()
+
+        def offsets(at: torch.Tensor, column: int) -> torch.Tensor:
+            """Where the vectors of the rows at positions `at` [T, K] (-1: none) start in the flat cache."""
+            p = at.clamp(min=0)
+            slot = tables.gather(1, p // bs) * bs + p % bs
+            return torch.where(at >= 0, slot * width + column, -1)
+
+        window = pos[:, None] - self.window + 1 + torch.arange(self.window, device=pos.device)[None, :]
+        lists = [offsets(window.clamp(min=-1), 0)]
+        entries = meta.max_seq_len // self.rate if self.compressor is not None else 0
+        if entries:
+            rate = self.rate
+            if self.indexer is not None:
+                idx = self.indexer
+                ids = select_topk(iq.contiguous(), iw, cache[..., self.ientry_at:self.ientry_at + idx.dim], meta,
+                                  idx.topk, idx.dim**-0.5, rate=rate).long()
+            else:  # every entry finished at or before the token
+                e = torch.arange(entries, device=pos.device)[None, :]
+                ids = torch.where(e < ((pos + 1) // rate)[:, None], e, -1)
+            lists.append(offsets(torch.where(ids >= 0, (ids + 1) * rate - 1, -1), self.entry_at))
+        return sink_attention(q.contiguous(), flat.view(-1), torch.cat(lists, dim=1).contiguous(), self.sinks,
+                              self.head_dim**-0.5)
+
     def _decode(self, flat: torch.Tensor, q: torch.Tensor, iq: torch.Tensor | None, iw: torch.Tensor | None,
                 step: StepRows, rotary: Rotary) -> torch.Tensor:
         """Attention of the step's decoding sequences, one new token each (q [n, heads, D]), batched: each token's
@@ -265,21 +338,7 @@ class DeepseekV4Attention(nn.Module):
         keys, mask = flat[slots(window), :self.head_dim], window >= 0
         if self.compressor is not None:
             rate = self.rate
-            sel = step.ending(rate)
-            if sel is not None:  # their token ends window w = length / rate - 1: pool it into that token's row
-                w = (p[sel] + 1) // rate - 1
-                r = torch.arange(rate, device=dev)[None, :]
-                cur, prev = flat[slots(w[:, None] * rate + r, tables[sel])], flat[slots((w[:, None] - 1) * rate + r,
-                                                                                        tables[sel])]
-                at = slots(p[sel][:, None], tables[sel])[:, 0]
-                comp = self.compressor
-                cols = slice(self.proj_at, self.proj_at + 2 * comp.width)
-                flat[at, self.entry_at:self.entry_at + comp.dim] = comp.pool(
-                    cur[..., cols].float(), prev[..., cols].float(), w, rotary).to(flat.dtype)
-                if self.indexer is not None:
-                    idx, icols = self.indexer, slice(self.iproj_at, self.iproj_at + 2 * self.indexer.width)
-                    flat[at, self.ientry_at:self.ientry_at + idx.dim] = idx.pool(
-                        cur[..., icols].float(), prev[..., icols].float(), w, rotary).to(flat.dtype)
+            self._pool_decoding(flat, step, rotary)
             most = max(step.lens[b] for b in step.decoding) // rate
             if most:
                 e = torch.arange(most, device=dev)[None, :]
@@ -320,6 +379,9 @@ class DeepseekV4Attention(nn.Module):
             iw = self.indexer.scorer.weights_proj(x.float()) * self.indexer.heads**-0.5
         else:
             iq = iw = None
+        if self.kernels == "triton":
+            out = self._attend_listed(flat, cache, q, iq, iw, positions, meta, step, compress_rotary)
+            return self._output(out, cos, sin)
         out = torch.empty(t, self.heads, self.head_dim, dtype=x.dtype, device=x.device)
         qsl, bs = step.qsl, step.block_size
         if step.decoding:  # sequences with one new token: all at once
@@ -358,6 +420,11 @@ class DeepseekV4Attention(nn.Module):
                 keys = torch.cat([keys, entries])
                 mask = torch.cat([mask, seen], dim=-1)
             out[lo:hi] = self._attend(q[lo:hi], keys, mask).to(x.dtype)
+        return self._output(out, cos, sin)
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [T, heads, D] with their rope dims turned back, through the grouped projection."""
+        t = out.shape[0]
         out = rotate(out, cos, -sin)
         grouped = out.reshape(t, self.groups, -1)
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
@@ -460,10 +527,11 @@ class DeepseekV4MoE(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int, backend: MoEBackend) -> None:
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, layer_idx: int, backend: MoEBackend,
+                 kernels: str = "torch") -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = DeepseekV4Attention(config, v4, layer_idx)
+        self.self_attn = DeepseekV4Attention(config, v4, layer_idx, kernels)
         self.mlp = DeepseekV4MoE(config, v4, layer_idx, backend)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -474,7 +542,6 @@ class DeepseekV4DecoderLayer(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4's decoder (the step interface of LlamaForCausalLM) over the paged rows of the module docstring."""
 
-    attention_backend_name = "torch"
     fused_ops_name = "torch"
 
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", moe_backend: str = "auto") -> None:
@@ -484,15 +551,25 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError("config.json is not a DeepSeek-V4 config (model_type deepseek_v4)")
         if config.num_key_value_heads != 1:
             raise ValueError(f"DeepSeek-V4 has one key-value head, config.json says {config.num_key_value_heads}")
-        if attention_backend not in ("auto", "torch"):
-            raise ValueError(f"DeepSeek-V4 runs on the torch reference only so far, not {attention_backend!r}")
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"DeepSeek-V4's attention runs on the triton kernels or the torch reference, not "
+                             f"{attention_backend!r}")
+        from flotilla.kernels.attention import triton_usable
+
+        if attention_backend == "auto":
+            attention_backend = "triton" if torch.cuda.is_available() and triton_usable() else "torch"
+        elif attention_backend == "triton" and not triton_usable():
+            raise ValueError("DeepSeek-V4's triton attention needs triton (and a GPU, or TRITON_INTERPRET=1)")
+        self.attention_backend_name = "v4_triton" if attention_backend == "triton" else "torch"
+        """The attention path (the ready log line; not a static-table backend: the step still reads its rows on the
+        host, so decode steps run eager)."""
         self.config, self.v4 = config, v4
         self.moe_backend = get_moe_backend(moe_backend, device=torch.get_default_device(),
                                            dtype=torch.get_default_dtype())
         self.moe_backend_name = self.moe_backend.name
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i, self.moe_backend)
+        self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i, self.moe_backend, attention_backend)
                                           for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.model.hc_head = nn.Module()
@@ -545,11 +622,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         targets = {**dict(self.named_buffers()), **params}
         loaded: set[str] = set()
         for name, tensor in self._dequantized(weights):
-            target_name, row, part = _param_name(name)
+            target_name, row, part = param_name(name)
             target = targets.get(target_name)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of DeepSeek-V4")
-            tensor = _rank_share(target_name, tensor, row is not None)
+            tensor = rank_share(target_name, tensor, row is not None)
             if row is not None:  # one routed expert's matrix: its slice of the stacked tensor
                 half = target.shape[1] // 2
                 target = target[row] if part is None else target[row, part * half:(part + 1) * half]
@@ -592,93 +669,3 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
         return lambda name: not name.startswith("mtp.")
-
-
-
-_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The 16 values of an e2m1 nibble."""
-
-
-def fp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 [N, K / 2] int8 (two e2m1 values a byte, the low nibble first) times its scales [N / bn, K / bk] (E8M0
-    exponents as uint8 or float8_e8m0fnu, or float32), each over a block the grid's shape gives (1 x 32 for
-    V4-Flash's experts) -> float32 [N, K]."""
-    u8 = packed.contiguous().view(torch.uint8)
-    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=packed.device)
-    w = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).reshape(packed.shape[0], -1)
-    s = (scales.float() - 127.0).exp2() if scales.dtype == torch.uint8 else scales.float()
-    (rows, cols), (srows, scols) = w.shape, s.shape
-    if rows % srows or cols % scols:
-        raise ValueError(f"an FP4 weight of {rows} x {cols} does not divide into its {srows} x {scols} scale blocks")
-    return w * s.repeat_interleave(rows // srows, dim=0).repeat_interleave(cols // scols, dim=1)
-
-
-_ROOT = {"embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
-         "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
-         "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
-         "hc_head_scale": "model.hc_head.hc_scale", "hc_head.hc_fn": "model.hc_head.hc_fn",
-         "hc_head.hc_base": "model.hc_head.hc_base", "hc_head.hc_scale": "model.hc_head.hc_scale"}
-_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-          "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-          "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-          "attn.attn_sink": "self_attn.sinks", "attn.wq_a.weight": "self_attn.q_a_proj.weight",
-          "attn.q_norm.weight": "self_attn.q_a_norm.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
-          "attn.wkv.weight": "self_attn.kv_proj.weight", "attn.norm.weight": "self_attn.kv_norm.weight",
-          "attn.wo_a.weight": "self_attn.o_a_proj.weight", "attn.wo_b.weight": "self_attn.o_b_proj.weight",
-          "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
-          "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
-          "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-          "ffn.gate.tid2eid": "mlp.gate.tid2eid", "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-          "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-          "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight"}
-_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
-               "norm.weight": "kv_norm.weight"}
-_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
-
-
-_SPLIT_ROWS = ("self_attn.q_b_proj.weight", "self_attn.sinks", "self_attn.o_a_proj.weight",
-               "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")
-_SPLIT_COLS = ("self_attn.o_b_proj.weight", "mlp.shared_experts.down_proj.weight")
-
-
-def _rank_share(name: str, tensor: torch.Tensor, one_expert: bool) -> torch.Tensor:
-    """This tensor-parallel rank's part of a checkpoint tensor: its heads (queries, sinks, output groups), its share
-    of every expert's intermediate dims; the rest (the key-value head, compressors, indexer, mHC, router, embeddings)
-    whole on every rank."""
-    tp = tp_group()
-    if tp.size == 1:
-        return tensor
-    share = lambda t, dim: t.chunk(tp.size, dim=dim)[tp.rank]  # noqa: E731
-    if name.endswith(_SPLIT_ROWS):
-        return share(tensor, 0)
-    if name.endswith(_SPLIT_COLS):
-        return share(tensor, 1)
-    if name.endswith("mlp.experts.down_proj"):
-        return share(tensor, 1 if one_expert else 2)  # ([H, I] of one expert, or [E, H, I] stacked)
-    if name.endswith("mlp.experts.gate_up_proj"):
-        if one_expert:  # (w1 or w3 [I, H])
-            return share(tensor, 0)
-        gate, up = tensor.chunk(2, dim=1)
-        return torch.cat([share(gate, 1), share(up, 1)], dim=1)
-    return tensor
-
-
-def _param_name(name: str) -> tuple[str, int | None, int | None]:
-    """A checkpoint tensor's parameter (or buffer) here; for one routed expert's matrix also its expert (row) and,
-    for w1 / w3, which half of gate_up_proj (0 / 1)."""
-    bare = name.removeprefix("model.")
-    if not bare.startswith("layers."):
-        return _ROOT.get(bare, name), None, None
-    _, index, rest = bare.split(".", 2)
-    prefix = f"model.layers.{index}."
-    if rest in _LAYER:
-        return prefix + _LAYER[rest], None, None
-    if (m := _EXPERT.match(rest)) is not None:
-        kind = m[2]
-        return prefix + ("mlp.experts.down_proj" if kind == "w2" else "mlp.experts.gate_up_proj"), int(m[1]), \
-            {"w1": 0, "w3": 1, "w2": None}[kind]
-    for owner, here in (("attn.indexer.compressor.", "self_attn.compressor.indexer."),
-                        ("attn.compressor.", "self_attn.compressor.")):
-        if rest.startswith(owner) and rest[len(owner):] in _COMPRESSOR:
-            return prefix + here + _COMPRESSOR[rest[len(owner):]], None, None
-    return prefix + rest, None, None  # (transformers' own names)

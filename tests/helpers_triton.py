@@ -56,6 +56,26 @@ def compile_for_sm90(specs: Sequence[CompileSpec], cache_dir: Path, capability: 
     assert not errors, "\n".join(errors)
 
 
+def kernel_test_module() -> tuple[bool, bool, Any]:
+    """(INTERPRET, ON_CUDA, DEVICE) for a module of triton kernel tests, called at its import: the module is skipped
+    without triton, or without a CUDA device when TRITON_INTERPRET is not 1; under the interpreter, the interpreter
+    is repaired to compute what the GPU computes (test_kernels_triton._repair_interpreter). DEVICE: where the
+    kernels run (the CPU under the interpreter)."""
+    import pytest
+    import torch
+
+    pytest.importorskip("triton", reason="triton is not installed")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda and not interpret:
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
+    if interpret:
+        from test_kernels_triton import _repair_interpreter
+
+        _repair_interpreter()
+    return interpret, on_cuda, torch.device("cuda" if on_cuda and not interpret else "cpu")
+
+
 class Launches:
     """Stands in for a kernel and counts its launches (kernel[grid](...))."""
 

@@ -6,6 +6,7 @@ layout; and the engine end to end (prefix hits, preemption), since every cache i
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -183,6 +184,35 @@ def test_the_triton_experts_with_the_clamped_swiglu_give_the_torch_experts_logit
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+@needs("triton", "the attention kernels run under triton's CPU interpreter here")
+def test_the_attention_kernels_give_the_references_logits(folder, models):
+    """The kernels' path (each token's window rows and entries as cache offsets; the indexer's logits over the
+    entries' rows; sink attention) against the torch reference: chunks that end inside windows and across them,
+    decodes that finish windows of both rates, a mixed batch."""
+    from safetensors.torch import load_file
+
+    from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from flotilla.models.hf_config import load_hf_config
+
+    if os.environ.get("TRITON_INTERPRET") == "1":  # (its loops run to bounds read at run time)
+        from test_kernels_triton import _repair_interpreter
+
+        _repair_interpreter()
+    model = DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="triton", moe_backend="torch")
+    model.load_weights(load_file(str(next(folder.glob("*.safetensors")))).items())
+    assert model.attention_backend_name == "v4_triton"
+    with pytest.raises(ValueError, match="triton kernels or the torch reference"):
+        DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="flashinfer")
+    runners = [PagedRunner(models[0], block_size=4, seed=3), PagedRunner(model.eval(), block_size=4, seed=3)]
+    a, b = random_tokens(45, seed=13, vocab=VOCAB), random_tokens(20, seed=14, vocab=VOCAB)
+    steps = [[(0, a[:18]), (1, b[:6])], [(0, a[18:37]), (1, b[6:7])], *([(0, a[i:i + 1]), (1, b[i - 30:i - 29])]
+                                                                        for i in range(37, 45))]
+    for batch in steps:
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt."""
     out = []
@@ -318,7 +348,8 @@ def test_an_fp8_and_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(folder
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_on_cuda_gives_transformers_tokens(folder, models):
-    """The torch reference on a GPU (float32, eager steps: the model asks for no CUDA graphs), batched, chunked."""
+    """The attention kernels on a GPU ("auto"; float32, eager steps: the model asks for no CUDA graphs), batched,
+    chunked."""
     hf = models[1]
     prompts = [random_tokens(n, seed=50 + n, vocab=VOCAB) for n in (7, 26, 41)]
     want = greedy(hf, prompts, 10)

@@ -6,28 +6,18 @@ backend. Runs under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it wit
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from helpers_triton import compile_for_sm90, kernel_test_module
 
-pytest.importorskip("triton", reason="triton is not installed")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA and not INTERPRET:
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
-if INTERPRET:  # the interpreter's bf16 dots and casts repaired to compute what the GPU computes
-    from test_kernels_triton import _repair_interpreter
+INTERPRET, ON_CUDA, DEVICE = kernel_test_module()
 
-    _repair_interpreter()
-
-from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.attention import AttentionMetadata  # noqa: E402
 from flotilla.kernels.attention.fp8_kv import FP8_DTYPE  # noqa: E402
 from flotilla.kernels.mla import dsa_ref, dsa_triton, torch_ref  # noqa: E402
 
-DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
 RANK, ROPE, INDEX_DIM = 32, 8, 16
 
 
@@ -91,6 +81,21 @@ def test_index_logits_match_the_reference_and_hide_what_a_token_cannot_see(cache
                                got[first:first + 1])
     with pytest.raises(ValueError, match="not among"):
         dsa_triton.index_logits(q, w, index_cache, meta, 0.3, first=first, count=q.shape[0] - first + 1)
+
+
+def test_keys_one_per_window_of_rate_positions_are_the_rows_ending_each_window():
+    """DeepSeek-V4's entries: key i in the row of position i * rate + rate - 1, seen once that position is."""
+    _, _, q, w, cache, meta = _step([40, 7, 0], [1, 2, 12], 4, seed=8)
+    index_cache = cache[..., RANK + ROPE:]
+    every = dsa_triton.index_logits(q, w, index_cache, meta, 0.3)
+    for rate in (4, 8):
+        got = dsa_triton.index_logits(q, w, index_cache, meta, 0.3, rate=rate)
+        assert got.shape == (15, meta.max_seq_len // rate)
+        torch.testing.assert_close(got, every[:, rate - 1::rate][:, :got.shape[1]])
+        chosen = dsa_triton.select_topk(q, w, index_cache, meta, 3, 0.3, rate=rate)
+        for row, logits in zip(chosen.tolist(), got, strict=True):
+            seen = int((logits > float("-inf")).sum())
+            assert sorted(i for i in row if i >= 0) == sorted(logits.topk(min(3, seen)).indices.tolist())
 
 
 @pytest.mark.parametrize("topk", [5, 32, 200])

@@ -5,29 +5,18 @@ CPU (tests/conftest.py sets it without CUDA); `gpu` tests add real DeepSeek-V3 s
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
+from helpers_triton import compile_for_sm90, kernel_test_module
 
-pytest.importorskip("triton", reason="triton is not installed")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA and not INTERPRET:
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
-if INTERPRET:  # the interpreter's bf16 dots and casts repaired to compute what the GPU computes
-    from test_kernels_triton import _repair_interpreter
+INTERPRET, ON_CUDA, DEVICE = kernel_test_module()
 
-    _repair_interpreter()
-
-from helpers_triton import compile_for_sm90  # noqa: E402
 from flotilla.kernels.attention import AttentionMetadata  # noqa: E402
 from flotilla.kernels.mla import available_mla_backends, get_mla_backend, mla_cache_shape  # noqa: E402
 from flotilla.kernels.mla import torch_ref  # noqa: E402
 from flotilla.kernels.mla import triton_mla  # noqa: E402
-
-DEVICE = torch.device("cuda" if ON_CUDA and not INTERPRET else "cpu")
 
 
 def _decode_batch(seq_lens, rank, rope, heads, block_size, dtype, cache_dtype=None, seed=0, device=DEVICE):

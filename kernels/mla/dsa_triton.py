@@ -71,22 +71,23 @@ def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping
 @triton.jit
 def _index_logits_kernel(
     q_ptr, w_ptr, cache_ptr, out_ptr, seq_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale, first_token, num_heads,
-    head_dim, width, stride_qt, stride_qh, stride_wt, stride_ot, stride_bt, stride_cb, stride_cs,
+    head_dim, width, rate, stride_qt, stride_qh, stride_wt, stride_ot, stride_bt, stride_cb, stride_cs,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, position tile): row r of the slice is token first_token + r; its logits over the tile's
-    positions, -inf where it cannot attend."""
+    """Program (row, key tile): row r of the slice is token first_token + r; its logits over the tile's keys, -inf
+    where it cannot attend. Key i sits at position i * rate + rate - 1 (rate 1: every position)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     token = first_token + row
     seq = tl.load(seq_ptr + token).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     last = seq_len - tl.load(qsl_ptr + seq + 1) + token  # the token's own position: it sees keys up to there
-    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    key = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    pos = key * rate + rate - 1
     visible = (pos <= last) & (pos < seq_len)
     logits = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if tile * BLOCK_N <= last:
+    if tile * BLOCK_N * rate + rate - 1 <= last:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
         page = _pages(bt_ptr + seq * stride_bt, pos, visible, PAGE_SIZE)
@@ -103,20 +104,22 @@ def _index_logits_kernel(
             s = tl.dot(q, keys.to(q.dtype), input_precision=DOT_PRECISION) * scale  # [H, N]
             total += tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
         logits = tl.where(visible, total, float("-inf"))
-    tl.store(out_ptr + row * stride_ot + pos, logits, mask=pos < width)
+    tl.store(out_ptr + row * stride_ot + key, logits, mask=key < width)
 
 
 def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, *, seq: torch.Tensor | None = None, first: int = 0, count: int | None = None,
-                 block_n: int = 64) -> torch.Tensor:
-    """float32 [count, meta.max_seq_len]: the indexer's logits of tokens first..first+count-1 (default: all) over
-    their sequences' cached positions, -inf where a token cannot attend. q [T, H, D], weights [T, H] (float32);
-    index_cache [num_blocks, block_size, D] (a view of the cache rows: any row stride, contiguous D)."""
+                 scale: float, *, rate: int = 1, seq: torch.Tensor | None = None, first: int = 0,
+                 count: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """float32 [count, meta.max_seq_len // rate]: the indexer's logits of tokens first..first+count-1 (default: all)
+    over their sequences' cached keys, -inf where a token cannot attend. q [T, H, D], weights [T, H] (float32);
+    index_cache [num_blocks, block_size, D] (a view of the cache rows: any row stride, contiguous D). rate: key i is
+    the one in the row of position i * rate + rate - 1 (DeepSeek-V4's compressed entries, one per window of rate
+    tokens, in the row of the window's last token); 1: a key per position."""
     num_tokens, num_heads, head_dim = q.shape
     count = num_tokens - first if count is None else count
     if first < 0 or count < 0 or first + count > num_tokens:
         raise ValueError(f"tokens {first}..{first + count - 1} are not among the step's {num_tokens}")
-    width = meta.max_seq_len
+    width = meta.max_seq_len // rate
     out = torch.empty(count, width, dtype=torch.float32, device=q.device)
     if count == 0 or width == 0:
         return out
@@ -127,7 +130,7 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     block_n = max(_MIN_DOT, block_n)
     _index_logits_kernel[(count, triton.cdiv(width, block_n))](
         q, weights, index_cache, out, seq, meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale),
-        first, num_heads, head_dim, width, q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
+        first, num_heads, head_dim, width, rate, q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         meta.block_tables.stride(0), index_cache.stride(0), index_cache.stride(1),
         PAGE_SIZE=index_cache.shape[1], BLOCK_H=max(_MIN_DOT, min(64, triton.next_power_of_2(num_heads))),
         BLOCK_N=block_n, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
@@ -137,19 +140,21 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
 
 
 def select_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata,
-                topk: int, scale: float, *, logits_bytes: int = LOGITS_BYTES) -> torch.Tensor:
-    """int32 [T, min(topk, max_seq_len)]: the positions each new token attends to (dsa_ref.select_positions' set),
-    -1 where fewer are visible. The tokens' keys must be stored already (dsa_ref.store_index_keys)."""
+                topk: int, scale: float, *, rate: int = 1, logits_bytes: int = LOGITS_BYTES) -> torch.Tensor:
+    """int32 [T, min(topk, max_seq_len // rate)]: the keys each new token attends to (positions, or with `rate` the
+    index_logits key numbers; dsa_ref.select_positions' set), -1 where fewer are visible. The tokens' keys must be
+    stored already (dsa_ref.store_index_keys)."""
     num_tokens = q.shape[0]
-    k = min(topk, meta.max_seq_len)
+    width = meta.max_seq_len // rate
+    k = min(topk, width)
     chosen = torch.full((num_tokens, k), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0 or k == 0:
         return chosen
     seq = token_sequences(meta, num_tokens)
-    rows = max(1, logits_bytes // (4 * meta.max_seq_len))
+    rows = max(1, logits_bytes // (4 * width))
     for first in range(0, num_tokens, rows):
         count = min(rows, num_tokens - first)
-        logits = index_logits(q, weights, index_cache, meta, scale, seq=seq, first=first, count=count)
+        logits = index_logits(q, weights, index_cache, meta, scale, rate=rate, seq=seq, first=first, count=count)
         best, where = logits.topk(k, dim=-1, sorted=False)
         chosen[first:first + count] = torch.where(best == float("-inf"), -1, where).to(torch.int32)
     return chosen
