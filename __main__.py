@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import importlib
 import logging
 import signal
@@ -65,8 +66,10 @@ def _run_actor(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as e:
         print(f"flotilla actor: {e}", file=sys.stderr)
         return 2
-    return run_actor(topo, args.name, args.instance, endpoints=endpoints, trace=args.trace, script=args.script,
-                     idle_s=args.idle)
+    rc = run_actor(topo, args.name, args.instance, endpoints=endpoints, trace=args.trace, script=args.script,
+                   idle_s=args.idle)
+    gc.freeze()  # the interpreter's last collection then skips torch's object graph (seconds for a worker)
+    return rc
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

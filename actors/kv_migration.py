@@ -285,8 +285,8 @@ class KVMigrationActor(Actor):
         else:
             ev = KVEndpointEvent(rank=self.rank, key=req.key, endpoint=ep, regions=self.regions,
                                  block_bytes=self.memory.block_bytes, layer_blocks=self.layer_blocks,
-                                 kv_dtype=self.memory.kv_dtype, state_regions=self.state_regions, state_row_bytes=self.memory.state_row_bytes,
-                                 state_row_base=self.memory.state_row_base)
+                                 kv_dtype=self.memory.kv_dtype, state_regions=self.state_regions,
+                                 state_row_bytes=self.memory.state_row_bytes, state_row_base=self.memory.state_row_base)
         await self.send_to(req.reply_to, ev)
 
     async def _announce_pair(self, req: KVEndpointRequest) -> None:

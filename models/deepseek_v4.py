@@ -371,8 +371,13 @@ class DeepseekV4Attention(nn.Module):
             parts.append(self.indexer.project(x))
         rows = torch.cat(parts, dim=-1)
         flat = cache.view(-1, cache.shape[-1])
-        keep = meta.slot_mapping >= 0
-        flat[meta.slot_mapping[keep], :rows.shape[-1]] = rows[keep].to(cache.dtype)
+        if self.kernels == "triton":  # (one launch, no host sync)
+            from flotilla.kernels.mla.dsa_triton import store_rows
+
+            store_rows(rows, cache[..., :rows.shape[-1]], meta.slot_mapping)
+        else:
+            keep = meta.slot_mapping >= 0
+            flat[meta.slot_mapping[keep], :rows.shape[-1]] = rows[keep].to(cache.dtype)
         if self.indexer is not None:
             iq = rotate(self.indexer.q_b_proj(q_res).view(t, self.indexer.heads, self.indexer.dim),
                         *compress_rotary(positions))

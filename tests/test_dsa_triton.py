@@ -143,7 +143,7 @@ def test_the_key_store_writes_what_the_reference_writes_and_skips_padding():
     slots = torch.tensor([3, -1, 0, 9, -1])
     want, got = (torch.full((3, 4, RANK + INDEX_DIM), 7.0)[..., RANK:] for _ in range(2))
     dsa_ref.store_index_keys(keys, want, slots)
-    dsa_triton.store_index_keys(keys, got, slots)
+    dsa_triton.store_rows(keys, got, slots)
     assert torch.equal(got, want) and (got == 7.0).sum() == 9 * INDEX_DIM
 
 

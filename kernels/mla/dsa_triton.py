@@ -55,8 +55,10 @@ def _store_index_kernel(k_ptr, cache_ptr, slot_ptr, stride_kt, stride_cb, stride
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=offs < head_dim)
 
 
-def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """dsa_ref.store_index_keys in one launch (no host sync, so decode steps can replay it in a CUDA graph)."""
+def store_rows(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """dsa_ref.store_index_keys in one launch (no host sync, so decode steps can replay it in a CUDA graph): each
+    token's row of keys [T, D] into the cache view index_cache [num_blocks, block_size, D] at its slot (-1 = not
+    stored); DeepSeek-V4 stores its whole cache rows with it."""
     num_tokens, head_dim = keys.shape
     if num_tokens == 0:
         return
@@ -124,7 +126,8 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     if count == 0 or width == 0:
         return out
     if q.stride(-1) != 1 or index_cache.stride(-1) != 1 or index_cache.shape[-1] != head_dim:
-        raise ValueError(f"index_cache {tuple(index_cache.shape)} rows must end in {head_dim} contiguous values, as q's")
+        raise ValueError(f"index_cache {tuple(index_cache.shape)} rows must end in {head_dim} contiguous values, "
+                         "as q's")
     seq = token_sequences(meta, num_tokens) if seq is None else seq
     weights = weights.float()
     block_n = max(_MIN_DOT, block_n)
