@@ -230,6 +230,6 @@ def test_dsa_kernels_compile_for_sm90_at_deepseek_v32_sizes(tmp_path):
                    ["sm_scale_log2", "kv_scale"], dict(PAGE_SIZE=64, BLOCK_H=16, BLOCK_N=32, BLOCK_L=512, BLOCK_R=64,
                                                        DIRECT_OUT=direct, DOT_PRECISION="tf32"), 8)
                   for direct in (True, False)]
-        specs.append((mod, "_store_index_kernel", {"k_ptr": "*bf16", "cache_ptr": cache, "slot_ptr": "*i64"}, [],
+        specs.append((mod, "_store_rows_kernel", {"row_ptr": "*bf16", "cache_ptr": cache, "slot_ptr": "*i64"}, [],
                       dict(BLOCK_D=128), 4))
     compile_for_sm90(specs, tmp_path)

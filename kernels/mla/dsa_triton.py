@@ -42,31 +42,31 @@ def token_sequences(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
 
 
 @triton.jit
-def _store_index_kernel(k_ptr, cache_ptr, slot_ptr, stride_kt, stride_cb, stride_cs, head_dim, block_size,
-                        BLOCK_D: tl.constexpr):  # fmt: skip
-    """One program per new token: its indexer key into its cache row, or nothing for slot -1."""
+def _store_rows_kernel(row_ptr, cache_ptr, slot_ptr, stride_rt, stride_cb, stride_cs, width, block_size,
+                       BLOCK_D: tl.constexpr):  # fmt: skip
+    """One program per new token: its row into its cache slot, or nothing for slot -1."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
         return
     offs = tl.arange(0, BLOCK_D)
-    key = tl.load(k_ptr + token * stride_kt + offs, mask=offs < head_dim)
+    row = tl.load(row_ptr + token * stride_rt + offs, mask=offs < width)
     dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + offs
-    tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=offs < head_dim)
+    tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=offs < width)
 
 
-def store_rows(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """dsa_ref.store_index_keys in one launch (no host sync, so decode steps can replay it in a CUDA graph): each
-    token's row of keys [T, D] into the cache view index_cache [num_blocks, block_size, D] at its slot (-1 = not
-    stored); DeepSeek-V4 stores its whole cache rows with it."""
-    num_tokens, head_dim = keys.shape
+def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Each new token's row [T, D] into the cache view `cache` [num_blocks, block_size, D] (any row stride) at its
+    slot (-1 = not stored), in one launch: no host sync, so decode steps can replay it in a CUDA graph. The indexer's
+    keys (dsa_ref.store_index_keys' job) and DeepSeek-V4's whole cache rows are stored with it."""
+    num_tokens, width = rows.shape
     if num_tokens == 0:
         return
-    if keys.stride(-1) != 1 or index_cache.stride(-1) != 1:
-        raise ValueError("keys and index_cache need a contiguous last dim")
-    _store_index_kernel[(num_tokens,)](
-        keys, index_cache, slot_mapping, keys.stride(0), index_cache.stride(0), index_cache.stride(1), head_dim,
-        index_cache.shape[1], BLOCK_D=triton.next_power_of_2(head_dim),
+    if rows.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError("rows and cache need a contiguous last dim")
+    _store_rows_kernel[(num_tokens,)](
+        rows, cache, slot_mapping, rows.stride(0), cache.stride(0), cache.stride(1), width, cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(width),
     )  # fmt: skip
 
 
