@@ -15,6 +15,7 @@ import textwrap
 
 import pytest
 
+from flotilla.scripts.dev import gpu_caches
 from flotilla.scripts.dev import gpu_suite as gs
 
 
@@ -290,10 +291,10 @@ def test_restored_flashinfer_modules_are_linked_where_flashinfer_loads_prebuilt_
         if built:
             (folder / f"{name}.so").write_bytes(name.encode())
     aot = tmp_path / "site" / "flashinfer" / "data" / "aot"
-    assert gs.promote_flashinfer(cache, aot, "0.6.6", "90") == 1
+    assert gpu_caches.promote_flashinfer(cache, aot, "0.6.6", "90") == 1
     assert (aot / "mod_a" / "mod_a.so").read_bytes() == b"mod_a"
     assert sorted(p.name for p in aot.iterdir()) == ["mod_a"]
-    assert gs.promote_flashinfer(cache, aot, "0.6.6", "90") == 0  # (already there)
+    assert gpu_caches.promote_flashinfer(cache, aot, "0.6.6", "90") == 0  # (already there)
 
 
 def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):
@@ -316,11 +317,11 @@ def test_a_cache_travels_xz_compressed_in_parts_and_comes_back_with_its_times(tm
     (root / "k1" / "kernel.cubin").write_bytes(b"sass")
     out = tmp_path / "out"
     out.mkdir()
-    names = gs.archive_cache("triton", root, "abc", out, part_bytes=256)
+    names = gpu_caches.archive_cache("triton", root, "abc", out, part_bytes=256)
     assert len(names) > 1 and all(n.startswith("jit-triton-abc.txz.") for n in names)
     assert sum((out / n).stat().st_size for n in names) < len(blob) // 10
     back = tmp_path / "back"
-    gs.restore_cache([out / n for n in names], back)
+    gpu_caches.restore_cache([out / n for n in names], back)
     assert (back / "k1" / "kernel.so").read_bytes() == blob
     assert (back / "k1" / "kernel.so").stat().st_mtime == 1_000_000_000
     assert sorted(p.name for p in (back / "k1").iterdir()) == ["kernel.cubin", "kernel.so"]
@@ -329,5 +330,5 @@ def test_a_cache_travels_xz_compressed_in_parts_and_comes_back_with_its_times(tm
 
     with tarfile.open(out / "jit-old-d.tgz.00", "w:gz") as tar:
         tar.add(root / "k1", arcname="k1")
-    gs.restore_cache([out / "jit-old-d.tgz.00"], tmp_path / "old")
+    gpu_caches.restore_cache([out / "jit-old-d.tgz.00"], tmp_path / "old")
     assert (tmp_path / "old" / "k1" / "kernel.so").read_bytes() == blob
