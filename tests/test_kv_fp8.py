@@ -28,7 +28,8 @@ from helpers_tiny_models import (
 from safetensors.torch import load_file, save_file
 
 from flotilla import LLM, SamplingParams
-from flotilla.actors.kv_migration import KVMemory, KVMigrationActor
+from flotilla.actors.kv_memory import KVMemory
+from flotilla.actors.kv_migration import KVMigrationActor
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
 from flotilla.kernels.attention import AttentionMetadata, flashinfer_backend, kv_cache_shape, kv_cache_torch_dtype

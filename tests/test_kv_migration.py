@@ -20,7 +20,8 @@ import uvloop
 from flotilla.actors import worker as worker_module
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors import kv_migration
-from flotilla.actors.kv_migration import KVMemory, KVMigrationActor
+from flotilla.actors.kv_memory import KVMemory
+from flotilla.actors.kv_migration import KVMigrationActor
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import DisaggConfig, EngineConfig

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from flotilla.actors.kv_migration import KVMemory
+from flotilla.actors.kv_memory import KVMemory
 from flotilla.config import DisaggConfig, EngineConfig
 from flotilla.transport.codec import Decoder, Encoder
 from flotilla.transport.kv_transfer import KVTransferError, create_kv_transfer_engine
