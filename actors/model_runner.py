@@ -38,7 +38,7 @@ from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, 
 from flotilla.kernels.comm import through_host
 from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
 from flotilla.kernels.staging import upload
-from flotilla.models.hf_config import load_max_model_len
+from flotilla.models.context_length import load_max_model_len
 from flotilla.models.loader import LoadedModel, load_model
 from flotilla.models.model_folder import eos_token_ids, load_tokenizer, model_dir, takes_images
 from flotilla.models.parallel import broadcast_from_first, ep_step, init_tensor_parallel, tp_group

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from flotilla.config import EngineConfig
 from flotilla.models.default_model import default_model_dir
-from flotilla.models.hf_config import load_max_model_len, text_config
+from flotilla.models.context_length import load_max_model_len
+from flotilla.models.hf_config import text_config
 
 if TYPE_CHECKING:  # (transformers costs about half a second to import: a worker loads it only to build grammars)
     from transformers import PreTrainedTokenizerBase

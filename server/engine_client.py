@@ -34,7 +34,8 @@ from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
 from flotilla.config import EngineConfig
-from flotilla.models.hf_config import load_hf_config, load_max_model_len
+from flotilla.models.context_length import load_max_model_len
+from flotilla.models.hf_config import load_hf_config
 from flotilla.models.model_folder import model_dir, takes_images
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads
 from flotilla.transport.channels import Inbox, Outbox

@@ -22,7 +22,8 @@ from helpers_tiny_models import (
 )
 
 from flotilla import LLM, SamplingParams
-from flotilla.models.hf_config import derived_max_model_len, load_hf_config, resolve_max_model_len
+from flotilla.models.context_length import derived_max_model_len, resolve_max_model_len
+from flotilla.models.hf_config import load_hf_config
 from flotilla.scripts.dev.bench_shapes import SHAPES, shape_config
 
 from helpers_engine import write_tiny_tokenizer
