@@ -19,7 +19,7 @@ from flotilla.kernels.staging import upload
 from flotilla.transport.messages import StepResult
 
 if TYPE_CHECKING:
-    from flotilla.actors.model_runner import SeqState
+    from flotilla.actors.seq_state import SeqState
 
 
 @dataclass(slots=True)

@@ -55,7 +55,8 @@ from flotilla.transport.messages import StepResult
 from safetensors import safe_open
 
 if TYPE_CHECKING:
-    from flotilla.actors.model_runner import ModelRunner, SeqState
+    from flotilla.actors.model_runner import ModelRunner
+    from flotilla.actors.seq_state import SeqState
 
 DraftHook = Callable[[np.ndarray, list[int]], list[int]]
 """(a sequence's tokens so far, the MTP layer's drafts) -> the drafts to verify instead (tests force acceptance)."""
