@@ -104,6 +104,8 @@ class Actor:
         self._self_address = f"inproc://flotilla-self-{id(self):x}"
         self._closed = False
         self.dropped_replies = 0
+        self.ready = asyncio.Event()
+        """Set once the actor has said ready (its setup done)."""
         """Answers to another node's front end dropped because it read none of the last SEND_HWM."""
         self._trace_out = sys.stderr
 
@@ -175,6 +177,7 @@ class Actor:
                 actor=self.ctx.name, instance=self.ctx.instance, pid=os.getpid(), host=socket.gethostname(),
                 address=self.address, detail={k: str(v) for k, v in detail.items()}))
             log.info("%s ready on %s", self.label, self.address)
+            self.ready.set()
             heartbeat = asyncio.create_task(self._heartbeat(), name=f"{self.label}-heartbeat")
             await self._receive_until_stopped()
         finally:

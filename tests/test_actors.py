@@ -508,3 +508,30 @@ def test_a_stop_whose_caller_is_cancelled_still_tears_everything_down():
     rt = uvloop.run(main())
     assert rt.procs and all(p.returncode is not None for p in rt.procs.values())
     assert not rt.run_dir.exists()
+
+
+def test_a_process_freezes_what_its_actors_built_once_every_one_is_ready():
+    """actors/standalone.py: the collector stops scanning the setup's objects only after the last actor of the
+    process is ready (a worker's model load would otherwise be scanned again at every full collection)."""
+    import gc
+    import types
+
+    from flotilla.actors.standalone import freeze_when_ready
+
+    async def run() -> list[int]:
+        actors = [types.SimpleNamespace(ready=asyncio.Event()) for _ in range(2)]
+        freezer = asyncio.create_task(freeze_when_ready(actors))
+        seen = []
+        for a in actors:
+            await asyncio.sleep(0)
+            seen.append(gc.get_freeze_count())
+            a.ready.set()
+        await freezer
+        return [*seen, gc.get_freeze_count()]
+
+    gc.unfreeze()
+    try:
+        before_first, before_second, after = uvloop.run(run())
+        assert before_first == before_second == 0 and after > 0
+    finally:
+        gc.unfreeze()  # (the test process's objects go back to the collector)
