@@ -174,9 +174,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"DeepSeek-V4's attention runs on the triton kernels or the torch reference, not "
                              f"{attention_backend!r}")
         from flotilla.kernels.attention import triton_usable
+        from flotilla.kernels.mla import best_mla_backend
 
-        if attention_backend == "auto":
-            attention_backend = "triton" if torch.cuda.is_available() and triton_usable() else "torch"
+        if attention_backend == "auto":  # (triton where the model's device runs it, as for sparse MLA)
+            attention_backend = best_mla_backend(torch.get_default_device())
         elif attention_backend == "triton" and not triton_usable():
             raise ValueError("DeepSeek-V4's triton attention needs triton (and a GPU, or TRITON_INTERPRET=1)")
         self.attention_backend_name = "v4_triton" if attention_backend == "triton" else "torch"

@@ -120,12 +120,23 @@ class Indexer(Compressor):
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False, dtype=torch.float32)
 
 
+def row_offsets(tables: torch.Tensor, at: torch.Tensor, block_size: int, width: int, column: int) -> torch.Tensor:
+    """Where column `column` of the rows at positions `at` [T, K] (-1: none) starts in the flat cache of rows `width`
+    wide, each token's positions read through its block table tables [T, blocks]; -1 for none."""
+    p = at.clamp(min=0)
+    slot = tables.gather(1, p // block_size) * block_size + p % block_size
+    return torch.where(at >= 0, slot * width + column, -1)
+
+
 class StepRows:
     """What every layer's attention needs of a step's batch, taken from its metadata once per step (not per layer):
-    the query rows and lengths on the host, and the decoding sequences (one new token each) gathered for the batched
-    path: their rows, block tables and positions on the device."""
+    the query rows and lengths on the host, the decoding sequences (one new token each) gathered for the batched
+    path: their rows, block tables and positions on the device; and for the kernels' path each token's block table
+    and window offsets (window_offsets)."""
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        self.meta = meta
+        self._windows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.qsl: list[int] = meta.query_start_loc.tolist()
         self.lens: list[int] = meta.seq_lens.tolist()
         self.block_size = meta.block_size
@@ -137,6 +148,19 @@ class StepRows:
             self.tables = meta.block_tables[index].long()
             self.positions = meta.seq_lens[index].long() - 1  # each new token's
             self._ending: dict[int, torch.Tensor | None] = {}
+
+    def window_offsets(self, positions: torch.Tensor, window: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each token's block table [T, blocks], int64; where its window's rows (the last `window` positions up to
+        its own, -1 before the first) start in the flat cache of rows `width` wide [T, window]), computed once per
+        step: every layer's window is the same rows."""
+        key = (window, width)
+        if key not in self._windows:
+            from flotilla.kernels.mla.dsa_triton import token_sequences
+
+            tables = self.meta.block_tables.long()[token_sequences(self.meta, positions.shape[0]).long()]
+            pos = positions.long()[:, None] - window + 1 + torch.arange(window, device=positions.device)[None, :]
+            self._windows[key] = tables, row_offsets(tables, pos.clamp(min=-1), self.block_size, width, 0)
+        return self._windows[key]
 
     def ending(self, rate: int) -> torch.Tensor | None:
         """Indices (into `decoding`) of the sequences whose new token ends a window of `rate` tokens; None: none."""
@@ -252,7 +276,7 @@ class DeepseekV4Attention(nn.Module):
                        rotary: Rotary) -> torch.Tensor:
         """The kernels' path for every token of the step: the windows its tokens finish pooled first, then each
         token's keys as cache offsets (window rows, then the entries it sees) read by the sink-attention kernel."""
-        from flotilla.kernels.mla.dsa_triton import select_topk, token_sequences
+        from flotilla.kernels.mla.dsa_triton import select_topk
         from flotilla.kernels.triton.sink_attention import sink_attention
 
         bs, width = step.block_size, flat.shape[1]
@@ -265,17 +289,9 @@ class DeepseekV4Attention(nn.Module):
                     table = step.block_tables[b].long()
                     self._store_entries(flat, lambda p, table=table: table[p // bs] * bs + p % bs, length - (hi - lo),
                                         length - 1, rotary)
-        tables = meta.block_tables.long()[token_sequences(meta, q.shape[0]).long()]
+        tables, window = step.window_offsets(positions, self.window, width)
+        lists = [window]
         pos = positions.long()
-
-        def offsets(at: torch.Tensor, column: int) -> torch.Tensor:
-            """Where the vectors of the rows at positions `at` [T, K] (-1: none) start in the flat cache."""
-            p = at.clamp(min=0)
-            slot = tables.gather(1, p // bs) * bs + p % bs
-            return torch.where(at >= 0, slot * width + column, -1)
-
-        window = pos[:, None] - self.window + 1 + torch.arange(self.window, device=pos.device)[None, :]
-        lists = [offsets(window.clamp(min=-1), 0)]
         entries = meta.max_seq_len // self.rate if self.compressor is not None else 0
         if entries:
             rate = self.rate
@@ -286,7 +302,7 @@ class DeepseekV4Attention(nn.Module):
             else:  # every entry finished at or before the token
                 e = torch.arange(entries, device=pos.device)[None, :]
                 ids = torch.where(e < ((pos + 1) // rate)[:, None], e, -1)
-            lists.append(offsets(torch.where(ids >= 0, (ids + 1) * rate - 1, -1), self.entry_at))
+            lists.append(row_offsets(tables, torch.where(ids >= 0, (ids + 1) * rate - 1, -1), bs, width, self.entry_at))
         return sink_attention(q.contiguous(), flat.view(-1), torch.cat(lists, dim=1).contiguous(), self.sinks,
                               self.head_dim**-0.5)
 

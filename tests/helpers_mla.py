@@ -27,3 +27,25 @@ def mla_step(cached: list[int], new: list[int], rank: int, rope: int, heads: int
     q_latent = torch.randn(sum(new), heads, rank, generator=gen, device=device).to(dtype)
     q_pe = torch.randn(sum(new), heads, rope, generator=gen, device=device).to(dtype)
     return q_latent, q_pe, cache, meta
+
+
+def check_triton_mla_matches_torch(model_dir, steps: list[list[tuple[int, list[int]]]]) -> None:
+    """A tiny DeepSeek model through the torch and the triton MLA backends (PagedRunner, blocks of 4): every step of
+    `steps` gives both the same logits."""
+    from safetensors.torch import load_file
+
+    from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from flotilla.models.hf_config import load_hf_config
+    from helpers_tiny_models import PagedRunner
+
+    config = load_hf_config(model_dir)
+    runners = []
+    for backend in ("torch", "triton"):
+        model = DeepseekV3ForCausalLM(config, attention_backend=backend, fused_ops="torch", moe_backend="torch")
+        model.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+        assert model.attention_backend_name == f"mla_{backend}"
+        runners.append(PagedRunner(model.eval(), block_size=4))
+    for batch in steps:
+        want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -150,29 +150,19 @@ def test_the_key_store_writes_what_the_reference_writes_and_skips_padding():
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_tiny_sparse_models_decode_the_same_through_the_triton_backend(tmp_path, name):
-    from safetensors.torch import load_file
-
     from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
     from flotilla.models.hf_config import load_hf_config
-    from helpers_tiny_models import PagedRunner, write_tiny_dsa_model
+    from helpers_mla import check_triton_mla_matches_torch
+    from helpers_tiny_models import write_tiny_dsa_model
 
     model_dir = write_tiny_dsa_model(tmp_path / name, name)
-    config = load_hf_config(model_dir)
-    runners = []
-    for backend in ("torch", "triton"):
-        model = DeepseekV3ForCausalLM(config, attention_backend=backend, fused_ops="torch", moe_backend="torch")
-        model.load_weights(load_file(str(model_dir / "model.safetensors")).items())
-        assert model.attention_backend_name == f"mla_{backend}"
-        runners.append(PagedRunner(model.eval(), block_size=4))
     with pytest.raises(NotImplementedError, match="triton or torch"):  # (FlashMLA's kernels read every row)
-        DeepseekV3ForCausalLM(config, attention_backend="flash_mla", fused_ops="torch", moe_backend="torch")
+        DeepseekV3ForCausalLM(load_hf_config(model_dir), attention_backend="flash_mla", fused_ops="torch",
+                              moe_backend="torch")
     # prompts longer than the tiny configs' top-k (6), then decodes beside a new prompt and a two-token step
-    steps = [[(0, list(range(10, 22))), (1, [5, 6, 7, 8, 9, 10, 11, 12])], [(0, [40]), (1, [41])],
-             [(0, [42]), (1, [43])], [(1, [44]), (2, list(range(50, 60))), (0, [45, 46])]]
-    for batch in steps:
-        want, got = (runner.step(batch) for runner in runners)
-        for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    check_triton_mla_matches_torch(model_dir, [
+        [(0, list(range(10, 22))), (1, [5, 6, 7, 8, 9, 10, 11, 12])], [(0, [40]), (1, [41])], [(0, [42]), (1, [43])],
+        [(1, [44]), (2, list(range(50, 60))), (0, [45, 46])]])
 
 
 @pytest.mark.gpu

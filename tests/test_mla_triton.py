@@ -115,26 +115,12 @@ def test_backend_registry_and_its_kernel_choice():
 
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
 def test_tiny_deepseek_v3_decodes_the_same_through_the_triton_backend(tmp_path):
-    from safetensors.torch import load_file
+    from helpers_mla import check_triton_mla_matches_torch
+    from helpers_tiny_models import write_tiny_deepseek_model
 
-    from flotilla.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from flotilla.models.hf_config import load_hf_config
-    from helpers_tiny_models import PagedRunner, write_tiny_deepseek_model
-
-    model_dir = write_tiny_deepseek_model(tmp_path / "ds")
-    config = load_hf_config(model_dir)
-    runners = []
-    for backend in ("torch", "triton"):
-        model = DeepseekV3ForCausalLM(config, attention_backend=backend, fused_ops="torch", moe_backend="torch")
-        model.load_weights(load_file(str(model_dir / "model.safetensors")).items())
-        assert model.attention_backend_name == f"mla_{backend}"
-        runners.append(PagedRunner(model.eval(), block_size=4))
-    steps = [[(0, list(range(10, 17))), (1, [5, 6, 7])], [(0, [40]), (1, [41])], [(0, [42]), (1, [43])],
-             [(1, [44]), (2, list(range(50, 56))), (0, [45, 46])]]
-    for batch in steps:
-        want, got = (runner.step(batch) for runner in runners)
-        for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    check_triton_mla_matches_torch(write_tiny_deepseek_model(tmp_path / "ds"), [
+        [(0, list(range(10, 17))), (1, [5, 6, 7])], [(0, [40]), (1, [41])], [(0, [42]), (1, [43])],
+        [(1, [44]), (2, list(range(50, 56))), (0, [45, 46])]])
 
 
 @pytest.mark.gpu

@@ -24,14 +24,11 @@ from flotilla.kernels.attention.fp8_kv import is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.mla.triton_mla import _check, _head_queries, _mla_tile
 from flotilla.kernels.triton.attention import _LOG2E, _MIN_DOT, _dot_precision, _pages
+from flotilla.kernels.triton.list_splits import NO_SCORE, merge_splits, plan_splits
 
 LOGITS_BYTES = 256 << 20
 """Most bytes of indexer logits held at once: rows are scored and reduced to their top-k in slices of this size."""
-_TARGET_PROGRAMS = 512
-"""Sparse MLA splits a token's index list until tokens * head tiles * splits reaches this (~4 programs per SM)."""
 _MIN_INDICES_PER_SPLIT = 256
-_NO_SCORE = tl.constexpr(-1.0e30)
-"""The online softmax's starting maximum: finite, so a tile whose indices are all -1 leaves the state as it was."""
 
 
 def token_sequences(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
@@ -173,7 +170,7 @@ def _sparse_mla_kernel(
 ):  # fmt: skip
     """Program (token, head tile, split): BLOCK_H heads of one token over the split's share of its index list
     (-1 entries skipped). One split writes the output; several write their normalized partials and log2-sum-exp
-    (-inf for a split without a valid index), merged by _merge_splits."""
+    (-inf for a split without a valid index), merged by list_splits.merge_splits."""
     token = tl.program_id(0).to(tl.int64)
     head_tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,7 +180,7 @@ def _sparse_mla_kernel(
     qn, qp, offs_l, mask_l, offs_r, mask_r = _head_queries(
         qn_ptr, qp_ptr, token, heads, mask_h, kv_lora_rank, rope_dim, stride_qnt, stride_qnh, stride_qpt, stride_qph,
         BLOCK_L, BLOCK_R)  # fmt: skip
-    m_i = tl.full([BLOCK_H], _NO_SCORE, tl.float32)
+    m_i = tl.full([BLOCK_H], NO_SCORE, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     bt_row_ptr = bt_ptr + seq * stride_bt
@@ -209,12 +206,6 @@ def _sparse_mla_kernel(
                  mask=mask_h)
 
 
-def _num_splits(num_tokens: int, head_tiles: int, num_indices: int) -> int:
-    by_occupancy = triton.cdiv(_TARGET_PROGRAMS, max(num_tokens * head_tiles, 1))
-    by_length = triton.cdiv(num_indices, _MIN_INDICES_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length))
-
-
 def sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, kv_scale: float, indices: torch.Tensor, *, num_splits: int | None = None,
                block_h: int = 16, block_n: int = 32) -> torch.Tensor:
@@ -231,34 +222,19 @@ def sparse_mla(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     block_h = max(_MIN_DOT, min(block_h, triton.next_power_of_2(num_heads)))
     block_n = max(_MIN_DOT, block_n)
     head_tiles = triton.cdiv(num_heads, block_h)
-    splits = num_splits if num_splits is not None else _num_splits(num_tokens, head_tiles, num_indices)
-    per_split = triton.cdiv(triton.cdiv(max(num_indices, 1), splits), block_n) * block_n
-    splits = max(1, triton.cdiv(num_indices, per_split))
-    if splits > 1:
-        part_o = torch.empty(num_tokens, num_heads, splits, kv_lora_rank, dtype=torch.float32, device=out.device)
-        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=out.device)
-    else:  # unused (DIRECT_OUT), but the kernel needs pointers
-        part_o = part_lse = out
+    plan = plan_splits(out, num_indices, head_tiles, block_n, num_splits, _MIN_INDICES_PER_SPLIT)
     kv_scale = float(kv_scale) if is_fp8(kv_cache.dtype) else 1.0
-    _sparse_mla_kernel[(num_tokens, head_tiles, splits)](
-        q_latent, q_pe, kv_cache, indices, token_sequences(meta, num_tokens), meta.block_tables, out, part_o,
-        part_lse, scale * kv_scale * _LOG2E, kv_scale, num_heads, kv_lora_rank, rope_dim, num_indices, per_split,
+    _sparse_mla_kernel[(num_tokens, head_tiles, plan.splits)](
+        q_latent, q_pe, kv_cache, indices, token_sequences(meta, num_tokens), meta.block_tables, out, plan.part_o,
+        plan.part_lse, scale * kv_scale * _LOG2E, kv_scale, num_heads, kv_lora_rank, rope_dim, num_indices,
+        plan.per_split,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), indices.stride(0), out.stride(0),
         out.stride(1), meta.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_L=max(_MIN_DOT, triton.next_power_of_2(kv_lora_rank)),
-        BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(rope_dim)), DIRECT_OUT=splits == 1,
+        BLOCK_R=max(_MIN_DOT, triton.next_power_of_2(rope_dim)), DIRECT_OUT=plan.splits == 1,
         DOT_PRECISION=_dot_precision(q_latent.dtype),
     )  # fmt: skip
-    if splits > 1:
-        out.copy_(_merge_splits(part_o, part_lse) * kv_scale)
+    if plan.splits > 1:
+        out.copy_(merge_splits(plan.part_o, plan.part_lse) * kv_scale)
     return out
-
-
-def _merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
-    """[T, H, L]: the splits' partial outputs [T, H, S, L] weighted by their log2-sum-exps [T, H, S] (0 for a row
-    without any valid index)."""
-    top = part_lse.amax(-1, keepdim=True).clamp(min=_NO_SCORE.value)
-    weight = torch.exp2(part_lse - top)  # a split without a valid index: 0, and its partial is 0
-    total = weight.sum(-1, keepdim=True).clamp(min=1e-30)
-    return torch.einsum("ths,thsl->thl", weight / total, part_o)

@@ -6,7 +6,7 @@ A token's keys are named by element offsets into the flat cache (-1 = none), so 
 entries wherever their columns sit in a row, for prefill chunks and decodes alike, and the work per token is bounded
 by its list, not by the context. Program (token, tile of BLOCK_H heads, split of the list): an online softmax whose
 keys are loaded once per tile for the score and the value dots. With one split the sink joins the denominator in
-the kernel; with several, the splits' partials merge with the sink as one more term (sink_merge).
+the kernel; with several, the splits' partials merge with the sink as one more term (list_splits.merge_splits).
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import triton
 import triton.language as tl
 
 from flotilla.kernels.triton.attention import _LOG2E, _MIN_DOT, _dot_precision
+from flotilla.kernels.triton.list_splits import NO_SCORE, merge_splits, plan_splits
 
-_TARGET_PROGRAMS = 512
-"""The list is split until tokens * head tiles * splits reaches this (~4 programs per SM)."""
 _MIN_KEYS_PER_SPLIT = 128
-_START = tl.constexpr(-1.0e30)
-"""The online softmax's starting maximum: finite, so a tile of -1 offsets leaves the state as it was."""
 
 
 @triton.jit
@@ -40,7 +37,7 @@ def _sink_attention_kernel(
     mask_d = offs_d < head_dim
     q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
-    m_i = tl.full([BLOCK_H], _START, tl.float32)
+    m_i = tl.full([BLOCK_H], NO_SCORE, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     start = split * per_split
@@ -76,15 +73,6 @@ def _sink_attention_kernel(
                  mask=mask_h)
 
 
-def sink_merge(part_o: torch.Tensor, part_lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """[T, H, D]: the splits' normalized partials [T, H, S, D] weighted by their log2-sum-exps [T, H, S], with each
-    head's sink (natural log) as one more term of the denominator."""
-    lse = torch.cat([part_lse, (sinks.float() * _LOG2E)[None, :, None].expand(part_lse.shape[0], -1, 1)], dim=-1)
-    weight = torch.exp2(lse - lse.amax(-1, keepdim=True))
-    weight = weight / weight.sum(-1, keepdim=True)
-    return torch.einsum("ths,thsd->thd", weight[..., :-1], part_o)
-
-
 def sink_attention(q: torch.Tensor, cache: torch.Tensor, offsets: torch.Tensor, sinks: torch.Tensor, scale: float, *,
                    num_splits: int | None = None, block_h: int = 16, block_n: int = 32) -> torch.Tensor:
     """softmax([q . k_j * scale for each listed key j] + [sink]) over the keys, times the keys (K = V): q [T, H, D],
@@ -101,23 +89,15 @@ def sink_attention(q: torch.Tensor, cache: torch.Tensor, offsets: torch.Tensor, 
     block_h = max(_MIN_DOT, min(block_h, triton.next_power_of_2(num_heads)))
     block_n = max(_MIN_DOT, block_n)
     head_tiles = triton.cdiv(num_heads, block_h)
-    if num_splits is None:
-        by_occupancy = triton.cdiv(_TARGET_PROGRAMS, num_tokens * head_tiles)
-        num_splits = max(1, min(by_occupancy, triton.cdiv(num_keys, _MIN_KEYS_PER_SPLIT)))
-    per_split = triton.cdiv(triton.cdiv(max(num_keys, 1), num_splits), block_n) * block_n
-    splits = max(1, triton.cdiv(num_keys, per_split))
-    if splits > 1:
-        part_o = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
-    else:  # unused (DIRECT_OUT), but the kernel needs pointers
-        part_o = part_lse = out
+    plan = plan_splits(out, num_keys, head_tiles, block_n, num_splits, _MIN_KEYS_PER_SPLIT)
     sinks = sinks.detach().float().contiguous()
-    _sink_attention_kernel[(num_tokens, head_tiles, splits)](
-        q, cache, offsets, sinks, out, part_o, part_lse, scale * _LOG2E, num_heads, head_dim, num_keys, per_split,
+    _sink_attention_kernel[(num_tokens, head_tiles, plan.splits)](
+        q, cache, offsets, sinks, out, plan.part_o, plan.part_lse, scale * _LOG2E, num_heads, head_dim, num_keys,
+        plan.per_split,
         q.stride(0), q.stride(1), offsets.stride(0), out.stride(0), out.stride(1),
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
-        DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
+        DIRECT_OUT=plan.splits == 1, DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
-    if splits > 1:
-        out.copy_(sink_merge(part_o, part_lse, sinks))
+    if plan.splits > 1:
+        out.copy_(merge_splits(plan.part_o, plan.part_lse, sinks * _LOG2E))
     return out
