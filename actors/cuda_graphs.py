@@ -41,7 +41,7 @@ from flotilla.transport.messages import StepPlan
 
 log = logging.getLogger(__name__)
 
-STATIC_TABLE_BACKENDS = ("triton", "flashinfer_triton", "mla_triton", "mla_flash_mla")
+STATIC_TABLE_BACKENDS = ("triton", "flashinfer_triton", "mla_triton", "mla_flash_mla", "v4_triton")
 """Attention backends (a model's attention_backend_name) whose decode reads only device metadata, so a graph
 captures them over static tables; flashinfer is planned on the host instead."""
 

@@ -181,8 +181,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         elif attention_backend == "triton" and not triton_usable():
             raise ValueError("DeepSeek-V4's triton attention needs triton (and a GPU, or TRITON_INTERPRET=1)")
         self.attention_backend_name = "v4_triton" if attention_backend == "triton" else "torch"
-        """The attention path (the ready log line; not a static-table backend: the step still reads its rows on the
-        host, so decode steps run eager)."""
+        """The attention path (the ready log line). v4_triton is a static-table backend: a step of decodes reads
+        nothing back (StepRows), so decode steps replay CUDA graphs (actors/cuda_graphs.py); the torch reference runs
+        eager."""
         self.config, self.v4 = config, v4
         self.moe_backend = get_moe_backend(moe_backend, device=torch.get_default_device(),
                                            dtype=torch.get_default_dtype())

@@ -4,6 +4,7 @@ paths that attend: the torch reference and the triton kernels."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -129,25 +130,39 @@ def row_offsets(tables: torch.Tensor, at: torch.Tensor, block_size: int, width: 
 
 
 class StepRows:
-    """What every layer's attention needs of a step's batch, taken from its metadata once per step (not per layer):
-    the query rows and lengths on the host, the decoding sequences (one new token each) gathered for the batched
-    path: their rows, block tables and positions on the device; and for the kernels' path each token's block table
-    and window offsets (window_offsets)."""
+    """What every layer's attention needs of a step's batch, taken from its metadata once per step (not per layer).
+    A step of decodes only (max_query_len 1: a CUDA graph's) reads nothing back from the device: its decoding rows,
+    block tables and positions come from the metadata's tensors, and the kernels' path pools the windows its tokens
+    finish under a mask (pool_mask). Other steps read the query starts and lengths to the host (qsl, lens) for the
+    torch reference's per-sequence loops and the kernels' prompt chunks."""
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
         self.meta = meta
         self._windows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.qsl: list[int] = meta.query_start_loc.tolist()
-        self.lens: list[int] = meta.seq_lens.tolist()
+        self._masks: dict[int, torch.Tensor] = {}
         self.block_size = meta.block_size
         self.block_tables = meta.block_tables
-        self.decoding = [b for b in range(len(self.lens)) if self.qsl[b + 1] - self.qsl[b] == 1]
+        self.decodes_only = meta.max_query_len == 1
+        if self.decodes_only:
+            n = meta.num_seqs
+            self.qsl: list[int] = list(range(n + 1))
+            self.decoding = list(range(n))
+            self.rows = torch.arange(n, device=device)
+            self.tables = meta.block_tables[:n].long()
+            self.positions = meta.seq_lens[:n].long() - 1  # each new token's
+            return
+        self.qsl = (meta.host.query_start_loc if meta.host is not None else meta.query_start_loc).tolist()
+        self.decoding = [b for b in range(len(self.qsl) - 1) if self.qsl[b + 1] - self.qsl[b] == 1]
         if self.decoding:
             index = torch.tensor(self.decoding, device=device)
             self.rows = torch.tensor([self.qsl[b] for b in self.decoding], device=device)
             self.tables = meta.block_tables[index].long()
-            self.positions = meta.seq_lens[index].long() - 1  # each new token's
-            self._ending: dict[int, torch.Tensor | None] = {}
+            self.positions = meta.seq_lens[index].long() - 1
+
+    @functools.cached_property
+    def lens(self) -> list[int]:
+        """Each sequence's length after the step, on the host (read back on first use)."""
+        return (self.meta.host.seq_lens if self.meta.host is not None else self.meta.seq_lens).tolist()
 
     def window_offsets(self, positions: torch.Tensor, window: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(each token's block table [T, blocks], int64; where its window's rows (the last `window` positions up to
@@ -162,12 +177,17 @@ class StepRows:
             self._windows[key] = tables, row_offsets(tables, pos.clamp(min=-1), self.block_size, width, 0)
         return self._windows[key]
 
+    def pool_mask(self, rate: int) -> torch.Tensor:
+        """bool [len(decoding)]: the decoding tokens that end a window of `rate` tokens (computed on the device)."""
+        if rate not in self._masks:
+            self._masks[rate] = (self.positions + 1) % rate == 0
+        return self._masks[rate]
+
     def ending(self, rate: int) -> torch.Tensor | None:
-        """Indices (into `decoding`) of the sequences whose new token ends a window of `rate` tokens; None: none."""
-        if rate not in self._ending:
-            ending = [i for i, b in enumerate(self.decoding) if self.lens[b] % rate == 0]
-            self._ending[rate] = torch.tensor(ending, device=self.rows.device) if ending else None
-        return self._ending[rate]
+        """Indices (into `decoding`) of the sequences whose new token ends a window of `rate` tokens; None: none
+        (read back: the torch reference's path)."""
+        found = torch.nonzero(self.pool_mask(rate)).flatten()
+        return found if found.numel() else None
 
 
 class DeepseekV4Attention(nn.Module):
@@ -247,10 +267,14 @@ class DeepseekV4Attention(nn.Module):
         probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("nhs,nsd->nhd" if own else "nhs,sd->nhd", probs, keys)
 
-    def _pool_decoding(self, flat: torch.Tensor, step: StepRows, rotary: Rotary) -> None:
-        """The windows that the step's decoding tokens finish, pooled (batched) into those tokens' rows."""
-        sel = step.ending(self.rate)
-        if sel is None:
+    def _pool_decoding(self, flat: torch.Tensor, step: StepRows, rotary: Rotary, masked: bool = False) -> None:
+        """The windows that the step's decoding tokens finish, pooled (batched) into those tokens' rows. masked:
+        without reading anything back (a CUDA graph's step): every decoding token pools and writes its row's entry
+        columns, which are read only where a window ends; one that finishes no window pools its own row over and over
+        (a cheap read) instead of a window's."""
+        if masked:
+            sel, ending = slice(None), step.pool_mask(self.rate)
+        elif (sel := step.ending(self.rate)) is None:
             return
         bs, rate, tables, p = step.block_size, self.rate, step.tables[sel], step.positions[sel]
 
@@ -260,16 +284,18 @@ class DeepseekV4Attention(nn.Module):
 
         w = (p + 1) // rate - 1  # their token ends window w = length / rate - 1: pool it into that token's row
         r = torch.arange(rate, device=flat.device)[None, :]
-        cur, prev = flat[slots(w[:, None] * rate + r)], flat[slots((w[:, None] - 1) * rate + r)]
         at = slots(p[:, None])[:, 0]
-        comp = self.compressor
-        cols = slice(self.proj_at, self.proj_at + 2 * comp.width)
-        flat[at, self.entry_at:self.entry_at + comp.dim] = comp.pool(
-            cur[..., cols].float(), prev[..., cols].float(), w, rotary).to(flat.dtype)
+        cur, prev = slots(w[:, None] * rate + r), slots((w[:, None] - 1) * rate + r)
+        if masked:
+            cur, prev = (torch.where(ending[:, None], rows, at[:, None]) for rows in (cur, prev))
+        cur, prev = flat[cur], flat[prev]
+        parts = [(self.compressor, self.proj_at, self.entry_at)]
         if self.indexer is not None:
-            idx, icols = self.indexer, slice(self.iproj_at, self.iproj_at + 2 * self.indexer.width)
-            flat[at, self.ientry_at:self.ientry_at + idx.dim] = idx.pool(
-                cur[..., icols].float(), prev[..., icols].float(), w, rotary).to(flat.dtype)
+            parts.append((self.indexer, self.iproj_at, self.ientry_at))
+        for comp, proj_at, entry_at in parts:
+            cols = slice(proj_at, proj_at + 2 * comp.width)
+            flat[at, entry_at:entry_at + comp.dim] = comp.pool(cur[..., cols].float(), prev[..., cols].float(), w,
+                                                               rotary).to(flat.dtype)
 
     def _attend_listed(self, flat: torch.Tensor, cache: torch.Tensor, q: torch.Tensor, iq: torch.Tensor | None,
                        iw: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata, step: StepRows,
@@ -282,9 +308,9 @@ class DeepseekV4Attention(nn.Module):
         bs, width = step.block_size, flat.shape[1]
         if self.compressor is not None:
             if step.decoding:
-                self._pool_decoding(flat, step, rotary)
-            for b, length in enumerate(step.lens):  # prompt chunks: the windows each finishes
-                lo, hi = step.qsl[b], step.qsl[b + 1]
+                self._pool_decoding(flat, step, rotary, masked=step.decodes_only)
+            for b, length in enumerate([] if step.decodes_only else step.lens):  # prompt chunks: the windows each
+                lo, hi = step.qsl[b], step.qsl[b + 1]  # finishes
                 if hi - lo > 1:
                     table = step.block_tables[b].long()
                     self._store_entries(flat, lambda p, table=table: table[p // bs] * bs + p % bs, length - (hi - lo),

@@ -36,10 +36,10 @@ def _greedy(engine: LLM, n: int, seed: int) -> list[list[int]]:
                                                              use_tqdm=False)]
 
 
-def _graph_and_eager(model: str, **options) -> dict[bool, list[list[int]]]:
+def _graph_and_eager(model: str, dtype: str = "bfloat16", **options) -> dict[bool, list[list[int]]]:
     outs = {}
     for eager in (True, False):
-        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype=dtype, max_num_seqs=16,
                  enforce_eager=eager, placement="inline", skip_tokenizer_init=True,  # inline: the runner is inspected
                  **options) as engine:  # fmt: skip
             graphs = engine.client.runtime.actors["worker/0"].runner.graphs

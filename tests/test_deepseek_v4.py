@@ -184,11 +184,8 @@ def test_the_triton_experts_with_the_clamped_swiglu_give_the_torch_experts_logit
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-@needs("triton", "the attention kernels run under triton's CPU interpreter here")
-def test_the_attention_kernels_give_the_references_logits(folder, models):
-    """The kernels' path (each token's window rows and entries as cache offsets; the indexer's logits over the
-    entries' rows; sink attention) against the torch reference: chunks that end inside windows and across them,
-    decodes that finish windows of both rates, a mixed batch."""
+def triton_model(folder: Path):
+    """The tiny model on the attention kernels (under triton's interpreter on a CPU), the experts in torch."""
     from safetensors.torch import load_file
 
     from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -201,14 +198,70 @@ def test_the_attention_kernels_give_the_references_logits(folder, models):
     model = DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="triton", moe_backend="torch")
     model.load_weights(load_file(str(next(folder.glob("*.safetensors")))).items())
     assert model.attention_backend_name == "v4_triton"
+    return model.eval()
+
+
+@needs("triton", "the attention kernels run under triton's CPU interpreter here")
+def test_the_attention_kernels_give_the_references_logits(folder, models):
+    """The kernels' path (each token's window rows and entries as cache offsets; the indexer's logits over the
+    entries' rows; sink attention) against the torch reference: chunks that end inside windows and across them,
+    decodes that finish windows of both rates, a mixed batch."""
+    from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from flotilla.models.hf_config import load_hf_config
+
     with pytest.raises(ValueError, match="triton kernels or the torch reference"):
         DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="flashinfer")
-    runners = [PagedRunner(models[0], block_size=4, seed=3), PagedRunner(model.eval(), block_size=4, seed=3)]
+    runners = [PagedRunner(models[0], block_size=4, seed=3), PagedRunner(triton_model(folder), block_size=4, seed=3)]
     a, b = random_tokens(45, seed=13, vocab=VOCAB), random_tokens(20, seed=14, vocab=VOCAB)
     steps = [[(0, a[:18]), (1, b[:6])], [(0, a[18:37]), (1, b[6:7])], *([(0, a[i:i + 1]), (1, b[i - 30:i - 29])]
                                                                         for i in range(37, 45))]
     for batch in steps:
         want, got = (runner.step(batch) for runner in runners)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def graph_shaped_step(runner: PagedRunner, batch: list[tuple[int, list[int]]], size: int, scratch: int,
+                      max_blocks: int) -> list[torch.Tensor]:
+    """One decode step as actors/cuda_graphs.py replays it: `size` rows, the rows past the batch's one token at
+    position 0 on the scratch block, every block table `max_blocks` wide and max_seq_len as long as they allow."""
+    from flotilla.kernels.attention import AttentionMetadata
+
+    bs, cached, tables = runner.block_size, [], []
+    for seq_id, _ in batch:
+        blocks, n = runner.blocks[seq_id], runner.num_cached[seq_id]
+        while len(blocks) < -(-(n + 1) // bs):
+            blocks.append(runner.free_blocks.pop())
+        cached.append(n)
+        tables.append(blocks)
+    pad = size - len(batch)
+    meta = AttentionMetadata.from_lists(cached + [0] * pad, [1] * size, tables + [[scratch]] * pad, bs,
+                                        max_blocks_per_seq=max_blocks)
+    meta.max_seq_len = max_blocks * bs
+    ids = torch.tensor([t for _, ids in batch for t in ids] + [0] * pad)
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.tensor(cached + [0] * pad), runner.kv_caches, meta)
+        logits = runner.model.compute_logits(hidden)[:len(batch)]
+    for seq_id, _ in batch:
+        runner.num_cached[seq_id] += 1
+    return list(logits.split(1))
+
+
+@needs("triton", "the attention kernels run under triton's CPU interpreter here")
+def test_decode_steps_shaped_as_cuda_graphs_replay_them_give_the_eager_steps_logits(folder):
+    """What a decode graph runs (padding rows on a scratch block, tables and key lists as wide as the longest
+    context allows, windows pooled under a mask instead of by the finishing rows read back) gives the real rows the
+    eager step's logits, over decodes that finish windows of both compression rates."""
+    model = triton_model(folder)
+    eager, graphed = PagedRunner(model, block_size=4, seed=3), PagedRunner(model, block_size=4, seed=3)
+    scratch = graphed.free_blocks.pop(0)
+    eager.free_blocks.remove(scratch)
+    a, b = random_tokens(23, seed=15, vocab=VOCAB), random_tokens(16, seed=16, vocab=VOCAB)
+    for runner in (eager, graphed):
+        runner.step([(0, a[:13]), (1, b[:6])])
+    for i in range(10):  # positions 13..22 and 6..15: windows of 4 and 8 end along the way
+        batch = [(0, a[13 + i:14 + i]), (1, b[6 + i:7 + i])]
+        want, got = eager.step(batch), graph_shaped_step(graphed, batch, 4, scratch, max_blocks=16)
         for w, g in zip(want, got, strict=True):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
@@ -348,8 +401,7 @@ def test_an_fp8_and_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(folder
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_on_cuda_gives_transformers_tokens(folder, models):
-    """The attention kernels on a GPU ("auto"; float32, eager steps: the model asks for no CUDA graphs), batched,
-    chunked."""
+    """The attention kernels on a GPU ("auto"; float32, decode steps in CUDA graphs), batched, chunked."""
     hf = models[1]
     prompts = [random_tokens(n, seed=50 + n, vocab=VOCAB) for n in (7, 26, 41)]
     want = greedy(hf, prompts, 10)
@@ -366,3 +418,14 @@ def test_dummy_weights_give_the_hash_layers_a_random_table_of_distinct_experts(f
     model = load_model(folder, load_format="dummy", progress=False).module
     table = model.model.layers[0].mlp.gate.tid2eid
     assert table.shape == (VOCAB, 2) and (table[:, 0] != table[:, 1]).all() and len(table.unique()) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_cuda_graphs_give_the_eager_tokens(folder):
+    """Decode steps replayed from CUDA graphs (masked pooling, static tables) against eager steps, in float32 (the
+    two take different splits of the key lists: bfloat16 would round them apart on a random tiny model)."""
+    from test_cuda_graphs_static import _graph_and_eager
+
+    outs = _graph_and_eager(str(folder), dtype="float32")
+    assert outs[False] == outs[True]
