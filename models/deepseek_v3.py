@@ -67,6 +67,7 @@ from torch import nn
 from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.mla import MLABackend, best_mla_backend, get_mla_backend, mla_cache_shape
+from flotilla.kernels.mla.dsa_ref import index_part_width
 from flotilla.kernels.mla.flash_mla_backend import BLOCK_SIZE as FLASH_MLA_BLOCK
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.ops import current_ops, get_ops, use_ops
@@ -341,10 +342,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (kernels/mla), and
-        under sparse attention the indexer's key after each row's latent."""
+        under sparse attention the indexer's key and its scale after each row's latent (dsa_ref.index_part_width)."""
         shape = mla_cache_shape(num_blocks, block_size, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
         dsa = self.config.dsa
-        return shape if dsa is None else (*shape[:-1], shape[-1] + dsa.index_head_dim)
+        return shape if dsa is None else (*shape[:-1], shape[-1] + index_part_width(shape[-1], dsa.index_head_dim))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into the parameters: gate/up pairs into gate_up_proj, q_a_proj and

@@ -126,7 +126,7 @@ class DSAIndexer(nn.Module):
         if kernels == "triton":
             from flotilla.kernels.mla import dsa_triton  # optional dependency: imported only when chosen
 
-            self._store, self._select = dsa_triton.store_rows, dsa_triton.select_topk
+            self._store, self._select = dsa_triton.store_index_keys, dsa_triton.select_topk
         else:
             self._store, self._select = dsa_ref.store_index_keys, dsa_ref.select_positions
 

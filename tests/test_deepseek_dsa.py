@@ -55,7 +55,7 @@ def test_the_indexers_follow_the_config_and_their_keys_ride_in_the_latent_rows(m
     assert glm.dsa.rope_interleave and glm.dsa.shared == (False, True, False, True)
     model = models["glm_moe_dsa"][0]
     assert [layer.self_attn.indexer is not None for layer in model.model.layers] == [True, False, True, False]
-    assert model.kv_cache_shape(10, 4) == (10, 4, 32 + 16 + 32)  # [c_kv | k_pe | the indexer's key]
+    assert model.kv_cache_shape(10, 4) == (10, 4, 32 + 16 + 32 + 4)  # [c_kv | k_pe | the indexer's key | its scale]
     assert model.mla_backend_name == "torch"
     with pytest.raises(ValueError, match="indexer_types"):
         parse_hf_config({**json.loads((model_dirs["glm_moe_dsa"] / "config.json").read_text()),

@@ -23,17 +23,17 @@ RANK, ROPE, INDEX_DIM = 32, 8, 16
 
 def _step(cached: list[int], new: list[int], block_size: int, seed: int, heads: int = 3, index_heads: int = 4,
           cache_dtype: torch.dtype = torch.float32):
-    """One step's inputs over a cache of rows [c_kv | k_pe | index key] in shuffled blocks (unused rows NaN):
-    (q_latent, q_pe, index q, index weights, cache, meta)."""
+    """One step's inputs over a cache of rows [c_kv | k_pe | index key | its scale] in shuffled blocks (unused rows
+    NaN): (q_latent, q_pe, index q, index weights, cache, meta)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     lens = [c + n for c, n in zip(cached, new)]
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
-    width = RANK + ROPE + INDEX_DIM
+    width = RANK + ROPE + dsa_ref.index_part_width(RANK + ROPE, INDEX_DIM)
     cache = torch.full((num_blocks, block_size, width), float("nan"), device=DEVICE).to(cache_dtype)
-    rows = torch.randn(sum(lens), width, generator=gen, device=DEVICE)
+    rows = torch.randn(sum(lens), RANK + ROPE + INDEX_DIM, generator=gen, device=DEVICE)
     fill = AttentionMetadata.from_lists([0] * len(lens), lens, tables, block_size, device=DEVICE)
     scale = 0.5 if cache_dtype == FP8_DTYPE else 1.0
     torch_ref.store_latent(rows[:, :RANK], rows[:, RANK:RANK + ROPE], cache[..., :RANK + ROPE], fill.slot_mapping,
@@ -50,7 +50,11 @@ def _step(cached: list[int], new: list[int], block_size: int, seed: int, heads: 
 
 def _reference_logits(q, weights, index_cache, meta, scale) -> torch.Tensor:
     """[T, max_seq_len]: the indexer's scores as dsa_ref computes them, -inf where a token cannot attend."""
-    keys = torch_ref.gather_latent(index_cache, meta, torch.float32)  # [B, S, D]
+    dim = q.shape[-1]
+    keys = torch_ref.gather_latent(index_cache[..., :dim], meta, torch.float32)  # [B, S, D]
+    scales = dsa_ref.key_scales(index_cache, dim)
+    if scales is not None:  # (an FP8 cache: each key over its own scale)
+        keys = keys * torch_ref.gather_latent(scales, meta, torch.float32)
     seq = dsa_triton.token_sequences(meta, q.shape[0]).long()
     qsl = meta.query_start_loc.long()
     last = meta.seq_lens.long()[seq] - qsl[seq + 1] + torch.arange(q.shape[0])
@@ -65,9 +69,9 @@ BATCHES = [([40, 7, 0, 0], [1, 1, 9, 1]), ([0, 25], [30, 3]), ([63], [1])]
 
 
 @pytest.mark.parametrize(("cached", "new"), BATCHES)
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_index_logits_match_the_reference_and_hide_what_a_token_cannot_see(cached, new, block_size):
-    _, _, q, w, cache, meta = _step(cached, new, block_size, seed=block_size + len(new))
+@pytest.mark.parametrize(("block_size", "cache_dtype"), [(4, torch.float32), (16, torch.float32), (4, FP8_DTYPE)])
+def test_index_logits_match_the_reference_and_hide_what_a_token_cannot_see(cached, new, block_size, cache_dtype):
+    _, _, q, w, cache, meta = _step(cached, new, block_size, seed=block_size + len(new), cache_dtype=cache_dtype)
     index_cache = cache[..., RANK + ROPE:]
     want = _reference_logits(q, w, index_cache, meta, 0.3)
     got = dsa_triton.index_logits(q, w, index_cache, meta, 0.3)
@@ -147,6 +151,27 @@ def test_the_key_store_writes_what_the_reference_writes_and_skips_padding():
     assert torch.equal(got, want) and (got == 7.0).sum() == 9 * INDEX_DIM
 
 
+def test_fp8_keys_are_stored_over_a_scale_each_as_the_reference_stores_them():
+    """An FP8 index cache: each key in e4m3 over its own float32 scale (largest magnitude / 448) in the row's last
+    four bytes; dequantized, within e4m3's rounding of the key; padding rows (slot -1) untouched."""
+    keys = torch.randn(5, INDEX_DIM, device=DEVICE) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1.0], device=DEVICE)[:, None]
+    slots = torch.tensor([3, -1, 0, 9, -1], device=DEVICE)
+    width = dsa_ref.index_part_width(RANK, INDEX_DIM)
+    want, got = (torch.full((3, 4, RANK + width), 7.0, device=DEVICE).to(FP8_DTYPE)[..., RANK:] for _ in range(2))
+    dsa_ref.store_index_keys(keys, want, slots)
+    dsa_triton.store_index_keys(keys, got, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    scales = dsa_ref.key_scales(want, INDEX_DIM)
+    stored = [(s // 4, s % 4) for s in slots.tolist() if s >= 0]
+    for token, (block, at) in zip((0, 2, 3), stored):
+        assert scales[block, at, 0].item() == pytest.approx(keys[token].abs().max().item() / 448, rel=1e-6)
+        back = want[block, at, :INDEX_DIM].float() * scales[block, at, 0]
+        torch.testing.assert_close(back, keys[token], atol=0, rtol=2 ** -4)  # (e4m3: 3 mantissa bits)
+    assert (want.view(torch.uint8) == torch.tensor(7.0).to(FP8_DTYPE).view(torch.uint8)).sum() == 9 * width
+    with pytest.raises(ValueError, match="columns after each"):
+        dsa_ref.store_index_keys(keys, want[..., :INDEX_DIM], slots)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="PagedRunner drives the model on the CPU")
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_tiny_sparse_models_decode_the_same_through_the_triton_backend(tmp_path, name):
@@ -181,18 +206,21 @@ def test_gpu_kernels_at_deepseek_v32_sizes(cache_dtype):
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
     gen = torch.Generator(device=device).manual_seed(0)
-    cache = torch.randn(num_blocks, block_size, rank + rope + index_dim, generator=gen, device=device)
-    cache = cache.to(cache_dtype)
+    width = rank + rope + dsa_ref.index_part_width(rank + rope, index_dim)
+    cache = torch.randn(num_blocks, block_size, width, generator=gen, device=device).to(cache_dtype)
+    index_cache, latent = cache[..., rank + rope:], cache[..., :rank + rope]
+    scales = dsa_ref.key_scales(index_cache, index_dim)
+    if scales is not None:  # (an FP8 cache: each key over a scale of its own)
+        scales.copy_(torch.rand(scales.shape, generator=gen, device=device) + 0.5)
     meta = AttentionMetadata.from_lists(cached, new, tables, block_size, device=device)
     t = sum(new)
     q_latent = torch.randn(t, heads, rank, generator=gen, device=device).bfloat16()
     q_pe = torch.randn(t, heads, rope, generator=gen, device=device).bfloat16()
     index_q = torch.randn(t, index_heads, index_dim, generator=gen, device=device).bfloat16()
     weights = torch.randn(t, index_heads, generator=gen, device=device)
-    index_cache, latent = cache[..., rank + rope:], cache[..., :rank + rope]
 
     logits = dsa_triton.index_logits(index_q, weights, index_cache, meta, 0.1)
-    want = _reference_logits(index_q.float(), weights, index_cache.float(), meta, 0.1)
+    want = _reference_logits(index_q.float(), weights, index_cache, meta, 0.1)
     finite = want != float("-inf")
     assert torch.equal(logits != float("-inf"), finite)
     torch.testing.assert_close(logits[finite], want[finite], atol=0.05, rtol=0.02)  # (tf32 dots of bf16 inputs)
@@ -212,8 +240,9 @@ def test_dsa_kernels_compile_for_sm90_at_deepseek_v32_sizes(tmp_path):
     specs = []
     for cache in ("*bf16", "*fp8e4nv"):
         specs.append((mod, "_index_logits_kernel", {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": cache,
-                                                    "out_ptr": "*fp32", **tables}, ["scale"],
-                      dict(PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, DOT_PRECISION="tf32"), 4))
+                                                    "key_scale_ptr": "*fp32", "out_ptr": "*fp32", **tables}, ["scale"],
+                      dict(PAGE_SIZE=64, BLOCK_H=64, BLOCK_N=64, BLOCK_D=128, KEY_SCALES=cache == "*fp8e4nv",
+                           DOT_PRECISION="tf32"), 4))
         specs += [(mod, "_sparse_mla_kernel", {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "cache_ptr": cache,
                                                "idx_ptr": "*i32", "seq_ptr": "*i32", "bt_ptr": "*i32",
                                                "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
@@ -222,4 +251,6 @@ def test_dsa_kernels_compile_for_sm90_at_deepseek_v32_sizes(tmp_path):
                   for direct in (True, False)]
         specs.append((mod, "_store_rows_kernel", {"row_ptr": "*bf16", "cache_ptr": cache, "slot_ptr": "*i64"}, [],
                       dict(BLOCK_D=128), 4))
+    specs.append((mod, "_store_fp8_keys_kernel", {"key_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                                                  "slot_ptr": "*i64"}, [], dict(FP8_MAX=448.0, BLOCK_D=128), 4))
     compile_for_sm90(specs, tmp_path)

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flotilla.kernels.attention.fp8_kv import is_fp8
+from flotilla.kernels.attention.fp8_kv import FP8_KV_MAX, is_fp8
 from flotilla.kernels.attention.metadata import AttentionMetadata
+from flotilla.kernels.mla.dsa_ref import key_scales
 from flotilla.kernels.mla.triton_mla import _check, _head_queries, _mla_tile
 from flotilla.kernels.triton.attention import _LOG2E, _MIN_DOT, _dot_precision, _pages
 from flotilla.kernels.triton.list_splits import NO_SCORE, merge_splits, plan_splits
@@ -52,6 +53,44 @@ def _store_rows_kernel(row_ptr, cache_ptr, slot_ptr, stride_rt, stride_cb, strid
     tl.store(dst, row.to(cache_ptr.dtype.element_ty), mask=offs < width)
 
 
+@triton.jit
+def _store_fp8_keys_kernel(key_ptr, cache_ptr, scale_ptr, slot_ptr, stride_kt, stride_cb, stride_cs, stride_sb,
+                           stride_ss, head_dim, block_size, FP8_MAX: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """One program per new token: its key / its scale in e4m3 into its cache slot and the scale (largest magnitude /
+    FP8_MAX) beside it; nothing for slot -1."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK_D)
+    key = tl.load(key_ptr + token * stride_kt + offs, mask=offs < head_dim, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(key), 0), 1e-10) / FP8_MAX
+    quantized = tl.minimum(tl.maximum(key / scale, -FP8_MAX), FP8_MAX)
+    block, at = slot // block_size, slot % block_size
+    tl.store(cache_ptr + block * stride_cb + at * stride_cs + offs, quantized.to(cache_ptr.dtype.element_ty),
+             mask=offs < head_dim)
+    tl.store(scale_ptr + block * stride_sb + at * stride_ss, scale)
+
+
+def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """dsa_ref.store_index_keys in one launch (no host sync): the keys [T, D] into the rows' indexer part, an FP8
+    cache's quantized over a scale per key."""
+    scales = key_scales(index_cache, keys.shape[-1])
+    if scales is None:
+        store_rows(keys, index_cache, slot_mapping)
+        return
+    num_tokens, head_dim = keys.shape
+    if num_tokens == 0:
+        return
+    if keys.stride(-1) != 1 or index_cache.stride(-1) != 1:
+        raise ValueError("keys and index_cache need a contiguous last dim")
+    _store_fp8_keys_kernel[(num_tokens,)](
+        keys, index_cache, scales, slot_mapping, keys.stride(0), index_cache.stride(0), index_cache.stride(1),
+        scales.stride(0), scales.stride(1), head_dim, index_cache.shape[1], FP8_MAX=FP8_KV_MAX,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
 def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Each new token's row [T, D] into the cache view `cache` [num_blocks, block_size, D] (any row stride) at its
     slot (-1 = not stored), in one launch: no host sync, so decode steps can replay it in a CUDA graph. The indexer's
@@ -69,13 +108,14 @@ def store_rows(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tens
 
 @triton.jit
 def _index_logits_kernel(
-    q_ptr, w_ptr, cache_ptr, out_ptr, seq_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale, first_token, num_heads,
-    head_dim, width, rate, stride_qt, stride_qh, stride_wt, stride_ot, stride_bt, stride_cb, stride_cs,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    q_ptr, w_ptr, cache_ptr, key_scale_ptr, out_ptr, seq_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale, first_token,
+    num_heads, head_dim, width, rate, stride_qt, stride_qh, stride_wt, stride_ot, stride_bt, stride_cb, stride_cs,
+    stride_sb, stride_ss, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, KEY_SCALES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (row, key tile): row r of the slice is token first_token + r; its logits over the tile's keys, -inf
-    where it cannot attend. Key i sits at position i * rate + rate - 1 (rate 1: every position)."""
+    where it cannot attend. Key i sits at position i * rate + rate - 1 (rate 1: every position). KEY_SCALES: each
+    key is stored over its own scale (an FP8 cache)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     token = first_token + row
@@ -93,6 +133,10 @@ def _index_logits_kernel(
         rows = page * stride_cb + (pos % PAGE_SIZE).to(tl.int64) * stride_cs
         keys = tl.load(cache_ptr + rows[None, :] + offs_d[:, None], mask=mask_d[:, None] & visible[None, :],
                        other=0.0)  # [D, N]
+        key_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        if KEY_SCALES:
+            key_scale = tl.load(key_scale_ptr + page * stride_sb + (pos % PAGE_SIZE).to(tl.int64) * stride_ss,
+                                mask=visible, other=0.0)
         total = tl.zeros([BLOCK_N], tl.float32)
         for h0 in range(0, num_heads, BLOCK_H):
             heads = h0 + tl.arange(0, BLOCK_H)
@@ -100,7 +144,7 @@ def _index_logits_kernel(
             q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
             w = tl.load(w_ptr + token * stride_wt + heads, mask=mask_h, other=0.0)
-            s = tl.dot(q, keys.to(q.dtype), input_precision=DOT_PRECISION) * scale  # [H, N]
+            s = tl.dot(q, keys.to(q.dtype), input_precision=DOT_PRECISION) * (scale * key_scale)[None, :]  # [H, N]
             total += tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
         logits = tl.where(visible, total, float("-inf"))
     tl.store(out_ptr + row * stride_ot + key, logits, mask=key < width)
@@ -111,9 +155,10 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  count: int | None = None, block_n: int = 64) -> torch.Tensor:
     """float32 [count, meta.max_seq_len // rate]: the indexer's logits of tokens first..first+count-1 (default: all)
     over their sequences' cached keys, -inf where a token cannot attend. q [T, H, D], weights [T, H] (float32);
-    index_cache [num_blocks, block_size, D] (a view of the cache rows: any row stride, contiguous D). rate: key i is
-    the one in the row of position i * rate + rate - 1 (DeepSeek-V4's compressed entries, one per window of rate
-    tokens, in the row of the window's last token); 1: a key per position."""
+    index_cache [num_blocks, block_size, >= D] (the indexer part of the cache rows: any row stride, the key's D values
+    first and contiguous; an FP8 one's with its keys' scales, dsa_ref.key_scales). rate: key i is the one in the row
+    of position i * rate + rate - 1 (DeepSeek-V4's compressed entries, one per window of rate tokens, in the row of
+    the window's last token); 1: a key per position."""
     num_tokens, num_heads, head_dim = q.shape
     count = num_tokens - first if count is None else count
     if first < 0 or count < 0 or first + count > num_tokens:
@@ -122,18 +167,20 @@ def index_logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     out = torch.empty(count, width, dtype=torch.float32, device=q.device)
     if count == 0 or width == 0:
         return out
-    if q.stride(-1) != 1 or index_cache.stride(-1) != 1 or index_cache.shape[-1] != head_dim:
-        raise ValueError(f"index_cache {tuple(index_cache.shape)} rows must end in {head_dim} contiguous values, "
+    if q.stride(-1) != 1 or index_cache.stride(-1) != 1 or index_cache.shape[-1] < head_dim:
+        raise ValueError(f"index_cache {tuple(index_cache.shape)} rows must begin with {head_dim} contiguous values, "
                          "as q's")
+    scales = key_scales(index_cache, head_dim)
     seq = token_sequences(meta, num_tokens) if seq is None else seq
     weights = weights.float()
     block_n = max(_MIN_DOT, block_n)
     _index_logits_kernel[(count, triton.cdiv(width, block_n))](
-        q, weights, index_cache, out, seq, meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale),
-        first, num_heads, head_dim, width, rate, q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
-        meta.block_tables.stride(0), index_cache.stride(0), index_cache.stride(1),
+        q, weights, index_cache, index_cache if scales is None else scales, out, seq, meta.query_start_loc,
+        meta.seq_lens, meta.block_tables, float(scale), first, num_heads, head_dim, width, rate, q.stride(0),
+        q.stride(1), weights.stride(0), out.stride(0), meta.block_tables.stride(0), index_cache.stride(0),
+        index_cache.stride(1), 0 if scales is None else scales.stride(0), 0 if scales is None else scales.stride(1),
         PAGE_SIZE=index_cache.shape[1], BLOCK_H=max(_MIN_DOT, min(64, triton.next_power_of_2(num_heads))),
-        BLOCK_N=block_n, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), KEY_SCALES=scales is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return out
@@ -143,7 +190,7 @@ def select_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tenso
                 topk: int, scale: float, *, rate: int = 1, logits_bytes: int = LOGITS_BYTES) -> torch.Tensor:
     """int32 [T, min(topk, max_seq_len // rate)]: the keys each new token attends to (positions, or with `rate` the
     index_logits key numbers; dsa_ref.select_positions' set), -1 where fewer are visible. The tokens' keys must be
-    stored already (dsa_ref.store_index_keys)."""
+    stored already (store_index_keys)."""
     num_tokens = q.shape[0]
     width = meta.max_seq_len // rate
     k = min(topk, width)
