@@ -57,10 +57,10 @@ def _reference_logits(q, weights, index_cache, meta, scale) -> torch.Tensor:
         keys = keys * torch_ref.gather_latent(scales, meta, torch.float32)
     seq = dsa_triton.token_sequences(meta, q.shape[0]).long()
     qsl = meta.query_start_loc.long()
-    last = meta.seq_lens.long()[seq] - qsl[seq + 1] + torch.arange(q.shape[0])
+    last = meta.seq_lens.long()[seq] - qsl[seq + 1] + torch.arange(q.shape[0], device=q.device)
     scores = torch.relu(torch.einsum("thd,tsd->ths", q.float(), keys[seq]) * scale)
     logits = torch.einsum("ths,th->ts", scores, weights.float())
-    visible = torch.arange(meta.max_seq_len)[None, :] <= last[:, None]
+    visible = torch.arange(meta.max_seq_len, device=q.device)[None, :] <= last[:, None]
     return logits.masked_fill(~visible, float("-inf"))
 
 

@@ -265,7 +265,7 @@ def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
     # transformers would hand them CPU tensors)
     hf = copy.deepcopy(models[1]).to("cuda")
     for i, tokens in ((0, a), (1, b)):  # (fla and triton's dots run in TF32)
-        torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens), atol=5e-3, rtol=0)
+        torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens).cpu(), atol=5e-3, rtol=0)
 
 
 @pytest.mark.gpu
