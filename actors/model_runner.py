@@ -166,7 +166,8 @@ class ModelRunner:
         if self.spec is not None:
             # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the
             # verify step's tokens would be broadcast and the MTP layer's all-to-alls padded per step otherwise)
-            if graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers and not hybrid:
+            if (graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers and not hybrid
+                    and getattr(self.model, "multi_token_graphs", True)):
                 self.spec.graphs = SpecGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
                                               config.scheduler.max_num_seqs, max_blocks,
                                               self.spec.num_speculative_tokens, self.device)
@@ -177,6 +178,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         """One sequence's prompt chunks replayed from graphs (actors/prefill_graphs.py; prefill_cuda_graphs)."""
         if (graphs_ok and static and self.spec is None and self.tp_size == 1 and not hybrid
+                and getattr(self.model, "multi_token_graphs", True)
                 and self.model.attention_backend_name in prefill_graph_backends(config.worker.prefill_cuda_graphs)
                 and min(config.scheduler.max_num_batched_tokens, self.max_model_len) >= PREFILL_GRAPH_TOKENS[0]
                 and not (config.parallel.enable_expert_parallel and config.parallel.data_parallel_size > 1)):

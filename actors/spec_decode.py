@@ -71,12 +71,14 @@ def check_speculative_config(config: EngineConfig) -> None:
         raise ValueError("speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
                          "num_nextn_predict_layers); the embedded default model has none")
     hf = load_hf_config(config.model.model)
-    if hf.num_nextn_predict_layers < 1 or (hf.mla is None and hf.linear_attention is None):
+    if hf.num_nextn_predict_layers < 1 or (hf.mla is None and hf.linear_attention is None and hf.deepseek_v4 is None):
         raise ValueError(f"speculative method 'mtp' needs a model with multi-token-prediction layers (DeepSeek-V3's "
                          f"num_nextn_predict_layers or Qwen3.5's mtp_num_hidden_layers in config.json); "
                          f"{config.model.model} ({', '.join(hf.architectures) or hf.model_type}) has none")
     if hf.linear_attention is not None:  # Qwen3.5: `mtp.*`
         layer, first = re.compile(r"^(?:model\.)?mtp\.fc\."), "mtp.fc.weight"
+    elif hf.deepseek_v4 is not None:  # DeepSeek-V4: `mtp.0.*`
+        layer, first = re.compile(r"^(?:model\.)?mtp\.0\.e_proj\."), "mtp.0.e_proj.weight"
     else:  # DeepSeek-V3: the layer after the decoder stack
         layer = re.compile(rf"^(?:model\.)?layers\.{hf.num_hidden_layers}\.eh_proj\.")
         first = f"model.layers.{hf.num_hidden_layers}.eh_proj.weight"

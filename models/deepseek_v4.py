@@ -46,7 +46,7 @@ from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
 from flotilla.kernels.quant.fp8_ref import block_dequantize
 from flotilla.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm, Rotary, StepRows, rms
-from flotilla.models.deepseek_v4_checkpoint import fp4_dequantize, param_name, rank_share
+from flotilla.models.deepseek_v4_checkpoint import MTP_COPIES, fp4_dequantize, mtp_tensor, param_name, rank_share
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
 from flotilla.models.parallel import all_reduce, divide, tp_group
 
@@ -114,7 +114,7 @@ class DeepseekV4MoE(nn.Module):
         e, h = moe.num_experts, config.hidden_size
         i = divide(moe.moe_intermediate_size, tp, "moe_intermediate_size")  # (this rank's share of each expert)
         self.top_k, self.scale, self.limit = moe.num_experts_per_tok, moe.routed_scaling_factor, v4.swiglu_limit
-        self.hashed = v4.mlp_layer_types[layer_idx] == "hash_moe"
+        self.hashed = v4.hashed(layer_idx)
         self.gate = HashGate(config.vocab_size, self.top_k, e, h) if self.hashed else nn.Module()
         if not self.hashed:
             self.gate.weight = nn.Parameter(torch.zeros(e, h))
@@ -158,16 +158,64 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config.hidden_size, v4, eps)
 
 
+class HCHead(nn.Module):
+    """Collapses the residual streams into one hidden state (sigmoid weights from an RMSNorm over them all)."""
+
+    def __init__(self, hidden: int, v4: DeepseekV4Params, eps: float) -> None:
+        super().__init__()
+        n = v4.hc_mult
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.eps, self.hc_eps = eps, v4.hc_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [T, n, hidden] -> [T, hidden] in their dtype."""
+        pre = torch.sigmoid(F.linear(rms(streams.flatten(1), self.eps), self.hc_fn) * self.hc_scale + self.hc_base)
+        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class DeepseekV4MTP(nn.Module):
+    """The multi-token-prediction layer (the checkpoint's `mtp.0.*`, which transformers drops; vLLM's
+    DeepSeekV4MultiTokenPredictorLayer): each of the main model's residual streams RMSNormed (hnorm) and projected
+    (h_proj), plus the projected, RMSNormed embedding of the next token (e_proj, enorm), are the streams of one
+    decoder layer (sliding-window attention with its own cache layer, routed experts); its own hc_head and norm
+    collapse them before the main model's LM head."""
+
+    def __init__(self, config: HFModelConfig, v4: DeepseekV4Params, backend: MoEBackend, kernels: str) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.e_proj = nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.block = DeepseekV4DecoderLayer(config, v4, config.num_hidden_layers, backend, kernels)
+        self.hc_head = HCHead(hidden, v4, eps)
+        self.norm = RMSNorm(hidden, eps)
+
+    def streams(self, embedded: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The block's input streams [T, n, hidden] from the next tokens' embeddings [T, hidden] and the previous
+        streams [T, n, hidden] (the main model's, or this layer's own when drafting further)."""
+        return self.h_proj(self.hnorm(prev)) + self.e_proj(self.enorm(embedded)).unsqueeze(1)
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4's decoder (the step interface of LlamaForCausalLM) over the paged rows of the module docstring."""
 
     fused_ops_name = "torch"
+    multi_token_graphs = False
+    """Steps of several tokens per sequence (prompt chunks, MTP's verify steps) read the step's rows on the host
+    (StepRows): the runner captures no graphs of them; decode steps replay graphs."""
 
-    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", moe_backend: str = "auto") -> None:
+    def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", moe_backend: str = "auto",
+                 mtp: bool = False) -> None:
+        """mtp: also build and load the checkpoint's MTP layer (`mtp.0.*`), for speculative decoding."""
         super().__init__()
         v4 = config.deepseek_v4
         if v4 is None:
             raise ValueError("config.json is not a DeepSeek-V4 config (model_type deepseek_v4)")
+        if mtp and config.num_nextn_predict_layers < 1:
+            raise ValueError("speculative method 'mtp' needs the checkpoint's multi-token-prediction layer, but "
+                             "config.json declares none (num_nextn_predict_layers)")
         if config.num_key_value_heads != 1:
             raise ValueError(f"DeepSeek-V4 has one key-value head, config.json says {config.num_key_value_heads}")
         if attention_backend not in ("auto", "torch", "triton"):
@@ -193,16 +241,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(DeepseekV4DecoderLayer(config, v4, i, self.moe_backend, attention_backend)
                                           for i in range(config.num_hidden_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.model.hc_head = nn.Module()
-        n = v4.hc_mult
-        self.model.hc_head.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
-        self.model.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        self.model.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.model.hc_head = HCHead(config.hidden_size, v4, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(v4.rope_dim, v4.main_rope_theta, None)
         self.compress_rotary = Rotary(v4.rope_dim, v4.compress_rope_theta, v4.compress_rope_scaling)
-        self.num_layers = config.num_hidden_layers
-        self.row_width = max(layer.self_attn.row_width for layer in self.model.layers)
+        self.mtp = DeepseekV4MTP(config, v4, self.moe_backend, attention_backend) if mtp else None
+        self.num_hidden_layers = config.num_hidden_layers
+        self.num_mtp_layers = 1 if mtp else 0
+        self.num_layers = config.num_hidden_layers + self.num_mtp_layers
+        """KV cache layers: the decoder stack's, then the MTP layer's."""
+        blocks = [*self.model.layers, *([self.mtp.block] if self.mtp is not None else [])]
+        self.row_width = max(layer.self_attn.row_width for layer in blocks)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Every layer's cache: [num_blocks, block_size, row] (one row per token; the widest layer's width)."""
@@ -210,35 +259,62 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        """The residual streams after the last layer, flattened [T, hc_mult * hidden]: compute_logits collapses them
+        (hc_head, norm, LM head) for the rows that sample, and the MTP layer reads them whole."""
         x = self.model.embed_tokens(input_ids)
         step = StepRows(meta, x.device)  # (once for every layer)
         streams = x.unsqueeze(1).expand(-1, self.v4.hc_mult, -1).contiguous()
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            attn = layer.self_attn
-            rotary = self.rotary if attn.rate == 0 else self.compress_rotary
-            post, comb, collapsed = layer.attn_hc(streams)
-            out = attn(layer.input_layernorm(collapsed), positions, rotary, self.compress_rotary, cache, meta, step)
-            streams = merge(streams, out, post, comb)
-            post, comb, collapsed = layer.ffn_hc(streams)
-            streams = merge(streams, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids), post, comb)
-        head = self.model.hc_head
-        pre = torch.sigmoid(F.linear(rms(streams.flatten(1), self.config.rms_norm_eps), head.hc_fn) * head.hc_scale
-                            + head.hc_base) + self.v4.hc_eps
-        return self.model.norm((pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype))
+        for layer, cache in zip(self.model.layers, kv_caches, strict=False):  # (an MTP layer's cache comes last)
+            streams = self._layer(layer, streams, input_ids, positions, cache, meta, step)
+        return streams.flatten(1)
+
+    def _layer(self, layer: DeepseekV4DecoderLayer, streams: torch.Tensor, input_ids: torch.Tensor,
+               positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, step: StepRows) -> torch.Tensor:
+        attn = layer.self_attn
+        rotary = self.rotary if attn.rate == 0 else self.compress_rotary
+        post, comb, collapsed = layer.attn_hc(streams)
+        out = attn(layer.input_layernorm(collapsed), positions, rotary, self.compress_rotary, cache, meta, step)
+        streams = merge(streams, out, post, comb)
+        post, comb, collapsed = layer.ffn_hc(streams)
+        return merge(streams, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids), post, comb)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward's streams [N, hc_mult * hidden] -> float32 logits [N, vocab]."""
+        streams = hidden.view(hidden.shape[0], self.v4.hc_mult, -1)
+        return self._logits(self.model.norm(self.model.hc_head(streams)), out)
+
+    def _logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         if out is not None:
             out.copy_(logits)
             return out
         return logits
 
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
+                    kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """The MTP layer at `positions`: input_ids int64 [T] are the tokens one position ahead, prev_hidden the
+        streams there [T, hc_mult * hidden] (forward's, or this layer's own when drafting further); writes its rows
+        into its cache layer (the last of kv_caches); returns its streams, flattened the same way."""
+        assert self.mtp is not None
+        n = self.v4.hc_mult
+        streams = self.mtp.streams(self.model.embed_tokens(input_ids), prev_hidden.view(prev_hidden.shape[0], n, -1))
+        step = StepRows(meta, streams.device)
+        return self._layer(self.mtp.block, streams, input_ids, positions, kv_caches[self.num_hidden_layers], meta,
+                           step).flatten(1)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's streams [N, hc_mult * hidden] -> float32 logits [N, vocab] of the token two positions
+        ahead (its own hc_head and norm, the main model's LM head)."""
+        assert self.mtp is not None
+        streams = hidden.view(hidden.shape[0], self.v4.hc_mult, -1)
+        return self._logits(self.mtp.norm(self.mtp.hc_head(streams)), None)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """DeepSeek's checkpoint layout (layers.N.attn.wq_a, ffn.experts.E.w1, ...; with or without `model.`) or
         transformers' names; each routed expert's w1 / w3 / w2 goes into its row of the stacked experts. An FP8
         block-scaled checkpoint (V4-Flash-Base) and MXFP4 experts (V4-Flash) are dequantized as they load (`X.weight`
         with `X.weight_scale_inv`).
-        The MTP layers are not loaded yet."""
+        The first MTP layer's tensors (`mtp.0.*`) load when it is built (checkpoint_filter skips them otherwise)."""
         params = dict(self.named_parameters())
         targets = {**dict(self.named_buffers()), **params}
         loaded: set[str] = set()
@@ -289,4 +365,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"FP8 weights without their block scales (or scales without weights): {shown}")
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
-        return lambda name: not name.startswith("mtp.")
+        """The tensors to read: the MTP layers' only when the first one is built, and not its copies of the main
+        model's embedding and LM head."""
+        def keep(name: str) -> bool:
+            if not name.removeprefix("model.").startswith("mtp."):
+                return True
+            rest = mtp_tensor(name)
+            return self.mtp is not None and rest is not None and rest not in MTP_COPIES
+        return keep

@@ -198,7 +198,7 @@ class DeepseekV4Attention(nn.Module):
         """kernels: "triton" attends through the kernels, "torch" through the reference."""
         super().__init__()
         self.kernels = kernels
-        self.kind = v4.layer_types[layer_idx]
+        self.kind = v4.layer_type(layer_idx)
         self.rate = v4.rate(layer_idx)
         tp = tp_group().size
         self.heads = divide(config.num_attention_heads, tp, "attention heads")  # (this rank's)

@@ -77,14 +77,35 @@ def rank_share(name: str, tensor: torch.Tensor, one_expert: bool) -> torch.Tenso
     return tensor
 
 
+_MTP = {"enorm.weight": "mtp.enorm.weight", "hnorm.weight": "mtp.hnorm.weight", "e_proj.weight": "mtp.e_proj.weight",
+        "h_proj.weight": "mtp.h_proj.weight", "hc_head_fn": "mtp.hc_head.hc_fn", "hc_head_base": "mtp.hc_head.hc_base",
+        "hc_head_scale": "mtp.hc_head.hc_scale", "norm.weight": "mtp.norm.weight"}
+"""The MTP layer's own tensors (`mtp.0.<name>`); its other tensors are a decoder layer's."""
+MTP_COPIES = ("emb.tok_emb.weight", "embed_tokens.weight", "head.weight", "shared_head.head.weight")
+"""The MTP layer's copies of the main model's embedding and LM head (not loaded: the main model's serve)."""
+
+
+def mtp_tensor(name: str) -> str | None:
+    """What follows `mtp.0.` in a checkpoint name of the first MTP layer; None for other names and other MTP layers."""
+    bare = name.removeprefix("model.")
+    return bare.removeprefix("mtp.0.") if bare.startswith("mtp.0.") else None
+
+
 def param_name(name: str) -> tuple[str, int | None, int | None]:
     """A checkpoint tensor's parameter (or buffer) here; for one routed expert's matrix also its expert (row) and,
-    for w1 / w3, which half of gate_up_proj (0 / 1)."""
+    for w1 / w3, which half of gate_up_proj (0 / 1). The first MTP layer's tensors map to `mtp.*` (its decoder
+    layer's to `mtp.block.*`)."""
     bare = name.removeprefix("model.")
+    if (rest := mtp_tensor(name)) is not None:
+        return (_MTP[rest], None, None) if rest in _MTP else _layer_param("mtp.block.", rest)
     if not bare.startswith("layers."):
         return _ROOT.get(bare, name), None, None
     _, index, rest = bare.split(".", 2)
-    prefix = f"model.layers.{index}."
+    return _layer_param(f"model.layers.{index}.", rest)
+
+
+def _layer_param(prefix: str, rest: str) -> tuple[str, int | None, int | None]:
+    """param_name of a decoder layer's tensor `rest`, the layer's parameters under `prefix`."""
     if rest in _LAYER:
         return prefix + _LAYER[rest], None, None
     if (m := _EXPERT.match(rest)) is not None:

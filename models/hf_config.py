@@ -203,11 +203,18 @@ class DeepseekV4Params:
     index_topk: int
     """Compressed entries each query of a CSA layer attends to."""
 
+    def layer_type(self, layer_idx: int) -> str:
+        """Layer `layer_idx`'s attention kind; an MTP layer's (past the decoder stack) is sliding only, as vLLM's."""
+        return self.layer_types[layer_idx] if layer_idx < len(self.layer_types) else "sliding_attention"
+
+    def hashed(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx`'s experts are looked up by token id (an MTP layer's are routed)."""
+        return layer_idx < len(self.mlp_layer_types) and self.mlp_layer_types[layer_idx] == "hash_moe"
+
     def rate(self, layer_idx: int) -> int:
         """Tokens per compressed entry of layer `layer_idx`; 0 for a sliding-only layer."""
-        kind = self.layer_types[layer_idx]
         return {"sliding_attention": 0, "compressed_sparse_attention": self.compress_rates[0],
-                "heavily_compressed_attention": self.compress_rates[1]}[kind]
+                "heavily_compressed_attention": self.compress_rates[1]}[self.layer_type(layer_idx)]
 
 
 @dataclass(frozen=True, slots=True)

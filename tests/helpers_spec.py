@@ -1,6 +1,7 @@
-"""Shared by the MTP speculation tests (test_spec_decode.py, test_spec_graphs.py, test_qwen3_5_moe.py): a random MTP
-layer written into a tiny DeepSeek-V3 or Qwen3.5-MoE checkpoint, a runner, a mixed batch of requests driven to the end one step at a time, and a draft
-hook that hands plain decoding's tokens (forced acceptance, some corrupted)."""
+"""Shared by the MTP speculation tests (test_spec_decode.py, test_spec_graphs.py, test_qwen3_5_moe.py,
+test_deepseek_v4.py): a random MTP layer written into a tiny DeepSeek-V3, Qwen3.5-MoE or DeepSeek-V4 checkpoint, a
+runner, a mixed batch of requests driven to the end one step at a time, and a draft hook that hands plain decoding's
+tokens (forced acceptance, some corrupted)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,37 @@ def add_qwen35_mtp_layer(model_dir: Path, seed: int = 5) -> Path:
         mtp[f"mtp.{norm}.weight"] = 0.1 * torch.randn(hidden, generator=gen)  # (stored as w of x * (1 + w))
     save_file({**weights, **mtp}, str(model_dir / "model.safetensors"))
     (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return model_dir
+
+
+def add_v4_mtp_layer(model_dir: Path, seed: int = 5) -> Path:
+    """Append a random MTP layer (DeepSeek-V4's `mtp.0.*` names) to a tiny DeepSeek-V4 checkpoint: a sliding-window
+    decoder layer with routed experts made from layer 0's attention and layer 1's experts plus noise, enorm / hnorm /
+    e_proj / h_proj, its own hc_head and norm, and copies of the embedding and LM head as DeepSeek ships them."""
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    hidden, n = config["hidden_size"], config["hc_mult"]
+    mtp = {}
+    for name, t in weights.items():
+        for layer, own in ((0, lambda rest: not rest.startswith(("ffn.", "ffn_norm"))),
+                           (1, lambda rest: rest.startswith(("ffn.", "ffn_norm")))):
+            rest = name.removeprefix(f"model.layers.{layer}.")
+            if rest != name and own(rest):
+                noise = torch.randn(t.shape, generator=gen) * 0.02 * (t.float().std() if t.numel() > 1 else 0)
+                mtp[f"mtp.0.{rest}"] = (t + noise.to(t.dtype)).contiguous()
+    mtp["mtp.0.enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp["mtp.0.hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp["mtp.0.e_proj.weight"] = 0.1 * torch.randn(hidden, hidden, generator=gen)
+    mtp["mtp.0.h_proj.weight"] = 0.1 * torch.randn(hidden, hidden, generator=gen)
+    mtp["mtp.0.hc_head_fn"] = 0.1 * torch.randn(n, n * hidden, generator=gen)
+    mtp["mtp.0.hc_head_base"] = 0.1 * torch.randn(n, generator=gen)
+    mtp["mtp.0.hc_head_scale"] = 1 + 0.1 * torch.randn(1, generator=gen)
+    mtp["mtp.0.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    mtp["mtp.0.emb.tok_emb.weight"] = weights["model.embed_tokens.weight"].clone()
+    mtp["mtp.0.head.weight"] = weights["head.weight"].clone()
+    save_file({**weights, **mtp}, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return model_dir
 
 
@@ -165,3 +197,20 @@ def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
     assert got[1].keys() == want[1].keys()
     for rid in want[1]:
         np.testing.assert_allclose(got[1][rid], want[1][rid], rtol=1e-4, atol=1e-5)
+
+
+def plain_decoding(model_dir: Path) -> tuple[dict, dict]:
+    """(tokens, logprobs) of every request without speculation."""
+    tokens, logprobs, _, verified = run(make_runner(model_dir, None))
+    assert not verified
+    return tokens, logprobs
+
+
+def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict], num_spec: int) -> None:
+    """With the oracle's drafts (plain decoding's tokens, some wrong) the speculating runner gives plain decoding's
+    tokens, seeded samples and logprobs, with none, some and all of a step's drafts accepted."""
+    runner.spec.draft_hook = oracle(plain[0], corrupt=True)
+    tokens, logprobs, sched, verified = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import transformers
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
+from helpers_spec import add_v4_mtp_layer, check_speculation_follows_plain, make_runner, plain_decoding
 from helpers_tiny_models import ATOL, PagedRunner, hf_logits, load_flotilla_model, random_tokens
 
 from flotilla import LLM, SamplingParams
@@ -292,6 +294,58 @@ def test_the_engine_gives_transformers_tokens_with_chunks_prefix_hits_and_preemp
         outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert small.client.runtime.actors["scheduler/0"].core.num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(folder, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("v4mtp") / "m"
+    shutil.copytree(folder, d)
+    return add_v4_mtp_layer(d)
+
+
+@pytest.fixture(scope="module")
+def plain_v4(mtp_dir):
+    return plain_decoding(mtp_dir)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_dir, plain_v4, num_spec):
+    """The MTP layer (DeepSeek's mtp.0.*: hnorm / h_proj of each residual stream plus e_proj of the next token's
+    embedding, one sliding-window decoder layer with its own cache layer, its own hc_head) drafts; the oracle hook
+    replaces its random drafts with plain decoding's tokens, some wrong: greedy tokens, seeded samples and logprobs
+    equal plain decoding's, with none, some and all drafts accepted."""
+    runner = make_runner(mtp_dir, num_spec)
+    model = runner.model
+    assert model.num_layers == 5 and len(runner.kv_caches) == 5  # four layers, then the MTP layer's
+    assert model.mtp.block.self_attn.rate == 0 and not model.mtp.block.mlp.hashed
+    assert not model.checkpoint_filter()("mtp.0.head.weight") and model.checkpoint_filter()("mtp.0.e_proj.weight")
+    check_speculation_follows_plain(runner, plain_v4, num_spec)
+
+
+def test_mtp_through_the_engine_gives_transformers_greedy_tokens(mtp_dir, models):
+    """transformers drops mtp.*: its greedy tokens are what speculation must give, prefix hits included."""
+    prompts = [random_tokens(n, seed=60 + n, vocab=VOCAB) for n in (6, 23)]
+    want = greedy(models[1], prompts, 12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(mtp_dir), block_size=4, kv_cache_blocks=128, max_num_seqs=4,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.client.runtime.actors["scheduler/0"].core.spec_draft_tokens > 0
+    with pytest.raises(Exception, match="no MTP layer"):  # (the plain checkpoint declares none)
+        LLM(str(models_dir_without_mtp(mtp_dir)), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def models_dir_without_mtp(mtp_dir: Path) -> Path:
+    """A copy of the MTP checkpoint's folder whose config declares an MTP layer its weights lack."""
+    from safetensors.torch import load_file, save_file
+
+    d = mtp_dir.parent / "no_mtp_weights"
+    if not d.exists():
+        shutil.copytree(mtp_dir, d)
+        weights = load_file(str(d / "model.safetensors"))
+        save_file({k: v for k, v in weights.items() if not k.startswith("mtp.")}, str(d / "model.safetensors"))
+    return d
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
-from helpers_spec import VOCAB, add_qwen35_mtp_layer, check_same, make_runner, oracle, run
+from helpers_spec import VOCAB, add_qwen35_mtp_layer, check_speculation_follows_plain, make_runner, plain_decoding
 from helpers_tiny_models import (
     PagedRunner,
     check_greedy_matches_generate,
@@ -397,9 +397,7 @@ def mtp_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain_q35(mtp_dir):
-    tokens, logprobs, sched, verified = run(make_runner(mtp_dir, None))
-    assert not verified
-    return tokens, logprobs
+    return plain_decoding(mtp_dir)
 
 
 @pytest.mark.parametrize("num_spec", [1, 2])
@@ -410,11 +408,7 @@ def test_mtp_speculation_rolls_the_delta_nets_back_and_gives_the_tokens_of_plain
     samples and logprobs equal plain decoding's, prefix hits (resuming state snapshots) included."""
     runner = make_runner(mtp_dir, num_spec)
     assert runner.model.num_layers == 2 and len(runner.kv_caches) == 2  # one attention layer, then the MTP layer's
-    runner.spec.draft_hook = oracle(plain_q35[0], corrupt=True)
-    tokens, logprobs, sched, verified = run(runner)
-    check_same((tokens, logprobs), plain_q35)
-    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
-    assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
+    check_speculation_follows_plain(runner, plain_q35, num_spec)
 
 
 def test_mtp_through_the_engine_gives_transformers_greedy_tokens(mtp_dir, prompts):
