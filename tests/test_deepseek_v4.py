@@ -461,7 +461,7 @@ def test_the_engine_on_cuda_gives_transformers_tokens(folder, models):
     want = greedy(hf, prompts, 10)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with LLM(str(folder), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=32,
-             kv_cache_blocks=64) as llm:
+             kv_cache_blocks=64, max_num_seqs=4) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
 

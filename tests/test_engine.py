@@ -224,7 +224,7 @@ def test_penalties_reach_the_sampler_through_the_worker(llm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_engine_on_cuda_gives_the_cpu_greedy_tokens(tiny, llm):
     ps = prompts(8, seed=11)
-    with LLM(tiny, kv_cache_blocks=512, block_size=4, device="cuda") as gpu:
+    with LLM(tiny, kv_cache_blocks=512, block_size=4, device="cuda", max_num_seqs=16) as gpu:
         assert run(gpu, ps, max_tokens=16) == run(llm, ps, max_tokens=16)
         seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
         p = [{"prompt_token_ids": ps[0]}]
@@ -261,7 +261,7 @@ def test_flashinfer_and_torch_attention_give_the_same_greedy_tokens_on_cuda(tmp_
     ps = prompts(8, seed=13)
     outs = {}
     for backend in ("flashinfer", "torch"):
-        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16",
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
                  attention_backend=backend) as engine:
             assert engine.client.ready_detail["worker/0"]["attention"] == backend
             outs[backend] = run(engine, ps, max_tokens=8)
@@ -320,7 +320,8 @@ def test_triton_fused_ops_give_the_torch_ops_greedy_tokens_on_cuda(tmp_path):
     ps = prompts(8, seed=15)
     outs = {}
     for ops in ("triton", "torch"):
-        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", fused_ops=ops) as engine:
+        with LLM(model, kv_cache_blocks=512, block_size=16, device="cuda", dtype="bfloat16", max_num_seqs=16,
+                 fused_ops=ops) as engine:
             assert engine.client.ready_detail["worker/0"]["fused_ops"] == ops
             outs[ops] = run(engine, ps, max_tokens=8)
     first_diff = [(i, next(j for j, (a, b) in enumerate(zip(x, y)) if a != b))

@@ -284,7 +284,8 @@ def test_images_on_cuda_with_graphs_answer_what_transformers_does(folder, refere
     if encoder == "remote":
         require("dlslime", "the KV data plane's TCP transport (and Debian's libibverbs1)")
     srv = start_server(str(folder), "--device", "cuda", "--dtype", "float32", "--block-size", "16",
-                       "--kv-cache-blocks", "64", "--max-model-len", "256", "--image-encoder", encoder,
+                       "--kv-cache-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
+                       "--image-encoder", encoder,
                        "--kv-transfer-backend", "dlslime_tcp", timeout=600)
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
