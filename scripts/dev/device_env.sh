@@ -13,6 +13,14 @@
 _bundle=${FLOTILLA_BUNDLE:-$([ -f .gpu-bundle/setup.sh ] || [ ! -f .gpu-lite/setup.sh ] && echo .gpu-bundle || echo .gpu-lite)}
 source "$_bundle/setup.sh"
 unset _bundle
+# Optional extras beside the bundle (.gpu-extra/*.whl, git-ignored): flash-linear-attention's chunked prefill for
+# Qwen3.5's delta nets, which the GPU tests then check against transformers. Build it here with
+#   python3 -m pip download --no-deps -d .gpu-extra fla-core==0.6.0 einops==0.8.2
+# and carry ".gpu-extra" beside ".gpu-bundle".
+if compgen -G ".gpu-extra/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/extra \
+    --root-user-action=ignore .gpu-extra/*.whl && export PYTHONPATH=/tmp/extra${PYTHONPATH:+:$PYTHONPATH}
+fi
 _site=${FLOTILLA_BUNDLE_SITE:-/tmp/site}   # where setup.sh installs the wheels (a test points it elsewhere)
 [ -d "$_site" ] && find "$_site" -exec touch -h -d 2000-01-01 {} + 2>/dev/null
 unset _site
