@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
 import gc
 import json
 import logging
@@ -85,6 +86,19 @@ def run_actor(topo: Topology, name: str, instance: int = 0, *, endpoints: Endpoi
     return uvloop.run(_run_attached(ctxs))
 
 
+def dump_tasks_on_sigusr1(loop: asyncio.AbstractEventLoop) -> None:
+    """`kill -USR1 PID` prints, after every thread's stack (faulthandler, flotilla/__main__.py), the stack of every
+    task of `loop`: a process whose loop idles on an await that never resolves (a stop that hangs) says which."""
+    def dump() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    faulthandler.unregister(signal.SIGUSR1)  # (registered again after the loop's handler, which it then chains to)
+    loop.add_signal_handler(signal.SIGUSR1, dump)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+
+
 async def freeze_when_ready(actors: list[Actor]) -> None:
     """Once every actor of this process has set up, move what that built (a model, torch's and transformers'
     modules) out of the garbage collector's sight: a full collection in the process then takes milliseconds, not
@@ -111,6 +125,8 @@ async def _run_attached(ctxs: list[tuple[type[Actor], ActorContext]]) -> int:
             loop.add_signal_handler(sig, on_signal, sig)
         except (RuntimeError, ValueError):  # not the main thread (a Ray actor's method): its host stops it
             break
+    else:
+        dump_tasks_on_sigusr1(loop)
     tasks = [asyncio.create_task(a.serve(), name=a.label) for a in actors]
     freezer = asyncio.create_task(freeze_when_ready(actors))
     try:

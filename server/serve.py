@@ -27,6 +27,7 @@ import uvloop
 
 from flotilla import envs
 from flotilla.actors.base import RuntimeOptions
+from flotilla.actors.standalone import dump_tasks_on_sigusr1
 from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
 from flotilla.models.model_folder import (
     chat_template_text,
@@ -98,6 +99,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             server.should_exit = True
 
     loop = asyncio.get_running_loop()
+    dump_tasks_on_sigusr1(loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     log.info("starting the engine%s for %s (%s)", "s " + ",".join(n for n, _ in engines) if engines else "", path,

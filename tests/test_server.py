@@ -54,6 +54,25 @@ def test_models_health_and_metrics(server, client):
     assert metric(server, "flotilla_kv_cache_capacity_tokens") == 1024 * 16
 
 
+def test_sigusr1_prints_the_threads_and_the_event_loops_tasks_and_the_server_goes_on(server):
+    """`kill -USR1` (what tests/helpers_server.py sends a server that does not stop): every thread's stack, then the
+    stack of every task of the event loop (a loop idling on an await that never resolves says which)."""
+    import os
+    import signal
+
+    start = len(server.log)
+    os.kill(server.proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        new = "".join(server.log[start:])
+        if "Current thread" in new and "Stack for <Task" in new and "serve" in new:
+            break
+        time.sleep(0.05)
+    new = "".join(server.log[start:])
+    assert "Current thread" in new and "Stack for <Task" in new, new[-3000:]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 @needs_openai
 def test_chat_streaming_and_not_agree_and_report_usage(client):
     full = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
