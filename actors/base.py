@@ -104,9 +104,9 @@ class Actor:
         self._self_address = f"inproc://flotilla-self-{id(self):x}"
         self._closed = False
         self.dropped_replies = 0
+        """Answers to another node's front end dropped because it read none of the last SEND_HWM."""
         self.ready = asyncio.Event()
         """Set once the actor has said ready (its setup done)."""
-        """Answers to another node's front end dropped because it read none of the last SEND_HWM."""
         self._trace_out = sys.stderr
 
     # ---- for subclasses -----------------------------------------------------------------------

@@ -4,12 +4,12 @@ each query's MLA attends to.
 Each token writes one indexer key (index_head_dim, LayerNorm'd and roped) into its row of the layer's paged cache,
 after the latent (models/deepseek_v3_mla.py: the row is [c_kv | k_pe | index key | its scale]). An FP8 cache keeps
 the key in e4m3 over a float32 scale of its own (its largest magnitude / 448, as DeepSeek's FP8 indexer and vLLM
-keep it), in the row's last four bytes; a 16- or 32-bit cache keeps the key as it is and leaves those columns unused. A query's score of a cached
-position s is sum_h w_h * ReLU(scale * q_h . k_s) over the indexer's heads (w from the hidden state); the query
-attends to the `topk` best-scored positions at or before its own (all of them while there are fewer). The result is
-their list per token, int32 [T, min(topk, S)] (-1 where fewer are visible), which paged_mla (torch_ref) and the
-triton backend's sparse kernel (dsa_triton) read. transformers computes the same in float32,
-skipping DeepSeek's FP8 scoring and Hadamard rotation (an orthogonal transform leaves the dot products as they are).
+keep it), in the row's last four bytes; a 16- or 32-bit cache keeps the key as it is and leaves those columns
+unused. A query's score of a cached position s is sum_h w_h * ReLU(scale * q_h . k_s) over the indexer's heads (w
+from the hidden state); the query attends to the `topk` best-scored positions at or before its own (all of them
+while there are fewer). The result is their list per token, int32 [T, min(topk, S)] (-1 where fewer are visible),
+which paged_mla (torch_ref) and the triton backend's sparse kernel (dsa_triton) read. transformers computes the same
+in float32, skipping DeepSeek's FP8 scoring and Hadamard rotation (an orthogonal transform leaves the dot products as they are).
 """
 
 from __future__ import annotations

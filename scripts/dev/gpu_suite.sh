@@ -2,8 +2,8 @@
 # The GPU suite (`pytest -m gpu`, every file) on the GPU machine, as many shards as fit in one device call: the
 # bundle set up as the other device scripts do it, then gpu_suite.py with its state in .gpu-suite. Each call runs
 # the shards still to run; repeat it until the summary says none are left (a call after that begins a new run).
-#   device run, carry [".gpu-bundle", ".gpu-suite", ".gpu-extra"], timeout_s 600:  bash scripts/dev/gpu_suite.sh [options]
-#   (.gpu-extra: optional, see device_env.sh)
+#   device run, carry [".gpu-bundle", ".gpu-suite", ".gpu-extra"] (.gpu-extra: optional, see device_env.sh),
+#   timeout_s 600:  bash scripts/dev/gpu_suite.sh [gpu_suite.py options]
 #   then, here:  mkdir -p .gpu-suite && cp FILES_AT/* .gpu-suite/   (summary.md, suite.json, suite.log, jit-*.txz.NN)
 #                python3 -m flotilla.scripts.dev.gpu_suite --prune   (drops the archives suite.json no longer names: the
 #                bundle and .gpu-suite together must stay within the 64 MiB a device call carries)
