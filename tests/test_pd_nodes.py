@@ -73,6 +73,7 @@ def nodes(model, redis_url):
                                       {"timeout": 180}),
                                      ((str(model), "--single-process", *pdh.ENGINE_OPTIONS), {"timeout": 180}))
         started += [b, colocated]
+        pdh.wait_health(a.url, 200, timeout=60)  # node a has found node b's decode engine in the registry
     except BaseException:
         for s in started:
             s.stop()

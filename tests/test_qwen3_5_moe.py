@@ -5,7 +5,6 @@ the engine end to end (greedy equal to transformers' generate, concurrent, chunk
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import shutil
@@ -261,11 +260,14 @@ def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
         a, b = a + step[0][1], b + step[1][1]
         for (i, _), logits in zip(step, runner.step(step)):
             got[i].append(logits)
-    # transformers on CUDA too: where fla-core is installed it takes fla's kernels, which run on CUDA only (older
-    # transformers would hand them CPU tensors)
-    hf = copy.deepcopy(models[1]).to("cuda")
-    for i, tokens in ((0, a), (1, b)):  # (fla and triton's dots run in TF32)
-        torch.testing.assert_close(torch.cat(got[i]), hf_logits(hf, tokens).cpu(), atol=5e-3, rtol=0)
+    # against transformers on the CPU in float32 (its torch path, no TF32 anywhere). fla's chunked kernel runs its
+    # dots and triangular solve in TF32 (10-bit mantissa) whatever the input dtype, so its rows differ from exact
+    # float32 by up to ~1e-2 on these logits (max |logit| ~3.3, RMS ~0.8); a wrong gate, state or slot moves them by
+    # tenths. Hence a bound on the largest error (~1% of the logits' range) and a tighter one on the mean.
+    for i, tokens in ((0, a), (1, b)):
+        err = (torch.cat(got[i]) - hf_logits(models[1], tokens)).abs()
+        assert err.max() < 3e-2 and err.mean() < 3e-3, (f"sequence {i}: max |error| {err.max():.2e}, mean "
+                                                          f"{err.mean():.2e}, worst row {int(err.amax(-1).argmax())}")
 
 
 @pytest.mark.gpu
