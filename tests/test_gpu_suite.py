@@ -243,6 +243,7 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "the triton cache did not change: not written again" in summary
     assert not (project / "out2" / triton).exists() and state["caches"]["triton"]["parts"] == [triton]
     assert state["results"]["1"]["cut"] and "cut while running tests/test_three.py::test_slow" in summary
+    cut_wall = state["results"]["1"]["wall_s"]
     assert state["results"]["1"]["tests"]["tests/test_three.py::test_first"][0] == "passed"
     assert "shards still to run: 1, 2" in summary
     # 3: shards 1 and 2 run; a new kernel changes the cache, which is saved under a new name
@@ -253,6 +254,7 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     log = (project / "out3" / gs.LOG).read_text()  # the cut shard goes on where it was cut
     assert "shard 1: 2 tests in 1 files (resumed: 1 ran in an earlier call)" in log and "test_first" not in log
     assert state["results"]["1"]["complete"] and state["results"]["1"]["tests"]["tests/test_three.py::test_first"][0] == "passed"
+    assert state["results"]["1"]["wall_s"] > cut_wall >= 2  # the cut call's time counts in the shard's
     assert state["caches"]["triton"]["parts"] != [triton] and "saved the triton cache" in summary
     assert "- shard 2: 1 x needs two CUDA devices" in summary
     assert "error tests/test_two.py::test_setup_error" in summary

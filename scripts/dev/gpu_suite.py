@@ -500,6 +500,8 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
                     results.update(parse_junit(xml.read_text(), todo))
                 xml.unlink()
             results.update(earlier)
+            if earlier:  # the shard's time is that of every call that ran part of it
+                wall += state["results"][str(k)]["wall_s"]
             record = shard_record(shard_ids, results, wall, code, cut, running, text)
             state.setdefault("results", {})[str(k)] = record
             state["durations"] = durations = merge_durations(durations, record)
