@@ -23,8 +23,10 @@ the slots the scheduler reserved beyond the step (none is written past the table
 stops there).
 
 Steps run one at a time (the scheduler plans a decode only when it knows how many drafts were accepted); each
-launch() under speculation finishes its step at once. The drafts are argmax tokens of the MTP head, kept on
-the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
+launch() under speculation finishes its step at once. A step of decodes only hands its result to `publish` as soon
+as its tokens are known, before the MTP passes: the worker sends it then, so the scheduler's planning and the round
+trip of the next plan overlap the drafting instead of following it. The drafts are argmax tokens of the MTP head,
+kept on the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
 the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py).
 
 A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
@@ -110,6 +112,10 @@ class MTPSpeculator:
         """CUDA graphs of uniform steps (the runner captures them when its decode steps may use graphs)."""
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
+        self.publish: Callable[[StepResult], None] | None = None
+        """Called (on the runner's thread) with a step of decodes only's result as soon as its tokens are known, before
+        the MTP layer drafts: the worker sends it then, so that the scheduler plans the next step while the device
+        drafts (a speculating step is planned only once the previous one's result is in)."""
         par = runner.config.parallel
         self.mtp_ep_layers = mtp_expert_layers(self.model) \
             if par.data_parallel_size > 1 and par.enable_expert_parallel else []  # fmt: skip
@@ -180,24 +186,52 @@ class MTPSpeculator:
 
         # (in a uniform step every row samples: rows is 0 .. B * (k + 1) - 1)
         out, want = self._sample(seqs, samplers, seg, local, hidden if uniform else hidden[upload(rows, dev)])
+        # a step of decodes only is published before it drafts (see publish); one with prompt tokens is not: the
+        # scheduler may hand such a prompt's KV (the MTP layer's and a hybrid model's states among it) to another engine
+        # as soon as its result is in
+        publish = self.publish if all(n - d == 1 and s.length > s.num_prompt_tokens
+                                      for s, n, d in zip(seqs, num_new, num_drafts)) else None
         device_drafts = None
         if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
             mtp_hidden = g.propose(out.token_ids)
             if g.can_draft(cached_np, tables, r.max_model_len):  # and the accepted counts and drafts too
                 device_drafts = g.draft(cached_np, tables)
-                host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait
-                y, device_drafts = host[:len(rows)], host[len(rows):].reshape(len(seqs), k + 1)
-        if device_drafts is None:
+                if publish is None:
+                    host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait
+                    y, device_drafts = host[:len(rows)], host[len(rows):].reshape(len(seqs), k + 1)
+        if device_drafts is None or publish is not None:  # (the drafts are read after the result is out)
             y = out.token_ids.cpu().numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
         accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
         keep = local <= np.repeat(accepted, seg)
 
+        tokens = y[keep].astype(np.int32)
+        at = 0
+        for i, a in zip(samplers, accepted.tolist()):
+            s = seqs[i]
+            s.num_computed -= num_drafts[i] - a  # the rejected drafts' KV is stale: recomputed from here on
+            s.length += a + 1
+            for t in tokens[at:at + a + 1].tolist():
+                s.settle(t)
+            at += a + 1
+        result = StepResult(step=step, rids=[rids[i] for i in samplers], token_ids=tokens,
+                            num_tokens=(accepted + 1).astype(np.int32))
+        if want is not None:
+            result.logprobs = out.logprobs.float().cpu().numpy()[keep]
+            result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
+            result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
+        result = _with_scores(result, scores)
+        if publish is not None:
+            publish(result)
+
+        # the drafts of the next step (and a hybrid model's states back to the accepted tokens)
         if not uniform:
             mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
             mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
         if device_drafts is not None:
+            if publish is not None:
+                device_drafts = device_drafts.cpu().numpy()
             if not np.array_equal(device_drafts[:, 0], accepted):
                 raise RuntimeError(f"the draft graph counted {device_drafts[:, 0].tolist()} accepted drafts, the host "
                                    f"{accepted.tolist()}")  # fmt: skip
@@ -206,26 +240,12 @@ class MTPSpeculator:
             last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
             first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
             drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
-
         if r.num_state_slots:
             self._roll_back(seqs, samplers, accepted, num_drafts, num_new, starts, history)
-        tokens = y[keep].astype(np.int32)
-        at = 0
-        for i, a, d in zip(samplers, accepted.tolist(), drafts):
+        for i, d in zip(samplers, drafts):
             s = seqs[i]
-            s.num_computed -= num_drafts[i] - a  # the rejected drafts' KV is stale: recomputed from here on
-            s.length += a + 1
-            for t in tokens[at:at + a + 1].tolist():
-                s.settle(t)
-            at += a + 1
             s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, d)
-        result = StepResult(step=step, rids=[rids[i] for i in samplers], token_ids=tokens,
-                            num_tokens=(accepted + 1).astype(np.int32))
-        if want is not None:
-            result.logprobs = out.logprobs.float().cpu().numpy()[keep]
-            result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
-            result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
-        return _with_scores(result, scores)
+        return result
 
     def _history_rows(self, num_new: list[int], num_drafts: list[int], starts: np.ndarray) -> np.ndarray | None:
         """int64 [T]: a state-pool row per token of a sequence that verifies drafts (-1 elsewhere); None without

@@ -86,6 +86,9 @@ class GPUWorkerActor(Actor):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{ctx.name}{ctx.instance}-runner")
         self._completer: asyncio.Task | None = None
         self._trace = StepTrace.for_rank(self.config.worker.step_trace, self.rank)  # a per-step timeline
+        self._published: set[int] = set()
+        """Speculating steps whose results went out before their launch returned (MTPSpeculator.publish)."""
+        self._sending: set[asyncio.Task] = set()
 
     async def setup(self) -> dict[str, str]:
         # loading blocks for seconds: keep the loop (and so the ready handshake's timing) honest
@@ -98,6 +101,9 @@ class GPUWorkerActor(Actor):
                              "(built for Qwen3-MoE)")
         if self.ep_layers and self.rank == 0:
             self._reporter = asyncio.create_task(self._report_expert_loads(), name=f"{self.label}-expert-loads")
+        if r.spec is not None and self.rank == 0:
+            loop = asyncio.get_running_loop()
+            r.spec.publish = lambda result: loop.call_soon_threadsafe(self._send_published, result)
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.rank, num_blocks=r.num_blocks,
                                                          block_size=r.block_size, max_model_len=r.max_model_len,
                                                          num_state_slots=r.num_state_slots,
@@ -152,6 +158,9 @@ class GPUWorkerActor(Actor):
             log.exception("worker: step %d failed", plan.step)
             runner.fail(plan.step, f"{type(exc).__name__}: {exc}")
             self._fatal_under_tp(plan.step, exc)
+            if plan.step in self._published:  # its tokens went out, its drafts or states did not: nothing to repair
+                log.critical("worker %s: step %d failed after its result was sent; stopping", self.label, plan.step)
+                self.request_stop(f"step {plan.step} failed after its result was sent")
         if self._completer is None or self._completer.done():
             if runner.num_pending == 1 and runner.oldest_finished():  # finished at launch (speculation): send now
                 await self._complete()
@@ -204,10 +213,22 @@ class GPUWorkerActor(Actor):
                 log.exception("worker: step %d failed", step)
                 result = StepResult(step=step, error=f"{type(exc).__name__}: {exc}")
                 self._fatal_under_tp(step, exc)
+            if step in self._published:
+                self._published.discard(step)
+                continue
             if self._trace is not None:
                 self._trace.done(step)
             if self.rank == 0:
                 await self.send(self.scheduler, result, instance=self.dp_rank)
+
+    def _send_published(self, result: StepResult) -> None:
+        """On the loop: a speculating step's result, sent while its launch still drafts (MTPSpeculator.publish)."""
+        self._published.add(result.step)
+        if self._trace is not None:
+            self._trace.done(result.step)
+        task = asyncio.create_task(self.send(self.scheduler, result, instance=self.dp_rank))
+        self._sending.add(task)  # (held until sent: the loop keeps only weak references to tasks)
+        task.add_done_callback(self._sending.discard)
 
     def _fatal_under_tp(self, step: int, exc: Exception) -> None:
         """With tensor or expert parallelism a failed step leaves the ranks out of step: stop, so the engine goes

@@ -92,6 +92,39 @@ def test_accepted_and_rejected_drafts_give_the_tokens_of_plain_decoding(model_di
     assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
 
 
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_a_step_of_decodes_publishes_its_result_before_it_drafts(model_dir: Path, plain: tuple, num_spec: int) -> None:
+    """MTPSpeculator.publish gets each step of decodes only's result (the object the step returns) once its tokens are
+    known and before any MTP pass of that step, so the worker can send it while the device drafts; a step with prompt
+    tokens is not published (its KV may move to another engine as soon as its result is in). The tokens stay plain
+    decoding's, with drafts accepted and rejected."""
+    runner = make_runner(model_dir, num_spec)
+    spec = runner.spec
+    spec.draft_hook = oracle(plain[0], corrupt=True)
+    passes, published, decode_steps, returned = [0], {}, set(), {}
+    mtp_forward = runner.model.mtp_forward
+    runner.model.mtp_forward = lambda *a, **kw: passes.__setitem__(0, passes[0] + 1) or mtp_forward(*a, **kw)
+    spec.publish = lambda result: published.setdefault(result.step, (result, passes[0]))
+    execute = runner.execute
+
+    def traced(plan):
+        known = [runner.seqs.get(rid) for rid in plan.rids]
+        if plan.rids and all(s is not None and s.length > s.num_prompt_tokens for s in known):
+            decode_steps.add(plan.step)
+        before = passes[0]
+        result = returned[plan.step] = execute(plan)
+        if plan.step in published:
+            assert published[plan.step][1] == before < passes[0]  # published before the step's first MTP pass
+        return result
+
+    runner.execute = traced
+    tokens, logprobs, sched, _ = run(runner)
+    check_same((tokens, logprobs), plain)
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert set(published) == decode_steps and len(decode_steps) >= 5
+    assert all(returned[step] is result for step, (result, _) in published.items())
+
+
 @pytest.mark.parametrize("num_spec", [1, 2, 3])
 def test_forced_acceptance_gives_num_speculative_tokens_plus_one_per_verify_step(model_dir: Path, plain: tuple,
                                                                                  num_spec: int) -> None:
@@ -222,13 +255,19 @@ def test_speculating_steps_are_sent_without_a_second_trip_through_the_runner_thr
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, placement="inline",
              speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:  # fmt: skip
-        runner = llm.client.runtime.actors["worker/0"].runner
+        worker = llm.client.runtime.actors["worker/0"]
+        runner = worker.runner
         threads, launches, finish, launch = [], [], runner.finish_oldest, runner.launch
         runner.finish_oldest = lambda: threads.append(threading.current_thread()) or finish()
         runner.launch = lambda *a, **kw: launches.append(threading.current_thread()) or launch(*a, **kw)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sent_early, send_published = [], worker._send_published
+        worker._send_published = lambda result: sent_early.append(result.step) or send_published(result)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert launches and len(threads) == len(launches)
     assert set(launches).isdisjoint(threads)  # launched on the runner's thread, finished on the event loop's
+    # the steps of decodes went out before their drafting (MTPSpeculator.publish), once each, and every token came
+    assert len(sent_early) >= 4 and len(set(sent_early)) == len(sent_early) and not worker._published
+    assert [len(o.outputs[0].token_ids) for o in got] == [8, 8]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])

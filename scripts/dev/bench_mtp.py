@@ -84,10 +84,13 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 class StepTimer:
     """Times the worker's speculating steps (MTPSpeculator.step, its device waits included): what a step costs
     inside the worker, against the wall time per step, whose rest is the scheduler's planning, the messages between
-    the actors and the engine's loop (the steps run one at a time, so none of it overlaps a step)."""
+    the actors and the engine's loop (the steps run one at a time; a step of decodes sends its result before it
+    drafts, so the next plan's round trip overlaps its drafting)."""
 
     def __init__(self, spec: Any) -> None:
+        self.started: list[float] = []
         self.seconds: list[float] = []
+        self.since = 0.0
         step = spec.step
 
         def timed(*a: Any, **kw: Any) -> Any:
@@ -95,9 +98,18 @@ class StepTimer:
             try:
                 return step(*a, **kw)
             finally:
+                self.started.append(t0)
                 self.seconds.append(time.perf_counter() - t0)
 
         spec.step = timed
+
+    def clear(self) -> None:
+        """Count from now: a step that began before (the previous run's last, still drafting when that run's last
+        result came in) is left out."""
+        self.since = time.perf_counter()
+
+    def counted(self) -> list[float]:
+        return [s for t, s in zip(self.started, self.seconds) if t >= self.since]
 
 
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
@@ -111,7 +123,7 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         del spec  # (a reference held past the engine's close would keep its graphs and KV cache on the device)
         core = actors["scheduler/0"].core
         drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
-        tokens, elapsed = decode_twice(llm, prompt, args.decode_out, before_timed=timer.seconds.clear)
+        tokens, elapsed = decode_twice(llm, prompt, args.decode_out, before_timed=timer.clear)
         # decode_twice ran the request twice: the counters moved by two runs' worth
         drafts, accepted = (core.spec_draft_tokens - drafts0) / 2, (core.spec_accepted_tokens - accepted0) / 2
     diff = first_difference(tokens, plain)
@@ -123,7 +135,7 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
             "ms_per_token": round(1000 * elapsed / len(tokens), 3),
             "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
             "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None,
-            **step_split(timer.seconds, elapsed)}
+            **step_split(timer.counted(), elapsed)}
 
 
 def step_split(seconds: list[float], elapsed: float) -> dict[str, Any]:
