@@ -191,15 +191,17 @@ class MTPSpeculator:
         # as soon as its result is in
         publish = self.publish if all(n - d == 1 and s.length > s.num_prompt_tokens
                                       for s, n, d in zip(seqs, num_new, num_drafts)) else None
-        device_drafts = None
+        device_drafts = y = None
         if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
+            if publish is not None:  # the sampled tokens first (a copy queued behind the MTP passes would wait for
+                y = out.token_ids.cpu().numpy()  # them): those passes then run while the result goes out
             mtp_hidden = g.propose(out.token_ids)
             if g.can_draft(cached_np, tables, r.max_model_len):  # and the accepted counts and drafts too
                 device_drafts = g.draft(cached_np, tables)
                 if publish is None:
                     host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait
                     y, device_drafts = host[:len(rows)], host[len(rows):].reshape(len(seqs), k + 1)
-        if device_drafts is None or publish is not None:  # (the drafts are read after the result is out)
+        if y is None:
             y = out.token_ids.cpu().numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
