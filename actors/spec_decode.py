@@ -189,8 +189,8 @@ class MTPSpeculator:
         # a step of decodes only is published before it drafts (see publish); one with prompt tokens is not: the
         # scheduler may hand such a prompt's KV (the MTP layer's and a hybrid model's states among it) to another engine
         # as soon as its result is in
-        publish = self.publish if all(n - d == 1 and s.length > s.num_prompt_tokens
-                                      for s, n, d in zip(seqs, num_new, num_drafts)) else None
+        publish = self.publish if self.publish is not None and all(
+            n - d == 1 and s.length > s.num_prompt_tokens for s, n, d in zip(seqs, num_new, num_drafts)) else None
         device_drafts = y = None
         if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
             if publish is not None:  # the sampled tokens first (a copy queued behind the MTP passes would wait for

@@ -270,6 +270,32 @@ def test_speculating_steps_are_sent_without_a_second_trip_through_the_runner_thr
     assert [len(o.outputs[0].token_ids) for o in got] == [8, 8]
 
 
+def test_a_step_that_fails_after_its_result_went_out_takes_the_engine_down(model_dir: Path, caplog) -> None:
+    """Drafting that fails once its step's tokens were sent leaves drafts (and a hybrid model's states) unknown: the
+    worker stops, and the request ends with the engine's error instead of decoding on from a broken state."""
+    import logging
+
+    from flotilla.server.engine_client import EngineDeadError
+
+    prompts = [r.prompt_ids.tolist() for r in requests()[:2]]
+    with caplog.at_level(logging.INFO), LLM(str(model_dir), kv_cache_blocks=128, block_size=4, placement="inline",
+                                            speculative_config={"method": "mtp", "num_speculative_tokens": 1}) as llm:
+        spec = llm.client.runtime.actors["worker/0"].runner.spec
+        publish, draft, sent = spec.publish, spec._draft, []
+        spec.publish = lambda result: sent.append(result.step) or publish(result)
+
+        def broken(*a, **kw):
+            if sent:
+                raise RuntimeError("drafting broke")
+            return draft(*a, **kw)
+
+        spec._draft = broken
+        with pytest.raises(EngineDeadError, match="worker/0"):
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert sent and f"step {sent[0]} failed after its result was sent; stopping" in caplog.text
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
 def test_speculation_under_tensor_parallelism_gives_one_ranks_tokens(model_dir: Path, expert_parallel: bool) -> None:
     """TP=2 (and TP=2 with the experts spread over the two ranks): every rank runs the main model and the MTP layer

@@ -88,8 +88,7 @@ class StepTimer:
     drafts, so the next plan's round trip overlaps its drafting)."""
 
     def __init__(self, spec: Any) -> None:
-        self.started: list[float] = []
-        self.seconds: list[float] = []
+        self.steps: list[tuple[float, float]] = []  # (began, seconds)
         self.since = 0.0
         step = spec.step
 
@@ -98,8 +97,7 @@ class StepTimer:
             try:
                 return step(*a, **kw)
             finally:
-                self.started.append(t0)
-                self.seconds.append(time.perf_counter() - t0)
+                self.steps.append((t0, time.perf_counter() - t0))
 
         spec.step = timed
 
@@ -109,7 +107,7 @@ class StepTimer:
         self.since = time.perf_counter()
 
     def counted(self) -> list[float]:
-        return [s for t, s in zip(self.started, self.seconds) if t >= self.since]
+        return [s for t, s in self.steps if t >= self.since]
 
 
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
