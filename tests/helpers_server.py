@@ -24,6 +24,7 @@ class Server:
     proc: subprocess.Popen
     port: int
     log: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -40,7 +41,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             children = self.child_pids()
             for pid in [self.proc.pid, *children]:
@@ -52,6 +53,12 @@ class Server:
                     os.kill(pid, signal.SIGKILL)
             raise AssertionError(f"the server (pid {self.proc.pid}, children {children}) did not stop within "
                                  f"{timeout} s of SIGTERM; its stacks and log:\n" + "".join(self.log[-600:]))
+        if self.pump is not None:
+            self.pump.join(timeout=5)
+        # pytest shows a test's captured stderr only when it fails: then the server's side of it is there too
+        sys.stderr.write(f"---- the server's log (pid {self.proc.pid}, exit {code}), its last 300 lines ----\n"
+                         + "".join(self.log[-300:]))
+        return code
 
 
 def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> Server:
@@ -80,7 +87,7 @@ def _start_server(port: int, args: Sequence[str], timeout: float, command: str) 
             server.log.append(line)
             lines.put(line)
 
-    pumping = threading.Thread(target=pump, daemon=True)
+    pumping = server.pump = threading.Thread(target=pump, daemon=True)
     pumping.start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

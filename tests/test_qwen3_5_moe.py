@@ -5,6 +5,7 @@ the engine end to end (greedy equal to transformers' generate, concurrent, chunk
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import shutil
@@ -240,10 +241,17 @@ def test_layer_types_default_to_every_fourth_layer_full_attention():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_cuda_kernels_give_transformers_logits(model_dir, models):
+def test_the_cuda_kernels_give_transformers_logits(model_dir, models, monkeypatch):
     """On CUDA the delta nets run triton's decode kernels and (with fla-core) flash-linear-attention's chunked
     prefill: a prefill, a second chunk, then decodes of two sequences, against transformers in float32."""
     from flotilla.models.qwen3_5_moe import gdn_kernels
+
+    # transformers swaps in fla's (or causal-conv1d's) kernels where installed, CPU inputs or not: its own torch
+    # functions are the reference
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        if hasattr(hf_q35, name):
+            monkeypatch.setattr(hf_q35, name, inspect.unwrap(getattr(hf_q35, name)))
 
     model = load_flotilla_model(model_dir).to("cuda")
     kernels = gdn_kernels(torch.device("cuda"))
