@@ -96,9 +96,15 @@ class Supervisor:
                     self._all_ready.set()
 
     async def _watch(self) -> None:
+        tick = min(self.timeout / 4, 1.0)
         while True:
-            await asyncio.sleep(min(self.timeout / 4, 1.0))
+            began = time.monotonic()
+            await asyncio.sleep(tick)
             now = time.monotonic()
+            if now - began > 2 * tick:
+                # this process's own loop stalled (a blocking call): the heartbeats that came meanwhile are still
+                # unread in the inbox, so the silence is ours; judge on the next tick, once they are read
+                continue
             for k in self.ready:
                 silent = now - self.last_seen[k]
                 if silent > self.timeout:

@@ -119,14 +119,15 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        tokenizer = load_tokenizer(path, config.model.chat_template)
+        # off the loop: a processor's load can take seconds, and this loop also reads the engine's heartbeats
+        tokenizer = await asyncio.to_thread(load_tokenizer, path, config.model.chat_template)
         tool_format = TOOL_PARSERS[args.tool_call_parser]
         reasoning = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
         special = special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
         if special:
             log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
                      "skip_special_tokens false unless they set it", ", ".join(special))
-        _check_chat_template(tokenizer)
+        await asyncio.to_thread(_check_chat_template, tokenizer)
         body_bytes = args.max_body_bytes or (32 if takes_images(path) else 4) * 2**20
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),

@@ -110,6 +110,22 @@ def test_heartbeats_arrive_and_malformed_frames_are_dropped_while_serving():
     uvloop.run(main())
 
 
+def test_a_stall_of_the_supervising_loop_is_not_taken_for_silent_actors():
+    """The supervising process blocked for longer than the heartbeat timeout (e.g. a slow synchronous load while
+    the engine starts): the actors' heartbeats queued meanwhile are read before anyone is judged silent."""
+    async def main():
+        rt = Runtime(pingpong("process", "ipc"))
+        await rt.start()
+        try:
+            time.sleep(FAST.heartbeat_timeout_s * 1.5)  # noqa: ASYNC251 (the stall is the point)
+            await asyncio.sleep(FAST.heartbeat_timeout_s / 2)
+            assert not rt.failed.done(), rt.failed.result()
+        finally:
+            await rt.stop("test")
+
+    uvloop.run(main())
+
+
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_actor_process_is_detected_within_bounded_time(how):
     async def main():
