@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -33,6 +34,17 @@ from flotilla.transport.endpoints import Endpoints, key
 from flotilla.transport.messages import HeartbeatEvent, Message, ReadyEvent, StopCmd
 
 log = logging.getLogger(__name__)
+
+READ_AHEAD = 256
+"""Most messages an actor reads ahead while one of its handler's sends waits (Actor._send_watching_for_stop)."""
+
+
+class _StopRequested(BaseException):
+    """A StopCmd arrived while a handler's send waited: ends the handler (not an error of it) and the actor."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +115,10 @@ class Actor:
         self._hb_seq = 0
         self._self_address = f"inproc://flotilla-self-{id(self):x}"
         self._closed = False
+        self._receiver: asyncio.Task | None = None
+        """The task of the receive loop (the one reader of the inbox)."""
+        self._read_ahead: deque[Message] = deque()
+        """Messages read while a handler's send waited (see _send_watching_for_stop), handled next, in order."""
         self.dropped_replies = 0
         """Answers to another node's front end dropped because it read none of the last SEND_HWM."""
         self.ready = asyncio.Event()
@@ -142,7 +158,37 @@ class Actor:
         """Send to an inbox by address (outboxes are opened once and kept)."""
         if self.ctx.trace:
             self._trace("->", msg, address)
-        await self._outbox(address).send(msg)
+        out = self._outbox(address)
+        frames = out.send_at_once(msg)
+        if frames is None:
+            return
+        if asyncio.current_task() is not self._receiver:
+            await out.send_frames(frames)
+        else:
+            await self._send_watching_for_stop(out.send_frames(frames))
+
+    async def _send_watching_for_stop(self, sending: Awaitable[None]) -> None:
+        """A handler's send that must wait (the peer's queue is full, or the peer is gone: stopped before us):
+        meanwhile the inbox is read on, so that a StopCmd behind the message being handled stops the actor now
+        instead of after the runtime's grace period. What else arrives is handled next, in order (up to
+        READ_AHEAD messages; past them the send is simply awaited)."""
+        send = asyncio.ensure_future(sending)
+        try:
+            while not send.done() and len(self._read_ahead) < READ_AHEAD:
+                peek = asyncio.ensure_future(self._inbox.recv())
+                await asyncio.wait((send, peek), return_when=asyncio.FIRST_COMPLETED)
+                if not peek.done():
+                    peek.cancel()  # (it takes a message only after its wait, in the step that returns it)
+                    await asyncio.gather(peek, return_exceptions=True)
+                if peek.done() and not peek.cancelled():
+                    msg = peek.result()
+                    if isinstance(msg, StopCmd):
+                        raise _StopRequested(msg.reason)
+                    self._read_ahead.append(msg)
+            await send
+        finally:
+            if not send.done():
+                send.cancel()
 
     async def reply(self, reply_to: str | None, msg: Message) -> None:
         """Send a request's answer (its text, its failure) to the front end that asked: `reply_to`, the inbox of a
@@ -190,14 +236,20 @@ class Actor:
 
     async def _receive_until_stopped(self) -> None:
         assert self._inbox is not None
+        self._receiver = asyncio.current_task()
         while True:
-            msg = await self._inbox.recv()
+            msg = self._read_ahead.popleft() if self._read_ahead else await self._inbox.recv()
             if self.ctx.trace:
                 self._trace("<-", msg, self.address)
             if isinstance(msg, StopCmd):
                 log.info("%s stopping: %s", self.label, msg.reason or "StopCmd")
                 return
-            await self._dispatch(msg)
+            try:
+                await self._dispatch(msg)
+            except _StopRequested as stop:
+                log.info("%s stopping: %s (a send of its %s handler was waiting)", self.label,
+                         stop.reason or "StopCmd", type(msg).__name__)
+                return
 
     def request_stop(self, reason: str = "") -> None:
         """Stop after the messages already queued (safe from a signal handler): StopCmd to our own inbox. Once

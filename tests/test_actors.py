@@ -126,6 +126,36 @@ def test_a_stall_of_the_supervising_loop_is_not_taken_for_silent_actors():
     uvloop.run(main())
 
 
+def test_a_send_to_a_peer_that_stopped_first_does_not_hold_up_the_stop():
+    """A handler waits to send to a peer that has stopped (its inbox closed: nothing takes the message). The
+    runtime's stop still ends the actor at once: the StopCmd behind the message being handled is read while the
+    send waits (without it the actor would sit out the whole grace period, then be cancelled)."""
+    async def main():
+        topo = Topology(name="pp", placement="inline", options=FAST, actors=[
+            ActorSpec(name="relay", kind="relay", config={"peer": "echo"}), ActorSpec(name="echo", kind="echo")])
+        rt = Runtime(topo)
+        await rt.start()
+        relay, echo = rt.actors["relay/0"], rt.actors["echo/0"]
+        client = Client(rt)
+        assert len(await client.round(2)) == 2  # the relay's pipe to the echo is up
+        echo.request_stop("test")
+        deadline = time.monotonic() + 10
+        while not echo._closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await client.out.send(PingRequest(seq=9, payload=np.arange(3, dtype=np.int32), reply_to=client.address))
+        waiting = relay._outbox(rt.endpoints.of("echo"))
+        while not waiting._waiting and time.monotonic() < deadline:  # the relay's handler waits: no echo takes it
+            await asyncio.sleep(0.01)
+        assert waiting._waiting
+        client.close(own_context=False)
+        t0 = time.monotonic()
+        await rt.stop("test")
+        took = time.monotonic() - t0
+        assert took < FAST.stop_grace_s / 2, f"the stop took {took:.1f} s"
+
+    uvloop.run(main())
+
+
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_a_dead_or_hung_actor_process_is_detected_within_bounded_time(how):
     async def main():

@@ -173,6 +173,16 @@ class Outbox(_Sending):
         """Send one message; awaits (does not drop) while the peer's queue is full."""
         await self._send_frames(self.encoder.encode(msg))
 
+    def send_at_once(self, msg: Message) -> list[Any] | None:
+        """Send now if it can go without waiting (None); else nothing is sent and the encoded frames come back,
+        for send_frames."""
+        frames = self.encoder.encode(msg)
+        return None if not self._waiting and self._send_now(frames) else frames
+
+    async def send_frames(self, frames: list[Any]) -> None:
+        """Send encoded frames (send_at_once's), waiting while the peer's queue is full."""
+        await self._send_frames(frames)
+
     def send_nowait(self, msg: Message) -> bool:
         """Send if it can go without waiting; False (message not sent) when the peer's queue is full."""
         frames = self.encoder.encode(msg)
