@@ -180,7 +180,7 @@ class Actor:
                 if not peek.done():
                     peek.cancel()  # (it takes a message only after its wait, in the step that returns it)
                     await asyncio.gather(peek, return_exceptions=True)
-                if peek.done() and not peek.cancelled():
+                if not peek.cancelled():
                     msg = peek.result()
                     if isinstance(msg, StopCmd):
                         raise _StopRequested(msg.reason)
