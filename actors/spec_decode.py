@@ -27,7 +27,12 @@ launch() under speculation finishes its step at once. A step of decodes only han
 as its tokens are known, before the MTP passes: the worker sends it then, so the scheduler's planning and the round
 trip of the next plan overlap the drafting instead of following it. The drafts are argmax tokens of the MTP head,
 kept on the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
-the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py).
+the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py). Such a
+step does not wait for its drafts: it returns once its sampled tokens are on the host, while the device still
+drafts, so the next step is staged meanwhile. Its drafts stay on the device (PendingDrafts), their copy to the
+host queued behind them: a next step of the same sequences, uniform again, reads them into its verify inputs on
+the device and the host learns them when it waits for that step's sampled tokens; any other step waits for the
+copy first.
 
 A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
 verify pass keeps the state after each token of a drafting sequence in rows of the state pools, and the slot gets
@@ -60,8 +65,10 @@ if TYPE_CHECKING:
     from flotilla.actors.model_runner import ModelRunner
     from flotilla.actors.seq_state import SeqState
 
-DraftHook = Callable[[np.ndarray, list[int]], list[int]]
-"""(a sequence's tokens so far, the MTP layer's drafts) -> the drafts to verify instead (tests force acceptance)."""
+DraftHook = Callable[[np.ndarray, int, Callable[[], list[int]]], list[int]]
+"""(a sequence's tokens so far, how many drafts the MTP layer made, a function giving them) -> the drafts to verify
+instead (tests and bench_mtp force acceptance). The function makes the host wait for the drafts: a hook that
+forces them without calling it keeps a graph step's drafting overlapped with the next step's staging."""
 
 
 def check_speculative_config(config: EngineConfig) -> None:
@@ -101,6 +108,47 @@ def _checkpoint_names(model_dir: Path) -> list[str]:
     return names
 
 
+class PendingDrafts:
+    """A graph step's drafts, still on the device: [B, k] (rows in the step's order), their copy to the host queued
+    behind the draft graph, and the accepted counts the draft graph must agree with (checked when they land)."""
+
+    __slots__ = ("_landed", "accepted", "device", "event", "host", "seqs")
+
+    def __init__(self, seqs: list[SeqState], out: torch.Tensor, accepted: np.ndarray) -> None:
+        """out: the draft graph's [B, 1 + k] (accepted count, drafts) on the device."""
+        self.seqs, self.accepted = seqs, accepted
+        self.device = out[:, 1:].clone()  # (the graph's output buffer is rewritten by its next replay)
+        cuda = out.device.type == "cuda"
+        self.host = out.to("cpu", non_blocking=cuda, copy=True)
+        self.event, self._landed = None, None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def rows(self, seqs: list[SeqState]) -> np.ndarray | None:
+        """Each of `seqs`' row, None unless every one of them has drafts here."""
+        index = {id(s): i for i, s in enumerate(self.seqs)}
+        rows = [index.get(id(s)) for s in seqs]
+        return None if None in rows else np.asarray(rows, dtype=np.int64)
+
+    def landed(self) -> np.ndarray:
+        """[B, k] on the host, once the copy has landed (the first call waits for it)."""
+        if self._landed is None:
+            if self.event is not None:
+                self.event.synchronize()
+            host = self.host.numpy()
+            if not np.array_equal(host[:, 0], self.accepted):
+                raise RuntimeError(f"the draft graph counted {host[:, 0].tolist()} accepted drafts, the host "
+                                   f"{self.accepted.tolist()}")
+            self._landed = host[:, 1:]
+        return self._landed
+
+    def settle(self) -> None:
+        """Each sequence's drafts into SeqState.drafts (waiting for them if they have not landed)."""
+        for s, d in zip(self.seqs, self.landed().tolist()):
+            s.drafts = d
+
+
 class MTPSpeculator:
     """Runs a whole step of a speculating runner: main forward, sampling, verification, MTP drafting."""
 
@@ -112,6 +160,8 @@ class MTPSpeculator:
         """CUDA graphs of uniform steps (the runner captures them when its decode steps may use graphs)."""
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
+        self.pending: PendingDrafts | None = None
+        """The last graph step's drafts while they are on the device only."""
         self.publish: Callable[[StepResult], None] | None = None
         """Called (on the runner's thread) with a step of decodes only's result as soon as its tokens are known, before
         the MTP layer drafts: the worker sends it then, so that the scheduler plans the next step while the device
@@ -138,22 +188,31 @@ class MTPSpeculator:
         if any(s.host_length != s.length for s in seqs):
             raise RuntimeError("speculative decoding runs one step at a time (max_steps_in_flight 1)")
         starts = np.concatenate(([0], np.cumsum(num_new))).astype(np.int64)
-        ids = np.zeros(int(starts[-1]) + 1, dtype=np.int64)  # one spare: ids[f + 1] is read below
         num_drafts = [max(c + n - length, 0) for c, n, length in zip(cached, num_new, lengths)]
-        for s, c, n, k, at in zip(seqs, cached, num_new, num_drafts, starts.tolist()):
-            known = c + n - k
-            ids[at:at + known - c] = s.buffer[c:known]
-            if k:  # drafts the MTP layer left (missing ones are 0: a wrong draft is only rejected)
-                drafts = s.drafts[:k]
-                ids[at + known - c:at + known - c + len(drafts)] = drafts
         tables = [s.block_ids for s in seqs]
         k, g = self.num_speculative_tokens, self.graphs
         # every sequence decodes with all k drafts: the captured passes (actors/spec_graphs.py)
         uniform = (g is not None and g.fits(len(seqs)) and all(n == k + 1 for n in num_new)
                    and all(d == k for d in num_drafts))  # fmt: skip
+        # the last graph step's drafts: read on the device by a uniform step of its sequences (a grammar masks
+        # with the drafts on the host), otherwise onto the host first
+        pending, self.pending = self.pending, None
+        draft_rows = pending.rows(seqs) if pending is not None and uniform else None
+        if draft_rows is None or any(s.grammar is not None for s in seqs):
+            draft_rows = None
+            if pending is not None:
+                pending.settle()
+        ids = np.zeros(int(starts[-1]) + 1, dtype=np.int64)  # one spare: ids[f + 1] is read below
+        for s, c, n, d, at in zip(seqs, cached, num_new, num_drafts, starts.tolist()):
+            known = c + n - d
+            ids[at:at + known - c] = s.buffer[c:known]
+            if d and draft_rows is None:  # drafts the MTP layer left (missing ones are 0: a wrong draft is rejected)
+                drafts = s.drafts[:d]
+                ids[at + known - c:at + known - c + len(drafts)] = drafts
         if uniform:
             cached_np = np.asarray(cached, dtype=np.int64)
-            hidden = g.verify(ids[:-1], cached_np, tables)
+            hidden = g.verify(ids[:-1], cached_np, tables,
+                              drafts=None if draft_rows is None else (pending.device, draft_rows))
         else:
             meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
             positions = positions_from_lists(cached, num_new, device=dev)
@@ -191,18 +250,29 @@ class MTPSpeculator:
         # as soon as its result is in
         publish = self.publish if self.publish is not None and all(
             n - d == 1 and s.length > s.num_prompt_tokens for s, n, d in zip(seqs, num_new, num_drafts)) else None
-        device_drafts = y = None
-        if uniform:  # queued before the host waits: the token ahead of every row is the one sampled at it
-            if publish is not None:  # the sampled tokens first (a copy queued behind the MTP passes would wait for
-                y = out.token_ids.cpu().numpy()  # them): those passes then run while the result goes out
-            mtp_hidden = g.propose(out.token_ids)
-            if g.can_draft(cached_np, tables, r.max_model_len):  # and the accepted counts and drafts too
+        device_drafts = None
+        if uniform:
+            # the sampled tokens' (and logprobs') copies are queued before the MTP passes (behind them they would
+            # wait for them), which then run while the host checks the drafts and the result goes out
+            cuda = out.token_ids.device.type == "cuda"
+            host = [t.to("cpu", non_blocking=cuda) for t in (out.token_ids, *(
+                () if want is None else (out.logprobs.float(), out.top_token_ids, out.top_logprobs.float())))]
+            sampled = torch.cuda.Event() if cuda else None
+            if sampled is not None:
+                sampled.record()
+            mtp_hidden = g.propose(out.token_ids)  # the token ahead of every row is the one sampled at it
+            if g.can_draft(cached_np, tables, r.max_model_len):
                 device_drafts = g.draft(cached_np, tables)
-                if publish is None:
-                    host = torch.cat((out.token_ids.view(-1), device_drafts.reshape(-1))).cpu().numpy()  # one wait
-                    y, device_drafts = host[:len(rows)], host[len(rows):].reshape(len(seqs), k + 1)
-        if y is None:
-            y = out.token_ids.cpu().numpy()
+            if sampled is not None:
+                sampled.synchronize()
+            if draft_rows is not None:  # the drafts this step verified, from the last step's copy (long landed)
+                pending.settle()
+                for s, at in zip(seqs, starts.tolist()):
+                    ids[at + 1:at + 1 + k] = s.drafts[:k]
+        else:
+            host = [out.token_ids.cpu()] if want is None else \
+                [out.token_ids.cpu(), out.logprobs.float().cpu(), out.top_token_ids.cpu(), out.top_logprobs.float().cpu()]  # fmt: skip
+        y = host[0].numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
         accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
@@ -220,33 +290,33 @@ class MTPSpeculator:
         result = StepResult(step=step, rids=[rids[i] for i in samplers], token_ids=tokens,
                             num_tokens=(accepted + 1).astype(np.int32))
         if want is not None:
-            result.logprobs = out.logprobs.float().cpu().numpy()[keep]
-            result.top_ids = out.top_token_ids.cpu().numpy().astype(np.int32)[keep]
-            result.top_logprobs = out.top_logprobs.float().cpu().numpy()[keep]
+            result.logprobs = host[1].numpy()[keep]
+            result.top_ids = host[2].numpy().astype(np.int32)[keep]
+            result.top_logprobs = host[3].numpy()[keep]
         result = _with_scores(result, scores)
         if publish is not None:
             publish(result)
 
         # the drafts of the next step (and a hybrid model's states back to the accepted tokens)
-        if not uniform:
-            mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
-            mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
-        if device_drafts is not None:
-            if publish is not None:
-                device_drafts = device_drafts.cpu().numpy()
-            if not np.array_equal(device_drafts[:, 0], accepted):
-                raise RuntimeError(f"the draft graph counted {device_drafts[:, 0].tolist()} accepted drafts, the host "
-                                   f"{accepted.tolist()}")  # fmt: skip
-            drafts = device_drafts[:, 1:].tolist()
+        if device_drafts is not None:  # still being drafted: the next step reads them (see PendingDrafts)
+            pending = PendingDrafts(seqs, device_drafts, accepted)
+            if self.draft_hook is None:
+                self.pending = pending
+            else:
+                for i, s in enumerate(seqs):
+                    s.drafts = self.draft_hook(s.tokens, k, lambda i=i: pending.landed()[i].tolist())
         else:
+            if not uniform:
+                mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
+                mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
             last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
             first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
             drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
+            for i, d in zip(samplers, drafts):
+                s = seqs[i]
+                s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, len(d), lambda d=d: d)
         if r.num_state_slots:
             self._roll_back(seqs, samplers, accepted, num_drafts, num_new, starts, history)
-        for i, d in zip(samplers, drafts):
-            s = seqs[i]
-            s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, d)
         return result
 
     def _history_rows(self, num_new: list[int], num_drafts: list[int], starts: np.ndarray) -> np.ndarray | None:

@@ -14,7 +14,8 @@ Three graphs per captured batch size B (the decode ladder, cuda_graphs.capture_s
   Out: [B, 1 + k], the accepted count and the k drafts.
 
 Sampling stays outside (its options change per request), as in the decode graphs. All three graphs and the sampler
-are queued before the host waits once, for the sampled tokens, the accepted counts and the drafts together. A step
+are queued before the host waits, for the sampled tokens only: the drafts (and the accepted counts, which must agree
+with the host's) stay on the device for the next verify, their copy to the host queued behind them. A step
 that is not uniform (a prefill chunk, a penalised request without drafts, a batch past the largest size) runs eager;
 so does the draft chain of a step where a chain might run past the block table or max_model_len (the host checks
 the case where every draft is accepted, the longest).
@@ -150,10 +151,13 @@ class SpecGraphs:
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
 
-    def verify(self, ids: np.ndarray, cached: np.ndarray, tables: list[np.ndarray]) -> torch.Tensor:
+    def verify(self, ids: np.ndarray, cached: np.ndarray, tables: list[np.ndarray],
+               drafts: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
         """The main model over B sequences of q = k + 1 new tokens each: ids int64 [B * q] (each sequence's last
         token and its k drafts), cached [B] the tokens already in each sequence's cache (its first new position),
-        tables each sequence's KV blocks. -> hidden [B * q, H] (valid until the next verify)."""
+        tables each sequence's KV blocks; drafts: (a device tensor [*, k], each sequence's row of it), the drafts
+        to verify in place of ids' (which the host does not know yet). -> hidden [B * q, H] (valid until the next
+        verify)."""
         batch, q, bs = len(cached), self.q, self.block_size
         size = self.padded_size(batch)
         self._size, self._batch = size, batch
@@ -162,6 +166,9 @@ class SpecGraphs:
         pos = (cached[:, None] + np.arange(q)[None, :]).reshape(-1)
         blocks = table[np.repeat(np.arange(batch), q), pos // bs].astype(np.int64)
         self.inputs.write(ids, pos, blocks * bs + pos % bs, lens, table)  # padded rows: on the scratch block
+        if drafts is not None:
+            src, rows = drafts
+            self.ids[:batch * q].view(batch, q)[:, 1:].copy_(src[upload(rows, self.device)])
         return self.verify_graphs[size].replay()[:batch * q]
 
     def propose(self, sampled: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ tokens (forced acceptance, some corrupted)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -169,11 +170,11 @@ def oracle(plain_tokens: dict, corrupt: bool, reqs: list[TokenizedRequest] | Non
     """A draft hook giving the tokens plain decoding produced next (every third step one of them is wrong)."""
     full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in reqs or requests()}
 
-    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
+    def hook(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]]) -> list[int]:
         seq = tokens.tolist()
         ref = next(f for p, f in full.items() if seq[:len(p)] == list(p))
-        want = ref[len(seq):len(seq) + len(drafts)]
-        out = want + drafts[len(want):]
+        want = ref[len(seq):len(seq) + n]
+        out = want + (drafts()[len(want):] if len(want) < n else [])  # the model's own past plain decoding's end
         if corrupt and len(seq) % 3 == 0:
             j = (len(seq) // 3) % len(out)
             out[j] = (out[j] + 1) % VOCAB

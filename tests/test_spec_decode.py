@@ -464,10 +464,16 @@ def test_bench_mtps_oracle_leaves_a_departed_sequence_its_own_drafts() -> None:
     model's drafts go on, and the record's first_difference says where the outputs parted."""
     from flotilla.scripts.dev.bench_mtp import first_difference, oracle
 
-    hook = oracle([1, 2], [3, 4, 5])
-    assert hook(np.array([1, 2]), [9, 9]) == [3, 4]
-    assert hook(np.array([1, 2, 3, 4]), [9, 9]) == [5, 9]  # past the known tokens: the model's drafts
-    assert hook(np.array([1, 2, 7]), [9, 8]) == [9, 8]  # left plain decoding's path
+    hook, asked = oracle([1, 2], [3, 4, 5]), []
+
+    def drafts(d: list[int]):
+        return lambda: asked.append(d) or d
+
+    assert hook(np.array([1, 2]), 2, drafts([9, 9])) == [3, 4]
+    assert not asked  # forced without the model's drafts: the step need not wait for them
+    assert hook(np.array([1, 2, 3, 4]), 2, drafts([9, 9])) == [5, 9]  # past the known tokens: the model's drafts
+    assert hook(np.array([1, 2, 7]), 2, drafts([9, 8])) == [9, 8]  # left plain decoding's path
+    assert asked == [[9, 9], [9, 8]]
     assert first_difference([3, 4, 5], [3, 4, 5]) is None
     assert first_difference([3, 6, 5], [3, 4, 5]) == 1
     assert first_difference([3, 4], [3, 4, 5]) == 2

@@ -5,6 +5,7 @@ FlashMLA's verify pass of k + 1 tokens per sequence)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +35,14 @@ def plain(model_dir: Path) -> tuple[dict, dict]:
 def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
     """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
     runner steps."""
-    counts = {"verify": 0, "draft": 0, "padded": 0}
+    counts = {"verify": 0, "draft": 0, "padded": 0, "drafts_on_device": 0}
     verify, draft = g.verify, g.draft
 
-    def counted_verify(ids, cached, tables):
+    def counted_verify(ids, cached, tables, drafts=None):
         counts["verify"] += 1
         counts["padded"] += g.padded_size(len(cached)) > len(cached)
-        return verify(ids, cached, tables)
+        counts["drafts_on_device"] += drafts is not None
+        return verify(ids, cached, tables, drafts)
 
     def counted_draft(*args):
         counts["draft"] += 1
@@ -76,9 +78,10 @@ def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens:
         hook, seen = oracle(plain_tokens[0], corrupt=True), {}
         drafted.append(seen)
 
-        def record(tokens: np.ndarray, drafts: list[int], hook=hook, seen=seen) -> list[int]:
-            seen[tuple(tokens.tolist())] = drafts  # the MTP layer's own drafts, before the oracle's
-            return hook(tokens, drafts)
+        def record(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]], hook=hook, seen=seen) -> list[int]:
+            own = seen[tuple(tokens.tolist())] = drafts()  # the MTP layer's own drafts, before the oracle's
+            assert len(own) == n
+            return hook(tokens, n, drafts)
 
         runner.spec.draft_hook = record
         rows: list[tuple[str, int, int]] = []
@@ -104,13 +107,44 @@ def test_speculating_step_graphs_give_the_tokens_of_plain_decoding(model_dir: Pa
     check_step_graphs(model_dir, num_spec, "cpu", plain)
 
 
+def check_drafts_stay_on_the_device(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple) -> None:
+    """The MTP layer's own drafts (no hook): a graph step leaves them on the device and the next uniform step of
+    the same sequences verifies them from there; the rest read them on the host. The same drafts as eager
+    speculation's (so the same accepted counts, row by row), plain decoding's tokens, the same KV cache."""
+    penalised = ("r4", "r10")
+    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
+    rows: list[list[tuple[str, int, int]]] = []
+    caches: list[list[torch.Tensor]] = []
+    for graphs in (False, True):
+        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
+        if graphs and device == "cpu":
+            attach_step_graphs(runner)
+        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
+        rows.append([])
+        tokens, logprobs, _, _ = run(runner, budget=64, rows=rows[-1], drop=penalised)
+        check_same((tokens, logprobs), want)
+        caches.append([c[:runner.num_blocks] for c in runner.kv_caches])
+    assert rows[0] == rows[1]
+    assert counts["drafts_on_device"] >= 3, counts
+    for eager, graphed in zip(*caches):
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_a_graph_steps_drafts_stay_on_the_device_for_the_next_verify(model_dir: Path, plain: tuple,
+                                                                       num_spec: int) -> None:
+    check_drafts_stay_on_the_device(model_dir, num_spec, "cpu", plain)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_spec", [1, 3])
 def test_speculating_step_cuda_graphs_give_the_tokens_of_plain_decoding(model_dir: Path, num_spec: int) -> None:
     """The same on CUDA, where the runner captures the graphs itself (the triton MLA kernels' static tables)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    check_step_graphs(model_dir, num_spec, "cuda", run(make_runner(model_dir, None, device="cuda"))[:2])
+    plain_cuda = run(make_runner(model_dir, None, device="cuda"))[:2]
+    check_step_graphs(model_dir, num_spec, "cuda", plain_cuda)
+    check_drafts_stay_on_the_device(model_dir, num_spec, "cuda", plain_cuda)
 
 
 @pytest.mark.gpu

@@ -65,12 +65,13 @@ def oracle(prompt: list[int], continuation: list[int]):
     own drafts for a sequence that left plain decoding's path, or for any other request)."""
     full = prompt + continuation
 
-    def hook(tokens: np.ndarray, drafts: list[int]) -> list[int]:
+    def hook(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]]) -> list[int]:
         seq = tokens.tolist()
         if seq != full[: len(seq)]:
-            return drafts
-        want = full[len(seq): len(seq) + len(drafts)]
-        return want + drafts[len(want):]
+            return drafts()
+        want = full[len(seq): len(seq) + n]
+        # (the model's drafts only past plain decoding's end: asking for them makes the step wait for its drafting)
+        return want if len(want) == n else want + drafts()[len(want):]
 
     return hook
 
