@@ -18,17 +18,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 import uvloop
-
 from flotilla import envs
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.standalone import dump_tasks_on_sigusr1
 from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
+from flotilla.config import EngineConfig
 from flotilla.models.model_folder import (
     chat_template_text,
     load_tokenizer,
@@ -36,10 +36,8 @@ from flotilla.models.model_folder import (
     model_dir,
     takes_images,
 )
-from flotilla.config import EngineConfig
 from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines
-from flotilla.transport.registry import shared_registry
 from flotilla.server.engine_client import EngineClient, ready_summary
 from flotilla.server.fleet import Fleet
 from flotilla.server.media import MediaPolicy
@@ -47,6 +45,7 @@ from flotilla.server.metrics import StatsLine
 from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.reasoning_parser import REASONING_PARSERS
 from flotilla.server.tool_parsers import TOOL_PARSERS
+from flotilla.transport.registry import shared_registry
 
 log = logging.getLogger("flotilla.serve")
 
@@ -119,19 +118,21 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        # off the loop: a processor's load can take seconds, and this loop also reads the engine's heartbeats
-        tokenizer = await asyncio.to_thread(load_tokenizer, path, config.model.chat_template)
         tool_format = TOOL_PARSERS[args.tool_call_parser]
         reasoning = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
-        special = special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
-        if special:
-            log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
-                     "skip_special_tokens false unless they set it", ", ".join(special))
-        await asyncio.to_thread(_check_chat_template, tokenizer)
+        tokenizer, special = None, []  # --skip-tokenizer-init: token-id prompts only, as the engine's actors run
+        if not config.model.skip_tokenizer_init:
+            # off the loop: a processor's load can take seconds, and this loop also reads the engine's heartbeats
+            tokenizer = await asyncio.to_thread(load_tokenizer, path, config.model.chat_template)
+            special = special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
+            if special:
+                log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
+                         "skip_special_tokens false unless they set it", ", ".join(special))
+            await asyncio.to_thread(_check_chat_template, tokenizer)
         body_bytes = args.max_body_bytes or (32 if takes_images(path) else 4) * 2**20
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
-            token_texts=TokenTexts(lambda i: tokenizer.decode([i])), tokenizer=tokenizer,
+            token_texts=TokenTexts(_token_text(tokenizer)), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=body_bytes,
             media=MediaPolicy(allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
@@ -168,6 +169,14 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         log.info("stopping the engine")
         await client.stop()
         log.info("stopped")
+
+
+def _token_text(tokenizer: Any) -> Callable[[int], str]:
+    """A token's text in logprobs: the tokenizer's decoding, or without one "token_id:N" (vLLM's form for a token
+    it returns as its id)."""
+    if tokenizer is None:
+        return lambda i: f"token_id:{i}"
+    return lambda i: tokenizer.decode([i])
 
 
 def _check_chat_template(tokenizer: Any) -> None:

@@ -325,3 +325,26 @@ def test_serve_refuses_a_busy_port_before_loading_anything():
                            text=True, timeout=60)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
     assert "starting the engine" not in r.stderr
+
+
+def test_a_model_without_tokenizer_files_serves_token_id_prompts_with_skip_tokenizer_init(tmp_path):
+    from helpers_tiny_models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny", "llama")
+    srv = start_server(str(model), "--skip-tokenizer-init", "--kv-cache-blocks", "64", "--block-size", "4")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                                 **{k: v for k, v in body["usage"].items() if k.endswith("details")}}
+        tokens = body["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 6 and all(re.fullmatch(r"token_id:\d+", t) for t in tokens), tokens
+        for path, payload in (("/v1/chat/completions", {"model": "tiny", "messages": FRANCE}),
+                              ("/tokenize", {"model": "tiny", "prompt": "hello"}),
+                              ("/v1/completions", {"model": "tiny", "prompt": "a text prompt"})):
+            r = httpx.post(srv.url + path, json=payload, timeout=60)
+            assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"], (path, r.text)
+    finally:
+        assert srv.stop() == 0, "".join(srv.log[-30:])
