@@ -16,7 +16,6 @@ byte for byte against the child's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any
 
 import msgspec
 import torch
+import uvloop
 
 from flotilla.config import DEFAULT_BLOCK_SIZE
 from flotilla.kernels.attention import kv_cache_shape
@@ -128,14 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         if not line:
             raise SystemExit(f"bench_cuda_ipc: the exporting process ended ({child.wait()})")
         endpoint, region = msgspec.json.decode(line, type=tuple[EndpointInfo, RegionInfo])
-        rows, dst, src_ids, dst_ids = asyncio.run(bench(args, endpoint, region, block_bytes))
+        # uvloop, as the engine's actors run: its timers wake sub-millisecond polls at once, where asyncio's default
+        # loop sleeps at least a millisecond (epoll's resolution) and a read would be timed to the next whole ms
+        rows, dst, src_ids, dst_ids = uvloop.run(bench(args, endpoint, region, block_bytes))
         # check the last transfer: reread the child's blocks the same way into a fresh buffer and compare
         from flotilla.transport.kv_transfer_cuda_ipc import CudaIpcEngine
 
         with CudaIpcEngine() as engine:
             engine.connect(endpoint)
             whole = torch.empty_like(dst)
-            asyncio.run(engine.read(region, [(0, 0, region.length)], engine.register("whole", whole)))
+            uvloop.run(engine.read(region, [(0, 0, region.length)], engine.register("whole", whole)))
             for layer in range(args.layers):
                 if not torch.equal(dst[layer][dst_ids], whole[layer][src_ids]):
                     raise SystemExit(f"bench_cuda_ipc: layer {layer}'s blocks differ from the exporter's")
