@@ -6,9 +6,7 @@ Every backend reads the same AttentionMetadata and the same per-layer KV cache l
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +16,7 @@ from flotilla import envs
 from flotilla.kernels.attention import flashinfer_backend, torch_ref
 from flotilla.kernels.attention.fp8_kv import KV_CACHE_DTYPES, check_fp8_kv_support, kv_cache_torch_dtype
 from flotilla.kernels.attention.metadata import AttentionMetadata, positions_from_lists
+from flotilla.kernels.triton_support import triton_usable
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -64,14 +63,6 @@ def available_attention_backends() -> list[str]:
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 """Head sizes flashinfer's prebuilt / JIT kernels cover."""
-
-def triton_usable() -> bool:
-    """Triton is installed and can run here: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1,
-    which must be set before flotilla.kernels.triton is first imported). Does not import triton."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
     """The fastest backend usable on `device` for this head size: on CUDA with flashinfer importable,

@@ -24,9 +24,7 @@ rows, a prefill shape).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +32,7 @@ import torch
 
 from flotilla.kernels.moe import deep_gemm_experts, torch_ref
 from flotilla.kernels.moe.routing import ExpertBlocks, select_experts, select_experts_grouped, sort_by_expert
+from flotilla.kernels.triton_support import triton_usable
 
 __all__ = [
     "ExpertBlocks",
@@ -81,14 +80,6 @@ measured on the GPU machine; "deep_gemm" can always be forced."""
 def available_moe_backends() -> list[str]:
     """Names accepted by get_moe_backend, "auto" included."""
     return ["auto", *_BACKENDS, *(n for n in _OPTIONAL if n not in _BACKENDS)]
-
-
-def triton_usable() -> bool:
-    """Triton is installed and can run here: CUDA, or the CPU interpreter (TRITON_INTERPRET=1, set before
-    kernels/moe/triton_experts.py is first imported). Does not import triton."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def deep_gemm_usable() -> bool:

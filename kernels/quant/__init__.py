@@ -13,9 +13,7 @@ interpreter), logged once.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,6 +29,7 @@ from flotilla.kernels.quant.fp8_ref import (
     per_token_group_dequantize,
     per_token_group_quantize,
 )
+from flotilla.kernels.triton_support import triton_usable
 
 __all__ = [
     "FP8_DTYPE",
@@ -78,14 +77,6 @@ def import_deep_gemm() -> ModuleType | None:
     except ImportError:
         return None
     return deep_gemm if hasattr(deep_gemm, "fp8_gemm_nt") else None
-
-
-def triton_usable() -> bool:
-    """Triton is installed and can run here: CUDA, or the CPU interpreter (TRITON_INTERPRET=1 set before
-    kernels/quant/fp8_triton.py is first imported)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def deep_gemm_usable() -> bool:
