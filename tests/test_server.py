@@ -331,7 +331,8 @@ def test_a_model_without_tokenizer_files_serves_token_id_prompts_with_skip_token
     from helpers_tiny_models import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", "llama")
-    srv = start_server(str(model), "--skip-tokenizer-init", "--kv-cache-blocks", "64", "--block-size", "4")
+    srv = start_server(str(model), "--skip-tokenizer-init", "--single-process", "--kv-cache-blocks", "64",
+                       "--block-size", "4")
     try:
         r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True, "logprobs": 1})
