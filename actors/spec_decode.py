@@ -36,7 +36,9 @@ copy first.
 
 A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
 verify pass keeps the state after each token of a drafting sequence in rows of the state pools, and the slot gets
-back the one after its last accepted token (vLLM keeps per-draft states the same way).
+back the one after its last accepted token (vLLM keeps per-draft states the same way). A step where every sequence
+verifies its drafts hands the delta nets those rows on the device too (AttentionMetadata.verify_history): their
+decode kernels then run the step token by token, without the reference's host loop.
 """
 
 from __future__ import annotations
@@ -220,6 +222,8 @@ class MTPSpeculator:
             if r.num_state_slots:  # a hybrid model: its delta nets keep each verify token's state (_roll_back)
                 meta.state_slots = upload(np.asarray([s.state_slot for s in seqs], dtype=np.int64), dev)
                 history = meta.state_history = self._history_rows(num_new, num_drafts, starts)
+                if history is not None and all(d > 0 and n == num_new[0] for n, d in zip(num_new, num_drafts)):
+                    meta.verify_history = upload(history.reshape(len(seqs), num_new[0]), dev)  # (every token has one)
             hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
         scores = score_prompts(model.compute_logits, hidden, rids, seqs, cached, num_new,
                                r.config.scheduler.max_num_seqs)

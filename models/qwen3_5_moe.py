@@ -162,7 +162,9 @@ class GatedDeltaNet(nn.Module):
                                                    self.num_v_heads], dim=-1)
         weight = self.conv1d.weight[:, 0]
         history = meta.state_history
-        if self.kernels != "torch" and meta.max_query_len == 1 and history is None:  # a decode step: two launches
+        if self.kernels != "torch" and meta.verify_history is not None:  # a verify step of q tokens per sequence
+            o = self._verify(qkv, a, b, weight, slots, meta.verify_history)
+        elif self.kernels != "torch" and meta.max_query_len == 1 and history is None:  # a decode step: two launches
             from flotilla.kernels.triton import gdn as triton_gdn
 
             qkv = triton_gdn.causal_conv1d_update(qkv, weight, self.conv_state, slots)
@@ -184,6 +186,27 @@ class GatedDeltaNet(nn.Module):
         o = gdn.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                                self.eps)
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _verify(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
+                history: torch.Tensor) -> torch.Tensor:
+        """B sequences of q tokens each (rows i * q + j), through the decode kernels token by token with no host loop
+        or sync: token j reads the state token j - 1 left (the slot's for j = 0) and writes its own to its history
+        row, the last token's into the slot (history [B, q]: each token's row). As the reference's verify path."""
+        from flotilla.kernels.triton import gdn as triton_gdn
+
+        t, q_len = qkv.shape[0], history.shape[1]
+        rows = history.t().contiguous()  # (the kernels read each token's rows as one contiguous [B])
+        src, dst = [slots, *rows[:-1]], [*rows[:-1], slots]
+        conv = torch.empty(t // q_len, q_len, qkv.shape[1], dtype=qkv.dtype, device=qkv.device)
+        for j in range(q_len):
+            conv[:, j] = triton_gdn.causal_conv1d_update(qkv[j::q_len], weight, self.conv_state, src[j], dst[j])
+        q, k, v = self._heads(conv.view(t, -1), t)
+        out = torch.empty(t // q_len, q_len, self.num_v_heads, self.head_v_dim, dtype=v.dtype, device=v.device)
+        for j in range(q_len):
+            out[:, j] = triton_gdn.gated_delta_rule_update(q[j::q_len], k[j::q_len], v[j::q_len], a[j::q_len],
+                                                           b[j::q_len], self.A_log, self.dt_bias,
+                                                           self.recurrent_state, src[j], dst[j])
+        return out.view(t, self.num_v_heads, self.head_v_dim)
 
     def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

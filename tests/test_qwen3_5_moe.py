@@ -124,19 +124,21 @@ def test_the_causal_conv_over_slots_equals_one_conv_over_the_whole_sequence():
     assert torch.equal(state[[0, 2, 4]], torch.zeros(3, c, kernel - 1))
 
 
+def _decode_kernel_inputs(seed: int, rows: int, slots: int) -> list[torch.Tensor]:
+    """Random inputs of the triton decode kernels' tests: x, weight, conv state, q, k, v, a, b (raw), A_log, dt_bias,
+    recurrent state (40 conv channels of kernel 4, 2 key and 4 value heads, Dk 16, Dv 24: not a power of two)."""
+    g = torch.Generator().manual_seed(seed)
+    c, kernel, hk, hv, dk, dv = 40, 4, 2, 4, 16, 24
+    shapes = [(rows, c), (c, kernel), (slots, c, kernel - 1), (rows, hk, dk), (rows, hk, dk), (rows, hv, dv),
+              (rows, hv), (rows, hv), (hv,), (hv,), (slots, hv, dk, dv)]
+    return [torch.randn(*shape, generator=g) for shape in shapes]
+
+
 def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_zero_padded_rows():
     """(under TRITON_INTERPRET on a CPU; compiled on a GPU)"""
     tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(2)
-    b, c, kernel, s, hk, hv, dk, dv = 4, 40, 4, 7, 2, 4, 16, 24  # (dv: not a power of two)
-    x, weight = torch.randn(b, c, generator=g), torch.randn(c, kernel, generator=g)
-    conv = torch.randn(s, c, kernel - 1, generator=g)
-    q, k = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g)
-    v = torch.randn(b, hv, dv, generator=g)
-    a, beta_raw = torch.randn(b, hv, generator=g), torch.randn(b, hv, generator=g)
-    a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
-    state = torch.randn(s, hv, dk, dv, generator=g)
+    x, weight, conv, q, k, v, a, beta_raw, a_log, dt_bias, state = _decode_kernel_inputs(2, rows=4, slots=7)
     slots, real = torch.tensor([5, -1, 0, 3]), [0, 2, 3]
     want_conv, want_state = conv.clone(), state.clone()
     used = torch.tensor([5, 0, 3])
@@ -155,15 +157,42 @@ def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_z
     torch.testing.assert_close(state_d.cpu(), want_state, atol=1e-5, rtol=1e-5)
 
 
+def test_the_triton_decode_kernels_write_each_rows_new_state_where_told_and_leave_its_slot_as_it_was():
+    """A verify step's token by token chain: read from one row, write to another (strided token rows in, as a
+    verify step's every (k + 1)-th row); the source rows stay as they were."""
+    tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b = 3  # every other row of x / q / k / v / a / b is this token's (a strided view, as in a verify step)
+    x, weight, conv, q, k, v, a, beta_raw, a_log, dt_bias, state = _decode_kernel_inputs(4, rows=2 * b, slots=8)
+    src, dst = torch.tensor([1, 4, 6]), torch.tensor([2, 5, 0])
+    want_conv, want_state = conv.clone(), state.clone()
+    ref_conv, ref_state = conv.clone(), state.clone()  # the reference in place on the source rows, then moved
+    want_x = gdn.causal_conv1d(x[1::2], weight, ref_conv, src, np.arange(b + 1))
+    decay = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    want_o = gdn.gated_delta_rule(q[1::2], k[1::2], v[1::2], decay[1::2], beta_raw[1::2].sigmoid(), ref_state, src,
+                                  np.arange(b + 1))
+    want_conv[dst], want_state[dst] = ref_conv[src], ref_state[src]
+    on = [t.to(device) for t in (x, weight, conv, q, k, v, a, beta_raw, a_log, dt_bias, state, src, dst)]
+    x_d, w_d, conv_d, q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, src_d, dst_d = on
+    got_x = tg.causal_conv1d_update(x_d[1::2], w_d, conv_d, src_d, dst_d)
+    got_o = tg.gated_delta_rule_update(q_d[1::2], k_d[1::2], v_d[1::2], a_d[1::2], b_d[1::2], alog_d, dtb_d, state_d,
+                                       src_d, dst_d)
+    torch.testing.assert_close(got_x.cpu(), want_x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_o.cpu(), want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_d.cpu(), want_conv, atol=1e-6, rtol=0)  # sources and the other rows unchanged
+    torch.testing.assert_close(state_d.cpu(), want_state, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_decode_kernels_compile_for_sm90_at_qwen35_shapes(tmp_path):
     pytest.importorskip("triton", reason="triton is not installed")
     from helpers_triton import compile_for_sm90
 
     mod = "flotilla.kernels.triton.gdn"
-    conv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "state_ptr": "*bf16", "slot_ptr": "*i64", "out_ptr": "*bf16"}
+    conv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "state_ptr": "*bf16", "slot_ptr": "*i64", "dst_ptr": "*i64",
+            "out_ptr": "*bf16"}
     delta = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "out_ptr")},
-             "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64"}
+             "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "dst_ptr": "*i64"}
     compile_for_sm90([(mod, "_conv_update_kernel", conv, [], dict(K=4, BLOCK_C=256), 4),
                       (mod, "_delta_update_kernel", delta, ["scale"], dict(HV_PER_HK=2, DK=128, DV=128, BLOCK_V=32),
                        4)], tmp_path)
@@ -419,6 +448,69 @@ def test_mtp_speculation_rolls_the_delta_nets_back_and_gives_the_tokens_of_plain
     runner = make_runner(mtp_dir, num_spec)
     assert runner.model.num_layers == 2 and len(runner.kv_caches) == 2  # one attention layer, then the MTP layer's
     check_speculation_follows_plain(runner, plain_q35, num_spec)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_verify_steps_through_the_decode_kernels_token_by_token_give_the_tokens_of_plain_decoding(
+        mtp_dir, plain_q35, num_spec, monkeypatch):
+    """With the delta nets on triton's kernels (the interpreter on a CPU), a step where every sequence verifies its
+    drafts runs the decode kernels token by token, each token's state into its history row: the same tokens,
+    samples and logprobs as plain decoding on the reference, drafts accepted or not (then rolled back from those
+    rows), in the helpers' mixed batches and in a batch of three sequences that verify together."""
+    pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
+    from flotilla.actors.spec_decode import MTPSpeculator
+    from flotilla.transport.messages import TokenizedRequest
+    from helpers_spec import oracle, run
+
+    def triton_runner(spec: int | None):
+        runner = make_runner(mtp_dir, spec)
+        for layer in runner.model._delta_nets():
+            layer.kernels = "triton"
+        return runner
+
+    ran, rolled = [], []
+    verify, roll_back = GatedDeltaNet._verify, MTPSpeculator._roll_back
+    monkeypatch.setattr(GatedDeltaNet, "_verify", lambda self, *a: ran.append(a[-1].shape) or verify(self, *a))
+
+    def counted_roll_back(self, seqs, samplers, accepted, num_drafts, *rest):
+        if ran and ran[-1] is not None:  # a step that verified token by token: did it reject a draft?
+            rolled.append(any(a < num_drafts[i] for i, a in zip(samplers, accepted.tolist())))
+            ran.append(None)
+        return roll_back(self, seqs, samplers, accepted, num_drafts, *rest)
+
+    monkeypatch.setattr(MTPSpeculator, "_roll_back", counted_roll_back)
+    check_speculation_follows_plain(triton_runner(num_spec), plain_q35, num_spec)
+    reqs = [TokenizedRequest(rid=f"u{i}", prompt_ids=np.asarray(random_tokens(5 + i, seed=60 + i), dtype=np.int32),
+                             eos_token_ids=[2], sampling=SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
+            for i in range(3)]
+    want = run(make_runner(mtp_dir, None), reqs=reqs)[0]
+    runner = triton_runner(num_spec)
+    runner.spec.draft_hook = oracle(want, corrupt=True, reqs=reqs)
+    assert run(runner, reqs=reqs)[0] == want
+    assert {shape[1] for shape in ran if shape is not None} == {num_spec + 1}
+    assert any(rolled) and not all(rolled), rolled  # steps that rejected a draft and steps that accepted them all
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_verify_steps_on_cuda_give_the_greedy_tokens_of_plain_decoding(mtp_dir, num_spec, monkeypatch):
+    """On CUDA a step where every sequence verifies its drafts runs the delta nets' decode kernels token by token:
+    three sequences with the oracle's drafts (some wrong) give plain decoding's greedy tokens on the same device."""
+    from flotilla.transport.messages import TokenizedRequest
+    from helpers_spec import oracle, run
+
+    ran = []
+    verify = GatedDeltaNet._verify
+    monkeypatch.setattr(GatedDeltaNet, "_verify", lambda self, *a: ran.append(1) or verify(self, *a))
+    reqs = [TokenizedRequest(rid=f"u{i}", prompt_ids=np.asarray(random_tokens(5 + i, seed=60 + i), dtype=np.int32),
+                             eos_token_ids=[2], sampling=SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
+            for i in range(3)]
+    want = run(make_runner(mtp_dir, None, device="cuda"), reqs=reqs)[0]
+    runner = make_runner(mtp_dir, num_spec, device="cuda")
+    runner.spec.draft_hook = oracle(want, corrupt=True, reqs=reqs)
+    assert run(runner, reqs=reqs)[0] == want
+    assert ran
 
 
 def test_mtp_through_the_engine_gives_transformers_greedy_tokens(mtp_dir, prompts):

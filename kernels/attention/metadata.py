@@ -65,6 +65,9 @@ class AttentionMetadata:
     state_history: np.ndarray | None = None
     """int64 [T] on the host: per token, the pool row that gets the state after it (-1: none); a speculative verify
     step's (kernels/gdn.py)."""
+    verify_history: torch.Tensor | None = None
+    """int64 [B, q] on the device: state_history as each sequence's row, set when every sequence of the step verifies
+    q tokens, each with a history row; the delta nets' kernels then run the step token by token with no host loop."""
 
     @property
     def num_seqs(self) -> int:

@@ -6,6 +6,10 @@
   projections (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), q and k L2-normalised, the float32
   recurrent state read and written in its slot (no gather, no scatter).
 
+Each reads a row's state from its slot and writes the new state to a destination row, the slot itself unless told
+otherwise: a verify step of k + 1 tokens per sequence runs them token by token, each token's state into its own
+history row and the last one's into the slot (models/qwen3_5_moe.py), so a rejected draft's state can be undone.
+
 A slot of -1 is a padded row (CUDA graphs): its state is not touched and its output is zeros, so the layers after it
 see finite values. The semantics are kernels/gdn.py's.
 """
@@ -18,8 +22,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, stride_x, stride_s0, stride_s1, stride_o,
-                        channels, K: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, dst_ptr, out_ptr, stride_x, stride_s0, stride_s1,
+                        stride_o, channels, K: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = offs < channels
@@ -30,34 +34,36 @@ def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, stride_x, st
         return
     x = tl.load(x_ptr + b * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     row = state_ptr + slot * stride_s0 + offs * stride_s1
+    out_row = state_ptr + tl.load(dst_ptr + b).to(tl.int64) * stride_s0 + offs * stride_s1  # (row itself in place)
     acc = x * tl.load(w_ptr + offs * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(K - 1):  # history oldest first; each step shifts it one place
         h = tl.load(row + j, mask=mask, other=0.0).to(tl.float32)
         acc += h * tl.load(w_ptr + offs * K + j, mask=mask, other=0.0).to(tl.float32)
         if j > 0:
-            tl.store(row + (j - 1), h.to(state_ptr.dtype.element_ty), mask=mask)
-    tl.store(row + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_row + (j - 1), h.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_row + (K - 2), x.to(state_ptr.dtype.element_ty), mask=mask)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + b * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
-    """x [B, C] (one token per sequence), weight [C, K], conv_state [S, C, K-1] (updated in place), slots int [B]
-    -> SiLU(conv) [B, C] in x's dtype."""
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         dst_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, C] (one token per sequence, rows may be strided), weight [C, K], conv_state [S, C, K-1], slots int [B]:
+    each row's history is read from its slot and, shifted, written to its dst_slots row (default: the slot itself,
+    in place) -> SiLU(conv) [B, C] in x's dtype."""
     batch, channels = x.shape
     k = weight.shape[1]
-    assert k >= 2 and conv_state.stride(2) == 1 and weight.is_contiguous()
-    out = torch.empty_like(x)
+    assert k >= 2 and conv_state.stride(2) == 1 and weight.is_contiguous() and x.stride(1) == 1
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     block = 256
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
-        x, weight, conv_state, slots, out, x.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        channels, K=k, BLOCK_C=block)
+        x, weight, conv_state, slots, slots if dst_slots is None else dst_slots, out, x.stride(0),
+        conv_state.stride(0), conv_state.stride(1), out.stride(0), channels, K=k, BLOCK_C=block)
     return out
 
 
 @triton.jit
-def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
+def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, dst_ptr, out_ptr,
                          stride_q, stride_k, stride_v, stride_a, stride_b, stride_o, stride_s0, stride_s1,
                          scale, HV_PER_HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BLOCK_V: tl.constexpr):  # fmt: skip
@@ -85,17 +91,20 @@ def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
     s = tl.load(tile, mask=mask_v[None, :], other=0.0) * decay  # [DK, BLOCK_V]
     recalled = tl.sum(s * k[:, None], 0)
     s += k[:, None] * ((v - recalled) * beta)[None, :]
-    tl.store(tile, s, mask=mask_v[None, :])
+    dst = tl.load(dst_ptr + b).to(tl.int64)  # (slot itself: in place)
+    tl.store(state_ptr + dst * stride_s0 + h * stride_s1 + offs_k[:, None] * DV + offs_v[None, :], s,
+             mask=mask_v[None, :])
     o = tl.sum(s * q[:, None], 0)
     tl.store(out_ptr + b * stride_o + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                            A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
-                            slots: torch.Tensor) -> torch.Tensor:
+                            A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                            dst_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, Dk] and v [B, Hv, Dv] (the conv's output, before the L2 norm), a and b
-    [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, updated in place at
-    `slots` [B]. Returns o [B, Hv, Dv] in v's dtype."""
+    [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, each row's read from its
+    slot and written to its dst_slots row (default: the slot itself, in place). Returns o [B, Hv, Dv] in v's
+    dtype."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == dv
@@ -104,9 +113,9 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device)
     block_v = min(32, triton.next_power_of_2(dv))
     _delta_update_kernel[(batch, hv, triton.cdiv(dv, block_v))](
-        q, k, v, a, b, A_log, dt_bias, state, slots, out, q.stride(0), k.stride(0), v.stride(0), a.stride(0),
-        b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5, HV_PER_HK=hv // hk, DK=dk, DV=dv,
-        BLOCK_V=block_v)
+        q, k, v, a, b, A_log, dt_bias, state, slots, slots if dst_slots is None else dst_slots, out, q.stride(0),
+        k.stride(0), v.stride(0), a.stride(0), b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5,
+        HV_PER_HK=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v)
     return out
 
 
