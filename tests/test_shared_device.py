@@ -4,6 +4,7 @@ GPU), and give the one-rank engine's greedy tokens. On CPU: the host staging its
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,16 @@ def test_dp2_ep2_on_one_gpu_gives_the_one_rank_tokens(all2all, moe_dir):
                           ranks_share_device=True)
     assert [detail[f"worker/{r}"]["ep"] for r in range(2)] == ["0/2", "1/2"]
     assert got == want
+
+
+def test_the_real_shape_check_writes_a_random_checkpoint_and_compares_two_ranks_with_one(dense_dir, tmp_path):
+    """scripts/dev/check_shared_device.py at toy size on a CPU (its ranks over gloo, not sharing a GPU): a seeded
+    random checkpoint of the folder's config, two tensor-parallel ranks' greedy tokens against one rank's."""
+    from flotilla.scripts.dev import check_shared_device
+
+    out = tmp_path / "check.json"
+    assert check_shared_device.main(["--model", str(dense_dir), "--device", "cpu", "--prompts", "2", "--max-tokens",
+                                     "4", "--engine-options", '{"kv_cache_blocks": 128, "block_size": 4}',
+                                     "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["equal"] and result["tokens"] == 8 and result["first_difference"] == [None, None]
