@@ -199,13 +199,13 @@ class GatedDeltaNet(nn.Module):
         src, dst = [slots, *rows[:-1]], [*rows[:-1], slots]
         conv = torch.empty(t // q_len, q_len, qkv.shape[1], dtype=qkv.dtype, device=qkv.device)
         for j in range(q_len):
-            conv[:, j] = triton_gdn.causal_conv1d_update(qkv[j::q_len], weight, self.conv_state, src[j], dst[j])
+            triton_gdn.causal_conv1d_update(qkv[j::q_len], weight, self.conv_state, src[j], dst[j], out=conv[:, j])
         q, k, v = self._heads(conv.view(t, -1), t)
         out = torch.empty(t // q_len, q_len, self.num_v_heads, self.head_v_dim, dtype=v.dtype, device=v.device)
         for j in range(q_len):
-            out[:, j] = triton_gdn.gated_delta_rule_update(q[j::q_len], k[j::q_len], v[j::q_len], a[j::q_len],
-                                                           b[j::q_len], self.A_log, self.dt_bias,
-                                                           self.recurrent_state, src[j], dst[j])
+            triton_gdn.gated_delta_rule_update(q[j::q_len], k[j::q_len], v[j::q_len], a[j::q_len], b[j::q_len],
+                                               self.A_log, self.dt_bias, self.recurrent_state, src[j], dst[j],
+                                               out=out[:, j])
         return out.view(t, self.num_v_heads, self.head_v_dim)
 
     def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

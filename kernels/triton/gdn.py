@@ -47,14 +47,15 @@ def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, dst_ptr, out_ptr, str
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-                         dst_slots: torch.Tensor | None = None) -> torch.Tensor:
+                         dst_slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, C] (one token per sequence, rows may be strided), weight [C, K], conv_state [S, C, K-1], slots int [B]:
     each row's history is read from its slot and, shifted, written to its dst_slots row (default: the slot itself,
-    in place) -> SiLU(conv) [B, C] in x's dtype."""
+    in place) -> SiLU(conv) [B, C] in x's dtype, into `out` when given (rows may be strided)."""
     batch, channels = x.shape
     k = weight.shape[1]
     assert k >= 2 and conv_state.stride(2) == 1 and weight.is_contiguous() and x.stride(1) == 1
-    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    out = torch.empty(batch, channels, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == x.shape and out.stride(1) == 1
     block = 256
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
         x, weight, conv_state, slots, slots if dst_slots is None else dst_slots, out, x.stride(0),
@@ -100,17 +101,18 @@ def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                             A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                            dst_slots: torch.Tensor | None = None) -> torch.Tensor:
+                            dst_slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, Dk] and v [B, Hv, Dv] (the conv's output, before the L2 norm), a and b
     [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, each row's read from its
     slot and written to its dst_slots row (default: the slot itself, in place). Returns o [B, Hv, Dv] in v's
-    dtype."""
+    dtype, into `out` when given (rows may be strided)."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == dv
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.stride(1) == k.stride(1) == dk
     assert v.stride(1) == dv and dk & (dk - 1) == 0, "Dk must be a power of two"
-    out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device)
+    out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device) if out is None else out
+    assert out.shape == (batch, hv, dv) and out.stride(2) == 1 and out.stride(1) == dv
     block_v = min(32, triton.next_power_of_2(dv))
     _delta_update_kernel[(batch, hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, slots, slots if dst_slots is None else dst_slots, out, q.stride(0),
