@@ -95,6 +95,18 @@ def test_the_fixed_workload_under_expert_parallelism_reports_per_gpu_rates_and_i
     assert shape_config("deepseek-v3-1l") is None and shape_config("deepseek-v3-x") is None
 
 
+def test_the_qwen3_5_shape_keeps_its_first_n_layers():
+    """qwen3.5-35b-a3b-<N>l[-mtp]: the checkpoint's config with N text layers (and an MTP layer), which fits one GPU
+    beside its KV cache and delta-net state while each layer keeps its real size."""
+    from flotilla.scripts.dev.bench_shapes import shape_config
+
+    text = shape_config("qwen3.5-35b-a3b-20l-mtp")["text_config"]
+    assert (text["num_hidden_layers"], text["mtp_num_hidden_layers"], text["num_experts"]) == (20, 1, 256)
+    assert shape_config("qwen3.5-35b-a3b-8l")["text_config"]["mtp_num_hidden_layers"] == 0
+    assert shape_config("qwen3.5-35b-a3b-0l") is None
+    assert shape_config("qwen3.5-35b-a3b")["text_config"]["num_hidden_layers"] == 40
+
+
 def test_the_long_context_workloads_are_long_ctx_pys():
     """long_ctx.py's generators call for call (its toks(): n // DIV ids, at least 1, in [0, 100000]), so flotilla's
     figures compare with what that script measures for vLLM; at divisor 100 the prompts are its LONG_TINY ones."""

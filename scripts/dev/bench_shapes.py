@@ -124,6 +124,7 @@ QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_
 """Qwen2/3's special tokens, in id order from 151,643 (the image ones at the ids Qwen3-VL's config names)."""
 
 _DEEPSEEK_LAYERS = re.compile(r"^deepseek-v3-(\d+)l(-mtp)?$")
+_QWEN3_5_LAYERS = re.compile(r"^qwen3\.5-35b-a3b-(\d+)l(-mtp)?$")
 
 
 def _add_qwen_special_tokens(vocab: dict[str, int], first_special: int) -> list[dict[str, Any]]:
@@ -188,10 +189,17 @@ def write_byte_level_placeholder_tokenizer(folder: Path, first_special: int = 15
 
 
 def shape_config(name: str | None) -> dict[str, Any] | None:
-    """The config.json of a built-in shape (None: not one): SHAPES' names, and deepseek-v3-<N>l[-mtp] for any N of
-    at least 2: DeepSeek-V3's layers, 1 dense + N - 1 MoE (wide expert parallelism fills 4 or 8 GPUs with more)."""
+    """The config.json of a built-in shape (None: not one): SHAPES' names, deepseek-v3-<N>l[-mtp] for any N of
+    at least 2: DeepSeek-V3's layers, 1 dense + N - 1 MoE (wide expert parallelism fills 4 or 8 GPUs with more), and
+    qwen3.5-35b-a3b-<N>l[-mtp]: Qwen3.5-35B-A3B's first N layers (its 40 fill most of an 80 GB GPU in bf16)."""
     if name in SHAPES or not name:
         return SHAPES.get(name or "")
+    match = _QWEN3_5_LAYERS.match(name)
+    if match is not None and int(match.group(1)) >= 1:
+        base = SHAPES["qwen3.5-35b-a3b"]
+        text = {**base["text_config"], "num_hidden_layers": int(match.group(1)),
+                "mtp_num_hidden_layers": 1 if match.group(2) else 0}
+        return {**base, "text_config": text}
     match = _DEEPSEEK_LAYERS.match(name)
     if match is None or int(match.group(1)) < 2:
         return None
@@ -199,7 +207,7 @@ def shape_config(name: str | None) -> dict[str, Any] | None:
             "num_nextn_predict_layers": 1 if match.group(2) else 0}
 
 
-SHAPE_NAMES = ", ".join([*SHAPES, "deepseek-v3-<N>l[-mtp]"])
+SHAPE_NAMES = ", ".join([*SHAPES, "deepseek-v3-<N>l[-mtp]", "qwen3.5-35b-a3b-<N>l[-mtp]"])
 """The shapes, for --help texts."""
 
 
