@@ -161,16 +161,17 @@ class ModelRunner:
         static = self.model.attention_backend_name in STATIC_TABLE_BACKENDS
         graphs_ok = (self.device.type == "cuda" and not config.worker.enforce_eager and tp_ok
                      and not through_host())  # (a collective through host memory cannot be captured)
-        hybrid = bool(self.num_state_slots)  # (its recurrent-state slots: graph inputs of decode steps only)
+        hybrid = bool(self.num_state_slots)  # (its recurrent-state slots: graph inputs of decode and verify steps)
         max_blocks = -(-self.max_model_len // self.block_size)
         if self.spec is not None:
             # a speculating runner replays graphs of its uniform steps instead (static tables only; one rank, as the
             # verify step's tokens would be broadcast and the MTP layer's all-to-alls padded per step otherwise)
-            if (graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers and not hybrid
+            if (graphs_ok and static and self.tp_size == 1 and not self.spec.mtp_ep_layers
                     and getattr(self.model, "multi_token_graphs", True)):
                 self.spec.graphs = SpecGraphs(self.model, self.kv_caches, self.block_size, self.num_blocks,
                                               config.scheduler.max_num_seqs, max_blocks,
-                                              self.spec.num_speculative_tokens, self.device)
+                                              self.spec.num_speculative_tokens, self.device,
+                                              self.num_state_slots + self.num_state_snapshots if hybrid else None)
         elif graphs_ok and (self.model.attention_backend_name == "flashinfer" or static):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,

@@ -213,8 +213,13 @@ class MTPSpeculator:
                 ids[at + known - c:at + known - c + len(drafts)] = drafts
         if uniform:
             cached_np = np.asarray(cached, dtype=np.int64)
+            state_slots = history = None
+            if r.num_state_slots:  # a hybrid model: the graph's delta nets keep each token's state too (_roll_back)
+                state_slots = np.asarray([s.state_slot for s in seqs], dtype=np.int64)
+                history = g.history_rows(len(seqs))
             hidden = g.verify(ids[:-1], cached_np, tables,
-                              drafts=None if draft_rows is None else (pending.device, draft_rows))
+                              drafts=None if draft_rows is None else (pending.device, draft_rows),
+                              state_slots=state_slots)
         else:
             meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
             positions = positions_from_lists(cached, num_new, device=dev)

@@ -25,6 +25,10 @@ graphs run max_query_len k + 1, which the MLA backends send to their prefill ker
 takes one query per sequence); the draft passes are decodes. Padded rows of a batch run on the scratch block, and
 their outputs are dropped. On a CPU device the "graphs" rerun their function eagerly over the same static
 buffers, which lets tests check every buffer and table the graphs read without a GPU.
+
+A hybrid model (Qwen3.5) verifies with its delta nets' decode kernels token by token (models/qwen3_5_moe.py): the
+graph reads each sequence's state slot and each token's history row from static buffers (-1 on padded rows, which
+the kernels skip), and the speculator rolls a rejected draft's state back from those rows as after an eager step.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 from flotilla.actors.cuda_graphs import capture_sizes, static_tables
 from flotilla.actors.graph_inputs import StaticGraph, StaticInputs
 from flotilla.kernels.attention.metadata import AttentionMetadata
-from flotilla.kernels.staging import upload
+from flotilla.kernels.staging import staged, upload
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +51,12 @@ class SpecGraphs:
     """Captured verify / propose / draft passes of uniform speculating steps, one set per batch size."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int, scratch_block: int,
-                 max_batch: int, max_blocks_per_seq: int, num_speculative_tokens: int,
-                 device: torch.device) -> None:  # fmt: skip
+                 max_batch: int, max_blocks_per_seq: int, num_speculative_tokens: int, device: torch.device,
+                 history_base: int | None = None) -> None:  # fmt: skip
+        """history_base: a hybrid model's first state-pool row for verify tokens' states (ModelRunner's rows after
+        the slots and snapshots); None for a model without recurrent state."""
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.history_base = history_base
         self.device = device
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.k = k = num_speculative_tokens
@@ -72,6 +79,9 @@ class SpecGraphs:
         self.d_seq_lens = torch.ones(max(k - 1, 1), gmax, **i32)
         self.d_query_start_loc = torch.arange(gmax + 1, **i32)
         self.d_block_tables = torch.full((gmax, max_blocks_per_seq), scratch_block, **i32)
+        # a hybrid model's state slots [B] and each verify token's history row [B, q] (-1: a padded row, which the
+        # delta nets' kernels skip; all -1 at capture, so capturing writes no state)
+        self.state = torch.full((gmax * (q + 1),), -1, **i64) if history_base is not None else None
         self.verify_graphs: dict[int, StaticGraph] = {}
         self.propose_graphs: dict[int, StaticGraph] = {}
         self.draft_graphs: dict[int, StaticGraph] = {}
@@ -84,10 +94,15 @@ class SpecGraphs:
     # ---- capture ----------------------------------------------------------------------------------------------
 
     def _verify_meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+        meta = AttentionMetadata(query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
                                  block_tables=self.block_tables[:size], slot_mapping=self.slots[:size * self.q],
                                  max_query_len=self.q, max_seq_len=self.max_blocks_per_seq * self.block_size,
                                  block_size=self.block_size)  # fmt: skip
+        if self.state is not None:
+            gmax = self.sizes[-1]
+            meta.state_slots = self.state[:size]
+            meta.verify_history = self.state[gmax:].view(gmax, self.q)[:size]
+        return meta
 
     def _draft_meta(self, size: int, j: int) -> AttentionMetadata:
         return AttentionMetadata(query_start_loc=self.d_query_start_loc[:size + 1], seq_lens=self.d_seq_lens[j, :size],
@@ -152,12 +167,13 @@ class SpecGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     def verify(self, ids: np.ndarray, cached: np.ndarray, tables: list[np.ndarray],
-               drafts: tuple[torch.Tensor, np.ndarray] | None = None) -> torch.Tensor:
+               drafts: tuple[torch.Tensor, np.ndarray] | None = None,
+               state_slots: np.ndarray | None = None) -> torch.Tensor:
         """The main model over B sequences of q = k + 1 new tokens each: ids int64 [B * q] (each sequence's last
         token and its k drafts), cached [B] the tokens already in each sequence's cache (its first new position),
         tables each sequence's KV blocks; drafts: (a device tensor [*, k], each sequence's row of it), the drafts
-        to verify in place of ids' (which the host does not know yet). -> hidden [B * q, H] (valid until the next
-        verify)."""
+        to verify in place of ids' (which the host does not know yet); state_slots [B]: a hybrid model's slots, whose
+        verify tokens' states go to rows history_rows(B). -> hidden [B * q, H] (valid until the next verify)."""
         batch, q, bs = len(cached), self.q, self.block_size
         size = self.padded_size(batch)
         self._size, self._batch = size, batch
@@ -166,10 +182,20 @@ class SpecGraphs:
         pos = (cached[:, None] + np.arange(q)[None, :]).reshape(-1)
         blocks = table[np.repeat(np.arange(batch), q), pos // bs].astype(np.int64)
         self.inputs.write(ids, pos, blocks * bs + pos % bs, lens, table)  # padded rows: on the scratch block
+        if self.state is not None:
+            gmax, host = self.sizes[-1], np.full(len(self.state), -1, dtype=np.int64)
+            host[:batch] = state_slots
+            host[gmax:gmax + batch * q] = self.history_rows(batch)
+            self.state.copy_(staged(host, self.device), non_blocking=True)
         if drafts is not None:
             src, rows = drafts
             self.ids[:batch * q].view(batch, q)[:, 1:].copy_(src[upload(rows, self.device)])
         return self.verify_graphs[size].replay()[:batch * q]
+
+    def history_rows(self, batch: int) -> np.ndarray:
+        """int64 [batch * q]: the state-pool row each verify token's state goes to (a hybrid model's)."""
+        assert self.history_base is not None
+        return self.history_base + np.arange(batch * self.q, dtype=np.int64)
 
     def propose(self, sampled: torch.Tensor) -> torch.Tensor:
         """The MTP layer over the last verify's rows, each reading the token sampled at it (sampled int64 [B * q],

@@ -1,7 +1,7 @@
 """Shared by the MTP speculation tests (test_spec_decode.py, test_spec_graphs.py, test_qwen3_5_moe.py,
 test_deepseek_v4.py): a random MTP layer written into a tiny DeepSeek-V3, Qwen3.5-MoE or DeepSeek-V4 checkpoint, a
-runner, a mixed batch of requests driven to the end one step at a time, and a draft hook that hands plain decoding's
-tokens (forced acceptance, some corrupted)."""
+runner, a mixed batch of requests driven to the end one step at a time, a draft hook that hands plain decoding's
+tokens (forced acceptance, some corrupted), and the check of speculating-step graphs against eager speculation."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from flotilla import SamplingParams
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
+from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.config import EngineConfig, SchedulerConfig
 from flotilla.transport.messages import TokenizedRequest
 from safetensors.torch import load_file, save_file
@@ -215,3 +216,78 @@ def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict
     check_same((tokens, logprobs), plain)
     assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
     assert {n for _, n in verified} == set(range(1, num_spec + 2))
+
+
+# ---- speculating-step graphs (actors/spec_graphs.py) on a CPU or a GPU ----------------------------------------
+
+
+def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
+    """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
+    runner steps."""
+    counts = {"verify": 0, "draft": 0, "padded": 0, "drafts_on_device": 0}
+    verify, draft = g.verify, g.draft
+
+    def counted_verify(ids, cached, tables, drafts=None, state_slots=None):
+        counts["verify"] += 1
+        counts["padded"] += g.padded_size(len(cached)) > len(cached)
+        counts["drafts_on_device"] += drafts is not None
+        return verify(ids, cached, tables, drafts, state_slots)
+
+    def counted_draft(*args):
+        counts["draft"] += 1
+        return draft(*args)
+
+    g.verify, g.draft = counted_verify, counted_draft
+    return counts
+
+
+def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
+    """Give a CPU runner the speculating-step graphs: on a CPU they rerun their passes eagerly over the same static
+    buffers and tables the CUDA graphs read."""
+    spec = runner.spec
+    hybrid = runner.num_state_slots > 0
+    spec.graphs = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
+                             max_blocks_per_seq=256 // runner.block_size,
+                             num_speculative_tokens=spec.num_speculative_tokens, device=runner.device,
+                             history_base=runner.num_state_slots + runner.num_state_snapshots if hybrid else None)
+    return spec.graphs
+
+
+def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple,
+                      prepare: Callable[[ModelRunner], None] | None = None) -> None:
+    """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
+    and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache (and a hybrid
+    model's recurrent-state pools) afterwards. prepare: called on each runner before it runs."""
+    penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
+    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
+    drafted: list[dict] = []
+    caches: list[list[torch.Tensor]] = []
+    for graphs in (False, True):
+        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
+        if prepare is not None:
+            prepare(runner)
+        if graphs and device == "cpu":
+            attach_step_graphs(runner)
+        assert (runner.spec.graphs is not None) == graphs
+        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
+        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
+        drafted.append(seen)
+
+        def record(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]], hook=hook, seen=seen) -> list[int]:
+            own = seen[tuple(tokens.tolist())] = drafts()  # the MTP layer's own drafts, before the oracle's
+            assert len(own) == n
+            return hook(tokens, n, drafts)
+
+        runner.spec.draft_hook = record
+        rows: list[tuple[str, int, int]] = []
+        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
+        check_same((tokens, logprobs), want)
+        caches.append([c[:runner.num_blocks] for c in runner.kv_caches] + runner.state_pools)  # (no scratch block)
+    assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do
+    for eager, graphed in zip(*caches):  # and every pass wrote the same latents in the same slots
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+    # (with 3 drafts few steps are uniform: the short requests get fewer drafts near their max_tokens)
+    assert counts["verify"] >= (6 if num_spec == 1 else 2) and counts["draft"] > 0
+    assert counts["padded"] > 0 or num_spec == 3
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))
+    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)

@@ -491,6 +491,34 @@ def test_verify_steps_through_the_decode_kernels_token_by_token_give_the_tokens_
     assert any(rolled) and not all(rolled), rolled  # steps that rejected a draft and steps that accepted them all
 
 
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_speculating_step_graphs_of_the_hybrid_model_give_the_tokens_of_plain_decoding(mtp_dir, plain_q35, num_spec):
+    """Uniform steps through SpecGraphs with the delta nets on triton's kernels (the interpreter; on a CPU the
+    "graphs" rerun their passes over the static buffers): each sequence's state slot and each token's history row
+    come from static buffers, padded rows skip the kernels, and a rejected draft's state is rolled back from those
+    rows. Plain decoding's tokens and logprobs, the eager steps' drafts, KV cache and state pools."""
+    pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
+    from helpers_spec import check_step_graphs
+
+    def on_kernels(runner):
+        for layer in runner.model._delta_nets():
+            layer.kernels = "triton"
+
+    check_step_graphs(mtp_dir, num_spec, "cpu", plain_q35, prepare=on_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_speculating_step_cuda_graphs_of_the_hybrid_model_give_the_tokens_of_plain_decoding(mtp_dir, num_spec):
+    """The same on CUDA, where the runner captures the verify / MTP / draft graphs itself (the delta nets' decode
+    kernels token by token in the verify graph)."""
+    from helpers_spec import check_step_graphs, run
+
+    plain_cuda = run(make_runner(mtp_dir, None, device="cuda"))[:2]
+    check_step_graphs(mtp_dir, num_spec, "cuda", plain_cuda)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_spec", [1, 3])

@@ -5,17 +5,16 @@ FlashMLA's verify pass of k + 1 tokens per sequence)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flotilla.actors.model_runner import ModelRunner
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
 from helpers_engine import write_tiny_tokenizer
-from helpers_spec import VOCAB, add_mtp_layer, check_same, make_runner, oracle, run
+from helpers_spec import (VOCAB, add_mtp_layer, attach_step_graphs, check_same, check_step_graphs, count_step_graphs,
+                          make_runner, run)
 from helpers_tiny_models import write_flash_mla_shaped_deepseek, write_tiny_deepseek_model
 
 
@@ -30,72 +29,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def plain(model_dir: Path) -> tuple[dict, dict]:
     tokens, logprobs, _, _ = run(make_runner(model_dir, None))
     return tokens, logprobs
-
-
-def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
-    """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
-    runner steps."""
-    counts = {"verify": 0, "draft": 0, "padded": 0, "drafts_on_device": 0}
-    verify, draft = g.verify, g.draft
-
-    def counted_verify(ids, cached, tables, drafts=None):
-        counts["verify"] += 1
-        counts["padded"] += g.padded_size(len(cached)) > len(cached)
-        counts["drafts_on_device"] += drafts is not None
-        return verify(ids, cached, tables, drafts)
-
-    def counted_draft(*args):
-        counts["draft"] += 1
-        return draft(*args)
-
-    g.verify, g.draft = counted_verify, counted_draft
-    return counts
-
-
-def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
-    """Give a CPU runner the speculating-step graphs: on a CPU they rerun their passes eagerly over the same static
-    buffers and tables the CUDA graphs read."""
-    spec = runner.spec
-    spec.graphs = SpecGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, max_batch=6,
-                             max_blocks_per_seq=256 // runner.block_size,
-                             num_speculative_tokens=spec.num_speculative_tokens, device=runner.device)
-    return spec.graphs
-
-
-def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple) -> None:
-    """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
-    and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache afterwards."""
-    penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
-    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
-    drafted: list[dict] = []
-    caches: list[list[torch.Tensor]] = []
-    for graphs in (False, True):
-        runner = make_runner(model_dir, num_spec, device=device, enforce_eager=not graphs)
-        if graphs and device == "cpu":
-            attach_step_graphs(runner)
-        assert (runner.spec.graphs is not None) == graphs
-        counts = count_step_graphs(runner.spec.graphs) if graphs else {}
-        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
-        drafted.append(seen)
-
-        def record(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]], hook=hook, seen=seen) -> list[int]:
-            own = seen[tuple(tokens.tolist())] = drafts()  # the MTP layer's own drafts, before the oracle's
-            assert len(own) == n
-            return hook(tokens, n, drafts)
-
-        runner.spec.draft_hook = record
-        rows: list[tuple[str, int, int]] = []
-        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
-        check_same((tokens, logprobs), want)
-        caches.append([c[:runner.num_blocks] for c in runner.kv_caches])  # (not the scratch block)
-    assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do
-    for eager, graphed in zip(*caches):  # and every pass wrote the same latents in the same slots
-        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
-    # (with 3 drafts few steps are uniform: the short requests get fewer drafts near their max_tokens)
-    assert counts["verify"] >= (6 if num_spec == 1 else 2) and counts["draft"] > 0
-    assert counts["padded"] > 0 or num_spec == 3
-    assert {n for _, n in verified} == set(range(1, num_spec + 2))
-    assert sched.spec_draft_tokens - sched.spec_accepted_tokens == sum(k + 1 - n for _, k, n in rows)
 
 
 @pytest.mark.parametrize("num_spec", [1, 3])
