@@ -267,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.head_dim = config.head_dim
-        backend = get_attention_backend(attention_backend, device=torch.get_default_device(), head_dim=config.head_dim)
+        backend = get_attention_backend(attention_backend, device=torch.get_default_device(),
+                                        head_dim=config.head_dim, dtype=torch.get_default_dtype())
         self.attention_backend_name = backend.name
         """The attention kernels chosen (for the ready log line)."""
         ops = get_ops(fused_ops, device=torch.get_default_device())

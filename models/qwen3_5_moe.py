@@ -399,7 +399,8 @@ class Qwen3_5MoeForCausalLM(LlamaForCausalLM):
         self.linear_attention = config.linear_attention
         self.head_dim = config.head_dim
         device = torch.get_default_device()
-        backend = get_attention_backend(attention_backend, device=device, head_dim=config.head_dim)
+        backend = get_attention_backend(attention_backend, device=device, head_dim=config.head_dim,
+                                        dtype=torch.get_default_dtype())
         self.attention_backend_name = backend.name
         ops = get_ops(fused_ops, device=device)
         self.fused_ops_name = ops.name

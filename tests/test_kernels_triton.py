@@ -597,3 +597,21 @@ def test_flashinfer_triton_names_what_it_lacks(monkeypatch):
     monkeypatch.delitem(attention._BACKENDS, "flashinfer_triton", raising=False)
     with pytest.raises(ValueError, match="'flashinfer_triton' needs CUDA with the flashinfer and triton packages"):
         get_attention_backend("flashinfer_triton")
+
+
+def test_float32_models_get_an_attention_backend_that_takes_them(monkeypatch):
+    """FlashInfer's kernels take 16-bit queries only: "auto" gives a float32 model on CUDA triton's kernels, and naming
+    a FlashInfer backend for one is a clear error rather than a KeyError deep in FlashInfer's JIT at the first step."""
+    import flotilla.kernels.attention as attention
+    from flotilla.kernels.attention import flashinfer_backend
+
+    monkeypatch.setattr(flashinfer_backend, "importable", lambda: True)
+    monkeypatch.setattr(attention, "triton_usable", lambda: True)
+    cuda = torch.device("cuda")
+    assert best_attention_backend(cuda, 128, torch.bfloat16) == "flashinfer_triton"
+    assert best_attention_backend(cuda, 128) == "flashinfer_triton"
+    assert best_attention_backend(cuda, 128, torch.float32) == "triton"
+    assert get_attention_backend("auto", device=cuda, head_dim=128, dtype=torch.float32).name == "triton"
+    for name in ("flashinfer", "flashinfer_triton"):
+        with pytest.raises(ValueError, match=f"'{name}' takes float16 or bfloat16 models, not torch.float32"):
+            get_attention_backend(name, device=cuda, head_dim=128, dtype=torch.float32)

@@ -64,13 +64,20 @@ def available_attention_backends() -> list[str]:
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 """Head sizes flashinfer's prebuilt / JIT kernels cover."""
 
-def best_attention_backend(device: torch.device, head_dim: int | None = None) -> str:
-    """The fastest backend usable on `device` for this head size: on CUDA with flashinfer importable,
-    flashinfer_triton (FlashInfer's prefill, triton's decode; flashinfer alone without triton), then triton on CUDA
-    (flashinfer missing, or a head size it lacks), else the torch reference, which gathers every sequence's KV per
-    layer and so only suits CPUs and tests. flashinfer_triton rather than flashinfer, since triton's decode kernel in
-    CUDA graphs is faster than FlashInfer's at small batches and as fast at large ones."""
-    if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS:
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+"""Model dtypes flashinfer's attention kernels take (its queries are 16-bit)."""
+
+def best_attention_backend(device: torch.device, head_dim: int | None = None,
+                           dtype: torch.dtype | None = None) -> str:
+    """The fastest backend usable on `device` for this head size and model dtype: on CUDA with flashinfer
+    importable, flashinfer_triton (FlashInfer's prefill, triton's decode; flashinfer alone without triton), then
+    triton on CUDA (flashinfer missing, a head size it lacks, or float32, which its kernels do not take), else the
+    torch reference, which gathers every sequence's KV per layer and so only suits CPUs and tests. flashinfer_triton
+    rather than flashinfer, since triton's decode kernel in CUDA graphs is faster than FlashInfer's at small batches
+    and as fast at large ones."""
+    flashinfer_dtype = dtype is None or dtype in FLASHINFER_DTYPES
+    if device.type == "cuda" and flashinfer_backend.importable() and head_dim in FLASHINFER_HEAD_DIMS \
+            and flashinfer_dtype:
         return "flashinfer_triton" if triton_usable() else "flashinfer"
     if device.type == "cuda" and triton_usable():
         return "triton"
@@ -78,15 +85,18 @@ def best_attention_backend(device: torch.device, head_dim: int | None = None) ->
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | None = None,
-                          head_dim: int | None = None) -> AttentionBackend:
+                          head_dim: int | None = None, dtype: torch.dtype | None = None) -> AttentionBackend:
     """The backend called `name`; "auto" picks the best one for `device` (default: torch's current default
-    device) and head size, and logs the choice once."""
+    device), head size and model dtype, and logs the choice once."""
     global _logged_auto_choice
     if name == "auto":
-        name = best_attention_backend(device or torch.get_default_device(), head_dim)
+        name = best_attention_backend(device or torch.get_default_device(), head_dim, dtype)
         if not _logged_auto_choice:
             logger.info("attention backend: %s (auto)", name)
             _logged_auto_choice = True
+    if name in ("flashinfer", "flashinfer_triton") and dtype is not None and dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"attention backend {name!r} takes float16 or bfloat16 models, not {dtype}: "
+                         "choose triton (or auto) for this dtype")
     if name == "flashinfer" and name not in _BACKENDS:
         if not flashinfer_backend.importable():
             raise ValueError("attention backend 'flashinfer' needs CUDA and the flashinfer package")
