@@ -54,6 +54,7 @@ from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams, StructuredOutputs
 from flotilla.scripts.dev import bench_workload as wl
 from flotilla.scripts.dev.bench_shapes import (
+    QWEN_SPECIAL_TOKENS,
     SHAPE_NAMES,
     shape_config,
     shape_dir,
@@ -293,14 +294,15 @@ def engine_config(args: argparse.Namespace, workloads: tuple[str, ...] = ()) -> 
     return engine_config_from_args(args, model)
 
 
-def with_tokenizer(folder: Path, write: Any) -> Path:
-    """A copy of a shape's folder with a placeholder tokenizer (bench_shapes' `write`) beside its config."""
+def with_tokenizer(folder: Path, write: Any, **options: Any) -> Path:
+    """A copy of a shape's folder with a placeholder tokenizer (bench_shapes' `write`, given `options`) beside its
+    config."""
     copy = Path(tempfile.gettempdir()) / f"bench-{folder.name}-{write.__name__}"
     copy.mkdir(exist_ok=True)
     for f in folder.iterdir():
         if f.is_file():
             shutil.copy(f, copy / f.name)
-    write(copy)
+    write(copy, **options)
     return copy
 
 
@@ -324,25 +326,30 @@ def _parallel(config: EngineConfig) -> dict[str, Any]:
 class VllmEngine:
     """vLLM's LLM (run in vLLM's environment) behind the calls the workloads make, so that vLLM runs the very same
     requests through the very same timing code: generate() takes flotilla's SamplingParams (the fields the workloads
-    set), .config is the engine config both engines are built from. A model that takes images gets a copy of its
-    folder with a placeholder tokenizer of Qwen's ids, which vLLM's processor needs (bench_shapes)."""
+    set), .config is the engine config both engines are built from. A model that takes images, asked for them
+    (`images`), gets a copy of its folder with a placeholder tokenizer of Qwen's ids, which vLLM's processor needs
+    (bench_shapes); asked for text only, it runs as its language model alone (vLLM's language_model_only: no vision
+    tower, no encoder profiling), as flotilla runs text."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, images: bool = False) -> None:
         import vllm
 
         self.config, self.version = config, vllm.__version__
         model = Path(config.model.model)
-        images = "vision_config" in json.loads((model / "config.json").read_text())
-        if images:
-            model = with_tokenizer(model, write_qwen_placeholder_tokenizer)
+        hf = json.loads((model / "config.json").read_text())
+        takes_images = "vision_config" in hf
+        if takes_images and images:
+            first_special = int(hf.get("image_token_id", 151655)) - QWEN_SPECIAL_TOKENS.index("<|image_pad|>")
+            model = with_tokenizer(model, write_qwen_placeholder_tokenizer, first_special=first_special)
         tokenizer = (model / "tokenizer.json").is_file()
+        mm = {"limit_mm_per_prompt": {"image": 1}} if takes_images and images else \
+            {"language_model_only": True} if takes_images else {}
         self.llm = vllm.LLM(model=str(model), load_format=config.model.load_format, dtype=config.model.dtype,
                             max_model_len=config.model.max_model_len, seed=0,
                             gpu_memory_utilization=config.cache.gpu_memory_utilization,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
                             tensor_parallel_size=config.parallel.tensor_parallel_size,
-                            skip_tokenizer_init=not tokenizer,
-                            **({"limit_mm_per_prompt": {"image": 1}} if images else {}))
+                            skip_tokenizer_init=not tokenizer, **mm)
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], use_tqdm: bool = False) -> list:
         import vllm
@@ -403,7 +410,7 @@ def run_vllm(args: argparse.Namespace, config: EngineConfig, workloads: tuple[st
 
     t0 = time.perf_counter()
     result: dict[str, Any] = {}
-    with VllmEngine(config) as llm:
+    with VllmEngine(config, images="images" in workloads) as llm:
         start_s = time.perf_counter() - t0
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))  # warm-up
         if describe:
