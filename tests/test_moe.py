@@ -325,7 +325,15 @@ def test_default_tiles_follow_the_slots_per_expert_and_match_the_reference(monke
         _check_fused(triton_experts.fused_experts, tokens, 32, 16, 4, 2, torch.float32, seed=tokens)
     assert [m for m, _, _ in seen] == [16, 32, 64, 128]
     assert seen[-1][1] == {"num_warps": 8, "num_stages": 4}
-    assert [d for _, _, d in seen] == [{}, {}, {}, {"block_n": 256, "block_k": 64}]  # the top tier's own down tiles
+    assert [d for _, _, d in seen] == [{}, {}, {}, {"block_n": 256, "block_k": 32}]  # the top tier's own down tiles
+    # (float32 here: K tiles half the bf16 ones, the same bytes per pipeline stage, within an H100's shared memory)
+    top = triton_experts.sorted_tiles(50 * 4, 4)
+    assert (top["block_k"], top["down_block_k"]) == (64, 64)
+    for slots in (6, 15, 30, 50):
+        bf16, fp32 = triton_experts.sorted_tiles(slots * 4, 4), triton_experts.sorted_tiles(slots * 4, 4, 4)
+        for tiles in (bf16, fp32):  # gate_up stages: a [M, K] block of rows and gate's and up's [K, N] blocks
+            elements = tiles["block_m"] * tiles["block_k"] + 2 * tiles["block_k"] * tiles["block_n"]
+            assert (tiles["num_stages"] - 1) * elements * (4 if tiles is fp32 else 2) <= 227 * 1024
 
 
 @pytest.mark.parametrize(("tokens", "alignment", "dtype"), [(1, 8, torch.float32), (11, 4, torch.float32),
@@ -465,6 +473,16 @@ def test_gpu_triton_fused_experts_at_qwen3_30b_sizes(tokens):
     from flotilla.kernels.moe import triton_experts
 
     _check_fused(triton_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.bfloat16, seed=tokens)
+
+
+@gpu_test
+def test_gpu_float32_experts_fit_shared_memory_at_every_tier():
+    """A float32 model's sorted GEMMs at each tier of tiles, the top one (over 32 slots per expert) included, whose
+    bf16-sized K tiles in float32 needed more shared memory than an H100 has (triton's OutOfResources)."""
+    from flotilla.kernels.moe import triton_experts
+
+    for tokens in (64, 256, 1024):  # 4, 16 and 64 slots per expert
+        _check_fused(triton_experts.fused_experts, tokens, 2048, 768, 128, 8, torch.float32, seed=tokens)
 
 
 @gpu_test

@@ -191,10 +191,16 @@ top tier's down pass takes 256-column tiles (N 2,048 x K 768: the gate_up pass's
 rereading its rows for a 12-step K loop), faster at prompt-sized batches; the lower tiers measured best with 128."""
 
 
-def sorted_tiles(num_slots: int, num_experts: int) -> dict[str, int]:
-    """The bf16 sorted GEMMs' default tiles and launch options for a batch of `num_slots` slots (SORTED_TILES)."""
+def sorted_tiles(num_slots: int, num_experts: int, element_size: int = 2) -> dict[str, int]:
+    """The sorted GEMMs' default tiles and launch options for a batch of `num_slots` slots (SORTED_TILES). Wider
+    elements (float32 models) get K tiles narrowed in proportion, so that each pipeline stage holds the bytes the
+    bf16 tiles were sized for: the top tier's float32 stages would need 288 KiB of shared memory, past an H100's 227."""
     per_expert = num_slots / max(num_experts, 1)
-    return next(dict(tiles) for most, tiles in SORTED_TILES if most is None or per_expert <= most)
+    tiles = next(dict(tiles) for most, tiles in SORTED_TILES if most is None or per_expert <= most)
+    for key in ("block_k", "down_block_k"):
+        if key in tiles and element_size > 2:
+            tiles[key] = max(16, tiles[key] * 2 // element_size)
+    return tiles
 
 
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: ExpertBlocks,
@@ -282,7 +288,7 @@ def fused_experts(
         return small.fused_experts_small(hidden, w13, w2, topk_weights, topk_ids, t.get("small_block_n"),
                                          t.get("small_block_k"), _launch(t), down=down,
                                          swiglu_limit=swiglu_limit)  # fmt: skip
-    t = {**sorted_tiles(topk_ids.numel(), w13.shape[0]), **t}
+    t = {**sorted_tiles(topk_ids.numel(), w13.shape[0], hidden.element_size()), **t}
     down = {key: t[f"down_{key}"] for key in ("block_n", "block_k", "num_warps", "num_stages") if f"down_{key}" in t}
     return _two_passes(hidden, w13, w2, topk_weights, topk_ids, t["block_m"], t["block_n"], t["block_k"],
                        launch=_launch(t), masked=masked, down=down, swiglu_limit=swiglu_limit)  # fmt: skip
