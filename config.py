@@ -137,8 +137,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Device the model runs on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     attention_backend: str = "auto"
     """Attention kernels: auto picks the fastest usable backend (on CUDA flashinfer_triton where FlashInfer is
-    installed, else triton; torch on CPU; for an MLA model flash_mla on Hopper, else triton). Force one by name:
-    torch, triton, flashinfer or flashinfer_triton (FlashInfer for prefill, triton's decode kernel in CUDA graphs);
+    installed and the model is 16-bit, else triton; torch on CPU; for an MLA model flash_mla on Hopper, else triton).
+    Force one by name: torch, triton, flashinfer or flashinfer_triton (FlashInfer for prefill, triton's decode kernel
+    in CUDA graphs; float16 or bfloat16 models only);
     an MLA model takes torch, triton, flash_mla or flashinfer; sparse attention (DeepSeek-V3.2, GLM-5) and
     DeepSeek-V4 take torch or triton (auto: triton on CUDA)."""
     enforce_eager: bool = False
