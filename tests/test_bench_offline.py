@@ -319,8 +319,11 @@ def test_the_vllm_engine_runs_the_same_workload_code_with_vllms_own_objects(tmp_
     assert len(schemas) == 4 and schemas[0] == bench_offline.STRUCTURED_SCHEMA  # (warm-up and timed run: 2 each)
     # a model that takes images, on text workloads: its language model alone (flotilla builds no vision tower for it)
     assert bench_offline.main(["--engine", "vllm", "--model", "qwen3.5-35b-a3b-2l", "--workload", "decode1",
-                               "--decode-out", "4", "--json", str(out)]) == 0
+                               "--decode-out", "4", "--vllm-options", '{"gdn_prefill_backend": "triton"}',
+                               "--json", str(out)]) == 0
     assert made[3]["language_model_only"] and "limit_mm_per_prompt" not in made[3] and made[3]["skip_tokenizer_init"]
+    assert made[3]["gdn_prefill_backend"] == "triton"  # --vllm-options, recorded with the result
+    assert json.loads(out.read_text())["vllm_options"] == {"gdn_prefill_backend": "triton"}
     # asked for images, the placeholder tokenizer puts Qwen's special tokens at the ids its config names
     bench_offline.VllmEngine(bench_offline.engine_config(bench_offline.build_parser().parse_args(
         ["--engine", "vllm", "--model", "qwen3.5-35b-a3b-2l"]), ("images",)), images=True)

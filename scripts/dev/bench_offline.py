@@ -331,7 +331,7 @@ class VllmEngine:
     (bench_shapes); asked for text only, it runs as its language model alone (vLLM's language_model_only: no vision
     tower, no encoder profiling), as flotilla runs text."""
 
-    def __init__(self, config: EngineConfig, images: bool = False) -> None:
+    def __init__(self, config: EngineConfig, images: bool = False, options: dict[str, Any] | None = None) -> None:
         import vllm
 
         self.config, self.version = config, vllm.__version__
@@ -349,7 +349,7 @@ class VllmEngine:
                             gpu_memory_utilization=config.cache.gpu_memory_utilization,
                             enable_prefix_caching=config.cache.enable_prefix_caching,
                             tensor_parallel_size=config.parallel.tensor_parallel_size,
-                            skip_tokenizer_init=not tokenizer, **mm)
+                            skip_tokenizer_init=not tokenizer, **mm, **(options or {}))
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams], use_tqdm: bool = False) -> list:
         import vllm
@@ -410,11 +410,12 @@ def run_vllm(args: argparse.Namespace, config: EngineConfig, workloads: tuple[st
 
     t0 = time.perf_counter()
     result: dict[str, Any] = {}
-    with VllmEngine(config, images="images" in workloads) as llm:
+    options = json.loads(args.vllm_options)
+    with VllmEngine(config, images="images" in workloads, options=options) as llm:
         start_s = time.perf_counter() - t0
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8))  # warm-up
         if describe:
-            result = {"engine": f"vllm {llm.version}", "model": args.model,
+            result = {"engine": f"vllm {llm.version}", "model": args.model, "vllm_options": options,
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                       "dtype": config.model.dtype, "engine_start_s": round(start_s, 2),
                       "parallel": _parallel(config)}
@@ -470,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which engine runs the workloads: vllm runs vLLM's LLM on the same requests and timing code "
                         "(in vLLM's environment; a built-in shape, the engine flags that both take: dtype, "
                         "max-model-len, gpu-memory-utilization, tensor-parallel-size)")
+    p.add_argument("--vllm-options", default="{}",
+                   help="--engine vllm: more keyword arguments for vLLM's LLM, as JSON (e.g. '{\"gdn_prefill_backend\": "
+                        "\"triton\"}'); recorded with the result")
     p.add_argument("--json", default=None, help="write the result to this file too")
     add_engine_arguments(p)
     return p
