@@ -113,7 +113,7 @@ class GPUWorkerActor(Actor):
                 "kv_tokens": str(r.capacity_tokens), "kv_blocks": str(r.num_blocks), "block_size": str(r.block_size),
                 "kv_dtype": str(r.kv_dtype).removeprefix("torch."),
                 "state_slots": str(r.num_state_slots),
-                "attention": r.model.attention_backend_name,
+                "attention": r.model.attention_backend_name, "gdn": getattr(r.model, "gdn_backend_name", "-"),
                 "fused_ops": r.model.fused_ops_name, "moe": getattr(r.model, "moe_backend_name", "-"),
                 "fp8": getattr(r.model, "fp8_backend_name", None) or "-",
                 "tp": f"{self.rank}/{self.tp_size}", "load_s": f"{r.load_seconds:.2f}",

@@ -500,12 +500,16 @@ class EngineClient:
 
 def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_model_len: int | str) -> str:
     """What the ready line of `serve` and of the offline LLM says about the engine: the model, the KV cache's
-    capacity, where it runs and which kernels were chosen (from the first worker's ready detail)."""
+    capacity (and a hybrid model's recurrent-state slots: the sequences that can run at once), where it runs and which
+    kernels were chosen (from the first worker's ready detail)."""
     w = ready_detail.get("worker/0", {})
+    hybrid = w.get("state_slots", "0") not in ("0", "")
+    state = f" state_slots={w['state_slots']} sequences" if hybrid else ""
+    gdn = f",gdn:{w['gdn']}" if hybrid and w.get("gdn", "-") != "-" else ""
     return (f"model={model_name} kv_capacity={w.get('kv_tokens', '?')} tokens ({w.get('kv_blocks', '?')} blocks of "
-            f"{w.get('block_size', '?')}) max_model_len={max_model_len} device={w.get('device', '?')} "
+            f"{w.get('block_size', '?')}){state} max_model_len={max_model_len} device={w.get('device', '?')} "
             f"dtype={w.get('dtype', '?')} kv_dtype={w.get('kv_dtype', '?')} "
-            f"kernels=attention:{w.get('attention', '?')},sampler:torch")
+            f"kernels=attention:{w.get('attention', '?')}{gdn},sampler:torch")
 
 
 def choice_seed(seed: int, index: int) -> int:

@@ -417,10 +417,15 @@ def test_a_prefix_hit_resumes_the_state_snapshot_where_the_cached_prefix_ends(mo
         core.blocks.check_invariants()
 
 
-def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model_dir, models, prompts):
+def test_preempted_sequences_recompute_their_state_and_keep_greedy_outputs(model_dir, models, prompts, caplog):
+    """(Its ready line also says how many sequences have recurrent-state slots, and the delta nets' kernels.)"""
     long = [random_tokens(20, seed=40 + i) for i in range(6)]
     want = _reference(models[1], long, max_tokens=16)
-    with LLM(str(model_dir), block_size=4, kv_cache_blocks=24, max_num_seqs=6) as small:
+    with caplog.at_level(logging.INFO, logger="flotilla.llm"), \
+            LLM(str(model_dir), block_size=4, kv_cache_blocks=24, max_num_seqs=6) as small:
+        ready = next(r.getMessage() for r in caplog.records if "flotilla ready" in r.getMessage())
+        assert "(24 blocks of 4) state_slots=6 sequences max_model_len" in ready, ready
+        assert "kernels=attention:torch,gdn:torch,sampler:torch" in ready, ready
         assert _run(small, long, max_tokens=16) == want
         core = small.client.runtime.actors["scheduler/0"].core
         assert core.num_preemptions > 0 and core.blocks.num_free_blocks == 24
