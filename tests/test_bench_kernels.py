@@ -43,6 +43,7 @@ def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, 
     assert by["moe"] == by["fp8_moe"] == {"torch", "deep_gemm_layout_ref"}
     assert by["fp8_gemm"] == {"torch", "torch_bf16"} and by["mla"] == {"torch"} and by["routing"] == {"torch"}
     assert by["gemv"] == {"cublas"}  # (F.linear: cuBLAS on a GPU)
+    assert by["gdn"] == {"torch"}
     smoke = bk.SMOKE_SIZES
     moe = [r for r in measured if r["bench"] == "moe"]
     assert sorted({r["tokens"] for r in moe}) == sorted(smoke.moe_tokens)
@@ -53,8 +54,15 @@ def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, 
     assert {(r["N"], r["K"], r["M"]) for r in gemm} == want
     assert {r["batch"] for r in measured if r["bench"] == "mla"} == set(smoke.mla_batch)
     assert all(r["mode"] == "eager" for r in measured if r["bench"] == "routing")  # no CUDA graphs on CPU
+    gdn = [r for r in measured if r["bench"] == "gdn"]
+    assert sorted(r["batch"] for r in gdn if r["pass"] == "decode") == sorted(smoke.gdn_batch)
+    assert {(r["seqs"], r["tokens"]) for r in gdn if r["pass"] == "prefill"} == set(smoke.gdn_prefill)
+    hk, hv, dk, dv = smoke.gdn
+    one = next(r for r in gdn if r["pass"] == "decode" and r["batch"] == 1)  # the state read and written, in GB/s
+    assert one["gbps"] == pytest.approx((2 * hv * dk * dv * 4 + (2 * hk * dk + 2 * hv * dv) * 4) / one["ms"] / 1e6,
+                                        rel=0.01, abs=2e-3)
     triton_skips = {r["bench"] for r in skipped if r["backend"] == "triton"}
-    assert triton_skips == {"moe", "fp8_moe", "fp8_gemm", "mla", "gemv"}
+    assert triton_skips == {"moe", "fp8_moe", "fp8_gemm", "mla", "gemv", "gdn"}
 
 
 def test_only_filters_and_a_failing_point_is_reported_while_the_run_goes_on(monkeypatch, capsys):

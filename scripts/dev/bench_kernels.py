@@ -21,6 +21,12 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
 - gemv:     one-row bf16 linear layers (batch-1 decode) at Qwen3-30B-A3B's attention and router shapes and
             Qwen3-8B's: cuBLAS (F.linear) vs kernels/triton/gemv.py and its --gemv-tiles variants;
             gbps = the weight's 2*N*K bytes / time (a graph's 10 calls reread a weight that fits in L2).
+- gdn:      Gated DeltaNet at Qwen3.5-35B-A3B's sizes (16 key / 32 value heads of 128, float32 state [Hv, Dk, Dv]
+            in a pool of slots): decode (one token per sequence: triton's gated_delta_rule_update over B sequences,
+            gbps = the state's bytes read and written, 2*B*Hv*Dk*Dv*4, plus q, k, v and o) and prefill (fla's
+            chunk_gated_delta_rule, with fla-core installed, and the torch chunked reference, over S sequences of
+            T tokens); tflops counts the recurrent form's 6*Dk*Dv flops per token and value head (S k, the update,
+            S q), so the chunked kernels' rate is an effective one.
 - routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
             in their torch versions (routing.*_torch: "torch") or as the engine runs them on CUDA ("fused": the
             one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain
@@ -80,7 +86,7 @@ from flotilla.scripts.dev.kernel_bench import (  # the harness; GRAPH_REPS and B
     _triton_reason,
 )
 
-BENCHES = ("moe", "fp8_moe", "fp8_gemm", "mla", "routing", "gemv")
+BENCHES = ("moe", "fp8_moe", "fp8_gemm", "mla", "routing", "gemv", "gdn")
 GEMV_SHAPES = (("q30_qkv", 5120, 2048), ("q30_o", 2048, 4096), ("q30_router", 128, 2048), ("q8_qkv", 6144, 4096),
                ("q8_o", 4096, 4096), ("q8_gate_up", 24576, 4096), ("q8_down", 4096, 12288))
 """(name, N, K) of bench gemv (on the CPU smoke run only the first, shrunk)."""
@@ -308,6 +314,71 @@ def _first_layer(fn: Callable[..., torch.Tensor], q_latent: torch.Tensor, q_pe: 
     return fn(q_latent, q_pe, cache, meta, scale)
 
 
+# --- gdn -----------------------------------------------------------------------------------------------------------
+
+
+def _gdn_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The torch reference behind triton's gated_delta_rule_update's contract (raw a, b; q, k before the norm)."""
+    from flotilla.kernels import gdn
+
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return gdn.gated_delta_rule(q, k, v, g, b.sigmoid(), state, slots, np.arange(q.shape[0] + 1))
+
+
+def bench_gdn(bench: Bench, sizes: Sizes) -> None:
+    from flotilla.kernels import gdn
+
+    hk, hv, dk, dv = sizes.gdn
+    decode: Backends = [("torch", _gdn_decode_torch)] if bench.smoke else []
+    prefill: Backends = [("torch", gdn.gated_delta_rule)]
+    reason = _triton_reason(bench)
+    if reason is None:
+        from flotilla.kernels.triton import gdn as triton_gdn  # imports triton
+
+        decode.append(("triton", triton_gdn.gated_delta_rule_update))
+        if triton_gdn.fla_available():
+            prefill.append(("fla", lambda q, k, v, g, beta, state, slots, qsl: triton_gdn.chunk_gated_delta_rule(
+                q, k, v, g, beta, state, slots, torch.from_numpy(qsl).to(q.device, torch.int32), qsl)))
+        else:
+            prefill.append(("fla", "flash-linear-attention (fla-core) is not installed"))
+    else:
+        decode.append(("triton", reason))
+        prefill.append(("fla", reason))
+    decode, prefill = _runnable(bench, "gdn", decode), _runnable(bench, "gdn", prefill)
+    dev, gen = bench.device, bench.generator()
+    dtype = torch.float32 if bench.smoke else torch.bfloat16
+    A_log = torch.rand(hv, generator=gen, device=dev)
+    dt_bias = torch.rand(hv, generator=gen, device=dev)
+    flops_per_token = 6 * hv * dk * dv
+    for batch in sizes.gdn_batch:
+        state = torch.randn(batch, hv, dk, dv, generator=gen, device=dev) * 0.1
+        slots = torch.randperm(batch, generator=gen, device=dev)
+        q, k = (torch.randn(batch, hk, dk, generator=gen, device=dev).to(dtype) for _ in range(2))
+        v = torch.randn(batch, hv, dv, generator=gen, device=dev).to(dtype)
+        a, b = (torch.randn(batch, hv, generator=gen, device=dev).to(dtype) for _ in range(2))
+        nbytes = 2 * state.numel() * 4 + (q.numel() + k.numel() + 2 * v.numel()) * q.element_size()
+        for backend, fn in decode:
+            bench.point_modes({"bench": "gdn", "pass": "decode", "batch": batch, "backend": backend}, batch, fn, q, k,
+                              v, a, b, A_log, dt_bias, state, slots, flops=batch * flops_per_token, nbytes=nbytes)
+        del state
+    for seqs, tokens in sizes.gdn_prefill:
+        t = seqs * tokens
+        state = torch.zeros(seqs, hv, dk, dv, device=dev)
+        slots = torch.arange(seqs, device=dev)
+        qsl = np.arange(0, t + 1, tokens)
+        q, k = (torch.randn(t, hk, dk, generator=gen, device=dev).to(dtype) for _ in range(2))
+        v = torch.randn(t, hv, dv, generator=gen, device=dev).to(dtype)
+        g = -torch.rand(t, hv, generator=gen, device=dev) * 0.1  # log decay: a state fades slowly, as trained ones do
+        beta = torch.rand(t, hv, generator=gen, device=dev).to(dtype)
+        for backend, fn in prefill:
+            bench.point({"bench": "gdn", "pass": "prefill", "seqs": seqs, "tokens": tokens, "backend": backend}, fn,
+                        q, k, v, g, beta, state, slots, qsl, flops=t * flops_per_token)
+        del state
+    _recover(dev)
+
+
 # --- routing -------------------------------------------------------------------------------------------------------
 
 
@@ -372,7 +443,7 @@ def _route_torch(logits: torch.Tensor, top_k: int, num_experts: int, block_m: in
 # --- main ----------------------------------------------------------------------------------------------------------
 
 RUNNERS = {"moe": bench_moe, "fp8_moe": bench_fp8_moe, "fp8_gemm": bench_fp8_gemm, "mla": bench_mla,
-           "routing": bench_routing, "gemv": bench_gemv}  # fmt: skip
+           "routing": bench_routing, "gemv": bench_gemv, "gdn": bench_gdn}  # fmt: skip
 
 
 def _env_record(device: torch.device, args: argparse.Namespace) -> dict:

@@ -28,6 +28,9 @@ class Sizes:
     mla_batch: tuple[int, ...]
     mla_ctx: int
     routing_tokens: tuple[int, ...]
+    gdn: tuple[int, int, int, int] = (16, 32, 128, 128)  # key heads, value heads, Dk, Dv (Qwen3.5-35B-A3B's)
+    gdn_batch: tuple[int, ...] = (1, 16, 64, 256)
+    gdn_prefill: tuple[tuple[int, int], ...] = ((1, 4096), (8, 512), (1, 16384))  # (sequences, tokens each)
 
 
 GPU_SIZES = Sizes(
@@ -45,7 +48,7 @@ SMOKE_SIZES = Sizes(
     fp8_moe=(8, 2, 256, 128, 4, 2), fp8_moe_tokens=(1, 5),
     gemm_shapes=(("tiny", 256, 128),), gemm_m=(1, 3),
     mla=(4, 512, 64, 64), mla_batch=(1, 2), mla_ctx=100,
-    routing_tokens=(1, 6),
+    routing_tokens=(1, 6), gdn=(2, 4, 16, 16), gdn_batch=(1, 3), gdn_prefill=((1, 70), (3, 9)),
 )  # fmt: skip
 SMOKE_ALIGNMENT = 16
 """DeepGEMM's row alignment stand-in on CPU (its own is 128)."""
