@@ -218,6 +218,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     an FP8 checkpoint's routed experts in e4m3 with their block scales (None: when the MoE backend has FP8 experts,
     as all but deep_gemm do; False: dequantize them once at load into the model dtype, twice the memory)."""
 
+    reads_fp8_checkpoints = True
+    """load_weights takes an FP8 checkpoint's e4m3 weights and block scales itself (the loader leaves them as read)."""
+
     def __init__(self, config: HFModelConfig, *, attention_backend: str = "auto", fused_ops: str = "auto",
                  moe_backend: str = "auto", mla_backend: str = "auto", fp8_backend: str = "auto",
                  mtp: bool = False, fp8_experts: bool | None = None) -> None:  # fmt: skip

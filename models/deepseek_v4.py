@@ -44,7 +44,7 @@ from torch import nn
 
 from flotilla.kernels.attention import AttentionMetadata
 from flotilla.kernels.moe import MoEBackend, get_moe_backend
-from flotilla.kernels.quant.fp8_ref import block_dequantize
+from flotilla.kernels.quant.fp8_ref import dequantize_checkpoint
 from flotilla.models.deepseek_v4_attention import DeepseekV4Attention, RMSNorm, Rotary, StepRows, rms
 from flotilla.models.deepseek_v4_checkpoint import MTP_COPIES, fp4_dequantize, mtp_tensor, param_name, rank_share
 from flotilla.models.hf_config import DeepseekV4Params, HFModelConfig
@@ -202,6 +202,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4's decoder (the step interface of LlamaForCausalLM) over the paged rows of the module docstring."""
 
     fused_ops_name = "torch"
+    reads_fp8_checkpoints = True
+    """load_weights dequantizes FP8 and FP4 (int8-packed) weights itself."""
     multi_token_graphs = False
     """Steps of several tokens per sequence (prompt chunks, MTP's verify steps) read the step's rows on the host
     (StepRows): the runner captures no graphs of them; decode steps replay graphs."""
@@ -338,31 +340,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _dequantized(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors with each quantized weight (FP8, or FP4 packed in int8) and its block scales
-        turned into one float weight (in whichever order the two come); others as they are."""
+        turned into one float weight; others as they are."""
         quant = self.config.quantization
         if quant is None:
-            yield from weights
-            return
-        pending: dict[str, torch.Tensor] = {}  # weight name -> the first of (weight, scales) seen
-        dtype = self.lm_head.weight.dtype
-        for name, tensor in weights:
-            is_scale = name.endswith("_scale_inv")
-            if not is_scale and tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
-                yield name, tensor
-                continue
-            weight = name.removesuffix("_scale_inv")
-            other = pending.pop(weight, None)
-            if other is None:
-                pending[weight] = tensor
-                continue
-            q, scales = (other, tensor) if is_scale else (tensor, other)
-            if q.dtype == torch.int8:
-                yield weight, fp4_dequantize(q, scales).to(dtype)
-            else:
-                yield weight, block_dequantize(q, scales, quant.weight_block_size).to(dtype)
-        if pending:
-            shown = ", ".join(sorted(pending)[:4])
-            raise ValueError(f"FP8 weights without their block scales (or scales without weights): {shown}")
+            return iter(weights)
+        return dequantize_checkpoint(weights, quant.weight_block_size, self.lm_head.weight.dtype, fp4=fp4_dequantize)
 
     def checkpoint_filter(self) -> Callable[[str], bool]:
         """The tensors to read: the MTP layers' only when the first one is built, and not its copies of the main

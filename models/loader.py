@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from flotilla.kernels.quant.fp8_ref import dequantize_checkpoint
 from flotilla.models.default_model import DefaultModelError, default_model_dir
 from flotilla.models.gguf import GGUFError
 from flotilla.models.hf_config import HFModelConfig, parse_hf_config
@@ -122,7 +123,13 @@ def load_model(
     with bar:
         try:
             keep = module.checkpoint_filter() if hasattr(module, "checkpoint_filter") else None
-            loaded = module.load_weights(_stream_tensors(files, target_dtype, bar, last, keep))
+            stream = _stream_tensors(files, target_dtype, bar, last, keep)
+            if config.quantization is not None and not getattr(module, "reads_fp8_checkpoints", False):
+                logger.info("%s: FP8 block-scaled checkpoint: its weights are dequantized to %s as they load (%s "
+                            "keeps no FP8 weights)", model_dir.name, str(target_dtype).removeprefix("torch."),
+                            type(module).__name__)
+                stream = dequantize_checkpoint(stream, config.quantization.weight_block_size, target_dtype)
+            loaded = module.load_weights(stream)
         except (ValueError, KeyError, RuntimeError) as e:
             where = f"tensor {last[-1][0]!r} of {last[-1][1]}" if last else str(model_dir)
             raise ModelLoadError(f"cannot load {where}: {e}") from e

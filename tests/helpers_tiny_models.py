@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -368,22 +369,43 @@ def write_tiny_deepseek_fp8_pair(root: str | Path, name: str = "deepseek_v3",
     (float32, no quantization)."""
     root = Path(root)
     src = (write_tiny_dsa_model if name in TINY_DSA_CONFIGS else write_tiny_deepseek_model)(root / "float_src", name)
-    weights = load_file(str(src / "model.safetensors"))
+    return write_fp8_pair(src, root, block, others=False)
+
+
+QWEN_FP8_QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z"
+                                r"|out_proj)\.weight$|\.experts\.(gate_up_proj|down_proj)$")
+"""The linears Qwen's FP8 releases quantize (attention, the delta nets' big projections, every expert and shared
+expert; not embeddings, LM head, routers, norms or the delta nets' conv and small a / b projections)."""
+
+
+def write_fp8_pair(src: str | Path, root: str | Path, block: tuple[int, int] = FP8_BLOCK,
+                   quantized: re.Pattern = _FP8_QUANTIZED, others: bool = True) -> tuple[Path, Path]:  # fmt: skip
+    """(fp8 folder, float folder) under `root` from the float checkpoint folder `src`: the tensors `quantized` names
+    as e4m3 weights in `block` blocks with their `_scale_inv` (stacked [E, N, K] experts expert by expert) and an
+    fp8 quantization_config, and the same model with those weights dequantized back (float32, none); `others`: the
+    other files of `src` (tokenizer, generation_config.json, ...) in both."""
+    root = Path(root)
+    weights = load_file(str(Path(src) / "model.safetensors"))
     fp8, dequantized = {}, {}
     for key, w in weights.items():
-        if _FP8_QUANTIZED.search(key):
-            q, s = block_quantize(w, block)
+        if quantized.search(key) and w.dim() in (2, 3):
+            pairs = [block_quantize(m, block) for m in (w if w.dim() == 3 else [w])]
+            q, s = (torch.stack(t) for t in zip(*pairs)) if w.dim() == 3 else pairs[0]
             fp8[key], fp8[f"{key}_scale_inv"] = q, s
-            dequantized[key] = block_dequantize(q, s, block)
+            dequantized[key] = torch.stack([block_dequantize(*p, block) for p in pairs]) if w.dim() == 3 \
+                else block_dequantize(q, s, block)
         else:
             fp8[key] = dequantized[key] = w
-    config = json.loads((src / "config.json").read_text())
+    config = json.loads((Path(src) / "config.json").read_text())
     quantization = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                     "activation_scheme": "dynamic"}
     dirs = []
     for sub, tensors, extra in (("fp8", fp8, {"quantization_config": quantization}), ("dequantized", dequantized, {})):
         d = root / sub
         d.mkdir()
+        for f in Path(src).iterdir() if others else ():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json", "model.safetensors.index.json"):
+                shutil.copy(f, d / f.name)
         save_file(tensors, str(d / "model.safetensors"))
         (d / "config.json").write_text(json.dumps({**config, **extra}))
         dirs.append(d)

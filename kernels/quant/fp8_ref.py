@@ -9,6 +9,8 @@ quantized dynamically per token and group of block_k columns (1 x 128), one floa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,38 @@ def block_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: 
     """e4m3 weight [N, K] and its block scales -> the weight in `dtype` (the product taken in float32)."""
     scales = expand_block_scales(scale_inv, (weight.shape[0], weight.shape[1]), block_size)
     return (weight.float() * scales).to(dtype)
+
+
+def dequantize_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], block_size: tuple[int, int],
+                          dtype: torch.dtype,
+                          fp4: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                          ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """A checkpoint's (name, tensor) stream with each e4m3 weight `X` and its block scales `X_scale_inv` (in whichever
+    order the two come) turned into one `dtype` weight `X` (stacked [E, N, K] experts block by block per expert);
+    other tensors pass as they are. `fp4`: how a weight packed as FP4 in int8 (DeepSeek-V4's experts) dequantizes
+    with its scales. A weight or scales left without the other at the end is an error naming them."""
+    pending: dict[str, torch.Tensor] = {}  # weight name -> the first of (weight, scales) seen
+    packed = (FP8_DTYPE,) if fp4 is None else (FP8_DTYPE, torch.int8)
+    for name, tensor in weights:
+        is_scale = name.endswith("_scale_inv")
+        if not is_scale and tensor.dtype not in packed:
+            yield name, tensor
+            continue
+        weight = name.removesuffix("_scale_inv")
+        other = pending.pop(weight, None)
+        if other is None:
+            pending[weight] = tensor
+            continue
+        q, scales = (other, tensor) if is_scale else (tensor, other)
+        if q.dtype == torch.int8:
+            yield weight, fp4(q, scales).to(dtype)  # type: ignore[misc]
+        elif q.dim() == 3:
+            yield weight, torch.stack([block_dequantize(w, sc, block_size, dtype) for w, sc in zip(q, scales)])
+        else:
+            yield weight, block_dequantize(q, scales, block_size, dtype)
+    if pending:
+        shown = ", ".join(sorted(pending)[:4])
+        raise ValueError(f"FP8 weights without their block scales (or scales without weights): {shown}")
 
 
 def per_token_group_quantize(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
