@@ -183,6 +183,11 @@ class GatedDeltaNet(nn.Module):
                                                       meta.query_start_loc, qsl)
             else:
                 o = gdn.gated_delta_rule(q, k, v, g, b.sigmoid(), self.recurrent_state, slots, qsl, history)
+        if self.kernels != "torch":  # one launch, z read where the projection wrote it
+            from flotilla.kernels.triton import gdn as triton_gdn
+
+            return self.out_proj(triton_gdn.gated_rms_norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z,
+                                                           self.norm.weight, self.eps))
         o = gdn.gated_rms_norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim), self.norm.weight,
                                self.eps)
         return self.out_proj(o.reshape(t, self.value_dim))

@@ -193,9 +193,33 @@ def test_the_decode_kernels_compile_for_sm90_at_qwen35_shapes(tmp_path):
             "out_ptr": "*bf16"}
     delta = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "out_ptr")},
              "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "dst_ptr": "*i64"}
+    norm = {n: "*bf16" for n in ("x_ptr", "z_ptr", "w_ptr", "out_ptr")}
     compile_for_sm90([(mod, "_conv_update_kernel", conv, [], dict(K=4, BLOCK_C=256), 4),
                       (mod, "_delta_update_kernel", delta, ["scale"], dict(HV_PER_HK=2, DK=128, DV=128, BLOCK_V=32),
-                       4)], tmp_path)
+                       4),
+                      (mod, "_gated_rms_norm_kernel", norm, ["eps"], dict(D=128, BLOCK_D=128), 4)], tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_gated_norm_equals_the_reference_reading_z_in_place(dtype):
+    """RMSNorm(o) * weight * SiLU(z) per value head in one launch, z a strided slice of the projection's output (as
+    the layer passes it): the reference's numbers (float32 to rounding; bf16 within one step of it)."""
+    from helpers_triton import kernel_test_module
+
+    _, _, device = kernel_test_module()  # (the interpreter rounding bf16 as the GPU does)
+    from flotilla.kernels.triton import gdn as tg
+
+    g = torch.Generator().manual_seed(7)
+    t, heads, d = 5, 3, 24
+    o = torch.randn(t, heads, d, generator=g).to(dtype)
+    projected = torch.randn(t, 10 + heads * d + 6, generator=g).to(dtype)
+    z = projected[:, 10:10 + heads * d]  # rows strided
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    want = gdn.gated_rms_norm(o.reshape(-1, d), z.reshape(-1, d), weight, 1e-6).reshape(t, heads * d)
+    got = tg.gated_rms_norm(o.to(device), z.to(device), weight.to(device), 1e-6).cpu()
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 # ---- the model --------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@
 - gated_delta_rule_update: one token per sequence through the delta rule, the decay and beta computed from the raw
   projections (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), q and k L2-normalised, the float32
   recurrent state read and written in its slot (no gather, no scatter).
+- gated_rms_norm: the output's RMSNorm(o) * weight * SiLU(z) per value head in one launch, z read in place from
+  the input projection's output (torch's version is a dozen launches and a copy of z per layer).
 
 Each reads a row's state from its slot and writes the new state to a destination row, the slot itself unless told
 otherwise: a verify step of k + 1 tokens per sequence runs them token by token, each token's state into its own
@@ -118,6 +120,38 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
         q, k, v, a, b, A_log, dt_bias, state, slots, slots if dst_slots is None else dst_slots, out, q.stride(0),
         k.stride(0), v.stride(0), a.stride(0), b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5,
         HV_PER_HK=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v)
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_xt, stride_zt, stride_ot, eps, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """Program (token, head): kernels/gdn.py's gated_rms_norm over one head's D values, rounded where it rounds
+    (the normalised row to the dtype before the weight product, that product, and the result)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + t * stride_xt + h * D + offs, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / D + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gated = (w * normed).to(x.dtype).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_zt + h * D + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gated * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + t * stride_ot + h * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H, D] (each token's heads contiguous), z [T, H * D] (rows may be strided, e.g. a slice of the input
+    projection's output), weight [D] -> RMSNorm(x) * weight * SiLU(z) per head, [T, H * D] in x's dtype."""
+    t, heads, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d and z.shape == (t, heads * d) and z.stride(1) == 1
+    out = torch.empty(t, heads * d, dtype=x.dtype, device=x.device)
+    if t:
+        _gated_rms_norm_kernel[(t, heads)](x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps,
+                                           D=d, BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
