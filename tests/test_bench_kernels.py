@@ -56,6 +56,7 @@ def test_the_cpu_smoke_run_writes_well_formed_records_for_every_bench(tmp_path, 
     assert all(r["mode"] == "eager" for r in measured if r["bench"] == "routing")  # no CUDA graphs on CPU
     gdn = [r for r in measured if r["bench"] == "gdn"]
     assert sorted(r["batch"] for r in gdn if r["pass"] == "decode") == sorted(smoke.gdn_batch)
+    assert sorted(r["batch"] for r in gdn if r["pass"] == "norm") == sorted(smoke.gdn_batch)
     assert {(r["seqs"], r["tokens"]) for r in gdn if r["pass"] == "prefill"} == set(smoke.gdn_prefill)
     hk, hv, dk, dv = smoke.gdn
     one = next(r for r in gdn if r["pass"] == "decode" and r["batch"] == 1)  # the state read and written, in GB/s

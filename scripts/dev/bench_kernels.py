@@ -26,7 +26,8 @@ for a point that raised (the others go on), an "env" line first and a "summary" 
             gbps = the state's bytes read and written, 2*B*Hv*Dk*Dv*4, plus q, k, v and o) and prefill (fla's
             chunk_gated_delta_rule, with fla-core installed, and the torch chunked reference, over S sequences of
             T tokens); tflops counts the recurrent form's 6*Dk*Dv flops per token and value head (S k, the update,
-            S q), so the chunked kernels' rate is an effective one.
+            S q), so the chunked kernels' rate is an effective one. Also the output's gated RMSNorm ("norm": torch's
+            kernels/gdn.gated_rms_norm against triton's one launch, gbps = o, z and out bytes) at the decode batches.
 - routing:  routing.select_experts + routing.sort_by_expert at T=1, 256, 1,024 and 4,096 (Qwen3: E=128, top_k=8)
             in their torch versions (routing.*_torch: "torch") or as the engine runs them on CUDA ("fused": the
             one-launch grouping at every size, past the engine's routing.FUSED_ALIGN_MAX_SLOTS too), as plain
@@ -346,6 +347,10 @@ def bench_gdn(bench: Bench, sizes: Sizes) -> None:
     else:
         decode.append(("triton", reason))
         prefill.append(("fla", reason))
+    norms: Backends = [("torch", lambda o, z, w, eps: gdn.gated_rms_norm(o.reshape(-1, o.shape[-1]),
+                                                                       z.reshape(-1, o.shape[-1]), w, eps))]
+    if reason is None:
+        norms.append(("triton", triton_gdn.gated_rms_norm))
     decode, prefill = _runnable(bench, "gdn", decode), _runnable(bench, "gdn", prefill)
     dev, gen = bench.device, bench.generator()
     dtype = torch.float32 if bench.smoke else torch.bfloat16
@@ -363,6 +368,12 @@ def bench_gdn(bench: Bench, sizes: Sizes) -> None:
             bench.point_modes({"bench": "gdn", "pass": "decode", "batch": batch, "backend": backend}, batch, fn, q, k,
                               v, a, b, A_log, dt_bias, state, slots, flops=batch * flops_per_token, nbytes=nbytes)
         del state
+        o = torch.randn(batch, hv, dv, generator=gen, device=dev).to(dtype)
+        z = torch.randn(batch, hv * dv + 64, generator=gen, device=dev).to(dtype)[:, 32:32 + hv * dv]  # (strided)
+        weight = torch.ones(dv, device=dev, dtype=dtype)
+        for backend, fn in norms:
+            bench.point_modes({"bench": "gdn", "pass": "norm", "batch": batch, "backend": backend}, batch, fn, o, z,
+                              weight, 1e-6, nbytes=3 * o.numel() * o.element_size())
     for seqs, tokens in sizes.gdn_prefill:
         t = seqs * tokens
         state = torch.zeros(seqs, hv, dk, dv, device=dev)
