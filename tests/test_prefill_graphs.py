@@ -1,8 +1,7 @@
 """CUDA graphs of one sequence's prompt chunks (actors/prefill_graphs.py): on a CPU the "graphs" rerun the forward
 eagerly over the same static buffers, padding rows and tables the CUDA graphs read, so a runner with them gives the
 tokens and logprobs of an eager runner without a GPU (DeepSeek-V3's MLA, and GQA models: a dense one and a
-Qwen3-MoE); the `gpu` tests capture real graphs (triton's MLA prefill; triton's GQA prefill under the triton and
-flashinfer_triton backends)."""
+Qwen3-MoE); the `gpu` tests capture real graphs (triton's MLA prefill; triton's GQA prefill)."""
 
 from __future__ import annotations
 
@@ -70,12 +69,10 @@ def count_runs(graphs: PrefillGraphs) -> list[tuple[int, int]]:
     return runs
 
 
-def check_against_eager(model_dir: Path, device: str, budget: int, eager_options: dict | None = None,
-                        **options: object) -> list[tuple[int, int]]:
+def check_against_eager(model_dir: Path, device: str, budget: int, **options: object) -> list[tuple[int, int]]:
     """The tokens and logprobs of a runner whose single-sequence chunks replay prefill graphs against an eager
-    runner's (both with `options`, the eager one's updated by `eager_options`); the chunks the graphs ran."""
-    eager = one_at_a_time(make_runner(model_dir, None, device=device, enforce_eager=True,
-                                      **{**options, **(eager_options or {})}), budget)  # fmt: skip
+    runner's (both with `options`); the chunks the graphs ran."""
+    eager = one_at_a_time(make_runner(model_dir, None, device=device, enforce_eager=True, **options), budget)
     runner = make_runner(model_dir, None, device=device, **options)
     if device == "cpu":  # (a CUDA runner builds its own: they are on by default)
         runner.prefill_graphs = PrefillGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks,
@@ -129,18 +126,15 @@ def test_prefill_cuda_graphs_give_the_eager_tokens(model_dir: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "flashinfer_triton"])
-def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path], backend: str) -> None:
-    """GQA models under prefill_cuda_graphs "all": the runner captures triton's prefill kernel. flashinfer_triton's
-    eager prefill is FlashInfer's, which takes no float32, so its graphs are held to the triton backend's eager
-    steps: the kernels its graphs run (triton's prefill and decode)."""
+def test_gqa_prefill_cuda_graphs_give_the_eager_tokens(gqa_dirs: dict[str, Path]) -> None:
+    """GQA models under prefill_cuda_graphs "all": the runner captures triton's prefill kernel. (flashinfer_triton's
+    graphs run the same triton kernels, test_flashinfer_triton_sends_only_a_prefill_graphs_chunk_to_triton checks
+    that they do; its eager FlashInfer kernels take no float32 model, which these token-exact checks need.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    if backend == "flashinfer_triton":
-        pytest.importorskip("flashinfer")
     for name in ("qwen3_hd64", "qwen3_moe"):
-        runs = check_against_eager(gqa_dirs[name], "cuda", budget=32, eager_options={"attention_backend": "triton"},
-                                   attention_backend=backend, prefill_cuda_graphs="all")
+        runs = check_against_eager(gqa_dirs[name], "cuda", budget=32, attention_backend="triton",
+                                   prefill_cuda_graphs="all")
         assert len(runs) >= len(requests()), name
 
 
