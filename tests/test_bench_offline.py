@@ -329,3 +329,20 @@ def test_the_vllm_engine_runs_the_same_workload_code_with_vllms_own_objects(tmp_
         ["--engine", "vllm", "--model", "qwen3.5-35b-a3b-2l"]), ("images",)), images=True)
     vocab = json.loads((Path(made[4]["model"]) / "tokenizer.json").read_text())["added_tokens"]
     assert {t["content"]: t["id"] for t in vocab}["<|image_pad|>"] == 248056
+
+
+def test_an_output_short_of_max_tokens_fails_the_run_with_how_it_ended():
+    """ignore_eos runs must give every output its max_tokens; one that does not fails the run with its finish reason
+    (a grammar that ended it, an error), not just the count."""
+    from types import SimpleNamespace
+
+    class Short:
+        def generate(self, prompts, params, use_tqdm=False):
+            out = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * p.max_tokens, finish_reason="length")],
+                                   num_cached_tokens=0) for p in params]
+            out[1].outputs[0] = SimpleNamespace(token_ids=[1, 2], finish_reason="stop")
+            return out
+
+    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 3
+    with pytest.raises(AssertionError, match=r"the short ones ended with \{'stop': 1\}"):
+        bench_offline.timed_generate(Short(), [[1], [2], [3]], params)
