@@ -102,6 +102,7 @@ def test_the_qwen3_5_shape_keeps_its_first_n_layers():
 
     text = shape_config("qwen3.5-35b-a3b-20l-mtp")["text_config"]
     assert (text["num_hidden_layers"], text["mtp_num_hidden_layers"], text["num_experts"]) == (20, 1, 256)
+    assert text["mamba_ssm_dtype"] == "float32"  # (as released: vLLM's delta-net state is then float32 like ours)
     assert shape_config("qwen3.5-35b-a3b-8l")["text_config"]["mtp_num_hidden_layers"] == 0
     assert shape_config("qwen3.5-35b-a3b-0l") is None
     assert shape_config("qwen3.5-35b-a3b")["text_config"]["num_hidden_layers"] == 40

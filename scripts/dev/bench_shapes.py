@@ -106,13 +106,14 @@ SHAPES["qwen3.5-35b-a3b"] = dict(
         full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8, bos_token_id=248044,
-        eos_token_id=248046),
+        eos_token_id=248046, mamba_ssm_dtype="float32"),
     vision_config=dict(model_type="qwen3_5_moe_vision", depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh",
                        intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2,
                        temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304))
 """Qwen3.5-35B-A3B as its checkpoint's config has it (the conditional-generation layout vLLM registers): 40 layers,
 three gated delta nets to each gated attention layer, 256 experts top-8 and a shared expert; flotilla reads the
-text model (the vision tower is not built for it)."""
+text model (the vision tower is not built for it). `mamba_ssm_dtype` float32, as the released configs say: vLLM
+keeps the delta nets' recurrent state in it (without it, in the model's bf16); flotilla always does."""
 SHAPE_FILES: dict[str, dict[str, dict[str, Any]]] = {"qwen3-vl-30b-a3b": {"preprocessor_config.json": dict(
     image_processor_type="Qwen2VLImageProcessorFast", patch_size=16, temporal_patch_size=2, merge_size=2,
     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"longest_edge": 16777216, "shortest_edge": 65536})}}
