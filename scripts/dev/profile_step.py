@@ -31,7 +31,7 @@ import torch
 from flotilla.actors.model_runner import ModelRunner
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.scripts.dev.bench_shapes import SHAPES, shape_dir
+from flotilla.scripts.dev.bench_shapes import SHAPE_NAMES, shape_config, shape_dir
 from flotilla.transport.messages import NewSequence, StepPlan
 
 
@@ -356,7 +356,7 @@ def decodes_for_overlap(decodes: list[StepPlan]) -> list[StepPlan]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="profile_step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-8b", help=f"a built-in shape ({', '.join(SHAPES)}) or an HF folder")
+    p.add_argument("--model", default="qwen3-8b", help=f"a built-in shape ({SHAPE_NAMES}) or an HF folder")
     p.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cprofile", action="store_true",
                    help="also print the host functions that cost the most in the overlapped pass (per batch size)")
     args = p.parse_args(argv)
-    dummy = args.model in SHAPES
+    dummy = shape_config(args.model) is not None
     config = EngineConfig.from_options(
         model=str(shape_dir(args.model)) if dummy else args.model, dtype="bfloat16",
         load_format="dummy" if dummy else "auto", skip_tokenizer_init=True, kv_cache_blocks=args.kv_cache_blocks,
