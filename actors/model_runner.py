@@ -560,8 +560,9 @@ class ModelRunner:
         return st
 
     def _drain(self) -> None:
-        """Finish every pending step's host side now (their results stay queued for finish_oldest)."""
-        for p in self._pending:
+        """Finish every pending step's host side now (their results stay queued for finish_oldest). Over a copy: the
+        worker's loop thread sends (pops) the oldest step as soon as it is finished, while this goes on."""
+        for p in list(self._pending):
             p.finish()
 
     def _input_ids(self, seqs: list[SeqState], cached: list[int], num_new: list[int]) -> tuple[np.ndarray, Patch]:

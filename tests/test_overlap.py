@@ -18,6 +18,7 @@ import pytest
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
 from flotilla.actors.model_runner import ModelRunner
+from flotilla.actors.pending_step import PendingStep
 from flotilla.config import EngineConfig, SchedulerConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import TokenizedRequest
@@ -181,3 +182,34 @@ def test_decode_steps_of_the_same_sequences_reuse_their_sampling_options(runner_
     runner.launch(sched.schedule())  # a seeded row hashes its generation index: nothing to reuse
     sched.update(runner.finish_oldest())
     assert runner._st_cache is None
+
+
+def test_settling_the_pending_steps_while_the_loop_thread_sends_the_finished_oldest(runner_factory, monkeypatch):
+    """A grammar or penalties make the runner's thread finish every pending step before it samples; the worker's
+    loop thread meanwhile sends (pops) the oldest as soon as it is finished. Neither may break the other (the
+    runner's thread iterated the queue the loop thread popped: 'deque mutated during iteration', and every request
+    of a batch under structured outputs ended in an error)."""
+    runner = runner_factory(64)
+    sched = BatchScheduler(SchedulerConfig(max_num_seqs=4, max_steps_in_flight=3),
+                           BlockManager(64, 4, enable_prefix_caching=False), max_model_len=256)
+    sched.add(requests()[0])
+    plans = []
+    for _ in range(3):
+        plans.append(sched.schedule())
+        runner.launch(plans[-1])
+    oldest, sent = runner._pending[0], []
+    finish = PendingStep.finish
+
+    def finish_then_sent(self: PendingStep):
+        result = finish(self)
+        if self is oldest and runner._pending[0] is oldest:  # the loop thread finds the oldest finished now
+            sent.append(runner.finish_oldest())
+        return result
+
+    monkeypatch.setattr(PendingStep, "finish", finish_then_sent)
+    runner._drain()
+    rest = [runner.finish_oldest(), runner.finish_oldest()]
+    assert [r.step for r in sent + rest] == [p.step for p in plans]
+    assert all(r.error is None and len(r.token_ids) == 1 for r in sent + rest)
+    seq = runner.seqs["r0"]
+    assert seq.host_length == seq.length and not seq.device_tokens
