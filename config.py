@@ -121,7 +121,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     plan -> launch behind a second step, so the short steps of a small model do not wait for the scheduler."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding, as JSON on the command line (e.g. '{"method": "mtp", "num_speculative_tokens": 1}'):
-    decodes verify drafted tokens, and steps run one at a time (max_steps_in_flight is taken as 1); default: off."""
+    decodes verify drafted tokens; a step is planned ahead of the last one's result only as the same decodes again in
+    the step CUDA graphs (at most 2 in flight), otherwise once the result is in; default: off."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

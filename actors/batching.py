@@ -17,6 +17,9 @@ or max_model_len; none for requests with penalties), with KV slots for them and 
 more (where further drafts are written). The result says how many tokens it got (accepted drafts + 1);
 num_computed drops back over the rejected positions (their KV is overwritten later), and the tokens are
 stop-checked one by one, so EOS / stop ids / max_tokens cut them where plain decoding would stop.
+A speculating step is planned while the last one is in flight only when the worker can take it (`plan_ahead`)
+and it is the same batch of decodes again (_plan_ahead): each sequence's drafts in flight are taken as accepted,
+the worker corrects the positions on the device, and the result of the step in flight rolls back what was not.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ class Sequence:
     transfer_id: str | None = None
     """Disaggregated requests: the id shared by the prefill and the decode side."""
     num_drafts: int = 0
-    """Speculative decoding: draft tokens the step in flight verifies for it."""
+    """Speculative decoding: draft tokens its last planned step verifies."""
+    drafts_ahead: int = 0
+    """Draft tokens of its steps in flight that a later planned step took as accepted (_plan_ahead)."""
     state_snapshot: int = -1
     """Hybrid models: the snapshot slot its state resumes from (a prefix hit), sent with its first plan."""
     arrival_time: float = 0.0
@@ -156,7 +161,8 @@ class BatchScheduler:
         self._order = itertools.count()
         self._step = itertools.count()
         self._forget: list[str] = []  # rids the worker must drop before the next step
-        self.inflight: dict[int, list[tuple[Sequence, int]]] = {}
+        self.inflight: dict[int, list[tuple[Sequence, int, int]]] = {}
+        """Steps in flight: (sequence, tokens, drafts among them) per row."""
         self._lingering: set[str] = set()
         """Ended sequences whose blocks wait for the steps in flight that still compute them (_release)."""
         self.num_preemptions = 0
@@ -166,6 +172,8 @@ class BatchScheduler:
         """Draft tokens verified since start."""
         self.spec_accepted_tokens = 0
         """Draft tokens accepted since start."""
+        self.plan_ahead = False
+        """Speculating: the worker runs a step planned before the last one's result is in (_plan_ahead)."""
 
     # ---- requests in and out ------------------------------------------------------------------------
 
@@ -220,8 +228,10 @@ class BatchScheduler:
         max_tokens when its pending tokens land is not planned again. Only sequences in no step in flight
         are preempted; when none is, planning stops until results come back.
         """
+        if self.num_speculative_tokens and self.inflight:
+            return self._plan_ahead()
         budget = self.config.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
+        batch: list[tuple[Sequence, int, int]] = []
         preempted = blocked = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -247,8 +257,7 @@ class BatchScheduler:
             if seq.rid not in self.seqs or seq not in self.running:
                 continue
             seq.new_blocks.extend(new)
-            seq.num_drafts = drafts
-            batch.append((seq, n))
+            batch.append((seq, n, drafts))
             budget -= n
             i += 1
         while not (preempted or blocked) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -260,11 +269,42 @@ class BatchScheduler:
                 break
             heapq.heappop(self.waiting)
             self.running.append(seq)
-            batch.append((seq, n))
+            batch.append((seq, n, 0))
             budget -= n
         if not batch and not self._forget:
             return None
         return self._plan(batch)
+
+    def _plan_ahead(self) -> StepPlan | None:
+        """Speculating, a step in flight: the next step of the same decodes, planned as if the one in flight accepts
+        every draft (the worker corrects each sequence's positions on the device once it knows). Only when every
+        running sequence verifies all num_speculative_tokens drafts in that step and can again in this one, and no
+        waiting request could be admitted instead (the batch then waits for the result, as plain planning does);
+        None otherwise."""
+        k = self.num_speculative_tokens
+        if (not self.plan_ahead or len(self.inflight) > 1 or not self.running
+                or (len(self.running) < self.config.max_num_seqs and self._peek_waiting() is not None)
+                or len(self.running) * (k + 1) > self.config.max_num_batched_tokens):
+            return None
+        (last,) = self.inflight.values()
+        drafted = {id(seq) for seq, _, d in last if d == k}
+        for seq in self.running:
+            sp = seq.sampling
+            if (id(seq) not in drafted or seq.aborted or seq.inflight != 1 or sp.seed is not None
+                    or sp.structured_outputs is not None):  # (a seed's noise follows the accepted count)
+                return None
+            # room for a full step after the one in flight yields its k + 1 tokens
+            out = len(seq.output_ids) + 2 * (k + 1)
+            if (sp.max_tokens is not None and out > sp.max_tokens) or seq.num_tokens + 2 * (k + 1) > self.max_model_len:
+                return None
+        for seq in self.running:
+            new = self.blocks.append_slots(seq.rid, self._slots_to_append(seq, k + 1))
+            if new is None:  # (blocks appended to the sequences before it go with a later plan)
+                return None
+            seq.new_blocks.extend(new)
+        for seq in self.running:
+            seq.drafts_ahead += k
+        return self._plan([(seq, k + 1, k) for seq in self.running])
 
     def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """Draft tokens to verify with a decode of `n` tokens (0 unless speculating and n is a decode's 1)."""
@@ -358,12 +398,13 @@ class BatchScheduler:
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (seq.priority, seq.order, seq))
 
-    def _plan(self, batch: list[tuple[Sequence, int]]) -> StepPlan:
+    def _plan(self, batch: list[tuple[Sequence, int, int]]) -> StepPlan:
         step = next(self._step)
         new_seqs, rids, counts, appended, save_rows, save_slots = [], [], [], [], [], []
         every_row_samples = True
-        for row, (seq, n) in enumerate(batch):
+        for row, (seq, n, drafts) in enumerate(batch):
             rids.append(seq.rid)
+            seq.num_drafts = drafts
             if not seq.in_worker:
                 new_seqs.append(NewSequence(
                     rid=seq.rid, token_ids=seq.token_ids(), num_computed_tokens=seq.num_computed,
@@ -379,14 +420,14 @@ class BatchScheduler:
             if snapshot is not None and snapshot[0] == seq.num_computed + n:  # (_cut ends chunks there)
                 save_rows.append(row)
                 save_slots.append(snapshot[1])
-            if seq.num_computed + n >= seq.num_tokens + seq.pending:  # reaches its end (drafts: beyond): samples
+            if seq.num_computed + n >= seq.num_tokens + seq.pending + seq.drafts_ahead:  # reaches its end: samples
                 seq.pending += 1
             else:
                 every_row_samples = False
             seq.num_computed += n
             seq.inflight += 1
         plan = StepPlan(step=step, new_seqs=new_seqs, rids=rids,
-                        num_new_tokens=np.asarray([n for _, n in batch], dtype=np.int32),
+                        num_new_tokens=np.asarray([n for _, n, _ in batch], dtype=np.int32),
                         new_block_counts=np.asarray(counts, dtype=np.int32),
                         new_block_ids=np.asarray(appended, dtype=np.int32), finished_rids=self._forget,
                         state_save_rows=np.asarray(save_rows, dtype=np.int32) if save_rows else None,
@@ -403,7 +444,7 @@ class BatchScheduler:
         batch = self.inflight.pop(result.step, [])
         sampled = dict(zip(result.rids, range(len(result.rids))))
         starts = None if result.num_tokens is None else np.concatenate(([0], np.cumsum(result.num_tokens))).tolist()
-        for seq, n in batch:
+        for seq, n, drafts in batch:
             seq.inflight -= 1
             seq.num_done += n
             if seq.state_snapshot >= 0:  # its first step is back: the state it resumed from may be reused now
@@ -411,23 +452,23 @@ class BatchScheduler:
                 seq.state_snapshot = -1
             if seq.rid in sampled:
                 seq.pending -= 1
-            if seq.num_drafts:
-                self._rollback(seq, sampled.get(seq.rid), starts)
+            if drafts:
+                self._rollback(seq, drafts, sampled.get(seq.rid), starts)
             if not seq.inflight and seq.rid in self._lingering:  # its last step in flight is back
                 self._lingering.discard(seq.rid)
                 self.blocks.free(seq.rid)
         if result.error is not None:
-            return [self._finish(seq, "error") for seq, _ in batch if seq.rid in self.seqs]
+            return [self._finish(seq, "error") for seq, _, _ in batch if seq.rid in self.seqs]
         if result.prompt_rids:
             self._take_prompt_scores(result)
-        for seq, _ in batch:
+        for seq, _, _ in batch:
             done = min(seq.num_done, seq.num_tokens)
             if seq.rid in self.seqs and done // self.blocks.block_size > seq.full_blocks_offered:
                 self.blocks.commit(seq.rid, seq.cache_ids(), done)  # O(L) concat only when a block filled up
                 seq.full_blocks_offered = done // self.blocks.block_size
         deltas: list[SeqTokens] = []
         tokens = result.token_ids.tolist() if result.token_ids is not None else []
-        for seq, _ in batch:
+        for seq, _, _ in batch:
             if seq.rid not in self.seqs:
                 continue
             j = sampled.get(seq.rid)
@@ -474,15 +515,17 @@ class BatchScheduler:
                 seq.prompt_parts.append((result.prompt_logprobs[cut], result.prompt_ranks[cut]) + (
                     (result.prompt_top_ids[cut], result.prompt_top_logprobs[cut]) if top else ()))
 
-    def _rollback(self, seq: Sequence, j: int | None, starts: list[int] | None) -> None:
-        """A verify step is back: count its drafts, and forget the KV of the rejected ones."""
+    def _rollback(self, seq: Sequence, drafts: int, j: int | None, starts: list[int] | None) -> None:
+        """A verify step of `drafts` drafts is back: count them, and forget the KV of the rejected ones (and what a
+        step planned ahead took as accepted)."""
         accepted = 0 if j is None or starts is None else starts[j + 1] - starts[j] - 1
-        rejected = seq.num_drafts - accepted
+        rejected = drafts - accepted
         seq.num_computed -= rejected
         seq.num_done -= rejected
-        self.spec_draft_tokens += seq.num_drafts
+        self.spec_draft_tokens += drafts
         self.spec_accepted_tokens += accepted
-        seq.num_drafts = 0
+        if seq.drafts_ahead:
+            seq.drafts_ahead -= drafts
 
     def _hand_off(self, seq: Sequence, tok: int, result: StepResult, row: int) -> bool:
         """A sampled token (row `row` of the result) that leaves this engine (disaggregated prefill); True =

@@ -151,7 +151,7 @@ class ModelRunner:
         self._st_cache: tuple[tuple, SamplingTensors] | None = None
         """The last step's sampling options, reused while the same sequences sample (see _sampling_tensors)."""
         self.spec = MTPSpeculator(self, spec.num_speculative_tokens) if spec is not None else None
-        """Speculative decoding: runs every step (verify + draft), one at a time."""
+        """Speculative decoding: runs every step (verify + draft)."""
         self.graphs: DecodeGraphs | None = None
         # under tensor parallelism the graphs capture the NCCL all-reduces (tp_cuda_graphs); never with the expert
         # all-to-all, whose dispatch reads counts back (an expert-parallel worker is eager unless
@@ -172,6 +172,11 @@ class ModelRunner:
                                               config.scheduler.max_num_seqs, max_blocks,
                                               self.spec.num_speculative_tokens, self.device,
                                               self.num_state_slots + self.num_state_snapshots if hybrid else None)
+                # the scheduler plans a uniform step ahead (actors/batching.py _plan_ahead), launched before the
+                # host knows what the step before accepted; not with a hybrid model's state rollback, nor in
+                # expert-parallel lockstep
+                self.spec.defer = (not hybrid and config.scheduler.max_steps_in_flight > 1
+                                   and config.parallel.expert_parallel_size == 1)
         elif graphs_ok and (self.model.attention_backend_name == "flashinfer" or static):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
@@ -403,7 +408,7 @@ class ModelRunner:
         if self.spec is not None:
             result = self.spec.step(plan.step, plan.rids, seqs, num_new)
             self._save_states(plan, seqs)  # (prefill chunks only: no draft rolls their state back)
-            self._pending.append(PendingStep.done(result))
+            self._pending.append(PendingStep.done(result) if isinstance(result, StepResult) else result)
             return
         cached = [s.num_computed for s in seqs]
         ids, patch = self._input_ids(seqs, cached, num_new)

@@ -85,7 +85,8 @@ class SchedulerActor(Actor):
         self._kv_info: dict[int, KVCacheInfoEvent] = {}
         self._early: list[Message] = []
         self._inflight: dict[int, StepPlan] = {}
-        # speculative decoding plans a decode only once it knows how many drafts the last step accepted
+        # speculative decoding plans a decode once it knows how many drafts the last step accepted, or one step
+        # ahead where the workers correct that on the device (on_kv_cache_info_event)
         sched = self.config.scheduler
         self._max_inflight = 1 if sched.speculative_config else sched.max_steps_in_flight
         self._stats_at = 0.0
@@ -144,6 +145,10 @@ class SchedulerActor(Actor):
             self.core = DecodeBatchScheduler(self.config.scheduler, blocks, max_len)
         else:
             self.core = BatchScheduler(self.config.scheduler, blocks, max_len)
+        if sched.speculative_config is not None and self.lockstep is None and sched.max_steps_in_flight > 1 \
+                and all(e.plans_ahead for e in self._kv_info.values()):
+            self.core.plan_ahead = True
+            self._max_inflight = 2
         log.info("scheduler (%s, role %s): %d KV blocks x %d tokens, max_model_len %d", self.engine_id, self.role,
                  num_blocks, ev.block_size, max_len)
         await self._stats()

@@ -22,17 +22,23 @@ position further each, on the previous draft and the layer's own output (as vLLM
 the slots the scheduler reserved beyond the step (none is written past the table or max_model_len: the chain
 stops there).
 
-Steps run one at a time (the scheduler plans a decode only when it knows how many drafts were accepted); each
-launch() under speculation finishes its step at once. A step of decodes only hands its result to `publish` as soon
-as its tokens are known, before the MTP passes: the worker sends it then, so the scheduler's planning and the round
-trip of the next plan overlap the drafting instead of following it. The drafts are argmax tokens of the MTP head,
-kept on the host in SeqState.drafts. A uniform step (every sequence decoding with all its drafts) replays CUDA graphs of
-the verify pass, the MTP pass and the draft chain where the runner captured them (actors/spec_graphs.py). Such a
-step does not wait for its drafts: it returns once its sampled tokens are on the host, while the device still
-drafts, so the next step is staged meanwhile. Its drafts stay on the device (PendingDrafts), their copy to the
-host queued behind them: a next step of the same sequences, uniform again, reads them into its verify inputs on
-the device and the host learns them when it waits for that step's sampled tokens; any other step waits for the
+A step of decodes only hands its result to `publish` as soon as its tokens are known, before the MTP passes: the
+worker sends it then, so the scheduler's planning and the round trip of the next plan overlap the drafting instead
+of following it. The drafts are argmax tokens of the MTP head, kept on the host in SeqState.drafts. A uniform step
+(every sequence decoding with all its drafts) replays CUDA graphs of the verify pass, the MTP pass and the draft
+chain where the runner captured them (actors/spec_graphs.py): it is queued whole (SpecStep) and finished once its
+sampled tokens are on the host, while the device still drafts. Its drafts stay on the device (PendingDrafts),
+their copy to the host queued behind them: a next step of the same sequences, uniform again, reads them into its
+verify inputs on the device and the host learns them when it finishes that step; any other step waits for the
 copy first.
+
+Steps in flight (`defer`, set where the scheduler plans ahead: actors/batching.py _plan_ahead): the next uniform
+step of the same decodes is planned as if this one accepted every draft, and launched before the host has this
+one's tokens. Its verify reads this step's accepted counts on the device and corrects each sequence's positions,
+slots and context length by the drafts it rejected, takes as its last token the one sampled after the last
+accepted draft, and its drafts as they are; the host checks them when it finishes the steps, in order (vLLM's
+"zero-bubble" speculation is the same idea). A step that needs the host's word first (a grammar's mask, a seed's
+generation index, a hybrid model's state rollback, a prefill) finishes the one before it first.
 
 A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
 verify pass keeps the state after each token of a drafting sequence in rows of the state pools, and the slot gets
@@ -71,6 +77,9 @@ DraftHook = Callable[[np.ndarray, int, Callable[[], list[int]]], list[int]]
 """(a sequence's tokens so far, how many drafts the MTP layer made, a function giving them) -> the drafts to verify
 instead (tests and bench_mtp force acceptance). The function makes the host wait for the drafts: a hook that
 forces them without calling it keeps a graph step's drafting overlapped with the next step's staging."""
+DeviceDraftHook = Callable[[list["SeqState"], torch.Tensor, int], torch.Tensor]
+"""(a graph step's sequences, each one's last accepted position [B] on the device, k) -> the k drafts [B, k] for the
+next step (from that position + 2 on), on the device."""
 
 
 def check_speculative_config(config: EngineConfig) -> None:
@@ -112,16 +121,20 @@ def _checkpoint_names(model_dir: Path) -> list[str]:
 
 class PendingDrafts:
     """A graph step's drafts, still on the device: [B, k] (rows in the step's order), their copy to the host queued
-    behind the draft graph, and the accepted counts the draft graph must agree with (checked when they land)."""
+    behind the draft graph, and the accepted counts the draft graph must agree with (the host's, checked when they
+    land). A step launched before the host knows them (SpecStep, chained) reads the draft graph's accepted counts and
+    the step's sampled tokens from here too."""
 
-    __slots__ = ("_landed", "accepted", "device", "event", "host", "seqs")
+    __slots__ = ("_landed", "accepted", "device", "event", "host", "out", "sampled", "seqs")
 
-    def __init__(self, seqs: list[SeqState], out: torch.Tensor, accepted: np.ndarray) -> None:
-        """out: the draft graph's [B, 1 + k] (accepted count, drafts) on the device."""
-        self.seqs, self.accepted = seqs, accepted
-        self.device = out[:, 1:].clone()  # (the graph's output buffer is rewritten by its next replay)
+    def __init__(self, seqs: list[SeqState], out: torch.Tensor, sampled: torch.Tensor) -> None:
+        """out: the draft graph's [B, 1 + k] (accepted count, drafts) on the device; sampled: the step's [B * (k + 1)]
+        sampled tokens."""
+        self.seqs, self.sampled, self.accepted = seqs, sampled, None
+        self.out = out.clone()  # (the graph's output buffer is rewritten by its next replay)
+        self.device = self.out[:, 1:]
         cuda = out.device.type == "cuda"
-        self.host = out.to("cpu", non_blocking=cuda, copy=True)
+        self.host = self.out.to("cpu", non_blocking=cuda, copy=True)
         self.event, self._landed = None, None
         if cuda:
             self.event = torch.cuda.Event()
@@ -139,7 +152,7 @@ class PendingDrafts:
             if self.event is not None:
                 self.event.synchronize()
             host = self.host.numpy()
-            if not np.array_equal(host[:, 0], self.accepted):
+            if self.accepted is not None and not np.array_equal(host[:, 0], self.accepted):
                 raise RuntimeError(f"the draft graph counted {host[:, 0].tolist()} accepted drafts, the host "
                                    f"{self.accepted.tolist()}")
             self._landed = host[:, 1:]
@@ -149,6 +162,84 @@ class PendingDrafts:
         """Each sequence's drafts into SeqState.drafts (waiting for them if they have not landed)."""
         for s, d in zip(self.seqs, self.landed().tolist()):
             s.drafts = d
+
+
+class SpecStep:
+    """A uniform speculating step in the step graphs (MTPSpeculator.launch_uniform), queued on the device: verify,
+    sampling, the sampled tokens' copy to the host, then the MTP passes that draft for the next step. finish() (the
+    pending step's interface of actors/pending_step.py) waits for the sampled tokens, checks the drafts and settles
+    the accepted tokens. A chained step was launched before the one it follows had finished on the host: its inputs
+    (positions, slots, context lengths, last token and drafts) were corrected on the device from that step's
+    accepted counts, and the host checks its drafts once that step is finished."""
+
+    def __init__(self, spec: MTPSpeculator, step: int, rids: list[str], seqs: list[SeqState], cached: np.ndarray,
+                 ids: np.ndarray, source: tuple[SpecStep | None, np.ndarray | None], chained: bool) -> None:
+        self.spec, self.step, self.rids, self.seqs, self.cached, self.ids = spec, step, rids, seqs, cached, ids
+        self.source, self.chained = source, chained
+        self.result: StepResult | None = None
+        self.event: torch.cuda.Event | None = None
+        self.host: list[torch.Tensor] = []
+        self.want: int | None = None
+        self.drafts: PendingDrafts | None = None
+        self.history: np.ndarray | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    def finish(self, publish: bool = False) -> StepResult:
+        """The step's result (computed once: a later step may have finished it already). publish: hand it to the
+        speculator's publish hook as soon as it is known (a step finished at launch)."""
+        if self.result is not None:
+            return self.result
+        spec, seqs, k = self.spec, self.seqs, self.spec.num_speculative_tokens
+        q, batch = k + 1, len(self.seqs)
+        last, rows = self.source
+        if rows is not None:  # its last token and drafts came from the device: the host learns them now
+            if self.chained:
+                last.finish()
+                self.ids.reshape(batch, q)[:, 0] = [s.buffer[s.length - 1] for s in seqs]
+            self.ids.reshape(batch, q)[:, 1:] = last.drafts.landed()[rows]
+        if self.event is not None:
+            self.event.synchronize()
+        y = self.host[0].numpy()
+        # leading drafts equal to the token sampled before them are accepted; the last row never checks one
+        check = (self.ids.reshape(batch, q)[:, 1:] == y.reshape(batch, q)[:, :k])
+        accepted = np.cumprod(check, axis=1).sum(axis=1).astype(np.int64)
+        keep = (np.arange(q)[None, :] <= accepted[:, None]).reshape(-1)
+        tokens = y[keep].astype(np.int32)
+        at = 0
+        for s, a in zip(seqs, accepted.tolist()):
+            s.num_computed -= k - a  # the rejected drafts' KV is stale: recomputed from here on
+            s.length += a + 1
+            for t in tokens[at:at + a + 1].tolist():
+                s.settle(t)
+            at += a + 1
+        result = StepResult(step=self.step, rids=self.rids, token_ids=tokens,
+                            num_tokens=(accepted + 1).astype(np.int32))
+        if self.want is not None:
+            result.logprobs = self.host[1].numpy()[keep]
+            result.top_ids = self.host[2].numpy().astype(np.int32)[keep]
+            result.top_logprobs = self.host[3].numpy()[keep]
+        self.result = result
+        self.source = (None, None)  # (the step before is not needed any more)
+        if publish and spec.publish is not None:
+            spec.publish(result)
+        drafts = self.drafts
+        drafts.accepted = accepted
+        if spec.draft_hook is not None:  # the hook's drafts, on the host: no later step reads these
+            for i, s in enumerate(seqs):
+                s.drafts = spec.draft_hook(s.tokens, k, lambda i=i: drafts.landed()[i].tolist())
+            self.drafts = None
+        if spec.runner.num_state_slots:
+            n = [q] * batch
+            spec._roll_back(seqs, list(range(batch)), accepted, [k] * batch, n,
+                            np.arange(0, batch * q + 1, q, dtype=np.int64), self.history)
+        return result
+
+    def release(self) -> None:
+        """(Its drafts stay: the next step may read them on the device.)"""
+        self.host = []
 
 
 class MTPSpeculator:
@@ -162,8 +253,14 @@ class MTPSpeculator:
         """CUDA graphs of uniform steps (the runner captures them when its decode steps may use graphs)."""
         self.draft_hook: DraftHook | None = None
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
-        self.pending: PendingDrafts | None = None
-        """The last graph step's drafts while they are on the device only."""
+        self.device_draft_hook: DeviceDraftHook | None = None
+        """Tests and bench_mtp: replaces a graph step's drafts on the device, so that steps planned ahead still chain
+        (a host hook makes the host wait for each step's tokens first)."""
+        self.last: SpecStep | None = None
+        """The last uniform step launched in the step graphs: its drafts stay on the device for the next one."""
+        self.defer = False
+        """Uniform steps come back unfinished (SpecStep): the next one may be launched before the host has their
+        tokens (the scheduler plans it ahead; ModelRunner sets this where it can)."""
         self.publish: Callable[[StepResult], None] | None = None
         """Called (on the runner's thread) with a step of decodes only's result as soon as its tokens are known, before
         the MTP layer drafts: the worker sends it then, so that the scheduler plans the next step while the device
@@ -181,55 +278,121 @@ class MTPSpeculator:
         self.__dict__.clear()
 
     @torch.inference_mode()
-    def step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int]) -> StepResult:
-        """Run a planned step to its end: rids / seqs / num_new as the plan has them; cached blocks appended."""
-        r, model = self.runner, self.model
-        dev = r.device
+    def step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int]) -> StepResult | SpecStep:
+        """Run a planned step: rids / seqs / num_new as the plan has them; cached blocks appended. A uniform step in
+        the step graphs comes back as a SpecStep, finished already unless `defer`; any other step runs to its end."""
+        r, k, g = self.runner, self.num_speculative_tokens, self.graphs
+        last, self.last = self.last, None
+        # every sequence decodes with all k drafts: the captured passes (actors/spec_graphs.py)
+        graphable = g is not None and g.fits(len(seqs)) and all(n == k + 1 for n in num_new)
+        if last is not None and not last.finished:
+            rows = last.drafts.rows(seqs) if graphable and last.drafts is not None else None
+            if rows is not None and self._chains(last, rows, seqs):
+                return self.launch_uniform(step, rids, seqs, last, rows, chained=True)
+            last.finish()
         cached = [s.num_computed for s in seqs]
         lengths = [s.length for s in seqs]
         if any(s.host_length != s.length for s in seqs):
-            raise RuntimeError("speculative decoding runs one step at a time (max_steps_in_flight 1)")
-        starts = np.concatenate(([0], np.cumsum(num_new))).astype(np.int64)
+            raise RuntimeError("a speculating step follows a step whose tokens the host has not settled")
         num_drafts = [max(c + n - length, 0) for c, n, length in zip(cached, num_new, lengths)]
+        pending = last.drafts if last is not None else None
+        if (graphable and all(d == k for d in num_drafts)
+                and g.can_draft(np.asarray(cached, dtype=np.int64), [s.block_ids for s in seqs], r.max_model_len)):
+            # the last graph step's drafts: read on the device by a uniform step of its sequences (a grammar masks
+            # with the drafts on the host), otherwise onto the host first
+            rows = pending.rows(seqs) if pending is not None else None
+            if rows is None or any(s.grammar is not None for s in seqs):
+                rows = None
+                if pending is not None:
+                    pending.settle()
+            launched = self.launch_uniform(step, rids, seqs, last, rows, chained=False)
+            return launched if self.defer else launched.finish(publish=True)
+        if pending is not None:
+            pending.settle()
+        return self._eager_step(step, rids, seqs, num_new, cached, lengths, num_drafts)
+
+    def _chains(self, last: SpecStep, rows: np.ndarray, seqs: list[SeqState]) -> bool:
+        """Whether a uniform step of `seqs` (rows `rows` of the unfinished `last`) can be launched before the host
+        knows what `last` accepted: the same decodes planned ahead (each one's KV as if every draft were accepted),
+        nothing that needs the accepted tokens on the host first (a grammar, a seed's generation index, a hybrid
+        model's state rollback, the tests' draft hook), and the whole draft chain's slots in every table."""
+        r = self.runner
+        cached = np.asarray([s.num_computed for s in seqs], dtype=np.int64)
+        return bool(self.draft_hook is None and not r.num_state_slots
+                    and all(s.grammar is None and s.sampling.seed is None for s in seqs)
+                    and np.array_equal(cached, last.cached[rows] + self.num_speculative_tokens + 1)
+                    and self.graphs.can_draft(cached, [s.block_ids for s in seqs], r.max_model_len))
+
+    def launch_uniform(self, step: int, rids: list[str], seqs: list[SeqState], last: SpecStep | None,
+                       rows: np.ndarray | None, chained: bool) -> SpecStep:
+        """Queue a uniform step on the step graphs: verify, sampling, the sampled tokens' copy to the host, the MTP
+        passes. rows: each sequence's row in `last`, whose drafts (chained: also its last token, and its positions
+        corrected by what `last` accepted) the verify reads on the device; None: the drafts are on the host."""
+        r, g, k = self.runner, self.graphs, self.num_speculative_tokens
+        q, batch = k + 1, len(seqs)
+        cached = np.asarray([s.num_computed for s in seqs], dtype=np.int64)
         tables = [s.block_ids for s in seqs]
-        k, g = self.num_speculative_tokens, self.graphs
-        # every sequence decodes with all k drafts: the captured passes (actors/spec_graphs.py)
-        uniform = (g is not None and g.fits(len(seqs)) and all(n == k + 1 for n in num_new)
-                   and all(d == k for d in num_drafts))  # fmt: skip
-        # the last graph step's drafts: read on the device by a uniform step of its sequences (a grammar masks
-        # with the drafts on the host), otherwise onto the host first
-        pending, self.pending = self.pending, None
-        draft_rows = pending.rows(seqs) if pending is not None and uniform else None
-        if draft_rows is None or any(s.grammar is not None for s in seqs):
-            draft_rows = None
-            if pending is not None:
-                pending.settle()
+        ids = np.zeros(batch * q, dtype=np.int64)
+        if not chained:
+            for i, s in enumerate(seqs):
+                ids[i * q] = s.buffer[cached[i]]  # its last token (a decode: cached = length - 1)
+                if rows is None:  # drafts the MTP layer left (missing ones are 0: a wrong draft is rejected)
+                    drafts = s.drafts[:k]
+                    ids[i * q + 1:i * q + 1 + len(drafts)] = drafts
+        launched = SpecStep(self, step, rids, seqs, cached, ids, (last, rows), chained)
+        state_slots = None
+        if r.num_state_slots:  # a hybrid model: the graph's delta nets keep each token's state too (_roll_back)
+            state_slots = np.asarray([s.state_slot for s in seqs], dtype=np.int64)
+            launched.history = g.history_rows(batch)
+        source = None if rows is None else (last.drafts.out, last.drafts.sampled, rows, chained)
+        hidden = g.verify(ids, cached, tables, drafts=source, state_slots=state_slots)
+        for s in seqs:
+            s.num_computed += q
+        samplers = list(range(batch))
+        seg = np.full(batch, q, dtype=np.int64)
+        out, want = self._sample(seqs, samplers, seg, np.tile(np.arange(q, dtype=np.int64), batch), hidden)
+        # the sampled tokens' (and logprobs') copies are queued before the MTP passes (behind them they would wait
+        # for them), which then run while the host checks the drafts and the result goes out
+        cuda = out.token_ids.device.type == "cuda"
+        launched.want = want
+        launched.host = [t.to("cpu", non_blocking=cuda) for t in (out.token_ids, *(
+            () if want is None else (out.logprobs.float(), out.top_token_ids, out.top_logprobs.float())))]
+        if cuda:
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        g.propose(out.token_ids)  # the token ahead of every row is the one sampled at it
+        drafted = g.draft(cached, tables)
+        if self.device_draft_hook is not None:
+            drafted = drafted.clone()
+            at = g.positions[:batch * q].view(batch, q)[:, 0] + drafted[:, 0]  # each one's last accepted position
+            drafted[:, 1:] = self.device_draft_hook(seqs, at, k)
+        launched.drafts = PendingDrafts(seqs, drafted, out.token_ids)
+        self.last = launched
+        return launched
+
+    def _eager_step(self, step: int, rids: list[str], seqs: list[SeqState], num_new: list[int], cached: list[int],
+                    lengths: list[int], num_drafts: list[int]) -> StepResult:
+        """A step outside the step graphs, run to its end (its drafts made on the host's word)."""
+        r, model = self.runner, self.model
+        dev = r.device
+        starts = np.concatenate(([0], np.cumsum(num_new))).astype(np.int64)
+        tables = [s.block_ids for s in seqs]
         ids = np.zeros(int(starts[-1]) + 1, dtype=np.int64)  # one spare: ids[f + 1] is read below
         for s, c, n, d, at in zip(seqs, cached, num_new, num_drafts, starts.tolist()):
             known = c + n - d
             ids[at:at + known - c] = s.buffer[c:known]
-            if d and draft_rows is None:  # drafts the MTP layer left (missing ones are 0: a wrong draft is rejected)
+            if d:  # drafts the MTP layer left (missing ones are 0: a wrong draft is rejected)
                 drafts = s.drafts[:d]
                 ids[at + known - c:at + known - c + len(drafts)] = drafts
-        if uniform:
-            cached_np = np.asarray(cached, dtype=np.int64)
-            state_slots = history = None
-            if r.num_state_slots:  # a hybrid model: the graph's delta nets keep each token's state too (_roll_back)
-                state_slots = np.asarray([s.state_slot for s in seqs], dtype=np.int64)
-                history = g.history_rows(len(seqs))
-            hidden = g.verify(ids[:-1], cached_np, tables,
-                              drafts=None if draft_rows is None else (pending.device, draft_rows),
-                              state_slots=state_slots)
-        else:
-            meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
-            positions = positions_from_lists(cached, num_new, device=dev)
-            history = None
-            if r.num_state_slots:  # a hybrid model: its delta nets keep each verify token's state (_roll_back)
-                meta.state_slots = upload(np.asarray([s.state_slot for s in seqs], dtype=np.int64), dev)
-                history = meta.state_history = self._history_rows(num_new, num_drafts, starts)
-                if history is not None and all(d > 0 and n == num_new[0] for n, d in zip(num_new, num_drafts)):
-                    meta.verify_history = upload(history.reshape(len(seqs), num_new[0]), dev)  # (every token has one)
-            hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
+        meta = AttentionMetadata.from_lists(cached, num_new, tables, r.block_size, device=dev)
+        positions = positions_from_lists(cached, num_new, device=dev)
+        history = None
+        if r.num_state_slots:  # a hybrid model: its delta nets keep each verify token's state (_roll_back)
+            meta.state_slots = upload(np.asarray([s.state_slot for s in seqs], dtype=np.int64), dev)
+            history = meta.state_history = self._history_rows(num_new, num_drafts, starts)
+            if history is not None and all(d > 0 and n == num_new[0] for n, d in zip(num_new, num_drafts)):
+                meta.verify_history = upload(history.reshape(len(seqs), num_new[0]), dev)  # (every token has one)
+        hidden = model(upload(ids[:-1], dev), positions, r.kv_caches, meta)
         scores = score_prompts(model.compute_logits, hidden, rids, seqs, cached, num_new,
                                r.config.scheduler.max_num_seqs)
         for s, n in zip(seqs, num_new):
@@ -252,35 +415,14 @@ class MTPSpeculator:
             self._pad_mtp_passes(1)
             return _with_scores(StepResult(step=step), scores)
 
-        # (in a uniform step every row samples: rows is 0 .. B * (k + 1) - 1)
-        out, want = self._sample(seqs, samplers, seg, local, hidden if uniform else hidden[upload(rows, dev)])
+        out, want = self._sample(seqs, samplers, seg, local, hidden[upload(rows, dev)])
         # a step of decodes only is published before it drafts (see publish); one with prompt tokens is not: the
         # scheduler may hand such a prompt's KV (the MTP layer's and a hybrid model's states among it) to another engine
         # as soon as its result is in
         publish = self.publish if self.publish is not None and all(
             n - d == 1 and s.length > s.num_prompt_tokens for s, n, d in zip(seqs, num_new, num_drafts)) else None
-        device_drafts = None
-        if uniform:
-            # the sampled tokens' (and logprobs') copies are queued before the MTP passes (behind them they would
-            # wait for them), which then run while the host checks the drafts and the result goes out
-            cuda = out.token_ids.device.type == "cuda"
-            host = [t.to("cpu", non_blocking=cuda) for t in (out.token_ids, *(
-                () if want is None else (out.logprobs.float(), out.top_token_ids, out.top_logprobs.float())))]
-            sampled = torch.cuda.Event() if cuda else None
-            if sampled is not None:
-                sampled.record()
-            mtp_hidden = g.propose(out.token_ids)  # the token ahead of every row is the one sampled at it
-            if g.can_draft(cached_np, tables, r.max_model_len):
-                device_drafts = g.draft(cached_np, tables)
-            if sampled is not None:
-                sampled.synchronize()
-            if draft_rows is not None:  # the drafts this step verified, from the last step's copy (long landed)
-                pending.settle()
-                for s, at in zip(seqs, starts.tolist()):
-                    ids[at + 1:at + 1 + k] = s.drafts[:k]
-        else:
-            host = [out.token_ids.cpu()] if want is None else \
-                [out.token_ids.cpu(), out.logprobs.float().cpu(), out.top_token_ids.cpu(), out.top_logprobs.float().cpu()]  # fmt: skip
+        host = [out.token_ids.cpu()] if want is None else \
+            [out.token_ids.cpu(), out.logprobs.float().cpu(), out.top_token_ids.cpu(), out.top_logprobs.float().cpu()]  # fmt: skip
         y = host[0].numpy()
         # leading drafts equal to the token sampled before them are accepted; the last row never checks one
         check = (ids[rows + 1] == y) & (local < np.repeat(seg, seg) - 1)
@@ -307,23 +449,14 @@ class MTPSpeculator:
             publish(result)
 
         # the drafts of the next step (and a hybrid model's states back to the accepted tokens)
-        if device_drafts is not None:  # still being drafted: the next step reads them (see PendingDrafts)
-            pending = PendingDrafts(seqs, device_drafts, accepted)
-            if self.draft_hook is None:
-                self.pending = pending
-            else:
-                for i, s in enumerate(seqs):
-                    s.drafts = self.draft_hook(s.tokens, k, lambda i=i: pending.landed()[i].tolist())
-        else:
-            if not uniform:
-                mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
-                mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
-            last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
-            first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
-            drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
-            for i, d in zip(samplers, drafts):
-                s = seqs[i]
-                s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, len(d), lambda d=d: d)
+        mtp_ids[rows] = y  # at sampled positions the next token is the one sampled there
+        mtp_hidden = model.mtp_forward(upload(mtp_ids, dev), positions, hidden, r.kv_caches, meta)
+        last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
+        first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
+        drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
+        for i, d in zip(samplers, drafts):
+            s = seqs[i]
+            s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, len(d), lambda d=d: d)
         if r.num_state_slots:
             self._roll_back(seqs, samplers, accepted, num_drafts, num_new, starts, history)
         return result

@@ -167,13 +167,17 @@ class SpecGraphs:
         return next(s for s in self.sizes if s >= batch)
 
     def verify(self, ids: np.ndarray, cached: np.ndarray, tables: list[np.ndarray],
-               drafts: tuple[torch.Tensor, np.ndarray] | None = None,
+               drafts: tuple[torch.Tensor, torch.Tensor, np.ndarray, bool] | None = None,
                state_slots: np.ndarray | None = None) -> torch.Tensor:
         """The main model over B sequences of q = k + 1 new tokens each: ids int64 [B * q] (each sequence's last
         token and its k drafts), cached [B] the tokens already in each sequence's cache (its first new position),
-        tables each sequence's KV blocks; drafts: (a device tensor [*, k], each sequence's row of it), the drafts
-        to verify in place of ids' (which the host does not know yet); state_slots [B]: a hybrid model's slots, whose
-        verify tokens' states go to rows history_rows(B). -> hidden [B * q, H] (valid until the next verify)."""
+        tables each sequence's KV blocks; drafts: (the last step's draft output [*, 1 + k] and sampled tokens
+        [* * q] on the device, each sequence's row there, chained), the drafts to verify in place of ids' (which the
+        host does not know yet); chained: the last step's result is not on the host either, so `cached` counted
+        all its drafts accepted: each sequence's positions, slots and length come back by the drafts it rejected,
+        and its last token is the one sampled after its last accepted draft. state_slots [B]: a hybrid model's
+        slots, whose verify tokens' states go to rows history_rows(B). -> hidden [B * q, H] (valid until the next
+        verify)."""
         batch, q, bs = len(cached), self.q, self.block_size
         size = self.padded_size(batch)
         self._size, self._batch = size, batch
@@ -188,8 +192,19 @@ class SpecGraphs:
             host[gmax:gmax + batch * q] = self.history_rows(batch)
             self.state.copy_(staged(host, self.device), non_blocking=True)
         if drafts is not None:
-            src, rows = drafts
-            self.ids[:batch * q].view(batch, q)[:, 1:].copy_(src[upload(rows, self.device)])
+            out, sampled, rows, chained = drafts
+            rows_t = upload(rows, self.device)
+            ids = self.ids[:batch * q].view(batch, q)
+            ids[:, 1:].copy_(out[rows_t, 1:])
+            if chained:
+                accepted = out[rows_t, 0]
+                ids[:, 0].copy_(sampled.view(-1, q)[rows_t, accepted])
+                shift = self.k - accepted
+                pos = self.positions[:batch * q].view(batch, q)
+                pos.sub_(shift[:, None])
+                self.seq_lens[:batch].sub_(shift.to(torch.int32))
+                pages = self.block_tables[:batch].gather(1, pos // bs).to(torch.int64)
+                self.slots[:batch * q].view(batch, q).copy_(pages * bs + pos % bs)
         return self.verify_graphs[size].replay()[:batch * q]
 
     def history_rows(self, batch: int) -> np.ndarray:

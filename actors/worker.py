@@ -107,7 +107,8 @@ class GPUWorkerActor(Actor):
         await self.send(self.scheduler, KVCacheInfoEvent(rank=self.rank, num_blocks=r.num_blocks,
                                                          block_size=r.block_size, max_model_len=r.max_model_len,
                                                          num_state_slots=r.num_state_slots,
-                                                         num_state_snapshots=r.num_state_snapshots),
+                                                         num_state_snapshots=r.num_state_snapshots,
+                                                         plans_ahead=r.spec is not None and r.spec.defer),
                         instance=self.dp_rank)
         return {"model": r.loaded.model_dir.name, "device": str(r.device), "dtype": str(r.dtype).removeprefix("torch."),
                 "kv_tokens": str(r.capacity_tokens), "kv_blocks": str(r.num_blocks), "block_size": str(r.block_size),

@@ -150,7 +150,7 @@ def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: t
         plan = sched.schedule()
         if plan is None:
             break
-        drafts = {seq.rid: seq.num_drafts for seq, _ in sched.inflight[plan.step] if seq.num_drafts}
+        drafts = {seq.rid: d for seq, _, d in sched.inflight[plan.step] if d}
         result = runner.execute(plan)
         assert result.error is None
         if result.num_tokens is not None:
@@ -163,8 +163,62 @@ def run(runner: ModelRunner, budget: int = 16, rows: list | None = None, drop: t
                 logprobs.setdefault(d.rid, []).extend(d.logprobs)
     assert not sched.seqs
     # r12 and r13 reused r1's prompt blocks (a hybrid model's hits need a state snapshot there: not assured here)
-    assert blocks.hit_tokens > 0 or blocks.num_blocks < 100 or blocks.num_state_snapshots
+    assert reqs is not None or blocks.hit_tokens > 0 or blocks.num_blocks < 100 or blocks.num_state_snapshots
     return tokens, logprobs, sched, verified
+
+
+def run_ahead(runner: ModelRunner, reqs: list[TokenizedRequest], budget: int = 64) -> tuple[dict, dict, BatchScheduler,
+                                                                                           list[tuple[int, int]]]:
+    """run() as the worker drives a runner whose scheduler plans steps ahead: up to two steps launched, the oldest
+    finished, its result applied, and the next steps planned before the later one is back."""
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=2,
+                          speculative_config=runner.config.scheduler.speculative_config)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=True)
+    sched = BatchScheduler(cfg, blocks, max_model_len=256)
+    sched.plan_ahead = True
+    for req in reqs:
+        assert sched.add(req)
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    verified: list[tuple[int, int]] = []
+    inflight: list[dict[str, int]] = []
+    for _ in range(5_000):
+        while len(inflight) < 2 and (plan := sched.schedule()) is not None:
+            inflight.append({seq.rid: d for seq, _, d in sched.inflight[plan.step] if d})
+            runner.launch(plan)
+        if not inflight:
+            break
+        result = runner.finish_oldest()
+        drafts = inflight.pop(0)
+        assert result.error is None
+        if result.num_tokens is not None:
+            verified += [(drafts[rid], int(n)) for rid, n in zip(result.rids, result.num_tokens) if rid in drafts]
+        for d in sched.update(result):
+            tokens.setdefault(d.rid, []).extend(d.token_ids)
+            if d.logprobs is not None:
+                logprobs.setdefault(d.rid, []).extend(d.logprobs)
+    assert not sched.seqs and not sched.inflight and blocks.num_free_blocks == blocks.num_blocks
+    return tokens, logprobs, sched, verified
+
+
+def device_oracle(plain_tokens: dict, reqs: list[TokenizedRequest], device: torch.device):
+    """A device draft hook (MTPSpeculator.device_draft_hook) giving the tokens plain decoding produced at each draft's
+    position; every draft at a position divisible by 3 is wrong."""
+    full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in reqs}
+    width = max(map(len, full.values())) + 8
+    table = torch.zeros((len(full), width), dtype=torch.int64)
+    index = {}
+    for i, (prompt, ref) in enumerate(full.items()):
+        table[i, :len(ref)] = torch.tensor(ref)
+        index[prompt] = i
+    table = table.to(device)
+
+    def hook(seqs: list, at: torch.Tensor, k: int) -> torch.Tensor:
+        rows = torch.tensor([index[tuple(s.buffer[:s.num_prompt_tokens].tolist())] for s in seqs], device=device)
+        pos = (at[:, None] + 2 + torch.arange(k, device=device)[None, :]).clamp(max=width - 1)
+        drafts = table[rows[:, None], pos]
+        return torch.where(pos % 3 == 0, (drafts + 1) % VOCAB, drafts)
+    return hook
 
 
 def oracle(plain_tokens: dict, corrupt: bool, reqs: list[TokenizedRequest] | None = None):
@@ -228,13 +282,14 @@ def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict
 def count_step_graphs(g: SpecGraphs) -> dict[str, int]:
     """Counts of the passes a runner's SpecGraphs run (verify steps, padded ones, draft chains), filled in as the
     runner steps."""
-    counts = {"verify": 0, "draft": 0, "padded": 0, "drafts_on_device": 0}
+    counts = {"verify": 0, "draft": 0, "padded": 0, "drafts_on_device": 0, "chained": 0}
     verify, draft = g.verify, g.draft
 
     def counted_verify(ids, cached, tables, drafts=None, state_slots=None):
         counts["verify"] += 1
         counts["padded"] += g.padded_size(len(cached)) > len(cached)
         counts["drafts_on_device"] += drafts is not None
+        counts["chained"] += drafts is not None and drafts[3]
         return verify(ids, cached, tables, drafts, state_slots)
 
     def counted_draft(*args):

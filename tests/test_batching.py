@@ -195,3 +195,46 @@ def test_a_stop_token_id_is_the_stop_reason_and_eos_is_none():
         (delta,) = sched.update(StepResult(step=plan.step, rids=["r"], token_ids=np.asarray([tok], np.int32)))
         assert delta.finish_reason == "stop"
         assert delta.stop_token == (tok if tok in stop_ids else None), (stop_ids, tok)
+
+
+def test_a_speculating_step_is_planned_ahead_only_as_the_same_decodes_again():
+    """With a verify step in flight the next one is planned as if it accepted every draft (k + 1 tokens further on
+    each sequence), only while every running sequence verifies all k drafts and no waiting request could be admitted
+    instead; the result rolls back what was not accepted, so each sequence's KV count lands where its tokens end."""
+    from flotilla.config import SpeculativeConfig
+
+    k = 2
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_steps_in_flight=2,
+                          speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=k))
+    sched = BatchScheduler(cfg, BlockManager(64, 4), max_model_len=256)
+    sched.plan_ahead = True
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for rid in ("r0", "r1"):
+        sched.add(TokenizedRequest(rid=rid, prompt_ids=np.arange(4, 9, dtype=np.int32), sampling=params))
+
+    def result(plan: StepPlan, accepted: list[int]) -> StepResult:
+        tokens = np.arange(10, 10 + sum(a + 1 for a in accepted), dtype=np.int32)
+        return StepResult(step=plan.step, rids=list(plan.rids), token_ids=tokens,
+                          num_tokens=np.asarray([a + 1 for a in accepted], dtype=np.int32))
+
+    prefill = sched.schedule()
+    assert sched.schedule() is None  # prompts in flight: nothing to plan ahead of
+    sched.update(result(prefill, [0, 0]))
+    first = sched.schedule()
+    assert first.num_new_tokens.tolist() == [k + 1, k + 1]
+    ahead = sched.schedule()
+    assert ahead is not None and ahead.rids == first.rids and ahead.num_new_tokens.tolist() == [k + 1, k + 1]
+    assert sched.schedule() is None  # one step ahead at most
+    sched.update(result(first, [k, 0]))  # r0 took both drafts, r1 none
+    r0, r1 = sched.seqs["r0"], sched.seqs["r1"]
+    assert (r0.num_tokens, r1.num_tokens) == (5 + 1 + k + 1, 5 + 1 + 1)
+    # the step in flight started at each one's last token: it computes k + 1 from there
+    assert (r0.num_computed, r1.num_computed) == (r0.num_tokens - 1 + k + 1, r1.num_tokens - 1 + k + 1)
+    sched.add(TokenizedRequest(rid="r2", prompt_ids=np.arange(4, 7, dtype=np.int32), sampling=params))
+    assert sched.schedule() is None  # r2 could be admitted: the batch waits for the step in flight
+    sched.update(result(ahead, [1, k]))
+    assert (r0.num_computed, r1.num_computed) == (r0.num_tokens - 1, r1.num_tokens - 1)
+    assert r0.drafts_ahead == r1.drafts_ahead == 0
+    assert sched.spec_draft_tokens == 4 * k and sched.spec_accepted_tokens == k + 1 + k
+    plan = sched.schedule()
+    assert plan.rids == ["r0", "r1", "r2"] and plan.num_new_tokens.tolist() == [k + 1, k + 1, 3]

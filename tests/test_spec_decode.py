@@ -30,8 +30,8 @@ from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
 from helpers_server import start_server
-from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, check_all_accepted, check_same, make_runner, oracle,
-                          requests, run)
+from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, attach_step_graphs, check_all_accepted, check_same,
+                          count_step_graphs, device_oracle, make_runner, oracle, requests, run)
 from helpers_tiny_models import write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model, write_tiny_model
 from safetensors.torch import load_file
 
@@ -243,6 +243,48 @@ def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Pa
     for (first, plain, plain_top), (_, spec, spec_top), p in zip(scored["None"], list(scored.values())[1], prompts):
         assert first is None and len(plain) == len(p) - 1
         assert spec == pytest.approx(plain, abs=1e-5) and spec_top == plain_top
+
+
+def generate_planned_ahead(model_dir: Path, prompts: list[list[int]], params: SamplingParams, device: str,
+                           plain: list[list[int]] | None = None) -> tuple[list[list[int]], dict]:
+    """An inline speculating LLM whose scheduler plans steps ahead; on a CPU its runner gets the step graphs (rerun
+    eagerly) and the scheduler the worker's word that it takes such steps, which only a CUDA runner gives. plain:
+    drafts forced to plain decoding's tokens on the device (some wrong). -> (tokens, step graph counts)."""
+    with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, placement="inline", device=device, dtype="float32",
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:  # fmt: skip
+        actors = llm.client.runtime.actors
+        runner, scheduler = actors["worker/0"].runner, actors["scheduler/0"]
+        if device == "cpu":
+            attach_step_graphs(runner)
+            runner.spec.defer = scheduler.core.plan_ahead = True
+            scheduler._max_inflight = 2
+        assert scheduler.core.plan_ahead and scheduler._max_inflight == 2
+        counts = count_step_graphs(runner.spec.graphs)
+        if plain is not None:
+            reqs = [TokenizedRequest(rid=str(i), prompt_ids=np.asarray(p, dtype=np.int32), sampling=params)
+                    for i, p in enumerate(prompts)]
+            runner.spec.device_draft_hook = device_oracle({str(i): t for i, t in enumerate(plain)}, reqs,
+                                                          runner.device)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in got], counts
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_steps_planned_ahead_through_the_actors_give_the_plain_greedy_tokens(model_dir: Path, device: str) -> None:
+    """The worker launches a step planned ahead while the one before is in flight, finishes them in order on its
+    runner's thread and sends each result once: plain decoding's greedy tokens, with the MTP layer's own drafts and
+    with forced ones."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = [r.prompt_ids.tolist() for r in requests()[:5]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, device=device, dtype="float32") as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                               use_tqdm=False)]
+    for forced in (None, plain):
+        got, counts = generate_planned_ahead(model_dir, prompts, params, device, forced)
+        assert got == plain
+        assert counts["chained"] >= 3, counts
 
 
 def test_speculating_steps_are_sent_without_a_second_trip_through_the_runner_thread(model_dir: Path) -> None:

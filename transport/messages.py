@@ -374,6 +374,9 @@ class KVCacheInfoEvent(Message):
     num_state_snapshots: int = 0
     """Snapshots of such states the worker keeps for prefix caching (a state is valid at one position only, so a
     cached prefix resumes from a snapshot taken where it ends); 0: none, and no prefix cache for a hybrid model."""
+    plans_ahead: bool = False
+    """Speculating: the worker takes a step planned before the last one's result is in (the same decodes again,
+    their positions corrected on the device; actors/batching.py _plan_ahead)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,20 @@ def oracle(prompt: list[int], continuation: list[int]):
     return hook
 
 
+def device_oracle(prompt: list[int], continuation: list[int], device: Any):
+    """The same on the device (MTPSpeculator.device_draft_hook), for a runner that launches steps planned ahead: the
+    host does not know a step's tokens when the next one drafts. Past plain decoding's end the drafts are 0."""
+    import torch
+
+    full = torch.tensor(prompt + continuation + [0] * 8, dtype=torch.int64, device=device)
+
+    def hook(seqs: list, at: torch.Tensor, k: int) -> torch.Tensor:
+        pos = (at[:, None] + 2 + torch.arange(k, device=device)[None, :]).clamp(max=len(full) - 1)
+        return full[pos]
+
+    return hook
+
+
 def first_difference(got: list[int], want: list[int]) -> int | None:
     """The first output position where the tokens differ, None when they are the same."""
     diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
@@ -83,43 +97,52 @@ def first_difference(got: list[int], want: list[int]) -> int | None:
 
 
 class StepTimer:
-    """Times the worker's speculating steps (MTPSpeculator.step, its device waits included): what a step costs
-    inside the worker, against the wall time per step, whose rest is the scheduler's planning, the messages between
-    the actors and the engine's loop (the steps run one at a time; a step of decodes sends its result before it
-    drafts, so the next plan's round trip overlaps its drafting)."""
+    """Times the worker's speculating steps (MTPSpeculator.step and the runner's finish of each, device waits
+    included): what a step costs inside the worker, against the wall time per step, whose rest is the scheduler's
+    planning, the messages between the actors and the engine's loop (a step of decodes sends its result before it
+    drafts; with steps planned ahead the worker launches the next one before it finishes this one)."""
 
-    def __init__(self, spec: Any) -> None:
-        self.steps: list[tuple[float, float]] = []  # (began, seconds)
+    def __init__(self, runner: Any) -> None:
+        self.steps: list[tuple[float, float]] = []  # (began, seconds) of each launch
+        self.finishes: list[tuple[float, float]] = []
         self.since = 0.0
-        step = spec.step
+        runner.spec.step = self._timed(runner.spec.step, self.steps)
+        runner.finish_oldest = self._timed(runner.finish_oldest, self.finishes)
 
+    @staticmethod
+    def _timed(call: Callable[..., Any], into: list[tuple[float, float]]) -> Callable[..., Any]:
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return step(*a, **kw)
+                return call(*a, **kw)
             finally:
-                self.steps.append((t0, time.perf_counter() - t0))
-
-        spec.step = timed
+                into.append((t0, time.perf_counter() - t0))
+        return timed
 
     def clear(self) -> None:
         """Count from now: a step that began before (the previous run's last, still drafting when that run's last
         result came in) is left out."""
         self.since = time.perf_counter()
 
-    def counted(self) -> list[float]:
-        return [s for t, s in self.steps if t >= self.since]
+    def counted(self) -> tuple[int, float]:
+        """(steps launched since `clear`, seconds in their launches and finishes)."""
+        steps = [s for t, s in self.steps if t >= self.since]
+        return len(steps), sum(steps) + sum(s for t, s in self.finishes if t >= self.since)
 
 
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
     with LLM(placement="inline", **engine_options(args, num_spec)) as llm:
         actors = llm.client.runtime.actors
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        spec = actors["worker/0"].runner.spec
-        spec.draft_hook = oracle(prompt, plain)
-        graphs = spec.graphs is not None  # the uniform steps' CUDA graphs (actors/spec_graphs.py)
-        timer = StepTimer(spec)
-        del spec  # (a reference held past the engine's close would keep its graphs and KV cache on the device)
+        runner = actors["worker/0"].runner
+        spec = runner.spec
+        if spec.defer:  # steps planned ahead: drafts forced where the device makes them
+            spec.device_draft_hook = device_oracle(prompt, plain, runner.device)
+        else:
+            spec.draft_hook = oracle(prompt, plain)
+        graphs, ahead = spec.graphs is not None, spec.defer  # the uniform steps' CUDA graphs (actors/spec_graphs.py)
+        timer = StepTimer(runner)
+        del spec, runner  # (a reference held past the engine's close would keep its graphs and KV cache on the device)
         core = actors["scheduler/0"].core
         drafts0, accepted0 = core.spec_draft_tokens, core.spec_accepted_tokens
         tokens, elapsed = decode_twice(llm, prompt, args.decode_out, before_timed=timer.clear)
@@ -130,20 +153,21 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
         print(f"warning: with {num_spec} speculative tokens the greedy output left plain decoding's at output token "
               f"{diff} of {len(plain)}; past it no draft was forced", file=sys.stderr, flush=True)
     verify_steps = len(tokens) - 1 - accepted  # the prefill gave the first token; each verify step accepted + 1
-    return {"num_speculative_tokens": num_spec, "cuda_graphs": graphs, "first_difference": diff, "tok_per_s": round(len(tokens) / elapsed, 1),
+    return {"num_speculative_tokens": num_spec, "cuda_graphs": graphs, "steps_ahead": ahead, "first_difference": diff,
+            "tok_per_s": round(len(tokens) / elapsed, 1),
             "ms_per_token": round(1000 * elapsed / len(tokens), 3),
             "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
             "tokens_per_verify_step": round((len(tokens) - 1) / verify_steps, 3) if verify_steps else None,
-            **step_split(timer.counted(), elapsed)}
+            **step_split(*timer.counted(), elapsed)}
 
 
-def step_split(seconds: list[float], elapsed: float) -> dict[str, Any]:
-    """Per step of the timed run (its prefill included): the wall time, the time inside the worker's step, and the
-    rest (the scheduler's planning and the round trip between the actors), in ms."""
-    if not seconds:
+def step_split(steps: int, seconds: float, elapsed: float) -> dict[str, Any]:
+    """Per step of the timed run (its prefill included): the wall time, the time inside the worker's step (launch and
+    finish), and the rest (the scheduler's planning and the round trip between the actors), in ms."""
+    if not steps:
         return {"steps": 0}
-    wall, inside = 1000 * elapsed / len(seconds), 1000 * sum(seconds) / len(seconds)
-    return {"steps": len(seconds), "step_wall_ms": round(wall, 3), "step_in_worker_ms": round(inside, 3),
+    wall, inside = 1000 * elapsed / steps, 1000 * seconds / steps
+    return {"steps": steps, "step_wall_ms": round(wall, 3), "step_in_worker_ms": round(inside, 3),
             "step_outside_worker_ms": round(wall - inside, 3)}
 
 
