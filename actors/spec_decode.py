@@ -199,6 +199,7 @@ class SpecStep:
             if self.chained:
                 last.finish()
                 self.ids.reshape(batch, q)[:, 0] = [s.buffer[s.length - 1] for s in seqs]
+            last.drafts.settle()  # (the step before's other sequences' drafts too, for a later eager step)
             self.ids.reshape(batch, q)[:, 1:] = last.drafts.landed()[rows]
         if self.event is not None:
             self.event.synchronize()
