@@ -479,6 +479,25 @@ def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(m
         assert generate_within(llm, prompts[4:], greedy, 60) == want[4:]  # one rank idle, running empty steps
 
 
+@pytest.mark.gpu
+def test_bench_mtp_on_cuda_forces_drafts_on_the_device_when_steps_run_ahead(model_dir: Path, tmp_path: Path) -> None:
+    """On CUDA (step graphs, steps planned ahead) bench_mtp forces its drafts where the device makes them: every one
+    accepted, the output plain decoding's; with --max-steps-in-flight 1 the host forces them, as before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flotilla.scripts.dev import bench_mtp
+
+    for steps, ahead in ((None, True), (1, False)):
+        out = tmp_path / f"mtp-{steps}.json"
+        assert bench_mtp.main(["--model", str(model_dir), "--num-speculative-tokens", "1,2", "--decode-in", "12",
+                               "--decode-out", "24", "--vocab", str(VOCAB), "--device", "cuda", "--dtype", "float32",
+                               "--kv-cache-blocks", "200", "--json", str(out)]
+                              + ([] if steps is None else ["--max-steps-in-flight", str(steps)])) == 0
+        for rec in json.loads(out.read_text())["mtp"]:
+            assert rec["steps_ahead"] is ahead and rec["cuda_graphs"]
+            assert rec["acceptance_rate"] == 1.0 and rec["first_difference"] is None
+
+
 def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(model_dir: Path,
                                                                                 tmp_path: Path) -> None:  # fmt: skip
     """scripts/dev/bench_mtp.py at toy size: every forced draft is accepted, so a verify step yields about N + 1

@@ -42,6 +42,8 @@ def engine_options(args: argparse.Namespace, num_spec: int | None) -> dict[str, 
         options.update(model=args.model, dtype=args.dtype)
     if args.kv_cache_blocks:
         options["kv_cache_blocks"] = args.kv_cache_blocks
+    if args.max_steps_in_flight:
+        options["max_steps_in_flight"] = args.max_steps_in_flight
     if num_spec is not None:
         options["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
     return options
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="engine device (auto: CUDA when there is one)")
     p.add_argument("--dtype", default="auto", help="model dtype for a folder (a built-in shape runs bfloat16)")
     p.add_argument("--kv-cache-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
+    p.add_argument("--max-steps-in-flight", type=int, default=None,
+                   help="max_steps_in_flight (1: no speculating step planned ahead; default: the engine's)")
     p.add_argument("--json", default=None, help="also write the result to this file")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
