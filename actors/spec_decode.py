@@ -36,9 +36,10 @@ Steps in flight (`defer`, set where the scheduler plans ahead: actors/batching.p
 step of the same decodes is planned as if this one accepted every draft, and launched before the host has this
 one's tokens. Its verify reads this step's accepted counts on the device and corrects each sequence's positions,
 slots and context length by the drafts it rejected, takes as its last token the one sampled after the last
-accepted draft, and its drafts as they are; the host checks them when it finishes the steps, in order (vLLM's
-"zero-bubble" speculation is the same idea). A step that needs the host's word first (a grammar's mask, a seed's
-generation index, a hybrid model's state rollback, a prefill) finishes the one before it first.
+accepted draft, and its drafts as they are; a hybrid model's states are rolled back on the device too, from the
+history rows. The host checks the drafts when it finishes the steps, in order (vLLM's "zero-bubble" speculation is
+the same idea). A step that needs the host's word first (a grammar's mask, a seed's generation index, a prefill)
+finishes the one before it first.
 
 A hybrid model's delta nets (Qwen3.5) carry a recurrent state that a rejected draft would leave advanced: the
 verify pass keeps the state after each token of a drafting sequence in rows of the state pools, and the slot gets
@@ -182,6 +183,9 @@ class SpecStep:
         self.want: int | None = None
         self.drafts: PendingDrafts | None = None
         self.history: np.ndarray | None = None
+        """A hybrid model: the state-pool row of each verify token's state."""
+        self.rolled_back = False
+        """A hybrid model's states already rolled back on the device (roll_back_on_device)."""
 
     @property
     def finished(self) -> bool:
@@ -232,11 +236,23 @@ class SpecStep:
             for i, s in enumerate(seqs):
                 s.drafts = spec.draft_hook(s.tokens, k, lambda i=i: drafts.landed()[i].tolist())
             self.drafts = None
-        if spec.runner.num_state_slots:
+        if spec.runner.num_state_slots and not self.rolled_back:
             n = [q] * batch
             spec._roll_back(seqs, list(range(batch)), accepted, [k] * batch, n,
                             np.arange(0, batch * q + 1, q, dtype=np.int64), self.history)
         return result
+
+    def roll_back_on_device(self) -> None:
+        """A hybrid model, a chained step about to follow: each sequence's state slot gets the state after its last
+        accepted token, from this step's history rows and the draft graph's accepted counts, on the device (finish
+        then leaves the states alone)."""
+        runner, k = self.spec.runner, self.spec.num_speculative_tokens
+        accepted = self.drafts.out[:, 0]
+        slots = upload(np.asarray([s.state_slot for s in self.seqs], dtype=np.int64), runner.device)
+        rows = int(self.history[0]) + (k + 1) * torch.arange(len(self.seqs), device=accepted.device) + accepted
+        # (all k accepted: the slot holds the last token's state already, and that token has no history row)
+        runner.model.copy_state(torch.where(accepted < k, rows, slots), slots)
+        self.rolled_back = True
 
     def release(self) -> None:
         """(Its drafts stay: the next step may read them on the device.)"""
@@ -315,11 +331,11 @@ class MTPSpeculator:
     def _chains(self, last: SpecStep, rows: np.ndarray, seqs: list[SeqState]) -> bool:
         """Whether a uniform step of `seqs` (rows `rows` of the unfinished `last`) can be launched before the host
         knows what `last` accepted: the same decodes planned ahead (each one's KV as if every draft were accepted),
-        nothing that needs the accepted tokens on the host first (a grammar, a seed's generation index, a hybrid
-        model's state rollback, the tests' draft hook), and the whole draft chain's slots in every table."""
+        nothing that needs the accepted tokens on the host first (a grammar, a seed's generation index, the tests'
+        draft hook), and the whole draft chain's slots in every table."""
         r = self.runner
         cached = np.asarray([s.num_computed for s in seqs], dtype=np.int64)
-        return bool(self.draft_hook is None and not r.num_state_slots
+        return bool(self.draft_hook is None
                     and all(s.grammar is None and s.sampling.seed is None for s in seqs)
                     and np.array_equal(cached, last.cached[rows] + self.num_speculative_tokens + 1)
                     and self.graphs.can_draft(cached, [s.block_ids for s in seqs], r.max_model_len))
@@ -341,6 +357,8 @@ class MTPSpeculator:
                     drafts = s.drafts[:k]
                     ids[i * q + 1:i * q + 1 + len(drafts)] = drafts
         launched = SpecStep(self, step, rids, seqs, cached, ids, (last, rows), chained)
+        if chained and r.num_state_slots:  # the states `last` left, rolled back before this verify reads them
+            last.roll_back_on_device()
         state_slots = None
         if r.num_state_slots:  # a hybrid model: the graph's delta nets keep each token's state too (_roll_back)
             state_slots = np.asarray([s.state_slot for s in seqs], dtype=np.int64)

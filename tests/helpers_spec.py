@@ -173,7 +173,8 @@ def run_ahead(runner: ModelRunner, reqs: list[TokenizedRequest], budget: int = 6
     finished, its result applied, and the next steps planned before the later one is back."""
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_steps_in_flight=2,
                           speculative_config=runner.config.scheduler.speculative_config)
-    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=True)
+    blocks = BlockManager(runner.num_blocks, runner.block_size, recompute_last_hit=True,
+                          num_state_snapshots=runner.num_state_snapshots)
     sched = BatchScheduler(cfg, blocks, max_model_len=256)
     sched.plan_ahead = True
     for req in reqs:
@@ -274,6 +275,52 @@ def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict
     check_same((tokens, logprobs), plain)
     assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
     assert {n for _, n in verified} == set(range(1, num_spec + 2))
+
+
+def ahead_requests(n: int = 7) -> list[TokenizedRequest]:
+    """Greedy requests (seven: one more than the six running places, so the seventh waits for the first to end), one
+    with logprobs, one with a stop token, long enough for steps planned ahead."""
+    rng = np.random.default_rng(8)
+    kinds = [SamplingParams(max_tokens=28, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=19, temperature=0, logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[STOP_TOKEN]),
+             SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)]
+    lengths = [5, 23, 2, 14, 9, 30, 7][:n]
+    return [TokenizedRequest(rid=f"a{i}", prompt_ids=rng.integers(4, VOCAB, m).astype(np.int32), eos_token_ids=[2],
+                             sampling=kinds[i % len(kinds)]) for i, m in enumerate(lengths)]
+
+
+def check_steps_planned_ahead(model_dir: Path, num_spec: int, device: str, reqs: list[TokenizedRequest] | None = None,
+                              plain: tuple[dict, dict] | None = None,
+                              prepare: Callable[[ModelRunner], None] | None = None) -> None:
+    """The scheduler plans the next uniform step while one is in flight, as if it accepted every draft; the runner
+    launches it before the host knows what was accepted, its positions, slots, lengths and inputs corrected on the
+    device. Forced drafts (plain decoding's tokens, every third position wrong) on the device: plain decoding's
+    tokens and logprobs, with none, some and all of a chained step's drafts accepted. reqs: ahead_requests() unless
+    given, with plain decoding's (tokens, logprobs) of them (run here unless given); prepare: called on each runner
+    this makes before it runs."""
+    reqs = reqs or ahead_requests()
+    runner = make_runner(model_dir, num_spec, device=device)
+    if plain is None:
+        plain_runner = make_runner(model_dir, None, device=device)
+        if prepare is not None:
+            prepare(plain_runner)
+        plain = run(plain_runner, reqs=reqs)
+    rids = {r.rid for r in reqs}
+    want = tuple({rid: v for rid, v in d.items() if rid in rids} for d in plain[:2])
+    if prepare is not None:
+        prepare(runner)
+    if device == "cpu":
+        attach_step_graphs(runner)
+        runner.spec.defer = True
+    assert runner.spec.defer
+    counts = count_step_graphs(runner.spec.graphs)
+    runner.spec.device_draft_hook = device_oracle(want[0], reqs, runner.device)
+    tokens, logprobs, sched, verified = run_ahead(runner, reqs)
+    check_same((tokens, logprobs), want)
+    assert counts["chained"] >= 3, counts
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
 
 
 # ---- speculating-step graphs (actors/spec_graphs.py) on a CPU or a GPU ----------------------------------------

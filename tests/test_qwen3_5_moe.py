@@ -540,6 +540,25 @@ def test_speculating_step_graphs_of_the_hybrid_model_give_the_tokens_of_plain_de
     check_step_graphs(mtp_dir, num_spec, "cpu", plain_q35, prepare=on_triton_kernels)
 
 
+def test_steps_planned_ahead_roll_the_hybrid_models_states_back_on_the_device(mtp_dir, plain_q35):
+    """Steps planned ahead (graphs rerun eagerly, the delta nets on the interpreter): before a chained verify the
+    states the step before left are rolled back on the device from its history rows; plain decoding's tokens and
+    logprobs with none, some and all drafts accepted (the longest two of the helpers' greedy requests)."""
+    pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
+    from helpers_spec import check_steps_planned_ahead, requests
+
+    reqs = [r for r in requests() if r.rid in ("r0", "r5")]
+    check_steps_planned_ahead(mtp_dir, 1, "cpu", reqs, plain_q35, prepare=on_triton_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steps_planned_ahead_on_cuda_roll_the_hybrid_models_states_back_on_the_device(mtp_dir):
+    from helpers_spec import check_steps_planned_ahead
+
+    check_steps_planned_ahead(mtp_dir, 2, "cuda", prepare=on_triton_kernels)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("num_spec", [1, 2])

@@ -10,15 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flotilla import SamplingParams
 from flotilla.actors.spec_graphs import SpecGraphs
 from flotilla.kernels.mla.flash_mla_backend import flash_mla_usable
 from helpers_engine import write_tiny_tokenizer
-from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, attach_step_graphs, check_same, check_step_graphs,
-                          count_step_graphs, device_oracle, make_runner, run, run_ahead)
+from helpers_spec import (VOCAB, add_mtp_layer, attach_step_graphs, check_same, check_step_graphs,
+                          check_steps_planned_ahead, count_step_graphs, make_runner, run)
 from helpers_tiny_models import write_flash_mla_shaped_deepseek, write_tiny_deepseek_model
-
-from flotilla.transport.messages import TokenizedRequest
 
 
 @pytest.fixture(scope="module")
@@ -136,39 +133,6 @@ def test_speculating_step_graphs_reject_what_is_not_uniform(model_dir: Path) -> 
     assert not g.can_draft(np.array([7, 2]), tables, max_model_len=256)  # 12 would need a fourth block
     assert not g.can_draft(np.array([6, 2]), tables, max_model_len=11)
     assert g.fits(6) and not g.fits(7) and g.padded_size(3) == 4
-
-
-def ahead_requests() -> list[TokenizedRequest]:
-    """Seven greedy requests for six running places (the seventh waits for the first to end), one with logprobs, one
-    with a stop token, long enough for steps planned ahead."""
-    rng = np.random.default_rng(8)
-    kinds = [SamplingParams(max_tokens=28, temperature=0, ignore_eos=True),
-             SamplingParams(max_tokens=19, temperature=0, logprobs=2, ignore_eos=True),
-             SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[STOP_TOKEN]),
-             SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)]
-    return [TokenizedRequest(rid=f"a{i}", prompt_ids=rng.integers(4, VOCAB, n).astype(np.int32), eos_token_ids=[2],
-                             sampling=kinds[i % len(kinds)]) for i, n in enumerate([5, 23, 2, 14, 9, 30, 7])]
-
-
-def check_steps_planned_ahead(model_dir: Path, num_spec: int, device: str) -> None:
-    """The scheduler plans the next uniform step while one is in flight, as if it accepted every draft; the runner
-    launches it before the host knows what was accepted, its positions, slots, lengths and inputs corrected on the
-    device. Forced drafts (plain decoding's tokens, every third position wrong) on the device: plain decoding's
-    tokens and logprobs, with none, some and all of a chained step's drafts accepted."""
-    reqs = ahead_requests()
-    plain = run(make_runner(model_dir, None, device=device), reqs=reqs)
-    runner = make_runner(model_dir, num_spec, device=device)
-    if device == "cpu":
-        attach_step_graphs(runner)
-        runner.spec.defer = True
-    assert runner.spec.defer
-    counts = count_step_graphs(runner.spec.graphs)
-    runner.spec.device_draft_hook = device_oracle(plain[0], reqs, runner.device)
-    tokens, logprobs, sched, verified = run_ahead(runner, reqs)
-    check_same((tokens, logprobs), plain[:2])
-    assert counts["chained"] >= 5, counts
-    assert {n for _, n in verified} == set(range(1, num_spec + 2))
-    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
 
 
 @pytest.mark.parametrize("num_spec", [1, 2])
