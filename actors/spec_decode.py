@@ -79,8 +79,8 @@ DraftHook = Callable[[np.ndarray, int, Callable[[], list[int]]], list[int]]
 instead (tests and bench_mtp force acceptance). The function makes the host wait for the drafts: a hook that
 forces them without calling it keeps a graph step's drafting overlapped with the next step's staging."""
 DeviceDraftHook = Callable[[list["SeqState"], torch.Tensor, int], torch.Tensor]
-"""(a graph step's sequences, each one's last accepted position [B] on the device, k) -> the k drafts [B, k] for the
-next step (from that position + 2 on), on the device."""
+"""(a step's sequences, each one's last accepted position [B] on the device, k) -> the k drafts [B, k] for the next
+step (from that position + 2 on), on the device."""
 
 
 def check_speculative_config(config: EngineConfig) -> None:
@@ -272,7 +272,7 @@ class MTPSpeculator:
         """Tests only: replaces the drafts (e.g. with the tokens plain decoding gives, to force acceptance)."""
         self.device_draft_hook: DeviceDraftHook | None = None
         """Tests and bench_mtp: replaces a graph step's drafts on the device, so that steps planned ahead still chain
-        (a host hook makes the host wait for each step's tokens first)."""
+        (a host hook makes the host wait for each step's tokens first), and an eager step's (a prefill's) too."""
         self.last: SpecStep | None = None
         """The last uniform step launched in the step graphs: its drafts stay on the device for the next one."""
         self.defer = False
@@ -473,6 +473,10 @@ class MTPSpeculator:
         last = rows[seg_start + accepted]  # each sequence's row of its last accepted position
         first = np.asarray(lengths)[samplers] - 1 + accepted  # and that position
         drafts = self._draft(mtp_hidden[upload(last, dev)], [seqs[i] for i in samplers], first.tolist())
+        if self.device_draft_hook is not None:  # (so that the graph steps' first drafts are forced too)
+            forced = self.device_draft_hook([seqs[i] for i in samplers], upload(first, dev),
+                                            self.num_speculative_tokens).tolist()
+            drafts = [f[:len(d)] for f, d in zip(forced, drafts)]
         for i, d in zip(samplers, drafts):
             s = seqs[i]
             s.drafts = d if self.draft_hook is None else self.draft_hook(s.tokens, len(d), lambda d=d: d)

@@ -202,9 +202,9 @@ def run_ahead(runner: ModelRunner, reqs: list[TokenizedRequest], budget: int = 6
     return tokens, logprobs, sched, verified
 
 
-def device_oracle(plain_tokens: dict, reqs: list[TokenizedRequest], device: torch.device):
+def device_oracle(plain_tokens: dict, reqs: list[TokenizedRequest], device: torch.device, corrupt: bool = True):
     """A device draft hook (MTPSpeculator.device_draft_hook) giving the tokens plain decoding produced at each draft's
-    position; every draft at a position divisible by 3 is wrong."""
+    position; with `corrupt`, every draft at a position divisible by 3 is wrong."""
     full = {tuple(r.prompt_ids.tolist()): r.prompt_ids.tolist() + plain_tokens[r.rid] for r in reqs}
     width = max(map(len, full.values())) + 8
     table = torch.zeros((len(full), width), dtype=torch.int64)
@@ -218,7 +218,7 @@ def device_oracle(plain_tokens: dict, reqs: list[TokenizedRequest], device: torc
         rows = torch.tensor([index[tuple(s.buffer[:s.num_prompt_tokens].tolist())] for s in seqs], device=device)
         pos = (at[:, None] + 2 + torch.arange(k, device=device)[None, :]).clamp(max=width - 1)
         drafts = table[rows[:, None], pos]
-        return torch.where(pos % 3 == 0, (drafts + 1) % VOCAB, drafts)
+        return torch.where(pos % 3 == 0, (drafts + 1) % VOCAB, drafts) if corrupt else drafts
     return hook
 
 

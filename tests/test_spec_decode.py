@@ -246,10 +246,11 @@ def test_llm_with_speculative_config_gives_the_plain_greedy_tokens(model_dir: Pa
 
 
 def generate_planned_ahead(model_dir: Path, prompts: list[list[int]], params: SamplingParams, device: str,
-                           plain: list[list[int]] | None = None) -> tuple[list[list[int]], dict]:
+                           plain: list[list[int]] | None = None, corrupt: bool = True) -> tuple[list[list[int]], dict]:
     """An inline speculating LLM whose scheduler plans steps ahead; on a CPU its runner gets the step graphs (rerun
     eagerly) and the scheduler the worker's word that it takes such steps, which only a CUDA runner gives. plain:
-    drafts forced to plain decoding's tokens on the device (some wrong). -> (tokens, step graph counts)."""
+    drafts forced to plain decoding's tokens on the device (with `corrupt`, some wrong). -> (tokens, step graph
+    counts and the scheduler's drafted and accepted counts)."""
     with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, placement="inline", device=device, dtype="float32",
              speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:  # fmt: skip
         actors = llm.client.runtime.actors
@@ -264,8 +265,9 @@ def generate_planned_ahead(model_dir: Path, prompts: list[list[int]], params: Sa
             reqs = [TokenizedRequest(rid=str(i), prompt_ids=np.asarray(p, dtype=np.int32), sampling=params)
                     for i, p in enumerate(prompts)]
             runner.spec.device_draft_hook = device_oracle({str(i): t for i, t in enumerate(plain)}, reqs,
-                                                          runner.device)
+                                                          runner.device, corrupt)
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        counts.update(drafted=scheduler.core.spec_draft_tokens, accepted=scheduler.core.spec_accepted_tokens)
     return [o.outputs[0].token_ids for o in got], counts
 
 
@@ -277,14 +279,16 @@ def test_steps_planned_ahead_through_the_actors_give_the_plain_greedy_tokens(mod
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     prompts = [r.prompt_ids.tolist() for r in requests()[:5]]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, device=device, dtype="float32") as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                use_tqdm=False)]
-    for forced in (None, plain):
-        got, counts = generate_planned_ahead(model_dir, prompts, params, device, forced)
+    for forced, corrupt in ((None, False), (plain, True), (plain, False)):
+        got, counts = generate_planned_ahead(model_dir, prompts, params, device, forced, corrupt)
         assert got == plain
         assert counts["chained"] >= 3, counts
+        if forced is not None and not corrupt:  # every draft forced, the prefill's first ones too: all accepted
+            assert counts["accepted"] == counts["drafted"] > 0, counts
 
 
 def test_speculating_steps_are_sent_without_a_second_trip_through_the_runner_thread(model_dir: Path) -> None:
@@ -496,6 +500,7 @@ def test_bench_mtp_on_cuda_forces_drafts_on_the_device_when_steps_run_ahead(mode
         for rec in json.loads(out.read_text())["mtp"]:
             assert rec["steps_ahead"] is ahead and rec["cuda_graphs"]
             assert rec["acceptance_rate"] == 1.0 and rec["first_difference"] is None
+            assert (rec["chained_steps"] > 0) is ahead, rec
 
 
 def test_bench_mtp_at_forced_acceptance_gives_n_plus_one_tokens_per_verify_step(model_dir: Path,
