@@ -107,9 +107,20 @@ class StepTimer:
     def __init__(self, runner: Any) -> None:
         self.steps: list[tuple[float, float]] = []  # (began, seconds) of each launch
         self.finishes: list[tuple[float, float]] = []
+        self.chained: list[float] = []  # when each verify chained on the step before (launched before it finished)
         self.since = 0.0
         runner.spec.step = self._timed(runner.spec.step, self.steps)
         runner.finish_oldest = self._timed(runner.finish_oldest, self.finishes)
+        graphs = runner.spec.graphs
+        if graphs is not None:
+            verify = graphs.verify
+
+            def counted(*a: Any, **kw: Any) -> Any:
+                drafts = kw.get("drafts", a[3] if len(a) > 3 else None)
+                if drafts is not None and drafts[3]:
+                    self.chained.append(time.perf_counter())
+                return verify(*a, **kw)
+            graphs.verify = counted
 
     @staticmethod
     def _timed(call: Callable[..., Any], into: list[tuple[float, float]]) -> Callable[..., Any]:
@@ -126,10 +137,11 @@ class StepTimer:
         result came in) is left out."""
         self.since = time.perf_counter()
 
-    def counted(self) -> tuple[int, float]:
-        """(steps launched since `clear`, seconds in their launches and finishes)."""
+    def counted(self) -> tuple[int, float, int]:
+        """(steps launched since `clear`, seconds in their launches and finishes, how many of them chained)."""
         steps = [s for t, s in self.steps if t >= self.since]
-        return len(steps), sum(steps) + sum(s for t, s in self.finishes if t >= self.since)
+        return (len(steps), sum(steps) + sum(s for t, s in self.finishes if t >= self.since),
+                sum(t >= self.since for t in self.chained))
 
 
 def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: list[int]) -> dict[str, Any]:
@@ -163,14 +175,15 @@ def run_mtp(args: argparse.Namespace, num_spec: int, prompt: list[int], plain: l
             **step_split(*timer.counted(), elapsed)}
 
 
-def step_split(steps: int, seconds: float, elapsed: float) -> dict[str, Any]:
+def step_split(steps: int, seconds: float, chained: int, elapsed: float) -> dict[str, Any]:
     """Per step of the timed run (its prefill included): the wall time, the time inside the worker's step (launch and
-    finish), and the rest (the scheduler's planning and the round trip between the actors), in ms."""
+    finish), and the rest (the scheduler's planning and the round trip between the actors), in ms; and the steps
+    launched chained on the one before (steps planned ahead)."""
     if not steps:
         return {"steps": 0}
     wall, inside = 1000 * elapsed / steps, 1000 * seconds / steps
-    return {"steps": steps, "step_wall_ms": round(wall, 3), "step_in_worker_ms": round(inside, 3),
-            "step_outside_worker_ms": round(wall - inside, 3)}
+    return {"steps": steps, "chained_steps": chained, "step_wall_ms": round(wall, 3),
+            "step_in_worker_ms": round(inside, 3), "step_outside_worker_ms": round(wall - inside, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
