@@ -173,9 +173,12 @@ class ModelRunner:
                                               self.spec.num_speculative_tokens, self.device,
                                               self.num_state_slots + self.num_state_snapshots if hybrid else None)
                 # the scheduler plans a uniform step ahead (actors/batching.py _plan_ahead), launched before the
-                # host knows what the step before accepted; not in expert-parallel lockstep
+                # host knows what the step before accepted; not in expert-parallel lockstep. With one draft only: a
+                # longer draft chain already covers the host's turn between steps, and planning ahead then only
+                # adds the device's corrections (measured: docs/benchmarks.md, MTP)
                 self.spec.defer = (config.scheduler.max_steps_in_flight > 1
-                                   and config.parallel.expert_parallel_size == 1)
+                                   and config.parallel.expert_parallel_size == 1
+                                   and self.spec.num_speculative_tokens == 1)
         elif graphs_ok and (self.model.attention_backend_name == "flashinfer" or static):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, scratch_block=self.num_blocks,
                                        max_batch=config.scheduler.max_num_seqs, max_blocks_per_seq=max_blocks,
