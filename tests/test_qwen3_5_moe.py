@@ -632,9 +632,9 @@ def test_tensor_parallel_ranks_split_the_heads_and_their_state_and_give_transfor
 def test_a_disaggregated_pair_moves_each_prompts_recurrent_state_with_its_kv(model_dir):
     """1P1D over dlslime TCP: the prefill engine saves each prompt's state into a snapshot slot its transfer holds,
     the decode engine's migration reads that row of every state pool with the KV blocks, and resumes it: every
-    request, chat and completion, streamed or not, gets what a colocated engine gives, and afterwards neither engine
-    holds a block, a transfer or a snapshot slot."""
+    request, chat and completion, streamed or not (each twice: twice the snapshot slots), gets what a colocated
+    engine gives, and afterwards neither engine holds a block, a transfer or a snapshot slot."""
     import helpers_pd as pdh
 
     pdh.check_pair_equals_colocated(str(model_dir), ["--block-size", "4", "--kv-cache-blocks", "200",
-                                                     "--max-num-seqs", "8"], ("--num-state-snapshots", "4"))
+                                                     "--max-num-seqs", "8"], ("--num-state-snapshots", "4"), n=8)
