@@ -180,7 +180,6 @@ class SpecStep:
         self.result: StepResult | None = None
         self.event: torch.cuda.Event | None = None
         self.host: list[torch.Tensor] = []
-        self.want: int | None = None
         self.drafts: PendingDrafts | None = None
         self.history: np.ndarray | None = None
         """A hybrid model: the state-pool row of each verify token's state."""
@@ -212,20 +211,7 @@ class SpecStep:
         check = (self.ids.reshape(batch, q)[:, 1:] == y.reshape(batch, q)[:, :k])
         accepted = np.cumprod(check, axis=1).sum(axis=1).astype(np.int64)
         keep = (np.arange(q)[None, :] <= accepted[:, None]).reshape(-1)
-        tokens = y[keep].astype(np.int32)
-        at = 0
-        for s, a in zip(seqs, accepted.tolist()):
-            s.num_computed -= k - a  # the rejected drafts' KV is stale: recomputed from here on
-            s.length += a + 1
-            for t in tokens[at:at + a + 1].tolist():
-                s.settle(t)
-            at += a + 1
-        result = StepResult(step=self.step, rids=self.rids, token_ids=tokens,
-                            num_tokens=(accepted + 1).astype(np.int32))
-        if self.want is not None:
-            result.logprobs = self.host[1].numpy()[keep]
-            result.top_ids = self.host[2].numpy().astype(np.int32)[keep]
-            result.top_logprobs = self.host[3].numpy()[keep]
+        result = _settle_accepted(self.step, self.rids, seqs, [k] * batch, accepted, keep, self.host)
         self.result = result
         self.source = (None, None)  # (the step before is not needed any more)
         if publish and spec.publish is not None:
@@ -373,7 +359,6 @@ class MTPSpeculator:
         # the sampled tokens' (and logprobs') copies are queued before the MTP passes (behind them they would wait
         # for them), which then run while the host checks the drafts and the result goes out
         cuda = out.token_ids.device.type == "cuda"
-        launched.want = want
         launched.host = [t.to("cpu", non_blocking=cuda) for t in (out.token_ids, *(
             () if want is None else (out.logprobs.float(), out.top_token_ids, out.top_logprobs.float())))]
         if cuda:
@@ -448,21 +433,8 @@ class MTPSpeculator:
         accepted = np.minimum.reduceat(np.where(check, len(y), local), seg_start)
         keep = local <= np.repeat(accepted, seg)
 
-        tokens = y[keep].astype(np.int32)
-        at = 0
-        for i, a in zip(samplers, accepted.tolist()):
-            s = seqs[i]
-            s.num_computed -= num_drafts[i] - a  # the rejected drafts' KV is stale: recomputed from here on
-            s.length += a + 1
-            for t in tokens[at:at + a + 1].tolist():
-                s.settle(t)
-            at += a + 1
-        result = StepResult(step=step, rids=[rids[i] for i in samplers], token_ids=tokens,
-                            num_tokens=(accepted + 1).astype(np.int32))
-        if want is not None:
-            result.logprobs = host[1].numpy()[keep]
-            result.top_ids = host[2].numpy().astype(np.int32)[keep]
-            result.top_logprobs = host[3].numpy()[keep]
+        result = _settle_accepted(step, [rids[i] for i in samplers], [seqs[i] for i in samplers],
+                                  [num_drafts[i] for i in samplers], accepted, keep, host)
         result = _with_scores(result, scores)
         if publish is not None:
             publish(result)
@@ -568,6 +540,27 @@ class MTPSpeculator:
         for _ in range(self.num_speculative_tokens - done):
             for layer in self.mtp_ep_layers:
                 layer.empty_step()
+
+
+def _settle_accepted(step: int, rids: list[str], seqs: list[SeqState], num_drafts: list[int], accepted: np.ndarray,
+                     keep: np.ndarray, host: list[torch.Tensor]) -> StepResult:
+    """Each sampling sequence's accepted drafts and bonus token onto the host (its rejected drafts' KV recomputed
+    from here on), and the step's result; host: the sampled tokens [N], then logprobs, top ids and top logprobs of
+    every row when asked for; keep: the rows kept."""
+    tokens = host[0].numpy()[keep].astype(np.int32)
+    at = 0
+    for s, d, a in zip(seqs, num_drafts, accepted.tolist()):
+        s.num_computed -= d - a
+        s.length += a + 1
+        for t in tokens[at:at + a + 1].tolist():
+            s.settle(t)
+        at += a + 1
+    result = StepResult(step=step, rids=rids, token_ids=tokens, num_tokens=(accepted + 1).astype(np.int32))
+    if len(host) > 1:
+        result.logprobs = host[1].numpy()[keep]
+        result.top_ids = host[2].numpy().astype(np.int32)[keep]
+        result.top_logprobs = host[3].numpy()[keep]
+    return result
 
 
 def _with_scores(result: StepResult, scores: PromptScores | None) -> StepResult:
