@@ -173,7 +173,12 @@ class GatedDeltaNet(nn.Module):
                                                    slots)
         else:
             qsl = meta.host.query_start_loc if meta.host is not None else meta.query_start_loc.cpu().numpy()
-            qkv = gdn.causal_conv1d(qkv, weight, self.conv_state, slots, qsl, history)
+            if self.kernels != "torch" and history is None:  # every sequence in two launches
+                from flotilla.kernels.triton import gdn as triton_gdn
+
+                qkv = triton_gdn.causal_conv1d_varlen(qkv, weight, self.conv_state, slots, meta.query_start_loc)
+            else:
+                qkv = gdn.causal_conv1d(qkv, weight, self.conv_state, slots, qsl, history)
             q, k, v = self._heads(qkv, t)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
             if self.kernels == "triton+fla" and history is None:

@@ -183,6 +183,31 @@ def test_the_triton_decode_kernels_write_each_rows_new_state_where_told_and_leav
     torch.testing.assert_close(state_d.cpu(), want_state, atol=1e-5, rtol=1e-5)
 
 
+def test_the_triton_varlen_conv_equals_the_reference_over_sequences_of_any_length():
+    """Prefill chunks of 1 to 70 tokens (shorter and longer than the history) and a padded sequence in one flat batch,
+    strided rows in; the slots' histories replaced, the other rows untouched."""
+    from helpers_triton import kernel_test_module
+
+    _, _, device = kernel_test_module()  # (the interpreter repaired for runtime loop bounds)
+    from flotilla.kernels.triton import gdn as tg
+    g = torch.Generator().manual_seed(5)
+    lens, slots = [5, 1, 70, 2, 3], torch.tensor([4, 0, 6, -1, 2])
+    qsl = np.concatenate(([0], np.cumsum(lens)))
+    x = torch.randn(qsl[-1], 2 * 40, generator=g)[:, :40]  # (in_proj's split: rows strided)
+    weight, conv = torch.randn(40, 4, generator=g), torch.randn(7, 40, 3, generator=g)
+    real = [i for i, s in enumerate(slots.tolist()) if s >= 0]
+    rows = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in real])
+    want_conv = conv.clone()
+    want_x = gdn.causal_conv1d(x[rows], weight, want_conv, slots[real],
+                               np.concatenate(([0], np.cumsum([lens[i] for i in real]))))
+    conv_d = conv.to(device)
+    got = tg.causal_conv1d_varlen(x.to(device), weight.to(device), conv_d, slots.to(device),
+                                  torch.from_numpy(qsl).to(device=device, dtype=torch.int32)).cpu()
+    torch.testing.assert_close(got[rows], want_x, atol=1e-5, rtol=1e-5)
+    assert not got[qsl[3]:qsl[4]].any()  # the padded sequence's outputs: zeros
+    torch.testing.assert_close(conv_d.cpu(), want_conv, atol=1e-6, rtol=0)  # rows 1, 3, 5 untouched
+
+
 @pytest.mark.slow
 def test_the_decode_kernels_compile_for_sm90_at_qwen35_shapes(tmp_path):
     pytest.importorskip("triton", reason="triton is not installed")
@@ -194,7 +219,12 @@ def test_the_decode_kernels_compile_for_sm90_at_qwen35_shapes(tmp_path):
     delta = {**{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "out_ptr")},
              "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "dst_ptr": "*i64"}
     norm = {n: "*bf16" for n in ("x_ptr", "z_ptr", "w_ptr", "out_ptr")}
+    varlen = {**conv, "qsl_ptr": "*i32"}
+    del varlen["dst_ptr"]
+    history = {n: t for n, t in varlen.items() if n not in ("w_ptr", "out_ptr")}
     compile_for_sm90([(mod, "_conv_update_kernel", conv, [], dict(K=4, BLOCK_C=256), 4),
+                      (mod, "_conv_varlen_kernel", varlen, [], dict(K=4, BLOCK_T=32, BLOCK_C=128), 4),
+                      (mod, "_conv_state_kernel", history, [], dict(K=4, BLOCK_K=4, BLOCK_C=256), 4),
                       (mod, "_delta_update_kernel", delta, ["scale"], dict(HV_PER_HK=2, DK=128, DV=128, BLOCK_V=32),
                        4),
                       (mod, "_gated_rms_norm_kernel", norm, ["eps"], dict(D=128, BLOCK_D=128), 4)], tmp_path)
@@ -292,25 +322,19 @@ def test_layer_types_default_to_every_fourth_layer_full_attention():
         parse_hf_config({**raw, "linear_num_key_heads": 3})
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_cuda_kernels_give_transformers_logits(model_dir, models, monkeypatch):
-    """On CUDA the delta nets run triton's decode kernels and (with fla-core) flash-linear-attention's chunked
-    prefill: a prefill, a second chunk, then decodes of two sequences, against transformers in float32."""
-    from flotilla.models.qwen3_5_moe import gdn_kernels
-
+def _check_kernels_give_transformers_logits(model, models, device: str, kernels: str, max_err: float,
+                                           mean_err: float, monkeypatch) -> None:
+    """A prefill, a second chunk (from the slot's state), then decodes of two sequences with the delta nets on
+    `kernels`, against transformers' own torch functions in float32."""
     # transformers swaps in fla's (or causal-conv1d's) kernels where installed, CPU inputs or not: its own torch
     # functions are the reference
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                  "causal_conv1d_update"):
         if hasattr(hf_q35, name):
             monkeypatch.setattr(hf_q35, name, inspect.unwrap(getattr(hf_q35, name)))
-
-    model = load_flotilla_model(model_dir).to("cuda")
-    kernels = gdn_kernels(torch.device("cuda"))
     for layer in model._delta_nets():
         layer.kernels = kernels
-    runner = PagedRunner(model, block_size=4, device="cuda")
+    runner = PagedRunner(model, block_size=4, device=device)
     a, b = random_tokens(30, seed=8), random_tokens(7, seed=9)
     got = {0: [], 1: []}
     for step in ([(0, a[:20]), (1, b)], [(0, a[20:])]):
@@ -321,14 +345,36 @@ def test_the_cuda_kernels_give_transformers_logits(model_dir, models, monkeypatc
         a, b = a + step[0][1], b + step[1][1]
         for (i, _), logits in zip(step, runner.step(step)):
             got[i].append(logits)
-    # against transformers on the CPU in float32 (its torch path, no TF32 anywhere). fla's chunked kernel runs its
-    # dots and triangular solve in TF32 (10-bit mantissa) whatever the input dtype, so its rows differ from exact
-    # float32 by up to ~1e-2 on these logits (max |logit| ~3.3, RMS ~0.8); a wrong gate, state or slot moves them by
-    # tenths. Hence a bound on the largest error (~1% of the logits' range) and a tighter one on the mean.
     for i, tokens in ((0, a), (1, b)):
-        err = (torch.cat(got[i]) - hf_logits(models[1], tokens)).abs()
-        assert err.max() < 3e-2 and err.mean() < 3e-3, (f"sequence {i}: max |error| {err.max():.2e}, mean "
-                                                          f"{err.mean():.2e}, worst row {int(err.amax(-1).argmax())}")
+        err = (torch.cat(got[i]).cpu() - hf_logits(models[1], tokens)).abs()
+        assert err.max() < max_err and err.mean() < mean_err, (
+            f"sequence {i}: max |error| {err.max():.2e}, mean {err.mean():.2e}, worst row {int(err.amax(-1).argmax())}")
+
+
+def test_the_triton_kernels_give_transformers_logits_under_the_interpreter(model_dir, models, monkeypatch):
+    """The model's triton path (the varlen conv of prefill chunks, the decode kernels, the fused norm) on the CPU:
+    exact float32, so the bound is tight."""
+    from helpers_triton import kernel_test_module
+
+    _, on_cuda, _ = kernel_test_module()
+    if on_cuda:
+        pytest.skip("the CUDA test below runs these kernels compiled")
+    _check_kernels_give_transformers_logits(load_flotilla_model(model_dir), models, "cpu", "triton", 1e-4, 1e-5,
+                                            monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_kernels_give_transformers_logits(model_dir, models, monkeypatch):
+    """On CUDA the delta nets run triton's kernels and (with fla-core) flash-linear-attention's chunked prefill.
+    fla's chunked kernel runs its dots and triangular solve in TF32 (10-bit mantissa) whatever the input dtype, so its
+    rows differ from exact float32 by up to ~1e-2 on these logits (max |logit| ~3.3, RMS ~0.8); a wrong gate, state
+    or slot moves them by tenths. Hence a bound on the largest error (~1% of the logits' range) and a tighter one on
+    the mean."""
+    from flotilla.models.qwen3_5_moe import gdn_kernels
+
+    _check_kernels_give_transformers_logits(load_flotilla_model(model_dir).to("cuda"), models, "cuda",
+                                            gdn_kernels(torch.device("cuda")), 3e-2, 3e-3, monkeypatch)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
-"""Triton kernels of a gated delta net's decode step, over the per-sequence state slots in place.
+"""Triton kernels of a gated delta net's decode step (and of its prefill's conv), over the per-sequence state slots in
+place.
 
 - causal_conv1d_update: one token per sequence through the depthwise causal conv1d (SiLU), its history read from
-  and shifted in its conv-state slot;
+  and shifted in its conv-state slot; causal_conv1d_varlen: the same for a flat batch of sequences of any lengths
+  (prefill chunks), in two launches where the reference loops over the sequences;
 - gated_delta_rule_update: one token per sequence through the delta rule, the decay and beta computed from the raw
   projections (g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)), q and k L2-normalised, the float32
   recurrent state read and written in its slot (no gather, no scatter).
@@ -62,6 +64,83 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     _conv_update_kernel[(batch, triton.cdiv(channels, block))](
         x, weight, conv_state, slots, slots if dst_slots is None else dst_slots, out, x.stride(0),
         conv_state.stride(0), conv_state.stride(1), out.stride(0), channels, K=k, BLOCK_C=block)
+    return out
+
+
+@triton.jit
+def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, qsl_ptr, out_ptr, num_tokens, num_seqs, search_steps,
+                        stride_x, stride_s0, stride_s1, stride_o, channels, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_C: tl.constexpr):  # fmt: skip
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_t, mask_c = offs_t < num_tokens, offs_c < channels
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)  # each token's sequence, by bisection: qsl[lo] <= t < qsl[hi]
+    hi = tl.full([BLOCK_T], num_seqs, dtype=tl.int32)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        below = tl.load(qsl_ptr + mid) <= offs_t
+        lo, hi = tl.where(below, mid, lo), tl.where(below, hi, mid)
+    pos = offs_t - tl.load(qsl_ptr + lo)  # within its sequence
+    slot = tl.load(slot_ptr + lo, mask=mask_t, other=-1).to(tl.int64)
+    live = mask_t & (slot >= 0)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):  # the input `back` places before the token: the step's, else the slot's history
+        back = K - 1 - j
+        in_x = (pos >= back) & live
+        xv = tl.load(x_ptr + (offs_t - back).to(tl.int64)[:, None] * stride_x + offs_c[None, :],
+                     mask=in_x[:, None] & mask_c[None, :], other=0.0)
+        hv = tl.load(state_ptr + slot[:, None] * stride_s0 + offs_c[None, :] * stride_s1 + (pos + j)[:, None],
+                     mask=((pos < back) & live)[:, None] & mask_c[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_c * K + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + hv.to(tl.float32)) * w[None, :]
+    y = tl.where(live[:, None], acc / (1.0 + tl.exp(-acc)), 0.0)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_c[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, state_ptr, slot_ptr, qsl_ptr, stride_x, stride_s0, stride_s1, channels,
+                       K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    if slot < 0:
+        return
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.arange(0, BLOCK_K)  # the new history's places, oldest first: the sequence's last K - 1 inputs
+    start = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - start
+    i = n - (K - 1) + m  # the input each place takes, within the sequence (< 0: from the old history)
+    mask = (m < K - 1)[:, None] & (offs_c < channels)[None, :]
+    row = state_ptr + slot * stride_s0 + offs_c[None, :] * stride_s1
+    xv = tl.load(x_ptr + (start + i).to(tl.int64)[:, None] * stride_x + offs_c[None, :],
+                 mask=mask & (i >= 0)[:, None], other=0.0)
+    hv = tl.load(row + (K - 1 + i)[:, None], mask=mask & (i < 0)[:, None], other=0.0)
+    new = tl.where((i >= 0)[:, None], xv.to(state_ptr.dtype.element_ty), hv)
+    tl.debug_barrier()  # (every place read before any is written: the old history shifts within the same row)
+    tl.store(row + m[:, None], new, mask=mask)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                         query_start_loc: torch.Tensor) -> torch.Tensor:
+    """kernels/gdn.py's causal_conv1d for a flat batch of sequences of any lengths (prefill chunks, decodes), in two
+    launches for all of them: x [T, C] (rows may be strided), weight [C, K], conv_state [S, C, K-1], slots int [B]
+    (-1: a padded sequence, zeros out, no slot touched), query_start_loc int32 [B + 1] on the device. Each
+    sequence continues from its slot's history, which is then replaced by its last K - 1 inputs. -> SiLU(conv)
+    [T, C] in x's dtype."""
+    tokens, channels = x.shape
+    k, seqs = weight.shape[1], slots.shape[0]
+    assert k >= 2 and conv_state.stride(2) == 1 and weight.is_contiguous() and x.stride(1) == 1
+    out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)
+    if tokens == 0 or seqs == 0:
+        return out
+    block_t, block_c = 32, 128
+    _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+        x, weight, conv_state, slots, query_start_loc, out, tokens, seqs, seqs.bit_length(), x.stride(0),
+        conv_state.stride(0), conv_state.stride(1), out.stride(0), channels, K=k, BLOCK_T=block_t, BLOCK_C=block_c)
+    block_c = 256  # then the new histories, after every output has read the old ones
+    _conv_state_kernel[(seqs, triton.cdiv(channels, block_c))](
+        x, conv_state, slots, query_start_loc, x.stride(0), conv_state.stride(0), conv_state.stride(1), channels,
+        K=k, BLOCK_K=triton.next_power_of_2(k - 1), BLOCK_C=block_c)
     return out
 
 
@@ -164,6 +243,12 @@ def fla_available() -> bool:
     return True
 
 
+_fla_seqlens: tuple | None = None
+"""The last step's query_start_loc (on the device and the host) with fla's cu_seqlens made from them (int64, the same
+two places): made once per step, so that fla's memos of what it derives from them (chunk indices, uploaded from the
+host), which go by the tensors' identity, hit in every layer after the first."""
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
                            query_start_loc_host) -> torch.Tensor:
@@ -171,8 +256,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     over the flat batch): each sequence starts from its slot's state, and its final state goes back there."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-    cu = query_start_loc.to(torch.int64)
-    cu_cpu = torch.from_numpy(query_start_loc_host).to(torch.int64)
+    global _fla_seqlens
+    entry = _fla_seqlens
+    if entry is None or entry[0] is not query_start_loc or entry[1] is not query_start_loc_host:
+        cu_cpu = torch.from_numpy(query_start_loc_host).to(torch.int64)
+        entry = (query_start_loc, query_start_loc_host, query_start_loc.to(torch.int64), cu_cpu)
+        _fla_seqlens = entry
+    cu, cu_cpu = entry[2], entry[3]
     o, final = fla_chunk(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                          initial_state=state.index_select(0, slots), output_final_state=True,
                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
