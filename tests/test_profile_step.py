@@ -78,10 +78,25 @@ def test_host_timers_time_each_kind_of_callable_and_put_them_back(runner):
     assert (K.__dict__["method"], K.__dict__["make"], module.fn) == before and "method" not in vars(k)
     labels = [t[0] for t in profile_step.host_breakdown_targets(runner)]
     assert {"input_ids", "compute_logits", "sample", "pending_launch", "greedy_argmax"} <= set(labels)
-    prefill, decodes = profile_step.decode_plans(runner, 1, 4, 3, prefix="z")
+    (prefill,), decodes = profile_step.decode_plans(runner, 1, 4, 3, prefix="z")
     np.testing.assert_equal(runner.execute(prefill).rids, ["z0"])
     assert profile_step.run_overlapped(runner, decodes) > 0 and runner.num_pending == 0
     assert runner.seqs["z0"].length == 4 + 1 + 3  # the prompt, the prefill's token, one per decode step
+
+
+def test_prompts_prefilled_in_chunks_of_a_token_budget_decode_as_after_one_prefill_step(runner):
+    """Three 10-token prompts under an 8-token budget: each step at most 8 tokens, a prompt split across steps,
+    each sequence new in the step of its first chunk; then the decodes sample what they do after one prefill step."""
+    chunked, decodes = profile_step.decode_plans(runner, 3, 10, 4, chunk_tokens=8)
+    assert [p.num_new_tokens.tolist() for p in chunked] == [[8], [2, 6], [4, 4], [6]]
+    assert [[n.rid for n in p.new_seqs] for p in chunked] == [["s0"], ["s1"], ["s2"], []]
+    assert [p.step for p in chunked + decodes[:1]] == [0, 1, 2, 3, 4]
+    for plan in chunked:
+        runner.execute(plan)
+    got = [runner.execute(plan).token_ids.tolist() for plan in decodes]
+    (whole,), decodes2 = profile_step.decode_plans(runner, 3, 10, 4, first_step=100, prefix="w")
+    runner.execute(whole)
+    assert [runner.execute(plan).token_ids.tolist() for plan in decodes2] == got
 
 
 def test_device_gaps_sums_the_idle_time_between_activities_by_the_pair_around_it():

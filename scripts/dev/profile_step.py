@@ -36,7 +36,10 @@ from flotilla.transport.messages import NewSequence, StepPlan
 
 
 def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int, first_step: int = 0,
-                 prefix: str = "s") -> tuple[StepPlan, list[StepPlan]]:
+                 prefix: str = "s", chunk_tokens: int = 0) -> tuple[list[StepPlan], list[StepPlan]]:
+    """The prefill steps of `batch` prompts (chunk_tokens > 0: steps of at most that many tokens, a prompt split
+    across steps where it must, as the scheduler's token budget would; else one step), then `steps` decode steps
+    of all of them."""
     bs = runner.block_size
     per_seq = -(-(prompt_len + 2 * steps + 1) // bs)  # room for the timed pass and the overlapped pass
     sp = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
@@ -46,19 +49,40 @@ def decode_plans(runner: ModelRunner, batch: int, prompt_len: int, steps: int, f
                        num_computed_tokens=0, block_ids=np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32),
                        sampling=sp) for i in range(batch)]
     rids = [n.rid for n in new]
-    prefill = StepPlan(step=first_step, new_seqs=new, rids=rids, num_new_tokens=np.full(batch, prompt_len, np.int32))
+    budget = chunk_tokens if chunk_tokens > 0 else batch * prompt_len
+    prefills: list[StepPlan] = []
+    i = done = 0  # the next prompt, and how much of it earlier steps took
+    while i < batch:
+        rows: list[int] = []
+        chunks: list[int] = []
+        first_chunks: list[NewSequence] = []
+        left = budget
+        while i < batch and left > 0:
+            n = min(prompt_len - done, left)
+            if not done:
+                first_chunks.append(new[i])
+            rows.append(i)
+            chunks.append(n)
+            left -= n
+            i, done = (i + 1, 0) if done + n == prompt_len else (i, done + n)
+        prefills.append(StepPlan(step=first_step + len(prefills), new_seqs=first_chunks, rids=[rids[r] for r in rows],
+                                 num_new_tokens=np.array(chunks, np.int32)))
     zeros = np.zeros(batch, np.int32)
-    decodes = [StepPlan(step=first_step + s + 1, rids=rids, num_new_tokens=np.ones(batch, np.int32),
+    first = first_step + len(prefills)
+    decodes = [StepPlan(step=first + s, rids=rids, num_new_tokens=np.ones(batch, np.int32),
                         new_block_counts=zeros, new_block_ids=np.zeros(0, np.int32)) for s in range(steps)]
-    return prefill, decodes
+    return prefills, decodes
 
 
 def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_profile: bool = False,
-            host_profile: cProfile.Profile | None = None, host_breakdown: bool = False) -> dict[str, Any]:
+            host_profile: cProfile.Profile | None = None, host_breakdown: bool = False,
+            chunk_tokens: int = 0) -> dict[str, Any]:
     """One batch size: decode steps one at a time, then overlapped. torch_profile: kernels of the overlapped pass;
-    host_profile: collects the overlapped pass's host functions (warm: no compilation in it)."""
-    prefill, decodes = decode_plans(runner, batch, prompt_len, steps)
-    runner.execute(prefill)
+    host_profile: collects the overlapped pass's host functions (warm: no compilation in it); chunk_tokens: the
+    prompts' prefill steps' token budget (0: one step)."""
+    prefills, decodes = decode_plans(runner, batch, prompt_len, steps, chunk_tokens=chunk_tokens)
+    for plan in prefills:
+        runner.execute(plan)
     forward_ms: list[float] = []
     # the decode forward is a CUDA-graph replay when graphs are captured, the module's forward otherwise
     owner, attr = (runner.graphs, "run") if runner.graphs is not None else (runner.model, "forward")
@@ -105,8 +129,10 @@ def profile(runner: ModelRunner, batch: int, prompt_len: int, steps: int, torch_
         extra = {**kernel_table(prof, len(overlapped)), "gaps": device_gaps(prof, len(overlapped))}
     runner.execute(StepPlan(step=10**6, finished_rids=[f"s{i}" for i in range(batch)]))
     if host_breakdown:  # the overlapped pass once more, its launches' parts timed (host ms per step)
-        prefill2, decodes2 = decode_plans(runner, batch, prompt_len, steps, first_step=10**6 + 1, prefix="h")
-        runner.execute(prefill2)
+        prefills2, decodes2 = decode_plans(runner, batch, prompt_len, steps, first_step=10**6 + 1, prefix="h",
+                                           chunk_tokens=chunk_tokens)
+        for plan in prefills2:
+            runner.execute(plan)
         overlapped2 = decodes_for_overlap(decodes2)
         with HostTimers(host_breakdown_targets(runner)) as timers:
             launch2 = run_overlapped(runner, overlapped2)
@@ -250,7 +276,7 @@ def device_gaps(prof, steps: int, top: int = 8) -> dict[str, Any]:
 def profile_prefill(runner: ModelRunner, tokens: int, per_seq: int) -> dict[str, Any]:
     """One eager prefill step of `tokens` prompt tokens (sequences of `per_seq`): wall time and its kernels."""
     n = max(1, tokens // per_seq)
-    prefill, _ = decode_plans(runner, n, per_seq, 0)
+    (prefill,), _ = decode_plans(runner, n, per_seq, 0)  # (one step: no chunk budget)
     runner.execute(prefill)  # warm-up (and kernel compilation)
     runner.execute(StepPlan(step=10**6, finished_rids=prefill.rids))
     torch.cuda.synchronize()
@@ -360,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    p.add_argument("--prefill-chunk", type=int, default=16384,
+                   help="the prompts are prefilled in steps of at most this many tokens, as under the engine's "
+                        "max_num_batched_tokens (16 prompts of 32,000 tokens in one step would need tens of GB of "
+                        "activations); 0: all in one step (default 16384)")
     p.add_argument("--attention-backend", default="auto", help="force an attention backend")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-blocks", type=int, default=24576, help="KV blocks (--mixed needs room)")
@@ -392,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in args.batch.split(","):
         host = cProfile.Profile() if args.cprofile else None
-        rows.append(profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile, host, args.host_breakdown))
+        rows.append(profile(runner, int(b), args.prompt_len, args.steps, args.torch_profile, host, args.host_breakdown,
+                            args.prefill_chunk))
         if host is not None:  # the overlapped pass only: what the host does per step, without compilation
             print(f"== host functions over {args.steps - 3} overlapped steps at batch {b} (divide by the steps)")
             pstats.Stats(host).sort_stats("tottime").print_stats(30)
