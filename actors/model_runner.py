@@ -274,6 +274,9 @@ class ModelRunner:
         tables = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        log.info("profiling run: %d tokens through the model (on a first start with these shapes, triton compiles "
+                 "its kernels here and in the graph capture after it: minutes for a large model)", tokens)
+        t0 = time.perf_counter()
         meta = AttentionMetadata.from_lists([0] * len(lens), lens, tables, self.block_size, device=self.device)
         if self.num_state_slots:  # (scratch state: every slot is zeroed when a sequence gets it)
             meta.state_slots = torch.arange(len(lens), device=self.device) % self.num_state_slots
@@ -295,8 +298,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         utilization = self.config.cache.gpu_memory_utilization
         budget = total * utilization - (peak - scratch_bytes) - image_cache
-        log.info("profiling run: peak %.2f GiB for %d tokens; %.2f GiB of %.2f GiB left for the KV cache",
-                 (peak - scratch_bytes) / 2**30, tokens, budget / 2**30, total / 2**30)
+        log.info("profiling run: %.1f s, peak %.2f GiB for %d tokens; %.2f GiB of %.2f GiB left for the KV cache",
+                 time.perf_counter() - t0, (peak - scratch_bytes) / 2**30, tokens, budget / 2**30, total / 2**30)
         if budget > free - KV_FREE_MARGIN_BYTES:
             others = total - free - torch.cuda.memory_reserved(self.device)
             raise RuntimeError(
