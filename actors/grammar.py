@@ -6,8 +6,8 @@ token bitmask that lets its sequence sample only tokens the grammar allows next.
 - The worker (the rank that samples) compiles grammars against the model's vocabulary in a thread pool, cached by
   their spec, as soon as a sequence that needs one arrives (`Grammars.start`). A sequence's matcher follows its
   output: before a step samples it, the matcher takes the tokens sampled since (the worker waits for a token still
-  on the device only when such a row samples), then fills the row's bitmask, and the masked rows' logits are -inf
-  outside the grammar (`apply`). Rows without a grammar cost nothing.
+  on the device only when such a row samples), then the step's rows are filled in one call across xgrammar's
+  threads, and the masked rows' logits are -inf outside the grammar (`apply`). Rows without a grammar cost nothing.
 - When the grammar is complete only the stop tokens are allowed, so the sequence ends with EOS (or a stop token id).
 
 xgrammar was chosen over llguidance for being what vLLM and SGLang use by default, with a CPU path for the tests
@@ -68,6 +68,8 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self.batch = xgr.BatchGrammarMatcher()
+        """Fills a step's masks in one call across its threads (apply)."""
 
     def start(self, spec: StructuredOutputs) -> Future:
         """Compile (or find) the spec's grammar off the step's thread: a Future of its CompiledGrammar."""
@@ -154,12 +156,25 @@ class SequenceGrammar:
         return masked
 
 
-def apply(logits: torch.Tensor, rows: list[tuple[list[int], SequenceGrammar, list[int]]]) -> None:
+def apply(logits: torch.Tensor, rows: list[tuple[list[int], SequenceGrammar, list[int]]],
+          batch: xgr.BatchGrammarMatcher) -> None:
     """-inf for every token a row's grammar does not allow next, in place (logits float [N, vocab]); rows: (a
-    sequence's logits rows, its matcher, up to date with its output, and the drafts its later rows follow)."""
+    sequence's logits rows, its matcher, up to date with its output, and the drafts its later rows follow).
+    Sequences of a single row (no drafts) are filled in one call of `batch` (Grammars.batch), across its threads."""
+    import torch
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # (a row per logits row: `indices` picks)
-    masked = [row for sequence_rows, g, drafts in rows for row in g.fill(bitmask, sequence_rows, drafts)]
+    # a row per logits row, uninitialised: `indices` makes the kernel read only the rows filled
+    bitmask = torch.empty(xgr.get_bitmask_shape(*logits.shape), dtype=torch.int32)
+    single: list[tuple[xgr.GrammarMatcher, int]] = []
+    masked: list[int] = []
+    for sequence_rows, g, drafts in rows:
+        if len(sequence_rows) == 1 and g.started and g.matcher is not None and not g.matcher.is_terminated():
+            single.append((g.matcher, sequence_rows[0]))
+        else:
+            masked += g.fill(bitmask, sequence_rows, drafts)
+    if single:
+        batch.batch_fill_next_token_bitmask([m for m, _ in single], bitmask, indices=[r for _, r in single])
+        masked += [r for _, r in single]
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)

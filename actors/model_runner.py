@@ -548,7 +548,7 @@ class ModelRunner:
             self._drain()  # a matcher follows the tokens sampled so far
         for s in seqs.values():
             s.grammar.follow(s.tokens[s.num_prompt_tokens:])
-        grammar.apply(logits, list(rows.values()))
+        grammar.apply(logits, list(rows.values()), self._grammars.batch)
         return True
 
     def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,

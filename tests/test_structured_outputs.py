@@ -179,7 +179,7 @@ def test_a_grammar_after_a_reasoning_end_tag_leaves_the_tokens_before_it_free():
     def masked(output: list[int]) -> torch.Tensor:
         g.follow(output)
         logits = torch.zeros(1, len(tokenizer))
-        apply(logits, [([0], g, [])])
+        apply(logits, [([0], g, [])], grammars.batch)
         return logits[0].isfinite()
 
     assert masked(free).all() and not g.started
@@ -188,6 +188,48 @@ def test_a_grammar_after_a_reasoning_end_tag_leaves_the_tokens_before_it_free():
     assert g.started and 0 < int(allowed.sum()) < 10
     assert allowed[tokenizer.encode("yes", add_special_tokens=False)[0]]
     assert masked(free + end + tokenizer.encode("no", add_special_tokens=False)).sum() == 1  # only the stop token
+    grammars.close()
+
+
+def test_one_batch_fill_masks_each_row_as_its_own_matcher_would():
+    """apply: single-row sequences filled in one batch call, a speculating sequence's rows (after each draft) and
+    the rest each on their own; every row masked as its sequence's matcher alone masks it, rows of no grammar (or of
+    one that has ended) left as they were."""
+    import torch
+    import xgrammar as xgr
+
+    from flotilla.actors.grammar import Grammars, SequenceGrammar, apply
+    from flotilla.models.default_model import default_model_dir
+    from flotilla.models.model_folder import load_tokenizer
+    from flotilla.sampling_params import StructuredOutputs
+
+    tokenizer = load_tokenizer(default_model_dir(progress=False))
+    grammars = Grammars(tokenizer, len(tokenizer), [0])
+    schema = StructuredOutputs(json=json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+    choice = StructuredOutputs(choice=["yes", "no"])
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    outputs = [enc('{"n": 1'), enc("y"), [], enc('{"n"'), enc("no") + [0]]  # the last one has ended
+    specs = [schema, choice, schema, schema, choice]
+    seqs = [SequenceGrammar(grammars.start(spec), [0]) for spec in specs]
+    for g, out in zip(seqs, outputs):
+        g.follow(out)
+    drafts = enc(": 4")[:2]
+    rows = [([0], seqs[0], []), ([2], seqs[1], []), ([3], seqs[2], []), ([4, 5, 6], seqs[3], drafts),
+            ([7], seqs[4], [])]
+    logits = torch.randn(9, len(tokenizer), generator=torch.Generator().manual_seed(0))
+    want = logits.clone()
+    apply(logits, rows, grammars.batch)
+    for sequence_rows, g, d in rows:  # each matcher on its own, then the reference mask
+        bitmask = xgr.allocate_token_bitmask(1 + max(sequence_rows), len(tokenizer))
+        for row in g.fill(bitmask, sequence_rows, d):
+            xgr.apply_token_bitmask_inplace(want[row:row + 1], bitmask[row:row + 1])
+    assert torch.equal(logits, want)
+    finite = logits.isfinite().sum(-1).tolist()
+    assert finite[1] == finite[8] == len(tokenizer) and finite[7] == len(tokenizer)  # no grammar; ended
+    assert all(0 < finite[r] < len(tokenizer) for r in (0, 2, 3, 4, 5, 6))
     grammars.close()
 
 
