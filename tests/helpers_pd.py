@@ -86,17 +86,22 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def engine_metric(m: dict[str, float], metric: str, engine: str) -> float:
-    return next(v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k)
+def engine_metric(m: dict[str, float], metric: str, engine: str, default: float | None = None) -> float:
+    """`metric`'s sample for `engine`; `default` when the engine has not reported it yet (an error without one)."""
+    found = [v for k, v in m.items() if k.startswith(metric + "{") and f'engine="{engine}"' in k]
+    assert found or default is not None, f"no {metric} sample for engine {engine}"
+    return found[0] if found else default
 
 
 def wait_idle(url: str, engines: list[str], timeout: float = 15.0, transfers: bool = True) -> dict[str, float]:
-    """Every engine's KV blocks free and (transfers) no transfer held (stats arrive when an engine idles)."""
+    """Every engine's KV blocks free and (transfers) no transfer held (stats arrive when an engine idles; an engine
+    whose stats have not arrived yet counts as busy)."""
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        busy = [(e, engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e),
-                 engine_metric(m, "flotilla_kv_transfers_in_flight", e) if transfers else 0) for e in engines]
+        busy = [(e, engine_metric(m, "flotilla_engine_kv_cache_usage_perc", e, default=-1),
+                 engine_metric(m, "flotilla_kv_transfers_in_flight", e, default=-1) if transfers else 0)
+                for e in engines]
         if all(u == 0 and t == 0 for _, u, t in busy):
             return m
         assert time.monotonic() < deadline, f"engines still hold KV blocks or transfers: {busy}"
