@@ -100,6 +100,8 @@ class ServerState:
     checked_grammars: OrderedDict[tuple, None] = field(default_factory=OrderedDict)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     """Where chat images may come from (data URLs; http(s) from allowed hosts) and how large."""
+    takes_images: bool = True
+    """Whether the model runs images (a text-only model answers image parts with a 400 naming the part)."""
     tokenizer: Any = None
     """The model's tokenizer, for /tokenize and /detokenize (None: those routes answer 400)."""
     tool_call_parser: type[CallsOutput] = HermesToolParser
@@ -327,6 +329,10 @@ def build_app(state: ServerState) -> Starlette:
     async def chat_prompt(req: ChatCompletionRequest) -> dict[str, Any]:
         """The engine's prompt fields of a chat request, its images' bytes loaded (data URLs, allowed hosts)."""
         urls = chat_image_urls(req)
+        if urls and not state.takes_images:
+            raise ProtocolError(400, f"Invalid '{urls[0][0]}': the model {state.model_name} takes no images (it has "
+                                "no vision encoder); send text content parts only.", param=urls[0][0],
+                                code="invalid_value")
         return {"messages": chat_messages(req), "tools": chat_tools(req),
                 "add_generation_prompt": req.add_generation_prompt is not False, "priority": req.priority or 0,
                 "chat_template_kwargs": req.chat_template_kwargs,

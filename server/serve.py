@@ -129,14 +129,15 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                 log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
                          "skip_special_tokens false unless they set it", ", ".join(special))
             await asyncio.to_thread(_check_chat_template, tokenizer)
-        body_bytes = args.max_body_bytes or (32 if takes_images(path) else 4) * 2**20
+        images = takes_images(path)
+        body_bytes = args.max_body_bytes or (32 if images else 4) * 2**20
         state = ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
             token_texts=TokenTexts(_token_text(tokenizer)), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=body_bytes,
             media=MediaPolicy(allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
-                              fetch_timeout_s=args.media_fetch_timeout, max_bytes=body_bytes),
+                              fetch_timeout_s=args.media_fetch_timeout, max_bytes=body_bytes), takes_images=images,
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests,
             tool_call_parser=tool_format, reasoning_parser=reasoning, keep_special_tokens=bool(special))
         server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",

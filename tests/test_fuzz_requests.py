@@ -166,6 +166,15 @@ def test_every_malformed_request_is_a_4xx_and_the_server_keeps_its_answers(serve
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_an_image_for_a_text_model_is_a_400_naming_the_part(server):
+    content = [{"type": "text", "text": "what is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}]
+    r = post(server, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1]" and "takes no images" in err["message"], err
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                        max_size=4), max_leaves=12)
