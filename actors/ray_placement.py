@@ -17,7 +17,6 @@ naming the actor and Ray's reason.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import msgspec
 
 from flotilla.actors.topology import ActorSpec, Topology
-from flotilla.transport.endpoints import Endpoints, key
+from flotilla.transport.endpoints import Endpoints, free_tcp_port, key
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,16 @@ def import_ray() -> Any:
     except ImportError as e:
         raise RuntimeError(f"{RAY_HINT} ({e})") from None
     return ray
+
+
+def ray_failure(e: BaseException) -> str:
+    """Why a host actor's run ended in an error: what the run raised (a RayTaskError's cause), or how Ray lost the
+    actor (killed, its process or node gone)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"its Ray actor failed ({type(cause).__name__}: {cause})"
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"its Ray actor died ({type(e).__name__}: {reason})"
 
 
 @dataclass
@@ -76,18 +85,16 @@ class RayHost:
     """The body of a Ray host actor (made a Ray actor class by `ray.remote` at placement)."""
 
     def node(self, num_ports: int) -> tuple[str, str, list[int]]:
-        """This node's address as Ray knows it, its node id, and free TCP ports on it."""
+        """This node's address as Ray knows it, its node id, and free TCP ports on it (below the ephemeral range,
+        which any outgoing connection may take a port from before the actor binds it: free_tcp_port)."""
         import ray
 
         ip = ray.util.get_node_ip_address()
-        socks = []
-        for _ in range(num_ports):
-            s = socket.socket()
-            s.bind((ip, 0))
-            socks.append(s)
-        ports = [s.getsockname()[1] for s in socks]
-        for s in socks:
-            s.close()
+        ports: list[int] = []
+        while len(ports) < num_ports:
+            port = free_tcp_port(ip)
+            if port not in ports:
+                ports.append(port)
         return ip, ray.get_runtime_context().get_node_id(), ports
 
     def run(self, topology_json: str, endpoints_json: str, names: str, instance: int, gpu: bool, trace: bool,

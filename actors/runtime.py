@@ -393,8 +393,9 @@ class Runtime:
             rc = await ref  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 (RayActorError, WorkerCrashedError, a node that left, ...)
             if not self._stopping:
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.fail(k, f"its Ray actor died ({type(e).__name__}: {reason})")
+                from flotilla.actors.ray_placement import ray_failure
+
+                self.fail(k, ray_failure(e))
             return
         if not self._stopping:
             self.fail(k, f"its Ray actor's actors exited (code {rc}) before they were stopped")

@@ -125,6 +125,26 @@ def test_a_killed_ray_actor_ends_the_requests_in_flight_with_its_name_and_the_en
         assert sum(pg["state"] == "CREATED" for pg in groups) == 1, groups
 
 
+def test_a_host_actor_picks_its_ports_below_the_ephemeral_range_and_its_errors_name_their_cause(cluster):
+    """A host's ports come from below the range outgoing connections take theirs from (which could take one before
+    the actor binds it); what a host's run raises is the failure's reason, not only Ray's wrapper."""
+    from flotilla.actors.ray_placement import RayHost, ray_failure
+    from flotilla.transport import endpoints
+
+    ray.init(address=cluster.address, ignore_reinit_error=True, include_dashboard=False)
+    host = ray.remote(RayHost).options(num_cpus=1).remote()
+    try:
+        _, _, ports = ray.get(host.node.remote(6))
+        assert len(set(ports)) == 6
+        assert all(endpoints.FIRST_FREE_PORT <= p < endpoints._ephemeral_start() for p in ports), ports
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            ray.get(host.run.remote("not a topology", "{}", "worker", 0, False, False, "INFO", "off", None))
+        assert re.fullmatch(r"its Ray actor failed \(\w*DecodeError: .+\)", ray_failure(failed.value))
+    finally:
+        ray.kill(host)
+    assert ray_failure(ray.exceptions.RayActorError()).startswith("its Ray actor died (RayActorError: ")
+
+
 def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_back(cluster, key_file, tmp_path):
     """`flotilla launch` of a topology with placement ray (the relay and echoes of the pingpong example), its cluster
     from --ray-address: every actor ready in a Ray host process of its own; SIGTERM stops them and frees the
