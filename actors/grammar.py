@@ -7,7 +7,8 @@ token bitmask that lets its sequence sample only tokens the grammar allows next.
   their spec, as soon as a sequence that needs one arrives (`Grammars.start`). A sequence's matcher follows its
   output: before a step samples it, the matcher takes the tokens sampled since (the worker waits for a token still
   on the device only when such a row samples), then the step's rows are filled in one call across xgrammar's
-  threads, and the masked rows' logits are -inf outside the grammar (`apply`). Rows without a grammar cost nothing.
+  threads, and the masked rows' logits are -inf outside the grammar (`apply`). Rows without a grammar cost nothing:
+  a decode graph's argmax stands for them, and only the masked rows' is taken again.
 - When the grammar is complete only the stop tokens are allowed, so the sequence ends with EOS (or a stop token id).
 
 xgrammar was chosen over llguidance for being what vLLM and SGLang use by default, with a CPU path for the tests
@@ -157,10 +158,11 @@ class SequenceGrammar:
 
 
 def apply(logits: torch.Tensor, rows: list[tuple[list[int], SequenceGrammar, list[int]]],
-          batch: xgr.BatchGrammarMatcher) -> None:
+          batch: xgr.BatchGrammarMatcher) -> list[int]:
     """-inf for every token a row's grammar does not allow next, in place (logits float [N, vocab]); rows: (a
     sequence's logits rows, its matcher, up to date with its output, and the drafts its later rows follow).
-    Sequences of a single row (no drafts) are filled in one call of `batch` (Grammars.batch), across its threads."""
+    Sequences of a single row (no drafts) are filled in one call of `batch` (Grammars.batch), across its threads.
+    Returns the logits rows masked."""
     import torch
     import xgrammar as xgr
 
@@ -178,3 +180,4 @@ def apply(logits: torch.Tensor, rows: list[tuple[list[int], SequenceGrammar, lis
         masked += [r for _, r in single]
     if masked:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
+    return masked

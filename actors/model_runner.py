@@ -36,7 +36,7 @@ from flotilla.config import DEFAULT_BLOCK_SIZE, EngineConfig
 from flotilla.kernels import jit_log
 from flotilla.kernels.attention import AttentionMetadata, kv_cache_torch_dtype, positions_from_lists
 from flotilla.kernels.comm import through_host
-from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, sample
+from flotilla.kernels.sampling import SamplerOutput, SamplingTensors, greedy_argmax, sample
 from flotilla.kernels.staging import upload
 from flotilla.models.context_length import load_max_model_len
 from flotilla.models.loader import LoadedModel, load_model
@@ -514,8 +514,10 @@ class ModelRunner:
         history = any(s.needs_history for s in sampled)
         if history and any(s.host_length < s.length for s in sampled):
             self._drain()  # penalties read every output token on the host
-        if self.mask_grammars(logits, sampled):
-            greedy = None  # (a graph's argmax came before the masks)
+        masked = self.mask_grammars(logits, sampled)
+        if masked and greedy is not None:  # a graph's argmax came before the masks: the masked rows' again
+            rows = upload(np.array(masked, dtype=np.int64), self.device)
+            greedy = greedy.index_put((rows,), greedy_argmax(logits.index_select(0, rows)))
         st = self._sampling_tensors(sampled, rids, history, logits.shape[1])
         want = max((s.sampling.logprobs for s in sampled if s.sampling.logprobs is not None), default=None)
         return sample(logits, st, want, generator=self.generator, greedy_ids=greedy), want
@@ -532,9 +534,9 @@ class ModelRunner:
         stop = sorted({*self._grammars.stop_token_ids, *sampling.stop_token_ids})
         return SequenceGrammar(self._grammars.start(so), stop, so.after)
 
-    def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState], verify: bool = False) -> bool:
+    def mask_grammars(self, logits: torch.Tensor, row_seqs: list[SeqState], verify: bool = False) -> list[int]:
         """Mask the logits rows (one per entry of row_seqs) of constrained sequences to what their grammars allow
-        next (waiting for their last tokens to reach the host first); whether any row was. verify: a sequence's rows
+        next (waiting for their last tokens to reach the host first); the rows masked. verify: a sequence's rows
         are speculative decoding's, in order: row j is the position after its drafts[:j]."""
         rows: dict[int, tuple[list[int], SequenceGrammar, list[int]]] = {}
         seqs: dict[int, SeqState] = {}
@@ -543,13 +545,12 @@ class ModelRunner:
                 rows.setdefault(id(s), ([], s.grammar, s.drafts if verify else []))[0].append(i)
                 seqs[id(s)] = s
         if not rows:
-            return False
+            return []
         if any(s.host_length < s.length for s in seqs.values()):
             self._drain()  # a matcher follows the tokens sampled so far
         for s in seqs.values():
             s.grammar.follow(s.tokens[s.num_prompt_tokens:])
-        grammar.apply(logits, list(rows.values()), self._grammars.batch)
-        return True
+        return grammar.apply(logits, list(rows.values()), self._grammars.batch)
 
     def _sampling_tensors(self, sampled: list[SeqState], rids: list[str], history: bool,
                           vocab: int) -> SamplingTensors:

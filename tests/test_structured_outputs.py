@@ -233,6 +233,38 @@ def test_one_batch_fill_masks_each_row_as_its_own_matcher_would():
     grammars.close()
 
 
+def test_a_graphs_argmax_stands_for_free_rows_and_is_taken_again_for_masked_ones(tmp_path):
+    """ModelRunner._sample given a decode graph's argmax (computed before the masks): the masked rows' greedy tokens
+    are those of their masked logits, the free rows keep the graph's, as when no argmax is given."""
+    import numpy as np
+    import torch
+    from helpers_engine import write_tiny_engine_model
+
+    from flotilla.actors.model_runner import ModelRunner
+    from flotilla.actors.seq_state import SeqState
+    from flotilla.config import EngineConfig
+    from flotilla.sampling_params import SamplingParams, StructuredOutputs
+
+    model = write_tiny_engine_model(tmp_path / "m")
+    runner = ModelRunner(EngineConfig.from_options(model=str(model), device="cpu", dtype="float32",
+                                                   kv_cache_blocks=16, block_size=4), progress=False)
+    constrained = SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="[a-c]{2,9}"))
+    kinds = [constrained, SamplingParams(temperature=0), constrained, SamplingParams(temperature=0.8, seed=1)]
+    logits = torch.randn(len(kinds), runner.model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+
+    def sample(greedy: torch.Tensor | None) -> list[int]:
+        seqs = [SeqState.new(np.array([5, 6, 7], dtype=np.int32), np.array([0]), num_prompt_tokens=3,
+                             num_computed=3, sampling=p, grammar=runner._grammar_of(p)) for p in kinds]
+        out, _ = runner._sample(seqs, [f"r{i}" for i in range(len(kinds))], logits.clone(), greedy)
+        return out.token_ids.tolist()
+
+    unmasked = logits.argmax(-1)
+    got, want = sample(unmasked.clone()), sample(None)
+    assert got == want and got[1] == int(unmasked[1])
+    assert got[0] != int(unmasked[0]) and got[2] != int(unmasked[2])  # (the masks changed the constrained rows)
+    runner.close()
+
+
 @pytest.mark.gpu
 def test_grammars_hold_on_cuda_in_graph_replayed_and_overlapped_decode_steps(tmp_path):
     """The masks reach logits that CUDA graphs produced, with steps in flight; constrained rows beside free ones."""
@@ -250,9 +282,13 @@ def test_grammars_hold_on_cuda_in_graph_replayed_and_overlapped_decode_steps(tmp
     constrained = [SamplingParams(max_tokens=48, temperature=1.0, seed=s,
                                   structured_outputs=StructuredOutputs(regex=pattern)) for s in range(8)]
     free = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(8)]
-    with LLM(str(model), device="cuda", dtype="bfloat16", kv_cache_blocks=512, block_size=16, max_num_seqs=16) as llm:
-        outs = llm.generate(["The quick brown fox"] * 16, constrained + free, use_tqdm=False)
+    greedy = [SamplingParams(max_tokens=48, temperature=0, structured_outputs=StructuredOutputs(regex=pattern)),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)]  # (a graph's argmax)
+    with LLM(str(model), device="cuda", dtype="bfloat16", kv_cache_blocks=512, block_size=16, max_num_seqs=18) as llm:
+        outs = llm.generate(["The quick brown fox"] * 18, constrained + free + greedy, use_tqdm=False)
         assert llm.client.ready_detail["worker/0"]["cuda_graphs"] == "on"
-    for out in outs[:8]:
+    for out in outs[:8] + outs[16:17]:
         assert re.fullmatch(pattern, out.outputs[0].text) and out.outputs[0].finish_reason == "stop", out.outputs[0]
-    assert all(len(out.outputs[0].token_ids) == 16 for out in outs[8:])
+    assert all(len(out.outputs[0].token_ids) == 16 for out in outs[8:16])
+    # the free greedy row beside masked ones took its own logits' argmax each step
+    assert all(lp.logprob == max(lp.top.values()) for lp in outs[17].outputs[0].logprobs)
