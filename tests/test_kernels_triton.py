@@ -12,6 +12,7 @@ on the GPU, and the `gpu`-marked tests add realistic sizes.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -415,6 +416,29 @@ def test_gpu_decode_batch64_at_2k(num_splits):
         return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=num_splits)
 
     _check_attention(seqs, 16, 32, 8, 128, torch.bfloat16, seed=1, run=run)
+
+
+@gpu_test
+@pytest.mark.parametrize(("warps", "stages"), [(4, 2), (8, 4)])
+def test_gpu_decode_launch_settings_give_the_reference(warps, stages):
+    """bench_attention's sweep settings (num_warps, num_stages) compile kernels that still match the reference."""
+
+    def run(q, cache, meta, scale):
+        return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=8, num_warps=warps,
+                                               num_stages=stages)
+
+    _check_attention([(4000, 1), (700, 1), (33, 1)], 16, 32, 8, 128, torch.bfloat16, seed=3, run=run)
+
+
+@gpu_test
+def test_bench_attention_sweeps_the_triton_launch_settings(capsys):
+    from flotilla.scripts.dev import bench_attention
+
+    bench_attention.main(["--heads", "8:2", "--batch", "2", "--ctx", "600", "--iters", "2", "--no-flashinfer",
+                          "--splits", "auto,graph,2", "--warps", "4,8"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 1 + 3 * 2 and all(r["triton_GBps"] > 0 for r in rows)
+    assert [r["splits"] for r in rows[1::2]] == ["auto", tri_attn._decode_num_splits(2, 2, 40960), 2]
 
 
 @gpu_test

@@ -387,6 +387,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     )  # fmt: skip
 
 
+def _launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    return {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+
+
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Context splits per sequence, a power of two (few distinct merge-kernel compilations)."""
     by_occupancy = triton.cdiv(_DECODE_TARGET_PROGRAMS, max(num_seqs * num_kv_heads, 1))
@@ -405,11 +409,14 @@ def paged_decode_attention(
     block_n: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (meta.max_query_len == 1) over its paged context; query
     [T, Hq, D] -> [T, Hq, D]. num_splits (default: sized to fill the GPU) may be fixed, e.g. for a
     CUDA graph: any value is correct for any seq_lens, empty splits drop out of the merge. k_scale and
-    v_scale dequantize an FP8 cache (ignored for any other)."""
+    v_scale dequantize an FP8 cache (ignored for any other). num_warps / num_stages: the decode kernel's launch
+    (triton's defaults when None), for scripts/dev/bench_attention's sweeps."""
     if meta.max_query_len > 1:
         raise ValueError(f"decode attention takes one new token per sequence, not up to {meta.max_query_len}")
     num_tokens, num_heads, head_dim = query.shape
@@ -441,7 +448,7 @@ def paged_decode_attention(
         *kv_cache.stride()[:4],
         PAGE_SIZE=block_size, GROUP=group, BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, DIRECT_OUT=splits == 1, DOT_PRECISION=_dot_precision(query.dtype),
-        **pdl_options(query.device),
+        **pdl_options(query.device), **_launch_options(num_warps, num_stages),
     )  # fmt: skip
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

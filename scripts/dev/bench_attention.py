@@ -6,11 +6,19 @@ them); every kernel reads the whole context once, so GB/s = the KV bytes of the 
 use_tensor_cores), and flotilla's triton split-K decode kernel. Prints one JSON line per point.
 
     python -m flotilla.scripts.dev.bench_attention --heads 16:8,32:8 --batch 1,64,256 --ctx 128,1024,4096
+
+With --splits, --block-n, --warps or --stages the triton kernel is also timed at every combination of those launch
+settings, a JSON line each ("auto" splits: the count its policy picks for the context, as an eager step does;
+"graph": the count a decode graph fixes for --max-model-len):
+
+    python -m flotilla.scripts.dev.bench_attention --heads 32:8 --batch 16,64 --ctx 32768 \
+        --splits graph,4,8,16,32 --warps 4,8 --stages 2,3,4
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -33,9 +41,10 @@ def _time(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters  # us
 
 
-def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, head_dim: int = 128) -> dict:
-    import flashinfer
-
+def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, head_dim: int = 128,
+          sweep: dict[str, list] | None = None, flashinfer_too: bool = True) -> list[dict]:
+    """The backends' times at one shape (a row), then one row per combination of the triton launch settings in
+    `sweep` (splits, block_n, warps, stages; None = the kernel's default)."""
     from flotilla.kernels.triton import attention as tri
 
     dev = torch.device("cuda")
@@ -51,8 +60,10 @@ def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, 
     indptr = torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32)
     indices = torch.from_numpy(tables.reshape(-1))
     last = torch.full((batch,), ctx - (pages - 1) * block, dtype=torch.int32)
-    ws = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    for tc in (True, False):
+    for tc in (True, False) if flashinfer_too else ():
+        import flashinfer
+
+        ws = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
         w.plan(indptr, indices, last, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=block,
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=scale)
@@ -62,7 +73,26 @@ def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, 
     meta = AttentionMetadata.from_lists([ctx - 1] * batch, [1] * batch, tables.tolist(), block, device=dev)
     us = _time(lambda: tri.paged_decode_attention(q, cache, meta, scale), iters)
     row["triton_us"], row["triton_GBps"] = round(us, 1), round(kv_bytes / us / 1000, 1)
-    return row
+    rows = [row]
+    if sweep:
+        for splits, block_n, warps, stages in itertools.product(*(sweep[k] for k in SWEPT)):
+            n = {"auto": None, "graph": tri._decode_num_splits(batch, hkv, sweep["max_model_len"])}.get(splits, splits)
+            us = _time(lambda: tri.paged_decode_attention(q, cache, meta, scale, num_splits=n, block_n=block_n,
+                                                          num_warps=warps, num_stages=stages), iters)
+            rows.append({"heads": row["heads"], "batch": batch, "ctx": ctx, "splits": splits if n is None else n,
+                         "block_n": block_n, "warps": warps, "stages": stages, "triton_us": round(us, 1),
+                         "triton_GBps": round(kv_bytes / us / 1000, 1)})
+    return rows
+
+
+SWEPT = ("splits", "block_n", "warps", "stages")
+
+
+def _settings(text: str | None, names: tuple[str, ...] = ()) -> list:
+    """A comma list of ints (and of `names`), or [None] (the kernel's default) when the flag is not given."""
+    if text is None:
+        return [None]
+    return [t if t in names else int(t) for t in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,12 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,64,256", help="batch sizes")
     p.add_argument("--ctx", default="128,1024,4096", help="context lengths, tokens")
     p.add_argument("--iters", type=int, default=50, help="timed repetitions per point")
+    p.add_argument("--splits", help="triton sweep: context splits per sequence, a comma list of counts, 'auto' (its "
+                                    "policy for the context) and 'graph' (its policy for --max-model-len)")
+    p.add_argument("--block-n", help="triton sweep: keys per tile, a comma list")
+    p.add_argument("--warps", help="triton sweep: num_warps of the decode kernel, a comma list")
+    p.add_argument("--stages", help="triton sweep: num_stages of the decode kernel, a comma list")
+    p.add_argument("--max-model-len", type=int, default=40960,
+                   help="the context a decode graph sizes its splits for ('graph' splits)")
+    p.add_argument("--no-flashinfer", action="store_true", help="time the triton kernel only")
     args = p.parse_args(argv)
+    sweep = None
+    if any(v is not None for v in (args.splits, args.block_n, args.warps, args.stages)):
+        sweep = {"splits": _settings(args.splits, ("auto", "graph")), "block_n": _settings(args.block_n),
+                 "warps": _settings(args.warps), "stages": _settings(args.stages), "max_model_len": args.max_model_len}
     for h in args.heads.split(","):
         hq, hkv = map(int, h.split(":"))
         for b in map(int, args.batch.split(",")):
             for c in map(int, args.ctx.split(",")):
-                print(json.dumps(point(hq, hkv, b, c, args.iters)), flush=True)
+                for row in point(hq, hkv, b, c, args.iters, sweep=sweep, flashinfer_too=not args.no_flashinfer):
+                    print(json.dumps(row), flush=True)
     return 0
 
 
