@@ -134,7 +134,8 @@ def _decode_kernel_inputs(seed: int, rows: int, slots: int) -> list[torch.Tensor
     return [torch.randn(*shape, generator=g) for shape in shapes]
 
 
-def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_zero_padded_rows():
+@pytest.mark.parametrize("block_v", [None, 16])  # (16: a last tile of value columns half masked)
+def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_zero_padded_rows(block_v):
     """(under TRITON_INTERPRET on a CPU; compiled on a GPU)"""
     tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,7 +150,7 @@ def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_z
     on = [t.to(device) for t in (x, weight, conv, q, k, v, a, beta_raw, a_log, dt_bias, state, slots)]
     x_d, w_d, conv_d, q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d = on
     got_x = tg.causal_conv1d_update(x_d, w_d, conv_d, slots_d)
-    got_o = tg.gated_delta_rule_update(q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d)
+    got_o = tg.gated_delta_rule_update(q_d, k_d, v_d, a_d, b_d, alog_d, dtb_d, state_d, slots_d, block_v=block_v)
     torch.testing.assert_close(got_x.cpu()[real], want_x, atol=1e-5, rtol=1e-5)
     assert not got_x[1].any() and not got_o[1].any()  # the padded row's outputs: zeros
     torch.testing.assert_close(conv_d.cpu(), want_conv, atol=1e-6, rtol=0)  # slots 1, 2, 4, 6 untouched

@@ -182,11 +182,13 @@ def _delta_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, s
 
 def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                             A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                            dst_slots: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                            dst_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                            block_v: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """One token per sequence: q, k [B, Hk, Dk] and v [B, Hv, Dv] (the conv's output, before the L2 norm), a and b
     [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, each row's read from its
     slot and written to its dst_slots row (default: the slot itself, in place). Returns o [B, Hv, Dv] in v's
-    dtype, into `out` when given (rows may be strided)."""
+    dtype, into `out` when given (rows may be strided). block_v (value columns per program) and num_warps: the
+    launch (defaults when None), for bench_kernels' --gdn-tiles sweeps."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == dv
@@ -194,11 +196,11 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     assert v.stride(1) == dv and dk & (dk - 1) == 0, "Dk must be a power of two"
     out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device) if out is None else out
     assert out.shape == (batch, hv, dv) and out.stride(2) == 1 and out.stride(1) == dv
-    block_v = min(32, triton.next_power_of_2(dv))
+    block_v = block_v or min(32, triton.next_power_of_2(dv))
     _delta_update_kernel[(batch, hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, slots, slots if dst_slots is None else dst_slots, out, q.stride(0),
         k.stride(0), v.stride(0), a.stride(0), b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5,
-        HV_PER_HK=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v)
+        HV_PER_HK=hv // hk, DK=dk, DV=dv, BLOCK_V=block_v, **({"num_warps": num_warps} if num_warps else {}))
     return out
 
 

@@ -339,6 +339,11 @@ def bench_gdn(bench: Bench, sizes: Sizes) -> None:
         from flotilla.kernels.triton import gdn as triton_gdn  # imports triton
 
         decode.append(("triton", triton_gdn.gated_delta_rule_update))
+        for text in bench.gdn_tiles:  # a tuning sweep: the same kernel with other tiles / warps
+            tiles = {{"v": "block_v", "w": "num_warps"}[key]: int(value)
+                     for key, _, value in (item.partition("=") for item in text.split(","))}
+            decode.append((f"triton[{text}]",
+                           lambda *a, tiles=tiles: triton_gdn.gated_delta_rule_update(*a, **tiles)))
         if triton_gdn.fla_available():
             prefill.append(("fla", lambda q, k, v, g, beta, state, slots, qsl: triton_gdn.chunk_gated_delta_rule(
                 q, k, v, g, beta, state, slots, torch.from_numpy(qsl).to(q.device, torch.int32), qsl)))
@@ -505,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemv-tiles", default="",
                    help="extra triton gemv variants for gemv, ';'-separated, each like n=BLOCK_N,k=BLOCK_K,w=num_warps "
                         "(any subset), e.g. 'n=4,k=2048;n=16,k=512,w=4'")  # fmt: skip
+    p.add_argument("--gdn-tiles", default="",
+                   help="extra triton delta-rule decode variants for gdn, ';'-separated, each like v=BLOCK_V,w=num_warps "
+                        "(any subset), e.g. 'v=16,w=4;v=64,w=8'")  # fmt: skip
     p.add_argument("--graph-tokens", type=int, default=256,
                    help="moe, fp8_moe and fp8_gemm points of at most this many tokens are also timed replayed from a "
                         "CUDA graph (records with \"mode\": \"graph\"), as decode steps run them; 0: eager only")  # fmt: skip
@@ -539,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(device, args.target_s, args.seed, args.cpu_smoke,
                   [t.strip() for t in args.moe_tiles.split(";") if t.strip()],
                   [t.strip() for t in args.fp8_tiles.split(";") if t.strip()], args.graph_tokens,
-                  [t.strip() for t in args.gemv_tiles.split(";") if t.strip()])  # fmt: skip
+                  [t.strip() for t in args.gemv_tiles.split(";") if t.strip()],
+                  [t.strip() for t in args.gdn_tiles.split(";") if t.strip()])  # fmt: skip
     bench.emit(_env_record(device, args))
     t0 = time.perf_counter()
     for name in BENCHES:

@@ -59,10 +59,13 @@ class Bench:
 
     def __init__(self, device: torch.device, target_s: float, seed: int, smoke: bool,
                  moe_tiles: list[str] | None = None, fp8_tiles: list[str] | None = None,
-                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None) -> None:  # fmt: skip
+                 graph_tokens: int = 0, gemv_tiles: list[str] | None = None,
+                 gdn_tiles: list[str] | None = None) -> None:  # fmt: skip
         self.device, self.target_s, self.seed, self.smoke = device, target_s, seed, smoke
         self.gemv_tiles = gemv_tiles or []
         """Extra triton gemv variants, each like "n=8,k=1024,w=8" (BLOCK_N, BLOCK_K, num_warps; any subset)."""
+        self.gdn_tiles = gdn_tiles or []
+        """Extra triton delta-rule decode variants, each like "v=16,w=4" (BLOCK_V, num_warps; any subset)."""
         self.moe_tiles = moe_tiles or []
         """Extra triton expert-kernel variants, each a FLOTILLA_MOE_TILES string ("m=16,n=128,k=128,w=4,s=3")."""
         self.fp8_tiles = fp8_tiles or []
