@@ -56,7 +56,8 @@ class StepTrace:
 
 def summarize(path: str) -> dict:
     """Where a traced run's time went: per kind of step (pure decode, or with prompt tokens), how many steps,
-    their tokens, and the wall time between consecutive results; plus the time the worker waited for plans."""
+    their tokens, the wall time between consecutive results and the host time of their launches (plan arrived to
+    launch returned: staging, and a structured step's masks); plus the time the worker waited for plans."""
     rows = [json.loads(line) for line in open(path)]
     done = {r["step"]: r["done"] for r in rows}
 
@@ -67,8 +68,10 @@ def summarize(path: str) -> dict:
     for kind, sel in (("decode", [r for r in rows if r["decode"]]),
                       ("prefill_or_mixed", [r for r in rows if not r["decode"]])):
         total = sum(map(wall, sel))
+        launch = sum(r["launched"] - r["arrived"] for r in sel)  # (the runner's host time from plan to queued step)
         out[kind] = {"steps": len(sel), "tokens": sum(r["tokens"] for r in sel), "seqs": sum(r["seqs"] for r in sel),
-                     "wall_s": round(total, 3), "ms_per_step": round(1000 * total / max(1, len(sel)), 3)}
+                     "wall_s": round(total, 3), "ms_per_step": round(1000 * total / max(1, len(sel)), 3),
+                     "launch_ms_per_step": round(1000 * launch / max(1, len(sel)), 3)}
     # decode steps by batch size (those after another step): where a draining batch (nano) spends its decode time
     by_batch: dict[int, list[float]] = {}
     for r in rows:

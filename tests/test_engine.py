@@ -347,6 +347,7 @@ def test_step_trace_records_every_step_and_summarises_it(tiny, tmp_path):
     assert s["prefill_or_mixed"]["steps"] >= 4 and s["decode"]["steps"] >= 4
     assert s["prefill_or_mixed"]["tokens"] + s["decode"]["tokens"] == sum(r["tokens"] for r in rows)
     assert s["decode"]["tokens"] == s["decode"]["seqs"]
+    assert all(s[kind]["launch_ms_per_step"] > 0 for kind in ("decode", "prefill_or_mixed"))
     # the decode steps by batch size: 6 rows drain to 1 (buckets >=4, >=2, >=1); together no more than all decodes
     buckets = s["decode_by_batch"]
     assert set(buckets) <= {">=4", ">=2", ">=1"} and ">=4" in buckets
