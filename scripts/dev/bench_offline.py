@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import sys
@@ -495,8 +494,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    elif os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / f"{args.engine}-{args.model or 'default'}.json").write_text(json.dumps(result, indent=2))
     return 0
 
 
