@@ -201,7 +201,7 @@ def test_a_decode_engine_killed_mid_migration_leaves_nothing_pinned_on_the_prefi
             while True:  # until a transfer to decode-1 holds its prompt's blocks on prefill-0
                 m = pdh.metrics(pd.url)
                 if (pdh.engine_metric(m, "flotilla_engine_requests_routed_total", "decode-1") > routed
-                        and pdh.engine_metric(m, "flotilla_kv_transfers_in_flight", "prefill-0") > 0):
+                        and pdh.engine_metric(m, "flotilla_kv_transfers_in_flight", "prefill-0", default=0) > 0):
                     break
                 assert time.monotonic() < deadline, "no transfer waited on the stopped migration"
                 time.sleep(0.02)
