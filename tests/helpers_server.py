@@ -11,9 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from flotilla.transport.endpoints import free_tcp_port
@@ -121,3 +122,18 @@ def start_servers(*specs: tuple[Sequence[str], dict[str, Any]]) -> list[Server]:
             server.stop()
         raise error
     return started
+
+
+@contextlib.contextmanager
+def cluster_key(path: Path) -> Iterator[Path]:
+    """A new cluster key at `path`, configured for this process while the block runs: endpoints on an address beyond
+    loopback (a Ray node's) authenticate, in this process and in the processes and Ray actors it starts."""
+    from flotilla.transport import auth
+
+    auth.create_key_file(path)
+    saved = auth.settings()
+    auth.configure(auth.AuthSettings(mode="auto", key_file=str(path)))
+    try:
+        yield path
+    finally:
+        auth.configure(saved)

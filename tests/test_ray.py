@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+from flotilla import LLM, SamplingParams
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs, require
+from helpers_server import cluster_key
 from helpers_tiny_models import random_tokens, write_tiny_model
-
-from flotilla import LLM, SamplingParams
 
 ray = require("ray", "Ray placement's tests run a real Ray cluster")
 
@@ -29,14 +29,8 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 def key_file(tmp_path_factory):
     """The cluster key: Ray's nodes listen on this machine's address, beyond loopback, so the control plane
     authenticates (in this process, its Ray actors, and a served front end given --auth-key-file)."""
-    from flotilla.transport import auth
-
-    path = tmp_path_factory.mktemp("key") / "cluster.key"
-    auth.create_key_file(path)
-    saved = auth.settings()
-    auth.configure(auth.AuthSettings(mode="auto", key_file=str(path)))
-    yield path
-    auth.configure(saved)
+    with cluster_key(tmp_path_factory.mktemp("key") / "cluster.key") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

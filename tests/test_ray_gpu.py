@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flotilla import LLM, SamplingParams
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import require
+from helpers_server import cluster_key
 from helpers_tiny_models import random_tokens, write_tiny_model
-
-from flotilla import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 if not torch.cuda.is_available():
@@ -31,8 +31,9 @@ def test_a_ray_placed_worker_runs_on_its_bundles_gpu_and_gives_the_local_tokens(
         assert llm.client.ready_detail["worker/0"]["device"].startswith("cuda")
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "num_gpus": 1, "include_dashboard": False})
-    try:
-        with LLM(str(folder), distributed_executor_backend="ray", ray_address=cluster.address, **options) as llm:
+    try:  # (the Ray node's address is beyond loopback, so the control plane authenticates with a cluster key)
+        with cluster_key(tmp_path / "cluster.key"), \
+                LLM(str(folder), distributed_executor_backend="ray", ray_address=cluster.address, **options) as llm:
             worker = next(h for h in llm.client.runtime.ray.hosts if "worker" in h.names)
             assert worker.gpus == 1 and ray.available_resources().get("GPU", 0) == 0  # (its bundle holds the GPU)
             assert llm.client.ready_detail["worker/0"]["device"] == "cuda:0"
