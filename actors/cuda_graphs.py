@@ -92,6 +92,28 @@ def static_tables(size: int, seq_lens: np.ndarray, tables: list[np.ndarray], blo
     return lens, table
 
 
+def first_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """The first layer's paged attention (a hybrid model's other layers have none)."""
+    return next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+
+
+def attention_heads(model: torch.nn.Module) -> dict[str, int]:
+    """This rank's query and KV heads (all of them with one rank) and head_dim."""
+    attn = first_attention(model)
+    return dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=model.config.head_dim)
+
+
+def reserve_flashinfer_workspace(model: torch.nn.Module, max_batch: int, device: torch.device) -> None:
+    """FlashInfer's workspace made large enough for the decode graphs of up to `max_batch` sequences it will plan
+    (their split-KV scratch grows with the batch); called before the memory profile, so that it is counted there."""
+    name = model.attention_backend_name
+    if name != "flashinfer" and not (name == "flashinfer_triton" and decodes_with_flashinfer(max_batch)):
+        return
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    nbytes = flashinfer_backend.decode_workspace_bytes(max_batch, **attention_heads(model), num_sms=sms)
+    flashinfer_backend.shared().reserve_workspace(device, nbytes)
+
+
 class DecodeGraphs:
     """Captured decode forwards, one per batch size of the ladder."""
 
@@ -119,12 +141,9 @@ class DecodeGraphs:
             self.seq_lens, self.block_tables = self.inputs.seq_lens, self.inputs.block_tables
         if self.planned_sizes:
             self.attn = flashinfer_backend.shared()
-            cfg = model.config
-            # this rank's heads (all of them with one rank), from the first layer with paged attention
-            attn = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
-            self.heads = dict(num_qo_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=cfg.head_dim,
-                              page_size=block_size, dtype=attn.o_proj.weight.dtype, kv_dtype=kv_caches[0].dtype,
-                              scale=cfg.head_dim ** -0.5)  # fmt: skip
+            self.heads = dict(**attention_heads(model), page_size=block_size,
+                              dtype=first_attention(model).o_proj.weight.dtype,
+                              kv_dtype=kv_caches[0].dtype, scale=model.config.head_dim ** -0.5)
         if self.planned_sizes:  # flashinfer's page tables, which plan() fills
             i32 = dict(dtype=torch.int32, device=device)
             self.kv_indptr = torch.zeros(gmax + 1, **i32)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from flotilla.actors import grammar
-from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only
+from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, decodes_only, reserve_flashinfer_workspace
 from flotilla.actors.encoder import ImageEncoder
 from flotilla.actors.grammar import Grammars, SequenceGrammar
 from flotilla.actors.pending_step import Patch, PendingStep, add_patch, apply_patch
@@ -140,6 +140,8 @@ class ModelRunner:
         """Structured outputs' compiled grammars (built with the first constrained sequence)."""
         if hasattr(self.model, "allocate_state"):
             self._allocate_state()
+        if self.device.type == "cuda" and not config.worker.enforce_eager:
+            reserve_flashinfer_workspace(self.model, config.scheduler.max_num_seqs, self.device)
         self.num_blocks = self._num_kv_blocks()
         # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
         # one allocation, a view per layer: the KV data plane reaches every layer through one region

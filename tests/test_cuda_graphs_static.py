@@ -12,6 +12,7 @@ import torch
 
 from flotilla import LLM, SamplingParams
 from flotilla.actors.cuda_graphs import DecodeGraphs
+from flotilla.kernels.attention.flashinfer_backend import WORKSPACE_BYTES, decode_workspace_bytes
 
 from helpers_engine import write_tiny_engine_model
 from helpers_tiny_models import write_tiny_deepseek_model, write_tiny_dsa_model
@@ -26,6 +27,18 @@ def test_static_tables_take_each_sequences_pages_then_pad_on_the_scratch_block()
     assert table.tolist() == [[5, 6, 7, 99], [9, 99, 99, 99], [3, 4, 8, 2]] + [[99] * 4] * 3
     lens, table = g.static_tables_for(2, np.zeros(0, np.int64), [])
     assert lens.tolist() == [1, 1] and table.tolist() == [[99], [99]]
+
+
+def test_the_flashinfer_graph_workspace_is_what_flashinfer_asked_for_at_large_batches():
+    """decode_workspace_bytes against the split-KV scratch FlashInfer 0.6's graph plan asked for where it overflowed
+    the default workspace (its error names the partial outputs' bytes; their log-sum-exps take 1 / head_dim of
+    that again): Qwen3-8B's heads at 1,024 sequences on a 132-SM GPU, and Qwen3.5's (32 / 2, head_dim 256) at 512."""
+    for batch, heads, tmp_v in ((1024, (32, 8, 128), 335_282_176), (512, (32, 2, 256), 536_346_624)):
+        qo, kv, head_dim = heads
+        assert decode_workspace_bytes(batch, qo, kv, head_dim, num_sms=132) == tmp_v * (head_dim + 1) // head_dim + 32
+        assert decode_workspace_bytes(batch // 4, qo, kv, head_dim, num_sms=132) < WORKSPACE_BYTES  # (256 fits)
+    # a group of more than 16 query heads per KV head packs 64 query rows a tile; a small batch pads to the CTAs
+    assert decode_workspace_bytes(1, 40, 2, 128, num_sms=132) == 40 * 132 * 64 * 129 * 4 + 32
 
 
 def _greedy(engine: LLM, n: int, seed: int) -> list[list[int]]:

@@ -123,3 +123,29 @@ def test_the_fast_graph_replan_gives_flashinfers_own_plan():
         torch.testing.assert_close(got_out, want_out, atol=0, rtol=0)
         ref = paged_attention(q, cache, meta, head_dim ** -0.5).float()
         torch.testing.assert_close(got_out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch,heads", [(1024, (32, 8, 128)), (256, (64, 4, 128)), (128, (40, 2, 128))],
+                         ids=["qwen3-8b-1024", "group16-256", "group20-128"])
+def test_a_graph_decode_plan_fits_the_estimated_workspace_and_not_a_smaller_one(batch, heads):
+    """FlashInfer's CUDA-graph decode plan at `batch` sequences fits a workspace of decode_workspace_bytes exactly,
+    and overflows one 64 bytes smaller (the estimate is FlashInfer's own request, not a bound)."""
+    import flashinfer
+
+    qo, kv, head_dim = heads
+    need = flashinfer_backend.decode_workspace_bytes(
+        batch, qo, kv, head_dim, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def plan(nbytes: int) -> None:
+        i32 = dict(dtype=torch.int32, device="cuda")
+        indptr, indices, last = torch.arange(batch + 1, **i32), torch.zeros(batch, **i32), torch.ones(batch, **i32)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+        wrapper.plan(indptr.cpu(), indices, last.cpu(), num_qo_heads=qo, num_kv_heads=kv, head_dim=head_dim,
+                     page_size=16, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+    plan(need)
+    with pytest.raises(RuntimeError, match="Buffer overflow"):
+        plan(need - 64)
+

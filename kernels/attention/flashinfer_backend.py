@@ -28,7 +28,21 @@ from flotilla.kernels.attention.metadata import AttentionMetadata
 from flotilla.kernels.staging import pinned
 
 WORKSPACE_BYTES = 256 * 2**20
-"""FlashInfer's scratch space per device (split-k partial results, plan info)."""
+"""FlashInfer's scratch space per device (split-k partial results, plan info), at least: a CUDA-graph decode of
+many sequences needs more (decode_workspace_bytes), which reserve_workspace makes room for."""
+
+
+def decode_workspace_bytes(max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """The scratch FlashInfer's tensor-core decode asks of the workspace when planned for CUDA graphs at `max_batch`
+    sequences: it plans as a prefill (scheduler.cuh's PrefillPlan) whose split-KV partial outputs and their
+    log-sum-exps take num_qo_heads x padded_batch x cta_tile_q rows of head_dim + 1 floats, padded_batch being the
+    query tiles a graph may need (one per sequence, the group's rows packed) or, if more, the CTAs of two per SM
+    per KV head. It grows with the batch (335 MB at 1,024 sequences of Qwen3-8B's heads, past WORKSPACE_BYTES)."""
+    group = num_qo_heads // num_kv_heads
+    cta_tile_q = 128 if group > 64 and head_dim < 256 else 64 if group > 16 else 16  # (FA2DetermineCtaTileQ, sm80+)
+    tiles = -(-max_batch * group // cta_tile_q) + max_batch - 1
+    padded_batch = max(2 * num_sms // num_kv_heads, tiles)
+    return num_qo_heads * padded_batch * cta_tile_q * (head_dim + 1) * 4 + 2 * 16  # (+ the two allocations' alignment)
 
 
 def importable() -> bool:
@@ -53,6 +67,16 @@ class FlashInferAttention:
         self._planned: AttentionMetadata | None = None
         self._active: object | None = None
         self._plan_copied: torch.cuda.Event | None = None
+
+    def reserve_workspace(self, device: torch.device, nbytes: int) -> None:
+        """Make the device's workspace at least `nbytes` (never below WORKSPACE_BYTES). Call it before the first
+        step (the memory profile then counts it) and before graph wrappers are made: those keep the buffer they were
+        made with; the per-step wrappers are made again over the new one."""
+        current = self._workspaces.get(device)
+        if current is not None and current.numel() >= nbytes:
+            return
+        self._workspaces[device] = torch.empty(max(WORKSPACE_BYTES, nbytes), dtype=torch.uint8, device=device)
+        self._wrappers.pop(device, None)
 
     def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
         """(decode wrapper, prefill wrapper) of a device."""
