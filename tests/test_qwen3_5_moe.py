@@ -134,7 +134,7 @@ def _decode_kernel_inputs(seed: int, rows: int, slots: int) -> list[torch.Tensor
     return [torch.randn(*shape, generator=g) for shape in shapes]
 
 
-@pytest.mark.parametrize("block_v", [None, 16])  # (16: a last tile of value columns half masked)
+@pytest.mark.parametrize("block_v", [None, 16, 64])  # (16: a last tile half masked; 64: one tile wider than Dv)
 def test_the_triton_decode_kernels_equal_the_reference_in_place_over_slots_and_zero_padded_rows(block_v):
     """(under TRITON_INTERPRET on a CPU; compiled on a GPU)"""
     tg = pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")

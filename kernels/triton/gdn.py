@@ -188,7 +188,7 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     [B, Hv] (the raw projections), A_log and dt_bias [Hv]; state [S, Hv, Dk, Dv] float32, each row's read from its
     slot and written to its dst_slots row (default: the slot itself, in place). Returns o [B, Hv, Dv] in v's
     dtype, into `out` when given (rows may be strided). block_v (value columns per program) and num_warps: the
-    launch (defaults when None), for bench_kernels' --gdn-tiles sweeps."""
+    launch (chosen by the batch / triton's default when None), for bench_kernels' --gdn-tiles sweeps."""
     batch, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert state.dtype == torch.float32 and state.stride(3) == 1 and state.stride(2) == dv
@@ -196,7 +196,9 @@ def gated_delta_rule_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a
     assert v.stride(1) == dv and dk & (dk - 1) == 0, "Dk must be a power of two"
     out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device) if out is None else out
     assert out.shape == (batch, hv, dv) and out.stride(2) == 1 and out.stride(1) == dv
-    block_v = block_v or min(32, triton.next_power_of_2(dv))
+    # 64 value columns a program from 16 sequences on (fewer, larger programs read the state faster there), 32 below,
+    # where 64 leaves too few programs (the sweep: docs/benchmarks.md, Qwen3.5)
+    block_v = block_v or min(64 if batch >= 16 else 32, triton.next_power_of_2(dv))
     _delta_update_kernel[(batch, hv, triton.cdiv(dv, block_v))](
         q, k, v, a, b, A_log, dt_bias, state, slots, slots if dst_slots is None else dst_slots, out, q.stride(0),
         k.stride(0), v.stride(0), a.stride(0), b.stride(0), out.stride(0), state.stride(0), state.stride(1), dk**-0.5,
