@@ -52,6 +52,26 @@ def test_flashinfer_matches_the_torch_reference(seqs):
     torch.testing.assert_close(again.float(), got)
 
 
+@pytest.mark.parametrize("seqs", [
+    [(30000, 1), (12000, 1), (8000, 4096)],                  # decodes at long contexts first, then a prompt chunk
+    [(0, 300), (128, 64), (1000, 1), (17, 1), (0, 5), (5000, 1)],  # prompt rows apart (gathered), decodes between
+], ids=["decodes-then-chunk", "interleaved"])
+def test_flashinfer_triton_on_a_mixed_step_matches_the_torch_reference(seqs):
+    """flashinfer_triton on a step with decode and prompt rows: the decode rows through triton's decode kernel into
+    the step's output, the prompt rows through FlashInfer planned for them alone; twice, as two layers of a step."""
+    from flotilla.kernels.attention import get_attention_backend
+
+    meta, cache, q, k, v = _case(seqs)
+    backend = get_attention_backend("flashinfer_triton")
+    store_kv(k, v, cache, meta.slot_mapping)
+    scale = 128 ** -0.5
+    want = paged_attention(q, cache, meta, scale).float()
+    got = backend.forward(q, cache, meta, scale)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert meta.backend_state["mixed_split"] is not None
+    torch.testing.assert_close(backend.forward(q, cache, meta, scale), got)
+
+
 def _scheduler_output(plan_info: list[int], workspace: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
     """The bytes of the pinned int workspace that FlashInfer 0.6's fa2 prefill scheduler (PrefillPlan, which the
     tensor-core decode plans with) writes and its kernels read, by PrefillPlanInfo's offsets. Its tile index arrays

@@ -582,7 +582,8 @@ def test_tiny_qwen3_with_triton_ops_matches_torch_ops(tmp_path):
 
 def test_flashinfer_triton_decodes_with_triton_and_leaves_prefill_to_flashinfer(monkeypatch):
     """"flashinfer_triton": pure-decode steps go to triton's decode kernel (so decode graphs capture it over static
-    tables), steps with a prefill chunk to FlashInfer (a stand-in here: FlashInfer needs CUDA)."""
+    tables), the prompt rows of a step to FlashInfer (a stand-in here: FlashInfer needs CUDA) and its decode rows to
+    triton's decode kernel, whether the prompt rows are one range of the step's tokens or not."""
     import flotilla.kernels.attention as attention
     from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS
     from flotilla.kernels.attention import flashinfer_backend
@@ -592,9 +593,10 @@ def test_flashinfer_triton_decodes_with_triton_and_leaves_prefill_to_flashinfer(
     class StandIn:
         store_kv = staticmethod(tri_attn.store_kv)
 
-        def forward(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
-            prefills.append(meta.max_query_len)
-            return tri_attn.paged_prefill_attention(query, kv_cache, meta, scale)
+        def forward(self, query, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, out=None):
+            prefills.append((meta.num_seqs, meta.num_tokens, meta.max_query_len))
+            got = tri_attn.paged_prefill_attention(query, kv_cache, meta, scale)
+            return got if out is None else out.copy_(got)
 
     monkeypatch.setattr(flashinfer_backend, "importable", lambda: True)
     monkeypatch.setattr(flashinfer_backend, "shared", StandIn)
@@ -605,12 +607,17 @@ def test_flashinfer_triton_decodes_with_triton_and_leaves_prefill_to_flashinfer(
     _check_attention([(7, 1), (0, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=1, run=backend.forward)
     assert prefills == []
     _check_attention([(7, 1), (0, 5), (30, 2)], 4, 4, 2, 16, torch.float32, seed=2, run=backend.forward)
-    assert prefills == [5]
+    assert prefills == [(2, 7, 5)]  # the two prompts' 7 rows; the decode row went to triton
+    _check_attention([(0, 5), (7, 1), (30, 2), (11, 1), (40, 1)], 4, 4, 2, 16, torch.float32, seed=5,
+                     run=backend.forward)  # (the prompt rows apart: gathered, and their outputs put back)
+    assert prefills[1:] == [(2, 7, 5)]
+    _check_attention([(0, 5), (3, 3)], 4, 4, 2, 16, torch.float32, seed=6, run=backend.forward)
+    assert prefills[2:] == [(2, 8, 5)]  # (no decode rows: FlashInfer takes the whole step)
     monkeypatch.setattr(attention, "FLASHINFER_DECODE_ABOVE", 2)  # decodes of more sequences go to FlashInfer's
     _check_attention([(7, 1), (0, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=3, run=backend.forward)
-    assert prefills == [5, 1]
+    assert prefills[3:] == [(3, 3, 1)]
     _check_attention([(7, 1), (30, 1)], 4, 4, 2, 16, torch.float32, seed=4, run=backend.forward)
-    assert prefills == [5, 1]
+    assert len(prefills) == 4
 
 
 def test_flashinfer_triton_names_what_it_lacks(monkeypatch):

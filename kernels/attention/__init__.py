@@ -16,6 +16,7 @@ from flotilla import envs
 from flotilla.kernels.attention import flashinfer_backend, torch_ref
 from flotilla.kernels.attention.fp8_kv import KV_CACHE_DTYPES, check_fp8_kv_support, kv_cache_torch_dtype
 from flotilla.kernels.attention.metadata import AttentionMetadata, positions_from_lists
+from flotilla.kernels.attention.mixed_split import mixed_split
 from flotilla.kernels.triton_support import triton_usable
 
 __all__ = [
@@ -132,26 +133,37 @@ def decodes_with_flashinfer(num_seqs: int) -> bool:
 
 
 def _flashinfer_triton() -> AttentionBackend:
-    """FlashInfer for steps with a prefill chunk and for decode steps of more than FLASHINFER_DECODE_ABOVE sequences,
-    triton's decode kernel for smaller pure-decode steps, over the one cache layout they share; triton's prefill
-    kernel for a chunk whose metadata has no host copies (a prefill graph's), which FlashInfer could not plan. Decode
-    graphs capture the triton kernel over static tables (actors/cuda_graphs.py), with no host planning per step, and
-    FlashInfer's planned per step above the split. Triton's is faster at small and middle batches, at short and long
-    contexts, which is why "auto" picks this backend."""
+    """FlashInfer for the prompt rows of a step and for decode steps of more than FLASHINFER_DECODE_ABOVE sequences,
+    triton's decode kernel for smaller pure-decode steps and for the decode rows beside prompt rows (mixed_split.py),
+    over the one cache layout they share; triton's prefill kernel for a chunk whose metadata has no host copies (a
+    prefill graph's), which FlashInfer could not plan. Decode graphs capture the triton kernel over static tables
+    (actors/cuda_graphs.py), with no host planning per step, and FlashInfer's planned per step above the split.
+    Triton's is faster at small and middle batches, at short and long contexts, which is why "auto" picks this
+    backend."""
     from flotilla.kernels.triton import attention as triton_attention
 
     impl = flashinfer_backend.shared()
 
     def forward(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if meta.max_query_len == 1 and not decodes_with_flashinfer(meta.num_seqs):
-            return triton_attention.paged_decode_attention(query, kv_cache, meta, scale, k_scale=k_scale,
-                                                           v_scale=v_scale)  # fmt: skip
+            return triton_attention.paged_decode_attention(query, kv_cache, meta, scale, **scales)
         if meta.max_query_len > 1 and meta.host is None:  # a prefill graph's (actors/prefill_graphs.py); a decode
             # graph's FlashInfer sizes have no host copies either, but are planned before each replay (cuda_graphs.py)
-            return triton_attention.paged_prefill_attention(query, kv_cache, meta, scale, k_scale=k_scale,
-                                                            v_scale=v_scale)  # fmt: skip
-        return impl.forward(query, kv_cache, meta, scale, k_scale, v_scale)
+            return triton_attention.paged_prefill_attention(query, kv_cache, meta, scale, **scales)
+        split = mixed_split(meta)
+        if split is None:
+            return impl.forward(query, kv_cache, meta, scale, k_scale, v_scale)
+        out = torch.empty_like(query)
+        triton_attention.paged_decode_attention(query, kv_cache, split.decode, scale, out=out, **scales)
+        rows = split.prefill_rows
+        if isinstance(rows, slice):
+            impl.forward(query[rows], kv_cache, split.prefill, scale, k_scale, v_scale, out=out[rows])
+        else:
+            out.index_copy_(0, rows, impl.forward(query.index_select(0, rows), kv_cache, split.prefill, scale,
+                                                  k_scale, v_scale))
+        return out
 
     return AttentionBackend(name="flashinfer_triton", store_kv=impl.store_kv, forward=forward)
 

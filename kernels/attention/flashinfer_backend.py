@@ -155,14 +155,15 @@ class FlashInferAttention:
         self._after_plan(meta)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """[T, Hq, D] attention of every new token over its sequence's paged context (causal); k_scale and
-        v_scale dequantize an FP8 cache."""
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, Hq, D] attention of every new token over its sequence's paged context (causal), into `out` when
+        given (contiguous); k_scale and v_scale dequantize an FP8 cache."""
         if self._planned is not meta:
             self._plan(query, kv_cache, meta, scale)
         if is_fp8(kv_cache.dtype):
-            return self._active.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale)
-        return self._active.run(query, kv_cache)
+            return self._active.run(query, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
+        return self._active.run(query, kv_cache, out=out)
 
     @staticmethod
     def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -411,12 +411,15 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence (meta.max_query_len == 1) over its paged context; query
-    [T, Hq, D] -> [T, Hq, D]. num_splits (default: sized to fill the GPU) may be fixed, e.g. for a
-    CUDA graph: any value is correct for any seq_lens, empty splits drop out of the merge. k_scale and
-    v_scale dequantize an FP8 cache (ignored for any other). num_warps / num_stages: the decode kernel's launch
-    (triton's defaults when None), for scripts/dev/bench_attention's sweeps."""
+    [T, Hq, D] -> [T, Hq, D]. Sequence b's token is query row meta.query_start_loc[b], so the rows may be some of a
+    larger step's (kernels/attention/mixed_split.py), written into `out` (default: a new tensor like query).
+    num_splits (default: sized to fill the GPU) may be fixed, e.g. for a CUDA graph: any value is correct for any
+    seq_lens, empty splits drop out of the merge. k_scale and v_scale dequantize an FP8 cache (ignored for any
+    other). num_warps / num_stages: the decode kernel's launch (triton's defaults when None), for
+    scripts/dev/bench_attention's sweeps."""
     if meta.max_query_len > 1:
         raise ValueError(f"decode attention takes one new token per sequence, not up to {meta.max_query_len}")
     num_tokens, num_heads, head_dim = query.shape
@@ -424,7 +427,7 @@ def paged_decode_attention(
     _check_cache(kv_cache, num_kv_heads, head_dim)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     num_seqs = meta.num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return out
