@@ -1,6 +1,7 @@
 """The GPU suite's JIT caches (FlashInfer, DeepGEMM, Triton): where each library keeps its builds, archived between
-device calls as xz-compressed parts under 16 MiB named by their content, unpacked with their files' times, and
-FlashInfer's built modules linked where it loads prebuilt ones without running ninja (scripts/dev/gpu_suite.py)."""
+runs on the GPU machine as xz-compressed parts of at most PART_BYTES named by their content, unpacked with their
+files' times, and FlashInfer's built modules linked where it loads prebuilt ones without running ninja
+(scripts/dev/gpu_suite.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-PART_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
+PART_BYTES = 15 << 20
+"""The largest result file a run writes: archives are split into parts of this size."""
 
 
 
@@ -74,8 +76,8 @@ TRITON_IR_SUFFIXES = (".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn")
 
 
 def archive_cache(name: str, root: Path, digest: str, out: Path, part_bytes: int = PART_BYTES) -> list[str]:
-    """The folder as an xz-compressed tar (compiled kernels shrink to about a third of what gzip leaves: the bundle
-    and the caches travel within the device call's 64 MiB) split into parts of at most part_bytes under out;
+    """The folder as an xz-compressed tar (compiled kernels shrink to about a third of what gzip leaves: the caches
+    travel to each fresh GPU machine beside the bundle) split into parts of at most part_bytes under out;
     returns the parts' names. Triton's intermediate stages are left out."""
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if name == "triton" and info.isfile() and info.name.endswith(TRITON_IR_SUFFIXES) else info

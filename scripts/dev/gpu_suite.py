@@ -1,4 +1,4 @@
-"""The whole GPU test suite (`pytest -m gpu`) on the GPU machine, in shards that fit its 10-minute commands.
+"""The whole GPU test suite (`pytest -m gpu`) on the GPU machine, in shards that fit a time budget per command.
 
 On the GPU machine, from the checkout root (scripts/dev/gpu_suite.sh sets the bundle up first):
 
@@ -10,8 +10,8 @@ shards of at most --shard-minutes, balanced by each test's duration in the last 
 JIT caches (FlashInfer, Triton, DeepGEMM) from --cache-dir, runs the shards that are still to run (--shard) one
 pytest process each until --budget-s would be passed, then writes to --out: summary.md (passed / failed / skipped
 with reasons per shard, the slowest tests, the totals; also printed), suite.json (the plan, every shard's results,
-the durations), suite.log (pytest's output) and the caches as archives split into parts under 16 MiB, each named
-by its content (a cache that did not change is not written again).
+the durations), suite.log (pytest's output) and the caches as archives split into parts of at most
+gpu_caches.PART_BYTES, each named by its content (a cache that did not change is not written again).
 
 Copy what comes back into --cache-dir before the next call: that call continues the same run with the shards still
 to run, and once every shard has run, the next call begins a new run (planned again from the durations). A shard
@@ -419,7 +419,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-caches", action="store_true", help="neither restore nor save the JIT caches")
     p.add_argument("--restore", action="store_true",
                    help="on the GPU machine: restore the JIT caches --cache-dir carries, then exit (before other "
-                        "work in a device call, so that it compiles nothing the suite already did)")
+                        "work in the same command, so that it compiles nothing the suite already did)")
     p.add_argument("--marker", default="gpu", help="the pytest mark expression (default gpu)")
     p.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
                    help="after --, pytest's: paths or test ids choose what is collected (default tests); options "
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
     state["caches"] = caches
 
     log_path = args.out / LOG
-    if log_path.stat().st_size > PART_BYTES:  # the device tool brings back no file over 16 MiB: keep the end
+    if log_path.stat().st_size > PART_BYTES:  # (no result file is larger than the parts): keep the end
         with log_path.open("rb") as f:
             f.seek(-PART_BYTES, os.SEEK_END)
             tail = f.read()
