@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -169,3 +170,18 @@ def test_a_graph_decode_plan_fits_the_estimated_workspace_and_not_a_smaller_one(
     with pytest.raises(RuntimeError, match="Buffer overflow"):
         plan(need - 64)
 
+
+
+def test_bench_attention_times_prompt_chunks_and_its_split_computes_the_paged_attention(capsys):
+    """bench_attention --prefill: every backend timed at a chunk over a cached prefix (not page-aligned) and at a fresh
+    prompt; the ragged + paged split it times gives the paged kernel's attention."""
+    from flotilla.scripts.dev import bench_attention
+
+    bench_attention.main(["--heads", "16:4", "--batch", "2", "--prefill", "300x1000,256x256", "--block", "16,32",
+                          "--iters", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["new"], r["ctx"], r["block"]) for r in rows] == [(300, 1000, 16), (300, 1000, 32), (256, 256, 16),
+                                                                 (256, 256, 32)]
+    for r in rows:
+        assert r["triton_TFLOPs"] > 0 and r["flashinfer_split_TFLOPs"] > 0 and r["flashinfer_fa2_TFLOPs"] > 0
+        assert r["split_max_err"] < 2e-2, r
