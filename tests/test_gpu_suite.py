@@ -199,14 +199,14 @@ def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
     assert durations["tests/test_three.py::test_after"] == 9.0 and "tests/test_one.py::test_ok" in durations
 
 
-def _call(project, home, out, *args, slow_s="0.1"):
+def _call(project, home, out, *args, slow_s="0.1", copy_back=True):
     env = {**os.environ, "HOME": str(home), "GS_SLOW_S": slow_s}
     env.pop("TRITON_CACHE_DIR", None)
     env.pop("DG_JIT_CACHE_DIR", None)
     env.pop("FLASHINFER_WORKSPACE_BASE", None)
     code = gs.main(["--out", str(out), "--cache-dir", str(project / "state"), *args], environ=env)
     state = json.loads((out / gs.STATE).read_text())
-    for f in out.iterdir():  # what the lead does with what comes back: into the state folder, for the next call
+    for f in out.iterdir() if copy_back else ():  # what comes back, into the state folder for the next call
         (project / "state").mkdir(exist_ok=True)
         (project / "state" / f.name).write_bytes(f.read_bytes())
     return code, state, (out / gs.SUMMARY).read_text()
@@ -218,8 +218,14 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     (home / ".triton" / "cache" / "k1").mkdir(parents=True)
     (home / ".triton" / "cache" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
     # 1: one shard per file (a bound of 0.6 s), the budget spent after the first: the others are left
+    (project / "state").mkdir()
+    (project / "state" / "jit-triton-stale.txz.00").write_bytes(b"an archive no state names")
     code, state, summary = _call(project, home, project / "out1", "--shard-minutes", "0.01", "--budget-s", "39",
-                                 "--reserve-s", "30")
+                                 "--reserve-s", "30", copy_back=False)
+    # the state folder holds the state and the archives it names, as if what came back had been copied in
+    assert json.loads((project / "state" / gs.STATE).read_text()) == state
+    kept = sorted(f.name for f in (project / "state").iterdir())
+    assert kept == sorted([gs.STATE, *state["caches"]["triton"]["parts"]])
     plan = state["plan"]
     assert plan["shards"] == [["tests/test_one.py"], ["tests/test_three.py"], ["tests/test_two.py"]]
     assert list(state["results"]) == ["0"] and code == 1  # test_bad failed

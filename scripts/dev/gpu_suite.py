@@ -13,9 +13,10 @@ with reasons per shard, the slowest tests, the totals; also printed), suite.json
 the durations), suite.log (pytest's output) and the caches as archives split into parts of at most
 gpu_caches.PART_BYTES, each named by its content (a cache that did not change is not written again).
 
-Copy what comes back into --cache-dir before the next call: that call continues the same run with the shards still
-to run, and once every shard has run, the next call begins a new run (planned again from the durations). A shard
-cut by the budget goes on where it was cut: the next call runs its tests that had not finished.
+The next call continues the same run with the shards still to run, and once every shard has run, it begins a new
+run (planned again from the durations). A shard cut by the budget goes on where it was cut: the next call runs its
+tests that had not finished. The state and archives also stay in --cache-dir, so a next call on the same machine
+needs nothing copied back; on another machine, copy what came back into --cache-dir first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -539,12 +541,24 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
             tail = f.read()
         log_path.write_bytes(b"(the log's beginning is left out)\n" + tail)
     (args.out / STATE).write_text(json.dumps(state, indent=1))
+    keep_in_cache_dir(args.cache_dir, args.out, state)
     summary = summarize(state, ran, args.budget_s, time.monotonic() - t0, notes)
     (args.out / SUMMARY).write_text(summary)
     print(summary, flush=True)
     failed = any(o in ("failed", "error") for r in state.get("results", {}).values()
                  for o, _, _ in r["tests"].values())
     return 1 if failed or collection_errors else 0
+
+
+def keep_in_cache_dir(cache_dir: Path, out: Path, state: dict) -> None:
+    """The state and the cache archives it names into cache_dir too (the archives it no longer names dropped), so a
+    later call on the same machine goes on from them whether or not what came back was copied in first."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for part in (p for archive in state.get("caches", {}).values() for p in archive["parts"]):
+        if (out / part).is_file() and not (cache_dir / part).is_file():
+            shutil.copyfile(out / part, cache_dir / part)
+    (cache_dir / STATE).write_text(json.dumps(state, indent=1))
+    prune(cache_dir, STATE)
 
 
 if __name__ == "__main__":

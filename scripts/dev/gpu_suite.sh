@@ -6,7 +6,8 @@
 #                bash scripts/dev/gpu_suite.sh [gpu_suite.py options]
 #   then, in your checkout: copy what it wrote to $OUT (summary.md, suite.json, suite.log, jit-*.txz.NN) into
 #                .gpu-suite, and  python3 -m flotilla.scripts.dev.gpu_suite --prune   (drops the archives suite.json no
-#                longer names, so that .gpu-suite keeps the current caches only)
+#                longer names, so that .gpu-suite keeps the current caches only). The machine's own .gpu-suite is
+#                kept up to date as well: a next run there goes on from it if it is not replaced by a carried one.
 # The bundle carries what every test module imports beyond the image: build it with
 #   EXTRA_WHEELS="openai==2.54.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
 #     distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 typing-extensions==4.16.0 redis==8.1.0 xgrammar==0.2.9 pillow==11.3.0" \
