@@ -41,6 +41,34 @@ def test_the_flashinfer_graph_workspace_is_what_flashinfer_asked_for_at_large_ba
     assert decode_workspace_bytes(1, 40, 2, 128, num_sms=132) == 40 * 132 * 64 * 129 * 4 + 32
 
 
+def test_the_shared_flashinfer_buffers_stay_plannable_outside_inference_mode(monkeypatch):
+    """The process's one FlashInferAttention keeps a workspace and wrappers whose plans write into their buffers in
+    place: made under inference mode (as the engine runs) they must still be normal tensors, or a later caller
+    without inference mode (a benchmark, a test) fails with torch's "Inplace update to inference tensor"."""
+    import sys
+    from types import SimpleNamespace
+
+    from flotilla.kernels.attention.flashinfer_backend import FlashInferAttention
+
+    class Wrapper:  # FlashInfer's paged wrappers keep buffers of their own beside the workspace they are given
+        def __init__(self, workspace, layout, **options):
+            self.workspace, self.kv_lens = workspace, torch.zeros(64, dtype=torch.int32)
+
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=Wrapper,
+                                                                   BatchPrefillWithPagedKVCacheWrapper=Wrapper))
+    cpu = torch.device("cpu")
+    attention = FlashInferAttention()
+    with torch.inference_mode():
+        attention.reserve_workspace(cpu, 1)
+        wrappers = attention._wrappers_for(cpu)
+    for wrapper in wrappers:
+        assert not wrapper.workspace.is_inference() and not wrapper.kv_lens.is_inference()
+        wrapper.kv_lens[:3].copy_(torch.arange(3, dtype=torch.int32))  # what a plan does
+    with torch.inference_mode():
+        attention.reserve_workspace(cpu, WORKSPACE_BYTES + 1)  # a larger workspace: the wrappers are made again
+        assert not attention._wrappers_for(cpu)[0].workspace.is_inference()
+
+
 def _greedy(engine: LLM, n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     ps = [[rng.randrange(3, 250) for _ in range(rng.randrange(3, 60))] for _ in range(n)]

@@ -30,12 +30,14 @@ class _Wrapper:
 
     def __init__(self, workspace, backend="auto") -> None:
         self.plan_args = None
+        self.kv_lens = torch.zeros(64, dtype=torch.int32)  # (FlashInfer's wrapper fills buffers of its own at plan)
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
              causal, sm_scale, q_data_type, kv_data_type) -> None:  # fmt: skip
         for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
             assert t.device.type == "cpu" and t.dtype == torch.int32
         _Wrapper.plans += 1
+        self.kv_lens[:len(kv_len_arr)].copy_(kv_len_arr)
         self.plan_args = (qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(), kv_len_arr.tolist(),
                           page_size, causal, sm_scale)  # fmt: skip
 
@@ -93,3 +95,14 @@ def test_flashinfer_mla_matches_the_float32_reference_at_deepseek_v3_sizes(cache
     want = torch_ref.paged_mla(q_latent.float(), q_pe.float(), cache.float(), meta, scale=0.1)
     got = fib.paged_mla(q_latent, q_pe, cache, meta, 0.1)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_wrapper_made_under_inference_mode_plans_outside_it():
+    """The process keeps one wrapper per device: made in the engine's inference mode, a later step without it (a
+    benchmark, a test) still plans into its buffers in place."""
+    stand_in = SimpleNamespace(mla=SimpleNamespace(BatchMLAPagedAttentionWrapper=_Wrapper))  # a wrapper of its own
+    q_latent, q_pe, cache, meta = mla_step([0, 9], [3, 1], rank=32, rope=8, heads=4, block_size=4, seed=3)
+    with torch.inference_mode():
+        first = fib.paged_mla(q_latent, q_pe, cache, meta, 0.2, flashinfer=stand_in)
+    again = fib.paged_mla(q_latent, q_pe, cache, dataclasses.replace(meta, backend_state={}), 0.2, flashinfer=stand_in)
+    torch.testing.assert_close(again, first)

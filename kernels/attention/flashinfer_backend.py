@@ -75,17 +75,21 @@ class FlashInferAttention:
         current = self._workspaces.get(device)
         if current is not None and current.numel() >= nbytes:
             return
-        self._workspaces[device] = torch.empty(max(WORKSPACE_BYTES, nbytes), dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # (see _wrappers_for)
+            self._workspaces[device] = torch.empty(max(WORKSPACE_BYTES, nbytes), dtype=torch.uint8, device=device)
         self._wrappers.pop(device, None)
 
     def _wrappers_for(self, device: torch.device) -> tuple[object, object]:
-        """(decode wrapper, prefill wrapper) of a device."""
+        """(decode wrapper, prefill wrapper) of a device. Their buffers are made as normal tensors even under
+        inference mode: the process shares them, and a plan writes into them in place, which torch refuses for an
+        inference tensor outside inference mode (a caller without it after one with it)."""
         if device not in self._wrappers:
-            if device not in self._workspaces:
-                self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            workspace = self._workspaces[device]
-            decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            with torch.inference_mode(False):
+                if device not in self._workspaces:
+                    self._workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+                workspace = self._workspaces[device]
+                decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+                prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
             self._wrappers[device] = (decode, prefill)
         return self._wrappers[device]
 

@@ -60,8 +60,9 @@ def _wrapper(device: torch.device, flashinfer: ModuleType) -> object:
     key = (device, id(flashinfer))
     wrapper = _wrappers.get(key)
     if wrapper is None:
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        wrapper = _wrappers[key] = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+        with torch.inference_mode(False):  # shared by the process, planned in place from any mode
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            wrapper = _wrappers[key] = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
     return wrapper
 
 
