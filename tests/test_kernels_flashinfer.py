@@ -185,3 +185,16 @@ def test_bench_attention_times_prompt_chunks_and_its_split_computes_the_paged_at
     for r in rows:
         assert r["triton_TFLOPs"] > 0 and r["flashinfer_split_TFLOPs"] > 0 and r["flashinfer_fa2_TFLOPs"] > 0
         assert r["split_max_err"] < 2e-2, r
+
+
+def test_bench_attention_times_decode_in_cuda_graphs_and_the_graphs_compute_the_eager_attention(capsys):
+    """bench_attention --graph: FlashInfer's decode (a graph wrapper over its own page-table buffers) and triton's
+    (at its defaults and a swept setting) replayed from CUDA graphs give what the same calls give eagerly."""
+    from flotilla.scripts.dev import bench_attention
+
+    bench_attention.main(["--heads", "16:4", "--batch", "3", "--ctx", "700", "--iters", "4", "--graph",
+                          "--stages", "2"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and rows[1]["stages"] == 2
+    assert rows[0]["flashinfer_tc1_us"] > 0 and rows[0]["flashinfer_tc0_us"] > 0 and rows[1]["triton_us"] > 0
+    assert rows[0]["graph_max_err"] < 1e-2, rows[0]

@@ -15,6 +15,9 @@ settings, a JSON line each ("auto" splits: the count its policy picks for the co
     python -m flotilla.scripts.dev.bench_attention --heads 32:8 --batch 16,64 --ctx 32768 \
         --splits graph,4,8,16,32 --warps 4,8 --stages 2,3,4
 
+Eager launches time the host below ~100 us a kernel; --graph replays each kernel from a CUDA graph instead, as the
+engine's decode steps run it, and checks the graph's outputs against eager calls (graph_max_err).
+
 With --prefill NEWxCTX it times a prompt-chunk step instead: --batch sequences each running NEW tokens whose context
 ends at CTX (CTX - NEW cached before them), causal, one JSON line per point with each backend's time and TFLOP/s:
 FlashInfer's paged prefill (fa3 where the GPU has it, and fa2), the split SGLang's FlashInfer backend runs (the
@@ -50,11 +53,45 @@ def _time(fn, iters: int) -> float:
     return start.elapsed_time(end) * 1000 / iters  # us
 
 
+def _time_in_graph(fn, iters: int) -> tuple[float, torch.Tensor]:
+    """`iters` calls of fn captured in one CUDA graph and replayed, as the engine's decode steps run: the host's
+    launch cost drops out, which eager timing cannot separate from a kernel of a few microseconds. Returns (us per
+    call, the replayed graph's last output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            out = fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters, out
+
+
 def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, head_dim: int = 128,
-          sweep: dict[str, list] | None = None, flashinfer_too: bool = True) -> list[dict]:
+          sweep: dict[str, list] | None = None, flashinfer_too: bool = True, graph: bool = False) -> list[dict]:
     """The backends' times at one shape (a row), then one row per combination of the triton launch settings in
-    `sweep` (splits, block_n, warps, stages; None = the kernel's default)."""
+    `sweep` (splits, block_n, warps, stages; None = the kernel's default). graph: each kernel timed in a CUDA graph,
+    and the row's graph_max_err is how far the graph's outputs are from the same calls run eagerly."""
     from flotilla.kernels.triton import attention as tri
+
+    errors = []
+
+    def timed(fn) -> float:
+        if not graph:
+            return _time(fn, iters)
+        us, out = _time_in_graph(fn, iters)
+        errors.append(float((out.float() - fn().float()).abs().max()))
+        return us
 
     dev = torch.device("cuda")
     pages = -(-ctx // block)
@@ -73,24 +110,30 @@ def point(hq: int, hkv: int, batch: int, ctx: int, iters: int, block: int = 16, 
         import flashinfer
 
         ws = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+        buffers = {}
+        if graph:  # a graph wrapper reads its page table from buffers of its own, as the engine's decode graphs do
+            buffers = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr.to(dev),
+                           paged_kv_indices_buffer=indices.to(dev), paged_kv_last_page_len_buffer=last.to(dev))
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc, **buffers)
         w.plan(indptr, indices, last, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, page_size=block,
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=scale)
-        us = _time(lambda: w.run(q, cache), iters)
+        us = timed(lambda: w.run(q, cache))
         row[f"flashinfer_tc{int(tc)}_us"] = round(us, 1)
         row[f"flashinfer_tc{int(tc)}_GBps"] = round(kv_bytes / us / 1000, 1)
     meta = AttentionMetadata.from_lists([ctx - 1] * batch, [1] * batch, tables.tolist(), block, device=dev)
-    us = _time(lambda: tri.paged_decode_attention(q, cache, meta, scale), iters)
+    us = timed(lambda: tri.paged_decode_attention(q, cache, meta, scale))
     row["triton_us"], row["triton_GBps"] = round(us, 1), round(kv_bytes / us / 1000, 1)
     rows = [row]
     if sweep:
         for splits, block_n, warps, stages in itertools.product(*(sweep[k] for k in SWEPT)):
             n = {"auto": None, "graph": tri._decode_num_splits(batch, hkv, sweep["max_model_len"])}.get(splits, splits)
-            us = _time(lambda: tri.paged_decode_attention(q, cache, meta, scale, num_splits=n, block_n=block_n,
-                                                          num_warps=warps, num_stages=stages), iters)
+            us = timed(lambda: tri.paged_decode_attention(q, cache, meta, scale, num_splits=n, block_n=block_n,
+                                                          num_warps=warps, num_stages=stages))
             rows.append({"heads": row["heads"], "batch": batch, "ctx": ctx, "splits": splits if n is None else n,
                          "block_n": block_n, "warps": warps, "stages": stages, "triton_us": round(us, 1),
                          "triton_GBps": round(kv_bytes / us / 1000, 1)})
+    if graph:
+        row["graph_max_err"] = round(max(errors), 4)
     return rows
 
 
@@ -194,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=40960,
                    help="the context a decode graph sizes its splits for ('graph' splits)")
     p.add_argument("--no-flashinfer", action="store_true", help="time the triton kernel only")
+    p.add_argument("--graph", action="store_true",
+                   help="time decode kernels replayed from a CUDA graph (as the engine's decode steps run) instead of "
+                        "eager launches, which time the host below ~100 us")
     p.add_argument("--prefill", help="time prompt-chunk steps instead: NEWxCTX points, comma-separated (NEW tokens "
                                      "per sequence ending at context CTX; --batch sequences; --ctx unused)")
     p.add_argument("--block", default="16", help="KV page sizes, tokens, comma-separated")
@@ -216,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         hq, hkv = map(int, h.split(":"))
         for b in map(int, args.batch.split(",")):
             for c, block in itertools.product(map(int, args.ctx.split(",")), blocks):
-                for row in point(hq, hkv, b, c, args.iters, block, sweep=sweep, flashinfer_too=not args.no_flashinfer):
+                for row in point(hq, hkv, b, c, args.iters, block, sweep=sweep, flashinfer_too=not args.no_flashinfer,
+                                 graph=args.graph):
                     print(json.dumps(row), flush=True)
     return 0
 
