@@ -3,7 +3,8 @@ without CUDA, run triton kernels under triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before any module that defines a triton kernel is imported (a kernel
 defined earlier refuses the interpreter), and pytest imports every test module while collecting, in
-any order the command line gives: so it is set here, once, before anything is collected.
+any order the command line gives: so it is set here, once, before anything is collected; the interpreter is
+repaired here too (helpers_triton.repair_interpreter), so a test gives the same result alone and in the suite.
 """
 
 import os
@@ -19,3 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # a CPU-only install: the kernel tests skip
+        pass
+    else:
+        from helpers_triton import repair_interpreter
+
+        repair_interpreter()

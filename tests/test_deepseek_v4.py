@@ -6,7 +6,6 @@ layout; and the engine end to end (prefix hits, preemption), since every cache i
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -193,10 +192,6 @@ def triton_model(folder: Path):
     from flotilla.models.deepseek_v4 import DeepseekV4ForCausalLM
     from flotilla.models.hf_config import load_hf_config
 
-    if os.environ.get("TRITON_INTERPRET") == "1":  # (its loops run to bounds read at run time)
-        from test_kernels_triton import _repair_interpreter
-
-        _repair_interpreter()
     model = DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="triton", moe_backend="torch")
     model.load_weights(load_file(str(next(folder.glob("*.safetensors")))).items())
     assert model.attention_backend_name == "v4_triton"

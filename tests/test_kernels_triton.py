@@ -6,8 +6,8 @@ it must precede the first import of the kernel modules in this pytest process; a
 otherwise. triton
 itself is usually imported earlier (torch imports it when transformers loads torch._dynamo), which
 leaves triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv) in compiled mode;
-_repair_interpreter rewraps them, so no subprocess is needed. With CUDA the same tiny tests run compiled
-on the GPU, and the `gpu`-marked tests add realistic sizes.
+helpers_triton.repair_interpreter (called by conftest.py) rewraps them, so no subprocess is needed. With CUDA the
+same tiny tests run compiled on the GPU, and the `gpu`-marked tests add realistic sizes.
 """
 
 from __future__ import annotations
@@ -26,76 +26,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]')")
 if not ON_CUDA and not INTERPRET:
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
-
-
-def _repair_interpreter() -> None:
-    """Make triton's CPU interpreter compute what the GPU computes, where (as of triton 3.6) it does not.
-    Only the interpreter's builder is patched: kernel bodies and compiled GPU runs are untouched.
-
-    - Scalars become python ints through int(ndarray of shape (1,)), which numpy >= 2.4 rejects, so
-      every loop with a runtime bound (`range(0, kv_end, BLOCK_N)`) fails; convert the one element.
-    - numpy has no bfloat16, so bf16 tensors are raw uint16 bits and tl.dot multiplies the bits as
-      integers; widen bf16 operands to float32 first (exact, as tensor cores take bf16 products).
-    - fp32 -> bf16 casts truncate; the GPU (and torch) round to nearest even.
-    - fp32 -> e4m3 (an FP8 KV cache) loses the carry when rounding up crosses a power of two (0.496 -> 0.25);
-      the GPU (and torch) round to nearest even.
-    - triton.language's @jit helpers (tl.max, tl.sum, tl.cdiv, ...) are compiled-mode JITFunctions,
-      which the interpreter refuses to call, when triton was imported before TRITON_INTERPRET=1 was set.
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-    from triton.runtime.jit import JITFunction
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("triton.language") and module is not None:
-            for attr, value in list(vars(module).items()):
-                if isinstance(value, JITFunction):
-                    setattr(module, attr, interpreter.InterpretedFunction(value.fn))
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_flotilla_repaired", False):
-        return
-    patch_tensor, create_dot, cast_impl = interpreter._patch_lang_tensor, builder.create_dot, builder.cast_impl
-    fp_to_fp = builder.create_fp_to_fp
-
-    def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-        return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
-
-    def patch_lang_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widened_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = (
-            interpreter.TensorHandle(bf16_bits_to_f32(x.data), tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-            for x in (a, b)
-        )
-        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def rounding_cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
-            return interpreter.TensorHandle(bf16_bits_to_f32(src.data), tl.float32)
-        return cast_impl(self, src, dst_type)
-
-    def rounding_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.float8_e4m3fn)
-            return interpreter.TensorHandle(rounded.view(torch.uint8).numpy(), tl.float8e4nv)
-        return fp_to_fp(self, src, dst_type, rounding_mode)
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    builder.create_dot = widened_dot
-    builder.cast_impl = rounding_cast
-    builder.create_fp_to_fp = rounding_fp_to_fp
-    builder._flotilla_repaired = True
-
-
-if INTERPRET:
-    _repair_interpreter()
 
 from flotilla.kernels import activation, norm, rope  # noqa: E402
 from flotilla.kernels.attention import (  # noqa: E402

@@ -48,11 +48,6 @@ from flotilla.transport.messages import KVEndpointEvent
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_CUDA = torch.cuda.is_available()
 needs_triton = pytest.mark.skipif(not INTERPRET, reason="the triton kernels run here under TRITON_INTERPRET=1")
-if INTERPRET:
-    # the interpreter's fp32 -> e4m3 cast (and more) repaired to round as the GPU does; see that module
-    from test_kernels_triton import _repair_interpreter
-
-    _repair_interpreter()
 
 LOGITS_REL_RMS = 0.10
 """FP8 vs float32 KV cache: bound on the logits' relative RMS error (||fp8 - fp32|| / ||fp32||) of the tiny random
