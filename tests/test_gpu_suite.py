@@ -233,14 +233,15 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "failed tests/test_one.py::test_bad: AssertionError: one is not two" in summary
     (triton,) = state["caches"]["triton"]["parts"]
     assert triton.startswith("jit-triton-") and (project / "state" / triton).is_file()
-    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running. (Shard
+    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running (10 s in,
+    # time enough for a loaded machine to start pytest and reach test_slow, which sleeps 20 s). (Shard
     # 0 as if the budget had cut its pytest after its last test reported: nothing of it runs again, not even an empty
     # pytest, which would run the whole suite)
     saved = json.loads((project / "state" / gs.STATE).read_text())
     saved["results"]["0"].update(complete=False, cut=True)
     (project / "state" / gs.STATE).write_text(json.dumps(saved))
     shutil.rmtree(home)
-    code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "35",
+    code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "40",
                                  "--reserve-s", "30", slow_s="20")
     log = (project / "out2" / gs.LOG).read_text()
     assert "shard 0: 0 tests in 1 files (resumed: 4 ran in an earlier call)" in log and "test_ok" not in log
