@@ -260,19 +260,27 @@ def check_same(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         np.testing.assert_allclose(got[1][rid], want[1][rid], rtol=1e-4, atol=1e-5)
 
 
-def plain_decoding(model_dir: Path) -> tuple[dict, dict]:
-    """(tokens, logprobs) of every request without speculation."""
-    tokens, logprobs, _, verified = run(make_runner(model_dir, None))
+def plain_decoding(model_dir: Path, reqs: list[TokenizedRequest] | None = None) -> tuple[dict, dict]:
+    """(tokens, logprobs) of every request (requests() unless reqs) without speculation."""
+    tokens, logprobs, _, verified = run(make_runner(model_dir, None), reqs=reqs)
     assert not verified
     return tokens, logprobs
 
 
-def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict], num_spec: int) -> None:
+def only(plain: tuple[dict, dict], reqs: list[TokenizedRequest]) -> tuple[dict, dict]:
+    """Plain decoding's (tokens, logprobs) of `reqs` only."""
+    rids = {r.rid for r in reqs}
+    return tuple({rid: v for rid, v in d.items() if rid in rids} for d in plain[:2])
+
+
+def check_speculation_follows_plain(runner: ModelRunner, plain: tuple[dict, dict], num_spec: int,
+                                    reqs: list[TokenizedRequest] | None = None) -> None:
     """With the oracle's drafts (plain decoding's tokens, some wrong) the speculating runner gives plain decoding's
-    tokens, seeded samples and logprobs, with none, some and all of a step's drafts accepted."""
-    runner.spec.draft_hook = oracle(plain[0], corrupt=True)
-    tokens, logprobs, sched, verified = run(runner)
-    check_same((tokens, logprobs), plain)
+    tokens, seeded samples and logprobs, with none, some and all of a step's drafts accepted. reqs: requests()
+    unless given (plain may hold more)."""
+    runner.spec.draft_hook = oracle(plain[0], corrupt=True, reqs=reqs)
+    tokens, logprobs, sched, verified = run(runner, reqs=reqs)
+    check_same((tokens, logprobs), plain if reqs is None else only(plain, reqs))
     assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
     assert {n for _, n in verified} == set(range(1, num_spec + 2))
 
@@ -359,12 +367,15 @@ def attach_step_graphs(runner: ModelRunner) -> SpecGraphs:
 
 
 def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens: tuple,
-                      prepare: Callable[[ModelRunner], None] | None = None) -> None:
+                      prepare: Callable[[ModelRunner], None] | None = None,
+                      reqs: list[TokenizedRequest] | None = None) -> None:
     """Speculation with the step graphs against speculation without, on the same requests and drafts: the tokens
     and logprobs of plain decoding, the MTP layer's own drafts at every step, and the same KV cache (and a hybrid
-    model's recurrent-state pools) afterwards. prepare: called on each runner before it runs."""
+    model's recurrent-state pools) afterwards. prepare: called on each runner before it runs; reqs: requests() but
+    the penalised ones unless given (plain_tokens may hold more)."""
     penalised = ("r4", "r10")  # they get no drafts, so every step they are in runs eager
-    want = tuple({rid: v for rid, v in d.items() if rid not in penalised} for d in plain_tokens)
+    drop = penalised if reqs is None else ()
+    want = only(plain_tokens, reqs or [r for r in requests() if r.rid not in penalised])
     drafted: list[dict] = []
     caches: list[list[torch.Tensor]] = []
     for graphs in (False, True):
@@ -375,7 +386,7 @@ def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens:
             attach_step_graphs(runner)
         assert (runner.spec.graphs is not None) == graphs
         counts = count_step_graphs(runner.spec.graphs) if graphs else {}
-        hook, seen = oracle(plain_tokens[0], corrupt=True), {}
+        hook, seen = oracle(plain_tokens[0], corrupt=True, reqs=reqs), {}
         drafted.append(seen)
 
         def record(tokens: np.ndarray, n: int, drafts: Callable[[], list[int]], hook=hook, seen=seen) -> list[int]:
@@ -385,7 +396,7 @@ def check_step_graphs(model_dir: Path, num_spec: int, device: str, plain_tokens:
 
         runner.spec.draft_hook = record
         rows: list[tuple[str, int, int]] = []
-        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=penalised)
+        tokens, logprobs, sched, verified = run(runner, budget=64, rows=rows, drop=drop, reqs=reqs)
         check_same((tokens, logprobs), want)
         caches.append([c[:runner.num_blocks] for c in runner.kv_caches] + runner.state_pools)  # (no scratch block)
     assert drafted[0] == drafted[1] and len(drafted[0]) > 20  # the graphs' MTP passes draft what eager ones do

@@ -6,53 +6,135 @@ also compiled for sm_90 (ptxas ships with triton) in a child process started wit
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_DRIVER = """
-import importlib, json, sys
+_SERVER = """
+import importlib, json, os, sys, tempfile, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-target = GPUTarget("cuda", int(sys.argv[1]), 32)
-for module, name, pointers, floats, constexprs, num_warps in json.loads(sys.argv[2]):
-    fn = getattr(importlib.import_module(module), name)
-    # constexprs the spec leaves out take their defaults (e.g. USE_GDC, kernels/triton/pdl.py)
-    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
-    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
-                 for a in fn.arg_names}
-    triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
+
+
+def compile_queue(capability, specs, queue):
+    # the specs whose indices this worker takes from the queue (a pipe of 4-byte indices) until it is empty: the
+    # workers share the specs out as they go, so a slow kernel holds up one worker only
+    target = GPUTarget("cuda", capability, 32)
+    while index := os.read(queue, 4):
+        module, name, pointers, floats, constexprs, num_warps = specs[int.from_bytes(index, "little")]
+        fn = getattr(importlib.import_module(module), name)
+        # constexprs the spec leaves out take their defaults (e.g. USE_GDC, kernels/triton/pdl.py)
+        constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+        signature = {a: "constexpr" if a in constexprs else pointers.get(a, "fp32" if a in floats else "i32")
+                     for a in fn.arg_names}
+        triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
+
+
+def serve(request):
+    os.environ.clear()
+    os.environ.update(request["env"])
+    specs = request["specs"]
+    try:  # once here, so that the workers forked below share the imports
+        for module in sorted({spec[0] for spec in specs}):
+            importlib.import_module(module)
+    except BaseException:
+        return [traceback.format_exc()[-4000:]]
+    queue, fill = os.pipe()  # (64 KiB: room for 16,384 specs)
+    os.write(fill, b"".join(i.to_bytes(4, "little") for i in range(len(specs))))
+    os.close(fill)  # (before the fork: a worker reads EOF once the queue is empty)
+    workers = []
+    for _ in range(request["workers"]):
+        log = tempfile.TemporaryFile("w+")
+        pid = os.fork()
+        if pid == 0:  # a worker: stdout is the reply channel, so both streams go to its log
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            code = 0
+            try:
+                compile_queue(request["capability"], specs, queue)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        workers.append((pid, log))
+    os.close(queue)
+    errors = []
+    for pid, log in workers:
+        if os.waitpid(pid, 0)[1] != 0:
+            log.seek(0)
+            errors.append(log.read()[-4000:] or f"worker {pid} died")
+        log.close()
+    return errors
+
+
+for line in sys.stdin:
+    print(json.dumps(serve(json.loads(line))), flush=True)
 """
+"""A compile server: it imports triton (and, with the first kernel module, torch and flotilla) once per session,
+then forks each request's workers, which share its specs out."""
 
 CompileSpec = tuple[str, str, dict[str, str], Sequence[str], dict[str, Any], int]
 """(module, kernel name, argument types of the pointers (and any typed scalar), the float scalars' names (other
 scalars are i32), constexpr values, num_warps)."""
 
+_server: subprocess.Popen | None = None
+
+
+def _kill_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGKILL)  # its workers too (a session of their own)
+    server.wait()
+
+
+def _stop_server() -> None:
+    if _server is not None and _server.poll() is None:
+        _server.stdin.close()  # the server leaves its loop at EOF
+        try:
+            _server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _kill_server(_server)
+
+
+atexit.register(_stop_server)
+
 
 def compile_for_sm90(specs: Sequence[CompileSpec], cache_dir: Path, capability: int = 90) -> None:
-    """Compile every spec for compute capability `capability` in child processes, one per core (up to 4; ptxas
-    compiles one kernel at a time, and the suite runs one test at a time); AssertionError with a failing child's
-    stderr. `cache_dir` keeps the children's triton cache out of the user's."""
+    """Compile every spec for compute capability `capability` in child processes without TRITON_INTERPRET, one per
+    core (up to 4; ptxas compiles one kernel at a time, and the suite runs one test at a time); AssertionError with
+    a failing child's stderr. The children are forked by one compile server that the session starts at its first
+    call (so torch and triton are imported once, not by every child of every call); each call's children see the
+    caller's environment then. `cache_dir` keeps the children's triton cache out of the user's."""
+    global _server
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache_dir)
     n = max(1, min(len(specs), os.cpu_count() or 1, 4))
-    children = [subprocess.Popen([sys.executable, "-c", _DRIVER, str(capability), json.dumps(list(specs[i::n]))],
-                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                for i in range(n)]  # fmt: skip
-    errors = []
-    for child in children:
-        try:
-            _, err = child.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            _, err = child.communicate()
-        if child.returncode != 0:
-            errors.append(err[-4000:])
+    request = {"env": env, "capability": capability, "specs": list(specs), "workers": n}
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, "-c", _SERVER], env=env, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                   start_new_session=True)  # fmt: skip
+    server = _server
+    try:
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        # the bound each child had, the children waited for one after another
+        if not select.select([server.stdout], [], [], 240 * n)[0]:
+            raise AssertionError(f"compiling for sm_{capability} took over {240 * n} s")
+        reply = server.stdout.readline()
+    except BaseException:  # (a timeout, or the test interrupted: the next call starts a new server)
+        _kill_server(server)
+        raise
+    assert reply, f"the compile server exited ({server.wait()})"
+    errors = json.loads(reply)
     assert not errors, "\n".join(errors)
 
 

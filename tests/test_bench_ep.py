@@ -5,10 +5,13 @@ the run exit 1 instead of passing or hanging."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import subprocess
+import runpy
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -26,11 +29,19 @@ def _run(tmp_path, *extra: str) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def test_two_ranks_every_token_count_well_formed(tmp_path, capsys):
-    records = _run(tmp_path, "--world-size", "2", "--tokens", "0,1,5,24")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
+    """(records, stdout) of a 2-rank run over 0, 1, 5 and 24 tokens per rank, shared by the tests that read it."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        records = _run(tmp_path_factory.mktemp("two_ranks"), "--world-size", "2", "--tokens", "0,1,5,24")
+    return records, out.getvalue()
+
+
+def test_two_ranks_every_token_count_well_formed(two_ranks):
+    records, out = two_ranks
     env, *rows = records
     assert env["bench"] == "env" and env["backend"] == "gloo" and env["world_size"] == 2 and env["command"]
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in out.splitlines()]
     assert [r["bench"] for r in lines] == ["env"] + ["ep_all_to_all"] * 4  # one JSON line each, per_rank left out
     assert [r["tokens_per_rank"] for r in rows] == [0, 1, 5, 24]
     for r in rows:
@@ -61,9 +72,11 @@ def test_three_ranks_uneven_splits_and_an_idle_rank(tmp_path):
     assert r["rank_imbalance"] >= 1 and r["expert_imbalance"] >= 1 and r["layer_ms"] > 0
 
 
-def test_hot_experts_show_as_imbalance(tmp_path):
-    # the test above's routing at 24 tokens, against the same with the first 2 experts (rank 0's) favoured
-    flat = _run(tmp_path, "--world-size", "2", "--tokens", "24")[1]
+def test_hot_experts_show_as_imbalance(tmp_path, two_ranks):
+    # the two-rank run's routing at 24 tokens (seeded by rank and token count, so the same as in a run of 24 alone),
+    # against the same with the first 2 experts (rank 0's) favoured
+    flat = two_ranks[0][-1]
+    assert flat["tokens_per_rank"] == 24
     hot = _run(tmp_path, "--world-size", "2", "--tokens", "24", "--skew", "4")[1]
     assert hot["expert_imbalance"] > flat["expert_imbalance"]
     assert hot["rank_imbalance"] > flat["rank_imbalance"]
@@ -94,13 +107,17 @@ def test_check_identity_tolerance_follows_the_dtype():
         be.check_identity(x[:3], x, 0, 4)
 
 
-def test_help_and_argument_checks():
-    out = subprocess.run([sys.executable, "-m", "flotilla.scripts.dev.bench_ep", "--help"], capture_output=True,
-                         text=True, timeout=60, check=False)
-    assert out.returncode == 0
+def test_help_and_argument_checks(monkeypatch, capsys):
+    # `python -m flotilla.scripts.dev.bench_ep --help`, run in this process (runpy: the module as __main__)
+    monkeypatch.setattr(sys, "argv", ["bench_ep", "--help"])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the module is imported already: runpy says so)
+        runpy.run_module("flotilla.scripts.dev.bench_ep", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--device", "--world-size", "--experts", "--top-k", "--hidden", "--dtype", "--tokens", "--skew",
                  "--seed", "--iters", "--timeout-s", "--json"):
-        assert flag in out.stdout
+        assert flag in out
     with pytest.raises(SystemExit):
         be.parse_args(["--device", "cpu", "--world-size", "3", "--experts", "8"])  # experts not divisible
 

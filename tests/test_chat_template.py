@@ -77,17 +77,17 @@ def test_the_template_renders_every_prompt_and_rendering_tools_silences_the_warn
 def test_the_reasoning_parser_flag_reaches_the_chat_route(server):
     """deepseek_r1 reads an output without </think> as all reasoning (the model here never writes one); a request
     whose chat_template_kwargs turn thinking off gets its text as content; completions are untouched."""
-    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     doc = _post(server, "/v1/chat/completions", body)
     msg, usage = doc["choices"][0]["message"], doc["usage"]
     assert msg["content"] is None and msg["reasoning_content"] and msg["reasoning"] == msg["reasoning_content"]
-    assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] == 6
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] == 4
     off = _post(server, "/v1/chat/completions", {**body, "chat_template_kwargs": {"thinking": False}})
     assert off["choices"][0]["message"]["content"].strip() == msg["reasoning_content"]  # (reasoning is trimmed)
     assert off["choices"][0]["message"].get("reasoning_content") is None
     assert "completion_tokens_details" not in off["usage"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True}))
     streamed = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks
                        if c.choices)
@@ -100,7 +100,7 @@ def test_the_reasoning_parser_flag_reaches_the_chat_route(server):
 def test_a_grammar_holds_only_the_answer_after_the_reasoning(server):
     """The model here never writes </think>: under deepseek_r1 its whole output is reasoning, which a JSON grammar
     leaves free (the same greedy text as unconstrained); with thinking off the grammar holds the output at once."""
-    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     free = _post(server, "/v1/chat/completions", body)["choices"][0]["message"]
     gated = _post(server, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}})
     assert gated["choices"][0]["message"]["reasoning_content"] == free["reasoning_content"]

@@ -15,7 +15,7 @@ import torch
 import transformers
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
-from helpers_spec import add_v4_mtp_layer, check_speculation_follows_plain, make_runner, plain_decoding
+from helpers_spec import add_v4_mtp_layer, check_speculation_follows_plain, make_runner, plain_decoding, requests
 from helpers_tiny_models import ATOL, PagedRunner, hf_logits, load_flotilla_model, random_tokens
 
 from flotilla import LLM, SamplingParams
@@ -210,8 +210,9 @@ def test_the_attention_kernels_give_the_references_logits(folder, models):
         DeepseekV4ForCausalLM(load_hf_config(folder), attention_backend="flashinfer")
     runners = [PagedRunner(models[0], block_size=4, seed=3), PagedRunner(triton_model(folder), block_size=4, seed=3)]
     a, b = random_tokens(45, seed=13, vocab=VOCAB), random_tokens(20, seed=14, vocab=VOCAB)
+    # decodes at a's positions 37..40 and b's 7..10: both end a window of 4 and of 8 (at 39 and 7)
     steps = [[(0, a[:18]), (1, b[:6])], [(0, a[18:37]), (1, b[6:7])], *([(0, a[i:i + 1]), (1, b[i - 30:i - 29])]
-                                                                        for i in range(37, 45))]
+                                                                        for i in range(37, 41))]
     for batch in steps:
         want, got = (runner.step(batch) for runner in runners)
         for w, g in zip(want, got, strict=True):
@@ -256,7 +257,7 @@ def test_decode_steps_shaped_as_cuda_graphs_replay_them_give_the_eager_steps_log
     a, b = random_tokens(23, seed=15, vocab=VOCAB), random_tokens(16, seed=16, vocab=VOCAB)
     for runner in (eager, graphed):
         runner.step([(0, a[:13]), (1, b[:6])])
-    for i in range(10):  # positions 13..22 and 6..15: windows of 4 and 8 end along the way
+    for i in range(5):  # positions 13..17 and 6..10: windows of 4 and 8 end along the way (at 15 and 7)
         batch = [(0, a[13 + i:14 + i]), (1, b[6 + i:7 + i])]
         want, got = eager.step(batch), graph_shaped_step(graphed, batch, 4, scratch, max_blocks=16)
         for w, g in zip(want, got, strict=True):
@@ -298,13 +299,23 @@ def mtp_dir(folder, tmp_path_factory) -> Path:
     return add_v4_mtp_layer(d)
 
 
+MTP_REQUESTS = ("r1", "r2", "r3", "r4", "r5", "r8", "r12")
+"""The helpers' requests the MTP tests run: every kind (greedy, seeded, logprobs, penalised, a stop token) and r12,
+which hits r1's prompt in the prefix cache."""
+
+
 @pytest.fixture(scope="module")
-def plain_v4(mtp_dir):
-    return plain_decoding(mtp_dir)
+def mtp_requests() -> list:
+    return [r for r in requests() if r.rid in MTP_REQUESTS]
+
+
+@pytest.fixture(scope="module")
+def plain_v4(mtp_dir, mtp_requests):
+    return plain_decoding(mtp_dir, mtp_requests)
 
 
 @pytest.mark.parametrize("num_spec", [1, 2])
-def test_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_dir, plain_v4, num_spec):
+def test_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_dir, mtp_requests, plain_v4, num_spec):
     """The MTP layer (DeepSeek's mtp.0.*: hnorm / h_proj of each residual stream plus e_proj of the next token's
     embedding, one sliding-window decoder layer with its own cache layer, its own hc_head) drafts; the oracle hook
     replaces its random drafts with plain decoding's tokens, some wrong: greedy tokens, seeded samples and logprobs
@@ -314,7 +325,7 @@ def test_mtp_speculation_gives_the_tokens_of_plain_decoding(mtp_dir, plain_v4, n
     assert model.num_layers == 5 and len(runner.kv_caches) == 5  # four layers, then the MTP layer's
     assert model.mtp.block.self_attn.rate == 0 and not model.mtp.block.mlp.hashed
     assert not model.checkpoint_filter()("mtp.0.head.weight") and model.checkpoint_filter()("mtp.0.e_proj.weight")
-    check_speculation_follows_plain(runner, plain_v4, num_spec)
+    check_speculation_follows_plain(runner, plain_v4, num_spec, mtp_requests)
 
 
 def test_mtp_through_the_engine_gives_transformers_greedy_tokens(mtp_dir, models):

@@ -50,6 +50,19 @@ OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread_per_process():
+    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
+    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
+    model's step costs many times its compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 def _prompts() -> list[dict]:
     return random_prompts(11, (5, 23, 9, 14))
 
@@ -89,11 +102,17 @@ ALL2ALL = pytest.mark.parametrize("all2all", ["all_to_all", "allgather_reducesca
 """Both ways wide EP moves tokens (kernels/moe/expert_parallel.py, kernels/moe/ep_allgather.py)."""
 
 
-@ALL2ALL
-def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(moe_dir: Path, all2all: str) -> None:
-    prompts = _prompts()
+@pytest.fixture(scope="module")
+def moe_want(moe_dir: Path) -> list[list[int]]:
+    """The one-rank engine's greedy tokens of _prompts() on the tiny Qwen3-MoE (both all-to-all backends' reference)."""
     with LLM(str(moe_dir), **OPTIONS) as llm:
-        want = _tokens(llm, prompts)
+        return _tokens(llm, _prompts())
+
+
+@ALL2ALL
+def test_dp2_ep2_qwen3_moe_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(moe_dir: Path, moe_want: list,
+                                                                                   all2all: str) -> None:
+    prompts, want = _prompts(), moe_want
     with LLM(str(moe_dir), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=all2all,
              **OPTIONS) as llm:
         client = llm.client
@@ -131,14 +150,19 @@ def _deepseek_prompts() -> list[dict]:
     return random_prompts(5, (7, 19, 11, 4))
 
 
+@pytest.fixture(scope="module")
+def deepseek_fp8_want(deepseek_fp8_dirs: tuple[Path, Path]) -> list[list[int]]:
+    """The one-rank engine's greedy tokens of _deepseek_prompts() on the FP8 DeepSeek-V3 (both backends' reference)."""
+    with LLM(str(deepseek_fp8_dirs[0]), **OPTIONS) as llm:
+        return _tokens(llm, _deepseek_prompts())
+
+
 @ALL2ALL
 def test_dp2_ep2_fp8_deepseek_v3_gives_the_one_rank_tokens_busy_and_with_one_rank_idle(
-        deepseek_fp8_dirs: tuple[Path, Path], all2all: str) -> None:  # fmt: skip
+        deepseek_fp8_dirs: tuple[Path, Path], deepseek_fp8_want: list, all2all: str) -> None:  # fmt: skip
     deepseek_fp8_dir = deepseek_fp8_dirs[0]
     config = TINY_DEEPSEEK_CONFIGS["deepseek_v3"]
-    prompts = _deepseek_prompts()
-    with LLM(str(deepseek_fp8_dir), **OPTIONS) as llm:
-        want = _tokens(llm, prompts)
+    prompts, want = _deepseek_prompts(), deepseek_fp8_want
     with LLM(str(deepseek_fp8_dir), data_parallel_size=2, enable_expert_parallel=True, all2all_backend=all2all,
              **OPTIONS) as llm:
         client = llm.client

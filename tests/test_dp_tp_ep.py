@@ -37,6 +37,19 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DP2_TP2 = dict(data_parallel_size=2, tensor_parallel_size=2)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread_per_process():
+    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
+    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
+    model's step costs many times its compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 def _prompts() -> list[dict]:
     """Four for both data-parallel ranks, then one for a single rank (not seen before: no prefix-cache hit)."""
     return random_prompts(17, (5, 19, 9, 3, 7))
@@ -109,12 +122,17 @@ def test_dp2_tp2_dense_qwen3_gives_the_one_process_tokens(tmp_path: Path) -> Non
     assert all(len(t) == GREEDY.max_tokens for t in want)
 
 
+@pytest.fixture(scope="module")
+def moe_want(moe_dir: Path) -> list[list[int]]:
+    """The one-process engine's tokens of _prompts() on the tiny Qwen3-MoE (both parametrizations' reference)."""
+    return _one_process_tokens(moe_dir, _prompts())
+
+
 # (allgather_reducescatter's dispatch under DP x EP: test_dp_ep.py, for Qwen3-MoE and FP8 DeepSeek-V3)
 @pytest.mark.parametrize(("expert_parallel", "all2all"), [(False, "auto"), (True, "all_to_all")])
 def test_dp2_tp2_qwen3_moe_gives_the_one_process_tokens_busy_and_with_one_rank_idle(
-        moe_dir: Path, expert_parallel: bool, all2all: str) -> None:  # fmt: skip
-    prompts = _prompts()
-    want = _one_process_tokens(moe_dir, prompts)
+        moe_dir: Path, moe_want: list, expert_parallel: bool, all2all: str) -> None:  # fmt: skip
+    prompts, want = _prompts(), moe_want
     with LLM(str(moe_dir), **DP2_TP2, enable_expert_parallel=expert_parallel, all2all_backend=all2all,
              **OPTIONS) as llm:
         client = llm.client

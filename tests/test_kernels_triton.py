@@ -135,19 +135,25 @@ def test_prefill_mixed_batch_matches_reference(block_size, num_heads, num_kv_hea
     _check_attention(MIXED, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size + head_dim, run=run)
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("num_splits", [None, 3, 8])
 @pytest.mark.parametrize(
     ("block_size", "num_heads", "num_kv_heads", "dtype"),
     [(4, 4, 4, torch.float32), (16, 8, 2, torch.float32), (4, 6, 2, torch.bfloat16)],
 )
-def test_decode_matches_reference(num_splits, block_size, num_heads, num_kv_heads, dtype):
+def test_decode_matches_reference(monkeypatch, num_splits, block_size, num_heads, num_kv_heads, dtype):
+    """num_splits None: the default, which is one split at these short contexts (the one-split run: no merge)."""
+    from helpers_triton import Launches
+
     # seq_len 1 with 8 splits leaves splits empty; 101 ends mid-block and mid-tile.
     seqs = [(c, 1) for c in (0, 3, 17, 40, 63, 100)]
+    merge = Launches(tri_attn._decode_merge_kernel)
+    monkeypatch.setattr(tri_attn, "_decode_merge_kernel", merge)
 
     def run(q, cache, meta, scale):
         return tri_attn.paged_decode_attention(q, cache, meta, scale, num_splits=num_splits, block_n=16)
 
     _check_attention(seqs, block_size, num_heads, num_kv_heads, 16, dtype, seed=block_size + num_heads, run=run)
+    assert merge.count == (num_splits is not None)
 
 
 def test_decode_drops_the_never_written_partials_of_empty_splits(monkeypatch):

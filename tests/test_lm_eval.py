@@ -5,6 +5,7 @@ same weights in transformers), on a small task made here from a local file (no h
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers_optional import require
@@ -48,31 +49,44 @@ def task_dir(tmp_path_factory):
     return d
 
 
-def _evaluate(task_dir, model: str, model_args: str) -> tuple[float, list[list[float]]]:
-    """(accuracy, each document's loglikelihood per choice)."""
-    from lm_eval import simple_evaluate
+@pytest.fixture(scope="module")
+def task_manager(task_dir):
+    """The task here alone, for both evaluations: indexing lm-eval's thousands of built-in tasks takes seconds."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def _evaluate(task_manager, model: str, model_args: str) -> tuple[float, list[list[float]]]:
+    """(accuracy, each document's loglikelihood per choice)."""
+    from lm_eval import simple_evaluate
+
     out = simple_evaluate(model=model, model_args=model_args, tasks=["flotilla_mc"], log_samples=True,
-                          task_manager=TaskManager(include_path=str(task_dir)), batch_size=1)
+                          task_manager=task_manager, batch_size=1)
     samples = sorted(out["samples"]["flotilla_mc"], key=lambda s: s["doc_id"])
     return out["results"]["flotilla_mc"]["acc,none"], [[float(r[0][0]) for r in s["resps"]] for s in samples]
 
 
 @pytest.mark.slow
-def test_local_completions_scores_as_the_hf_model_does(task_dir, monkeypatch):
+def test_local_completions_scores_as_the_hf_model_does(task_manager, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("OPENAI_API_KEY", "none")
     path = default_model_dir(progress=False)
-    server = start_server(timeout=300)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(start_server, timeout=300)  # the server starts while the hf model scores the task
+        try:
+            ref_acc, ref_scores = _evaluate(task_manager, "hf", f"pretrained={path},dtype=float32,device=cpu")
+        except BaseException:
+            starting.result().stop()
+            raise
+    server = starting.result()
     try:
-        acc, scores = _evaluate(task_dir, "local-completions", (
+        acc, scores = _evaluate(task_manager, "local-completions", (
             f"model=SmolLM2-135M-Instruct,base_url={server.url}/v1/completions,tokenizer={path},"
             "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1"))
     finally:
         server.stop()
-    ref_acc, ref_scores = _evaluate(task_dir, "hf", f"pretrained={path},dtype=float32,device=cpu")
     assert len(scores) == len(QUESTIONS) and all(len(s) == 4 for s in scores)
     for mine, theirs in zip(scores, ref_scores):
         assert mine == pytest.approx(theirs, abs=1e-3)

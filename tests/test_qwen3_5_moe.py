@@ -532,11 +532,12 @@ def test_verify_steps_through_the_decode_kernels_token_by_token_give_the_tokens_
     """With the delta nets on triton's kernels (the interpreter on a CPU), a step where every sequence verifies its
     drafts runs the decode kernels token by token, each token's state into its history row: the same tokens,
     samples and logprobs as plain decoding on the reference, drafts accepted or not (then rolled back from those
-    rows), in the helpers' mixed batches and in a batch of three sequences that verify together."""
+    rows), in the helpers' mixed batches (five of their requests: greedy, seeded, with logprobs and penalised, so
+    without drafts; the interpreter is slow per token) and in a batch of three sequences that verify together."""
     pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
     from flotilla.actors.spec_decode import MTPSpeculator
     from flotilla.transport.messages import TokenizedRequest
-    from helpers_spec import oracle, run
+    from helpers_spec import oracle, requests, run
 
     def triton_runner(spec: int | None):
         runner = make_runner(mtp_dir, spec)
@@ -555,9 +556,10 @@ def test_verify_steps_through_the_decode_kernels_token_by_token_give_the_tokens_
         return roll_back(self, seqs, samplers, accepted, num_drafts, *rest)
 
     monkeypatch.setattr(MTPSpeculator, "_roll_back", counted_roll_back)
-    check_speculation_follows_plain(triton_runner(num_spec), plain_q35, num_spec)
+    mixed = [r for r in requests() if r.rid in ("r2", "r3", "r4", "r8", "r13")]  # (a verify step among them)
+    check_speculation_follows_plain(triton_runner(num_spec), plain_q35, num_spec, mixed)
     reqs = [TokenizedRequest(rid=f"u{i}", prompt_ids=np.asarray(random_tokens(5 + i, seed=60 + i), dtype=np.int32),
-                             eos_token_ids=[2], sampling=SamplingParams(max_tokens=18, temperature=0, ignore_eos=True))
+                             eos_token_ids=[2], sampling=SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
             for i in range(3)]
     want = run(make_runner(mtp_dir, None), reqs=reqs)[0]
     runner = triton_runner(num_spec)
@@ -580,11 +582,13 @@ def test_speculating_step_graphs_of_the_hybrid_model_give_the_tokens_of_plain_de
     """Uniform steps through SpecGraphs with the delta nets on triton's kernels (the interpreter; on a CPU the
     "graphs" rerun their passes over the static buffers): each sequence's state slot and each token's history row
     come from static buffers, padded rows skip the kernels, and a rejected draft's state is rolled back from those
-    rows. Plain decoding's tokens and logprobs, the eager steps' drafts, KV cache and state pools."""
+    rows. Plain decoding's tokens and logprobs, the eager steps' drafts, KV cache and state pools (over five of the
+    helpers' requests, greedy, seeded and with logprobs: a uniform step of five, padded to six, and one of one)."""
     pytest.importorskip("flotilla.kernels.triton.gdn", reason="triton is not installed")
-    from helpers_spec import check_step_graphs
+    from helpers_spec import check_step_graphs, requests
 
-    check_step_graphs(mtp_dir, num_spec, "cpu", plain_q35, prepare=on_triton_kernels)
+    reqs = [r for r in requests() if r.rid in ("r0", "r1", "r2", "r3", "r8")]
+    check_step_graphs(mtp_dir, num_spec, "cpu", plain_q35, prepare=on_triton_kernels, reqs=reqs)
 
 
 def test_steps_planned_ahead_roll_the_hybrid_models_states_back_on_the_device(mtp_dir, plain_q35):

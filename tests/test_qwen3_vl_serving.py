@@ -44,6 +44,19 @@ VL_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end
 MAX_TOKENS = 12
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread_per_process():
+    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
+    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
+    model's step costs many times its compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 def write_vl_tokenizer(d: Path) -> None:
     """A byte-level BPE whose vision tokens sit at the tiny checkpoint's ids (300 ...), fillers before them."""
     tok = Tokenizer(models.BPE())

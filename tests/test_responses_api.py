@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers_optional import require
@@ -97,7 +98,7 @@ def test_max_output_tokens_makes_the_response_incomplete(client):
 
 
 def test_a_stream_sends_openais_events_in_order(client):
-    kw = dict(model=MODEL, input="Tell me about Paris.", max_output_tokens=16, temperature=0)
+    kw = dict(model=MODEL, input="Tell me about Paris.", max_output_tokens=8, temperature=0)
     events = list(client.responses.create(stream=True, **kw))
     types = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -114,31 +115,41 @@ def test_a_stream_sends_openais_events_in_order(client):
 
 
 def test_the_stream_helper_parses_a_json_schema_output(client):
-    with client.responses.stream(model=MODEL, input="Describe a city.", text_format=City, max_output_tokens=200,
-                                 temperature=0) as stream:
-        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
-        final = stream.get_final_response()
+    def helper():
+        with client.responses.stream(model=MODEL, input="Describe a city.", text_format=City, max_output_tokens=200,
+                                     temperature=0) as stream:
+            text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            return text, stream.get_final_response()
+
+    with ThreadPoolExecutor(2) as pool:  # (both at once: the engine batches them)
+        streamed = pool.submit(helper)
+        raw = pool.submit(client.responses.create, model=MODEL, input="Describe a city.", max_output_tokens=200,
+                          temperature=0, text={"format": {"type": "json_schema", "name": "city", "strict": True,
+                                                          "schema": City.model_json_schema()}}).result()
+        text, final = streamed.result()
     assert final.status == "completed" and isinstance(final.output_parsed, City)
     assert City.model_validate_json(text) == final.output_parsed
-    raw = client.responses.create(model=MODEL, input="Describe a city.", max_output_tokens=200, temperature=0,
-                                  text={"format": {"type": "json_schema", "name": "city", "strict": True,
-                                                   "schema": City.model_json_schema()}})
     City.model_validate_json(raw.output_text)
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_required_or_named_tool_choice_gives_a_function_call_item(client, stream):
-    for choice, name in (("required", None), ({"type": "function", "name": "get_time"}, "get_time")):
+    def respond(choice):
         kw = dict(model=MODEL, input="What is the weather in Paris?", tools=TOOLS, tool_choice=choice,
                   parallel_tool_calls=False, max_output_tokens=100, temperature=0)
-        if stream:
-            events = list(client.responses.create(stream=True, **kw))
-            r = events[-1].response
-            args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-            done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
-            assert done == [args] == [r.output[0].arguments]
-        else:
-            r = client.responses.create(**kw)
+        if not stream:
+            return client.responses.create(**kw)
+        events = list(client.responses.create(stream=True, **kw))
+        r = events[-1].response
+        args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+        assert done == [args] == [r.output[0].arguments]
+        return r
+
+    choices = (("required", None), ({"type": "function", "name": "get_time"}, "get_time"))
+    with ThreadPoolExecutor(len(choices)) as pool:  # (all at once: the engine batches them)
+        responses = list(pool.map(respond, [choice for choice, _ in choices]))
+    for (_, name), r in zip(choices, responses):
         assert r.status == "completed" and [item.type for item in r.output] == ["function_call"], r.output
         call = r.output[0]
         assert call.call_id.startswith("call_") and call.name in (name or {"get_weather", "get_time"})
@@ -157,7 +168,7 @@ def test_function_call_outputs_go_back_as_tool_turns(client):
     assert second.output and second.output[0].type in ("message", "function_call")
     chat = _chat(client, [question, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}], 4, tools=[
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 21}'}], 1, tools=[
             {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS])
     assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
 

@@ -93,16 +93,16 @@ def test_async_client_completions_n_seed_stop_and_logprobs(server):
     async def main():
         c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         prompt = "The capital of France is"
-        plain = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12)
-        stream = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True)
+        plain = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+        stream = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True)
         streamed = "".join([ch.choices[0].text async for ch in stream])
         assert streamed == plain.choices[0].text
-        two = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=12)
-        again = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=12)
+        two = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=8)
+        again = await c.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=7, n=2, max_tokens=8)
         assert [x.text for x in two.choices] == [x.text for x in again.choices]
         assert two.choices[0].text != two.choices[1].text and [x.index for x in two.choices] == [0, 1]
         stop = plain.choices[0].text.strip().split()[0]
-        cut = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop])
+        cut = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stop=[stop])
         assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
         lp = await c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
         assert len(lp.choices[0].logprobs.tokens) == 4 and all(len(t) == 2 for t in lp.choices[0].logprobs.top_logprobs)
@@ -158,7 +158,7 @@ def test_50_concurrent_streams_each_get_exactly_their_own_output(server):
 
         async def one(q):
             r = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                                temperature=0, max_tokens=8, stream=stream)
+                                                temperature=0, max_tokens=6, stream=stream)
             if not stream:
                 return r.choices[0].message.content
             return "".join([ch.choices[0].delta.content or "" async for ch in r if ch.choices])
@@ -252,7 +252,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, cli
         assert err["param"] == param
     if status == 404:
         assert err["code"] == "model_not_found" and "gpt-9" in err["message"]
-    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
+    ok = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=1)
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 

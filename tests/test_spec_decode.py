@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from flotilla.sampling_params import StructuredOutputs
 from flotilla.transport.messages import SchedulerStatsEvent, TokenizedRequest
 from helpers_engine import write_tiny_tokenizer
 from helpers_optional import needs
-from helpers_server import start_server
+from helpers_server import start_server, start_servers
 from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, attach_step_graphs, check_all_accepted, check_same,
                           count_step_graphs, device_oracle, make_runner, oracle, requests, run)
 from helpers_tiny_models import write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model, write_tiny_model
@@ -81,27 +82,25 @@ def test_speculation_gives_the_tokens_of_plain_decoding(model_dir: Path, plain: 
     assert sched.spec_accepted_tokens == sum(n - 1 for _, n in verified)
 
 
-@pytest.mark.parametrize("num_spec", [1, 2])
-def test_accepted_and_rejected_drafts_give_the_tokens_of_plain_decoding(model_dir: Path, plain: tuple,
-                                                                        num_spec: int) -> None:
-    runner = make_runner(model_dir, num_spec)
-    runner.spec.draft_hook = oracle(plain[0], corrupt=True)
-    tokens, logprobs, sched, verified = run(runner)
-    check_same((tokens, logprobs), plain)
-    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
-    assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
+@pytest.fixture(scope="module")
+def corrupted(model_dir: Path, plain: tuple) -> Callable[[int], dict]:
+    """num_spec -> speculation with the oracle's drafts (plain decoding's tokens, some wrong), run once and shared by
+    the tests below: run()'s results, and what the publish hook and the traced steps saw (tracing changes nothing
+    the runner computes)."""
+    done: dict[int, dict] = {}
+
+    def get(num_spec: int) -> dict:
+        if num_spec not in done:
+            done[num_spec] = _traced_run(model_dir, plain, num_spec)
+        return done[num_spec]
+    return get
 
 
-@pytest.mark.parametrize("num_spec", [1, 2])
-def test_a_step_of_decodes_publishes_its_result_before_it_drafts(model_dir: Path, plain: tuple, num_spec: int) -> None:
-    """MTPSpeculator.publish gets each step of decodes only's result (the object the step returns) once its tokens are
-    known and before any MTP pass of that step, so the worker can send it while the device drafts; a step with prompt
-    tokens is not published (its KV may move to another engine as soon as its result is in). The tokens stay plain
-    decoding's, with drafts accepted and rejected."""
+def _traced_run(model_dir: Path, plain: tuple, num_spec: int) -> dict:
     runner = make_runner(model_dir, num_spec)
     spec = runner.spec
     spec.draft_hook = oracle(plain[0], corrupt=True)
-    passes, published, decode_steps, returned = [0], {}, set(), {}
+    passes, published, decode_steps, returned, early = [0], {}, set(), {}, []
     mtp_forward = runner.model.mtp_forward
     runner.model.mtp_forward = lambda *a, **kw: passes.__setitem__(0, passes[0] + 1) or mtp_forward(*a, **kw)
     spec.publish = lambda result: published.setdefault(result.step, (result, passes[0]))
@@ -114,15 +113,37 @@ def test_a_step_of_decodes_publishes_its_result_before_it_drafts(model_dir: Path
         before = passes[0]
         result = returned[plan.step] = execute(plan)
         if plan.step in published:
-            assert published[plan.step][1] == before < passes[0]  # published before the step's first MTP pass
+            early.append(published[plan.step][1] == before < passes[0])  # before the step's first MTP pass?
         return result
 
     runner.execute = traced
-    tokens, logprobs, sched, _ = run(runner)
-    check_same((tokens, logprobs), plain)
+    tokens, logprobs, sched, verified = run(runner)
+    return dict(tokens=tokens, logprobs=logprobs, sched=sched, verified=verified, published=published,
+                decode_steps=decode_steps, returned=returned, early=early)
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_accepted_and_rejected_drafts_give_the_tokens_of_plain_decoding(plain: tuple, corrupted, num_spec: int) -> None:
+    got = corrupted(num_spec)
+    sched, verified = got["sched"], got["verified"]
+    check_same((got["tokens"], got["logprobs"]), plain)
     assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert {n for _, n in verified} == set(range(1, num_spec + 2))  # none, some and all drafts accepted
+
+
+@pytest.mark.parametrize("num_spec", [1, 2])
+def test_a_step_of_decodes_publishes_its_result_before_it_drafts(plain: tuple, corrupted, num_spec: int) -> None:
+    """MTPSpeculator.publish gets each step of decodes only's result (the object the step returns) once its tokens are
+    known and before any MTP pass of that step, so the worker can send it while the device drafts; a step with prompt
+    tokens is not published (its KV may move to another engine as soon as its result is in). The tokens stay plain
+    decoding's, with drafts accepted and rejected."""
+    got = corrupted(num_spec)
+    sched, published, decode_steps = got["sched"], got["published"], got["decode_steps"]
+    check_same((got["tokens"], got["logprobs"]), plain)
+    assert 0 < sched.spec_accepted_tokens < sched.spec_draft_tokens
+    assert got["early"] and all(got["early"])  # each published before the step's first MTP pass
     assert set(published) == decode_steps and len(decode_steps) >= 5
-    assert all(returned[step] is result for step, (result, _) in published.items())
+    assert all(got["returned"][step] is result for step, (result, _) in published.items())
 
 
 @pytest.mark.parametrize("num_spec", [1, 2, 3])
@@ -152,12 +173,18 @@ def grammar_requests() -> list[TokenizedRequest]:
     return reqs
 
 
+@pytest.fixture(scope="module")
+def plain_under_grammar(model_dir: Path) -> tuple[dict, dict]:
+    """Plain decoding's (tokens, logprobs) of grammar_requests()."""
+    return run(make_runner(model_dir, None), reqs=grammar_requests())[:2]
+
+
 @needs("xgrammar", "structured outputs")
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_drafts_under_a_grammar_are_masked_at_each_position_and_give_the_plain_tokens(model_dir: Path,
+                                                                                        plain_under_grammar: tuple,
                                                                                         corrupt: bool) -> None:
-    reqs = grammar_requests()
-    plain = run(make_runner(model_dir, None), reqs=reqs)[:2]
+    reqs, plain = grammar_requests(), plain_under_grammar
     runner = make_runner(model_dir, 2)
     runner.spec.draft_hook = oracle(plain[0], corrupt, reqs)
     rows: list[tuple[str, int, int]] = []
@@ -342,37 +369,46 @@ def test_a_step_that_fails_after_its_result_went_out_takes_the_engine_down(model
     assert sent and f"step {sent[0]} failed after its result was sent; stopping" in caplog.text
 
 
+TP_PROMPTS = [r.prompt_ids.tolist() for r in requests()[:4]]
+TP_PARAMS = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 2 + \
+    [SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+     SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)]
+TP_SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def tp_tokens(model_dir: Path, **kw) -> list[list[int]]:
+    """TP_PROMPTS' tokens from an LLM with options `kw` (and the tensor-parallel tests' common ones)."""
+    with LLM(str(model_dir), kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, **kw) as llm:
+        # the unseeded request alone, after the others: which steps it shares (and so the engine generator's
+        # draws before its own) must not depend on when the requests reached the scheduler
+        out = llm.generate([{"prompt_token_ids": p} for p in TP_PROMPTS[:3]], TP_PARAMS[:3], use_tqdm=False)
+        out += llm.generate([{"prompt_token_ids": TP_PROMPTS[3]}], TP_PARAMS[3:], use_tqdm=False)
+        deadline = time.monotonic() + 10  # the scheduler's stats follow its steps asynchronously
+        while "speculative_config" in kw and time.monotonic() < deadline and (
+                llm.client.stats is None or not llm.client.stats.spec_draft_tokens):
+            time.sleep(0.05)
+        if "speculative_config" in kw:
+            assert llm.client.stats.spec_draft_tokens > 0  # drafts really were verified
+    return [o.outputs[0].token_ids for o in out]
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """TP_PROMPTS' tokens at TP=1: plain decoding's, and speculation's."""
+    return tp_tokens(model_dir), tp_tokens(model_dir, speculative_config=TP_SPEC)
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
-def test_speculation_under_tensor_parallelism_gives_one_ranks_tokens(model_dir: Path, expert_parallel: bool) -> None:
+def test_speculation_under_tensor_parallelism_gives_one_ranks_tokens(model_dir: Path, one_rank_tokens: tuple,
+                                                                    expert_parallel: bool) -> None:
     """TP=2 (and TP=2 with the experts spread over the two ranks): every rank runs the main model and the MTP layer
     on its share and rank 0 samples the verify steps for both. Greedy and seeded requests get plain TP=1 decoding's
     tokens; an unseeded sampled one gets what speculation at TP=1 samples (rank 0 draws what the lone rank draws).
     (Rank 1 taking rank 0's tokens is not observable here: both ranks' samplers start from the same seed and see
     the same gathered logits, so they would draw alike; the broadcast keeps them together when anything differs.)"""
-    prompts = [r.prompt_ids.tolist() for r in requests()[:4]]
-    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)] * 2 + \
-        [SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
-         SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)]
-    options = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16)
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
-
-    def tokens(**kw) -> list[list[int]]:
-        with LLM(str(model_dir), **options, **kw) as llm:
-            # the unseeded request alone, after the others: which steps it shares (and so the engine generator's
-            # draws before its own) must not depend on when the requests reached the scheduler
-            out = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params[:3], use_tqdm=False)
-            out += llm.generate([{"prompt_token_ids": prompts[3]}], params[3:], use_tqdm=False)
-            deadline = time.monotonic() + 10  # the scheduler's stats follow its steps asynchronously
-            while "speculative_config" in kw and time.monotonic() < deadline and (
-                    llm.client.stats is None or not llm.client.stats.spec_draft_tokens):
-                time.sleep(0.05)
-            if "speculative_config" in kw:
-                assert llm.client.stats.spec_draft_tokens > 0  # drafts really were verified
-        return [o.outputs[0].token_ids for o in out]
-
-    plain, one_rank = tokens(), tokens(speculative_config=spec)
-    got = tokens(tensor_parallel_size=2, enable_expert_parallel=expert_parallel, speculative_config=spec,
-                 placement="process")
+    plain, one_rank = one_rank_tokens
+    got = tp_tokens(model_dir, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                    speculative_config=TP_SPEC, placement="process")
     assert got[:3] == plain[:3] == one_rank[:3]
     assert got[3] == one_rank[3]
 
@@ -411,7 +447,7 @@ def test_metrics_count_draft_and_accepted_tokens() -> None:
 def test_serve_takes_vllms_speculative_config_flag_and_exports_acceptance(model_dir: Path) -> None:
     server = start_server(str(model_dir), "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
                           "--kv-cache-blocks", "128", "--block-size", "4", "--device", "cpu", "--dtype", "float32",
-                          timeout=120)
+                          "--single-process", timeout=120)  # (the flag's path does not depend on the placement)
     try:
         import openai  # here, not at the top: the GPU machine's bundle has no openai, and its tests run this file
 
@@ -441,11 +477,11 @@ def test_speculation_on_a_disaggregated_decode_engine_gives_the_colocated_plain_
     import helpers_pd as pdh
 
     common = ["--block-size", "4", "--kv-cache-blocks", "200", "--max-num-seqs", "16"]
-    colocated = start_server(str(model_dir), "--single-process", *common, timeout=180)
+    pd_args = ("--engines", "prefill,decode", "--kv-transfer-backend", "torch_dist", "--speculative-config",
+               '{"method": "mtp", "num_speculative_tokens": 2}', *common)
+    colocated, pd = start_servers(((str(model_dir), "--single-process", *common), {"timeout": 180}),
+                                  ((str(model_dir), *pd_args), {"timeout": 180}))  # (both start at once)
     try:
-        pd = start_server(str(model_dir), "--engines", "prefill,decode", "--kv-transfer-backend", "torch_dist",
-                          "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', *common,
-                          timeout=180)  # fmt: skip
         try:
             reqs = pdh.requests(12, offset=5)
             assert pdh.run_all(pd.url, reqs) == pdh.run_all(colocated.url, reqs)
@@ -461,8 +497,22 @@ def test_speculation_on_a_disaggregated_decode_engine_gives_the_colocated_plain_
         colocated.stop()
 
 
+DP_PROMPTS = [{"prompt_token_ids": r.prompt_ids.tolist()} for r in requests()[:5]]
+DP_OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def dp_plain(model_dir: Path) -> list:
+    """Plain decoding's greedy outputs of DP_PROMPTS on one engine."""
+    from helpers_parallel import generate_within
+
+    with LLM(str(model_dir), **DP_OPTIONS, placement="inline") as llm:
+        return generate_within(llm, DP_PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), 120)
+
+
 @pytest.mark.parametrize("all2all", ["all_to_all", "allgather_reducescatter"])
-def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path, all2all: str) -> None:
+def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(model_dir: Path, dp_plain: list,
+                                                                              all2all: str) -> None:
     """DP2 x EP2: each data-parallel rank speculates on its own requests, and every step runs the MTP layer's
     all-to-alls num_speculative_tokens times on both ranks (empty passes where a rank has fewer drafts to make, and
     an idle rank's empty step runs them too), so the ranks' collectives pair up: greedy tokens are plain decoding's,
@@ -470,13 +520,10 @@ def test_speculation_under_data_parallel_expert_parallelism_gives_plain_tokens(m
     per step, hold every pass of it)."""
     from helpers_parallel import generate_within
 
-    prompts = [{"prompt_token_ids": r.prompt_ids.tolist()} for r in requests()[:5]]
+    prompts, want = DP_PROMPTS, dp_plain
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    options = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
-    with LLM(str(model_dir), **options, placement="inline") as llm:
-        want = generate_within(llm, prompts, greedy, 120)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    with LLM(str(model_dir), **options, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
+    with LLM(str(model_dir), **DP_OPTIONS, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec,
              all2all_backend=all2all, placement="process") as llm:  # fmt: skip
         assert generate_within(llm, prompts[:4], greedy, 120) == want[:4]  # both data-parallel ranks busy
         assert llm.client.coordinator.assigned == [2, 2]

@@ -4,6 +4,7 @@ the options around it fail clearly where they cannot apply."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -24,23 +25,45 @@ from helpers_tiny_models import _COMMON, TINY_CONFIGS, write_tiny_moe_model
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread_per_process():
+    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
+    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
+    model's step costs many times its compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 23, 9, 14)]
 
 
-def _generate(model_dir: Path, placement: str = "inline", **options: object) -> tuple[list, list[float], dict]:
+def _generate(llm: LLM) -> tuple[list, list[float], dict]:
     """Greedy tokens of every prompt, then a seeded sampled request's tokens and logprobs (rank 0 samples
     for the group under TP: the tokens must still be the one-rank engine's)."""
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
     prompts = _prompts()
-    with LLM(str(model_dir), placement=placement, **OPTIONS, **options) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[1]]],
-                            [greedy] * len(prompts) + [seeded], use_tqdm=False)
-        detail = {k: {**d, "pid": llm.client.runtime.ready[k].pid} for k, d in llm.client.ready_detail.items()}
+    outs = llm.generate([{"prompt_token_ids": p} for p in [*prompts, prompts[1]]],
+                        [greedy] * len(prompts) + [seeded], use_tqdm=False)
+    detail = {k: {**d, "pid": llm.client.runtime.ready[k].pid} for k, d in llm.client.ready_detail.items()}
     tokens = [o.outputs[0].token_ids for o in outs]
     return tokens, [lp.logprob for lp in outs[-1].outputs[0].logprobs], detail
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp2(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Qwen3 (4 query heads, 2 kv heads: split) and one TP=2 engine on it (placement: process, by default
+    under TP), shared by the tests in file order: the greedy comparison, then the dead rank, which stops it."""
+    model_dir = write_tiny_engine_model(tmp_path_factory.mktemp("tp") / "qwen3", "qwen3")
+    llm = LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS)
+    yield model_dir, llm
+    llm.shutdown()  # (nothing left to do when the dead-rank test stopped it)
 
 
 def _one_kv_head_qwen3(model_dir: Path) -> Path:
@@ -53,16 +76,20 @@ def _one_kv_head_qwen3(model_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_one_kv_head", "qwen3_moe"])
-def test_tp2_greedy_tokens_equal_one_rank(name: str, tmp_path: Path) -> None:
-    if name == "qwen3":
-        model_dir = write_tiny_engine_model(tmp_path / name, "qwen3")  # 4 query heads, 2 kv heads: split
+def test_tp2_greedy_tokens_equal_one_rank(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    shared = None
+    if name == "qwen3":  # the module's TP=2 engine, left running for the dead-rank test
+        model_dir, engine = request.getfixturevalue("qwen3_tp2")
+        shared = contextlib.nullcontext(engine)
     elif name == "qwen3_one_kv_head":
         model_dir = _one_kv_head_qwen3(tmp_path / name)
     else:
         model_dir = write_tiny_moe_model(tmp_path / name, name)
         write_tiny_tokenizer(model_dir, vocab_size=320)
-    want, want_logprobs, _ = _generate(model_dir)
-    got, got_logprobs, detail = _generate(model_dir, placement="process", tensor_parallel_size=2)
+    with LLM(str(model_dir), placement="inline", **OPTIONS) as llm:
+        want, want_logprobs, _ = _generate(llm)
+    with shared or LLM(str(model_dir), placement="process", tensor_parallel_size=2, **OPTIONS) as llm:
+        got, got_logprobs, detail = _generate(llm)
     assert [detail[f"worker/{r}"]["tp"] for r in range(2)] == ["0/2", "1/2"]
     assert detail["worker/0"]["pid"] != detail["worker/1"]["pid"]
     assert all(len(t) == 12 for t in got)
@@ -81,9 +108,8 @@ def test_forced_moe_backend_on_a_dense_model_fails_the_start(tmp_path: Path) -> 
         LLM(str(model_dir), moe_backend="torch", **OPTIONS)
 
 
-def test_a_dead_rank_fails_the_engine_instead_of_hanging_it(tmp_path: Path) -> None:
-    model_dir = write_tiny_engine_model(tmp_path / "qwen3", "qwen3")
-    llm = LLM(str(model_dir), tensor_parallel_size=2, **OPTIONS)  # placement: process, by default under TP
+def test_a_dead_rank_fails_the_engine_instead_of_hanging_it(qwen3_tp2) -> None:
+    _, llm = qwen3_tp2
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     try:
         assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
