@@ -14,6 +14,7 @@ from pathlib import Path
 # First: importing flotilla drops the checkout root that `python -m pytest` put on sys.path, before any test
 # imports transformers (whose `kernels` import the root's kernels/ would otherwise shadow).
 import flotilla  # noqa: F401
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,3 +30,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         from helpers_triton import repair_interpreter
 
         repair_interpreter()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread in this process and OMP_NUM_THREADS=1 in the engine processes a module starts (it names this
+    in its pytestmark): they share the machine's few cores, where torch's thread pools wait on each other and a tiny
+    model's step costs many times its compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(threads)

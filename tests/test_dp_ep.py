@@ -43,24 +43,13 @@ from helpers_tiny_models import (
 )
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 openai = optional("openai")
 
 # chunked prefill (16-token budget), mixed prefill + decode steps, steps in flight (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
-    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
-    model's step costs many times its compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(threads)
 
 
 def _prompts() -> list[dict]:

@@ -23,20 +23,11 @@ from helpers_optional import require
 
 openai = require("openai", "the streams are read through the real openai client")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 OPTIONS = ["--kv-cache-blocks", "512", "--max-num-seqs", "32", "--heartbeat-timeout", "2",
            "--engine-restart-backoff", "0.25"]  # (four failures in a row: 0.25 + 0.5 + 1 + 2 s of waiting)
 STREAMS = 20
 GREEDY = [{"kind": "completion", "stream": False, "prompt": pdh.prompt(i), "max_tokens": 12} for i in range(4)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """OMP_NUM_THREADS=1 in the engine processes this module starts: they share the machine's few cores, where torch's
-    thread pools wait on each other and a tiny model's step costs many times its compute."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

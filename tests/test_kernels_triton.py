@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 
 import pytest
 import torch

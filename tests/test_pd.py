@@ -26,18 +26,11 @@ from helpers_engine import write_tiny_engine_model
 from helpers_optional import optional, require
 from helpers_server import start_servers
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 openai = require("openai", "the deployment is tested through the real openai client")
 require("dlslime", "the KV data plane needs dlslime (and Debian's libibverbs1)")
 redis = optional("redis")  # checks the registry when redis_url is not None (a redis-server and this client)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """OMP_NUM_THREADS=1 in the engine processes this module starts: they share the machine's few cores, where torch's
-    thread pools wait on each other and a tiny model's step costs many times its compute."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

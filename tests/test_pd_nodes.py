@@ -27,17 +27,10 @@ from helpers_engine import set_max_positions, write_tiny_engine_model
 from helpers_optional import require
 from helpers_server import start_server, start_servers
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 openai = require("openai", "the nodes are tested through the real openai client")
 require("dlslime", "the KV data plane needs dlslime (and Debian's libibverbs1)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """OMP_NUM_THREADS=1 in the engine processes this module starts: they share the machine's few cores, where torch's
-    thread pools wait on each other and a tiny model's step costs many times its compute."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,11 @@ from helpers_engine import write_tiny_engine_model
 from helpers_optional import require
 from helpers_server import start_server, start_servers
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 openai = require("openai", "the deployment is tested through the real openai client")
 
 ENGINES = ["prefill-0", "prefill-1", "decode-0"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """OMP_NUM_THREADS=1 in the engine processes this module starts: they share the machine's few cores, where torch's
-    thread pools wait on each other and a tiny model's step costs many times its compute."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -324,9 +324,9 @@ def test_layer_types_default_to_every_fourth_layer_full_attention():
 
 
 def _check_kernels_give_transformers_logits(model, models, device: str, kernels: str, max_err: float,
-                                           mean_err: float, monkeypatch) -> None:
-    """A prefill, a second chunk (from the slot's state), then decodes of two sequences with the delta nets on
-    `kernels`, against transformers' own torch functions in float32."""
+                                           mean_err: float, monkeypatch, decodes: int = 8) -> None:
+    """A prefill, a second chunk (from the slot's state), then `decodes` decode steps of two sequences with the delta
+    nets on `kernels`, against transformers' own torch functions in float32."""
     # transformers swaps in fla's (or causal-conv1d's) kernels where installed, CPU inputs or not: its own torch
     # functions are the reference
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
@@ -341,7 +341,7 @@ def _check_kernels_give_transformers_logits(model, models, device: str, kernels:
     for step in ([(0, a[:20]), (1, b)], [(0, a[20:])]):
         for (i, _), logits in zip(step, runner.step(step)):
             got[i].append(logits)
-    for _ in range(8):  # decodes of both at once: the triton path
+    for _ in range(decodes):  # decodes of both at once: the triton path
         step = [(i, [int(got[i][-1][-1].argmax())]) for i in (0, 1)]
         a, b = a + step[0][1], b + step[1][1]
         for (i, _), logits in zip(step, runner.step(step)):
@@ -361,7 +361,7 @@ def test_the_triton_kernels_give_transformers_logits_under_the_interpreter(model
     if on_cuda:
         pytest.skip("the CUDA test below runs these kernels compiled")
     _check_kernels_give_transformers_logits(load_flotilla_model(model_dir), models, "cpu", "triton", 1e-4, 1e-5,
-                                            monkeypatch)
+                                            monkeypatch, decodes=4)  # (the interpreter is slow per launch)
 
 
 @pytest.mark.gpu

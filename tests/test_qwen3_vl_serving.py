@@ -29,6 +29,8 @@ from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoImageProcessor, PreTrainedTokenizerFast
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 openai = require("openai", "the tests talk to the server through the real client")
 
 PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
@@ -42,19 +44,6 @@ TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 VL_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 300 .. 303
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
-    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
-    model's step costs many times its compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(threads)
 
 
 def write_vl_tokenizer(d: Path) -> None:

@@ -21,21 +21,10 @@ from flotilla.server.engine_client import EngineDeadError, RequestFailed
 from helpers_engine import write_tiny_engine_model, write_tiny_tokenizer
 from helpers_tiny_models import _COMMON, TINY_CONFIGS, write_tiny_moe_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 # chunked prefill (16-token budget) and mixed prefill + decode steps, with pipelined steps (the default)
 OPTIONS = dict(kv_cache_blocks=128, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread_per_process():
-    """One torch thread in this process (its inline engines and references) and OMP_NUM_THREADS=1 in the engine
-    processes it starts: they share the machine's few cores, where torch's thread pools wait on each other and a tiny
-    model's step costs many times its compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-    torch.set_num_threads(threads)
 
 
 def _prompts() -> list[list[int]]:
