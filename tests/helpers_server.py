@@ -65,12 +65,13 @@ class Server:
 def start_server(*args: str, timeout: float = 120.0, command: str = "serve") -> Server:
     """`flotilla serve ARGS --port <free>` (or another command that ends up serving, e.g. `launch` of a
     deployment file); returns once the ready line is logged (fails with the log if not). A port that another process
-    took between its pick and the server's bind is picked again."""
+    took between its pick and the bind (the server's, or one an actor was given) is picked again: a new start."""
     for _ in range(3):
         server = _start_server(free_tcp_port(), args, timeout, command)
         if server.proc.returncode is None:
             return server
-        if not any(f"('127.0.0.1', {server.port}): address already in use" in line for line in server.log):
+        if not any(f"('127.0.0.1', {server.port}): address already in use" in line
+                   or "ZMQError: Address already in use" in line for line in server.log):
             break
     raise AssertionError("server did not become ready:\n" + "".join(server.log[-40:]))
 
