@@ -106,9 +106,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Continuous batching limits and policy."""
 
     max_num_seqs: int = 256
-    """Most sequences in one step (the largest running batch)."""
+    """Most sequences in one step (the largest running batch). Offline on a large GPU, 512 keeps more of a long/short
+    mix running (docs/benchmarks.md); a hybrid model holds one recurrent-state slot per sequence."""
     max_num_batched_tokens: int = 8192
-    """Token budget of one step (prefill chunks + decodes)."""
+    """Token budget of one step (prefill chunks + decodes). Offline on a large GPU, 16384 (vLLM's offline default
+    there) takes long prompts in fewer steps; when serving, a larger step is a longer gap for the decodes in it."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes keep flowing; off = a prompt runs whole or waits."""
     policy: Literal["fcfs", "priority"] = "fcfs"
