@@ -83,13 +83,22 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    """(messages -> the text transformers' greedy generate answers) on the served checkpoint and template."""
+    """(messages -> the text transformers' greedy generate answers) on the served checkpoint and template; each
+    answer is computed once (the tests ask for the same few many times)."""
     hf = load_hf_vl_model(folder)
     tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
     processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    answers: dict[tuple[str, tuple[bytes, ...]], tuple[str, list[int]]] = {}
 
     def answer(messages: list[dict], images: list[bytes]) -> tuple[str, list[int]]:
         """The greedy answer's text and the prompt's token ids (each image's placeholders expanded)."""
+        key = (json.dumps(messages, sort_keys=True, default=repr), tuple(images))
+        if key not in answers:
+            answers[key] = generate(messages, images)
+        text, ids = answers[key]
+        return text, list(ids)
+
+    def generate(messages: list[dict], images: list[bytes]) -> tuple[str, list[int]]:
         parts = [[{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]
                  if isinstance(m["content"], list) else m["content"] for m in messages]
         text = tok.apply_chat_template([{**m, "content": c} for m, c in zip(messages, parts)], tokenize=False,
