@@ -265,8 +265,8 @@ def test_gqa_model_with_fp8_cache_is_within_tolerance(name: str, backend: str, f
     assert got.isfinite().all()  # nothing read from never-written (NaN) slots
     assert LOGITS_REL_RMS_FLOOR < _rel_rms(got, want) < LOGITS_REL_RMS
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
-    # the same quantized cache as the reference backend, read the same way
-    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    if backend != "torch":  # the same quantized cache as the reference backend, read the same way
+        torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_deepseek_v3_with_fp8_latent_cache_is_within_tolerance(model_dirs: dict[str, Path]) -> None:
@@ -296,7 +296,8 @@ def test_sparse_attention_with_an_fp8_cache_is_within_tolerance(name: str, backe
     assert got.isfinite().all()
     assert LOGITS_REL_RMS_FLOOR < _rel_rms(got, want) < 0.5
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.5
-    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    if backend != "torch":  # (the torch case is the reference itself)
+        torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("backend", "fused_ops"), BACKENDS)
