@@ -22,9 +22,14 @@ def model_dir(config: EngineConfig) -> Path:
 
 
 # Model types for which transformers' AutoTokenizer, given a folder whose tokenizer_config.json names the generic fast
-# tokenizer, returns that generic class (tests/test_tokenizer_loading.py checks it against the installed transformers).
-GENERIC_FAST_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "deepseek_v3"})
+# tokenizer, returns that generic class; and model types whose own class it substitutes for any class the folder
+# names (its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS). tests/test_tokenizer_loading.py checks both against the
+# installed transformers.
+GENERIC_FAST_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe",
+                                                "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa"})
 GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+SUBSTITUTED_TOKENIZER_CLASSES = {"qwen3_5": "Qwen3_5Tokenizer", "qwen3_5_moe": "Qwen3_5Tokenizer",
+                                 "qwen3_5_moe_text": "Qwen3_5Tokenizer"}
 
 
 def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerBase:
@@ -32,14 +37,14 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTo
     chat_template_text) replaces the folder's template.
 
     AutoTokenizer resolves the class through the model's config, which imports torch and much of transformers'
-    modelling code: about 3 s of CPU in each process that loads a tokenizer (the tokenizer, the detokenizer and the
-    front end). Where the answer is known without it (a folder whose tokenizer_config.json names the generic fast
-    tokenizer, no remote code, a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES) that class is loaded directly;
+    modelling code: about 2 s of CPU in each process that loads a tokenizer (the tokenizer, the detokenizer and the
+    front end). Where the answer is known without it (see _known_tokenizer_class) that class is loaded directly;
     everything else goes through AutoTokenizer."""
-    if _generic_fast_tokenizer(path):
-        from transformers import PreTrainedTokenizerFast
+    known = _known_tokenizer_class(path)
+    if known is not None:
+        import transformers
 
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        tok = getattr(transformers, known).from_pretrained(str(path))
     else:
         from transformers import AutoTokenizer  # (imports torch)
 
@@ -65,15 +70,25 @@ def chat_template_text(value: str) -> str:
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
-def _generic_fast_tokenizer(path: Path) -> bool:
+def _known_tokenizer_class(path: Path) -> str | None:
+    """The class AutoTokenizer would load for this folder, where that is known from its files alone: a tokenizer.json,
+    no remote code, and either the generic fast class named for a model type of GENERIC_FAST_TOKENIZER_MODEL_TYPES or
+    a model type of SUBSTITUTED_TOKENIZER_CLASSES; None for every other folder."""
     try:
         tok_config = json.loads((path / "tokenizer_config.json").read_text())
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return (isinstance(tok_config, dict) and tok_config.get("tokenizer_class") in GENERIC_FAST_TOKENIZER_CLASSES
-            and "auto_map" not in tok_config and (path / "tokenizer.json").is_file()
-            and model_type in GENERIC_FAST_TOKENIZER_MODEL_TYPES)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(tok_config, dict) or "auto_map" in tok_config or not (path / "tokenizer.json").is_file():
+        return None
+    named = tok_config.get("tokenizer_class")
+    if not isinstance(named, str):
+        return None
+    if model_type in SUBSTITUTED_TOKENIZER_CLASSES:
+        return SUBSTITUTED_TOKENIZER_CLASSES[model_type]
+    if named in GENERIC_FAST_TOKENIZER_CLASSES and model_type in GENERIC_FAST_TOKENIZER_MODEL_TYPES:
+        return "PreTrainedTokenizerFast"
+    return None
 
 
 IMAGE_ARCHITECTURES = frozenset({"Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"})

@@ -23,6 +23,8 @@ from flotilla import LLM, SamplingParams
 if not hasattr(transformers, "DeepseekV4Config"):
     pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4 (5.24 does): the reference is missing",
                 allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 VOCAB = 320
 CONFIG = dict(
     vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,

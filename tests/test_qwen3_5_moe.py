@@ -37,6 +37,8 @@ from flotilla.kernels import gdn
 from flotilla.models.hf_config import parse_hf_config
 from flotilla.models.qwen3_5_moe import GatedAttention, GatedDeltaNet, Qwen3_5MoeForCausalLM
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 

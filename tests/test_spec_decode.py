@@ -36,6 +36,9 @@ from helpers_spec import (STOP_TOKEN, VOCAB, add_mtp_layer, attach_step_graphs, 
 from helpers_tiny_models import write_tiny_deepseek_fp8_pair, write_tiny_deepseek_model, write_tiny_model
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # (conftest.py)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = add_mtp_layer(write_tiny_deepseek_model(tmp_path_factory.mktemp("mtp") / "m", "deepseek_v3"))

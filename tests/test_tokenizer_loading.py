@@ -17,7 +17,8 @@ import pytest
 from helpers_engine import write_tiny_tokenizer
 from transformers import AutoTokenizer
 
-from flotilla.models.model_folder import GENERIC_FAST_TOKENIZER_MODEL_TYPES, load_tokenizer
+from flotilla.models.model_folder import (GENERIC_FAST_TOKENIZER_MODEL_TYPES, SUBSTITUTED_TOKENIZER_CLASSES,
+                                          load_tokenizer)
 
 TEXTS = ["The quick brown fox.", "日本語 🙂 12345", "  spaces  and\ttabs\n", "<|im_start|>user\nhi<|im_end|>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -54,10 +55,21 @@ def test_the_direct_path_gives_autotokenizers_tokenizer(tmp_path, model_type):
     _same(load_tokenizer(d), AutoTokenizer.from_pretrained(str(d)))
 
 
+@pytest.mark.parametrize("model_type", sorted(SUBSTITUTED_TOKENIZER_CLASSES))
+@pytest.mark.parametrize("named", ["TokenizersBackend", "Qwen2Tokenizer", "LlamaTokenizerFast"])
+def test_a_model_type_whose_class_transformers_substitutes_gets_it_whatever_the_folder_names(tmp_path, model_type,
+                                                                                              named):
+    d = _folder(tmp_path, model_type, tokenizer_class=named)
+    ours = load_tokenizer(d)
+    assert type(ours).__name__ == SUBSTITUTED_TOKENIZER_CLASSES[model_type]
+    _same(ours, AutoTokenizer.from_pretrained(str(d)))
+
+
 @pytest.mark.parametrize("model_type,tok_config", [
     ("qwen2", {}),  # a model type whose hub class transformers overrides
     ("llama", {"tokenizer_class": "GPT2Tokenizer"}),  # a named class
     ("llama", {"auto_map": {"AutoTokenizer": [None, "tok.MyTokenizer"]}}),  # remote code: AutoTokenizer decides
+    ("qwen3_5_moe", {"auto_map": {"AutoTokenizer": [None, "tok.MyTokenizer"]}}),
 ])
 def test_other_folders_go_through_autotokenizer(tmp_path, monkeypatch, model_type, tok_config):
     d = _folder(tmp_path, model_type, **tok_config)
@@ -77,8 +89,9 @@ def test_other_folders_go_through_autotokenizer(tmp_path, monkeypatch, model_typ
         _same(got, real(AutoTokenizer, str(d)))
 
 
-def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_path):
-    d = _folder(tmp_path, "llama")
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_5_moe"])
+def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_path, model_type):
+    d = _folder(tmp_path, model_type)
     code = ("import sys\nfrom pathlib import Path\nimport flotilla.actors.detokenizer, flotilla.server.serve\n"
             "from flotilla.models.model_folder import load_tokenizer\n"
             f"load_tokenizer(Path({str(d)!r}))\nprint(sorted(m for m in ('torch', 'transformers.configuration_utils')"
