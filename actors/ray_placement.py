@@ -17,6 +17,8 @@ naming the actor and Ray's reason.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,19 @@ def import_ray() -> Any:
     except ImportError as e:
         raise RuntimeError(f"{RAY_HINT} ({e})") from None
     return ray
+
+
+def exit_if_connected(rc: int) -> None:
+    """End this process now, with `rc`, if a placement connected it to a Ray cluster. Ray's own teardown (ray.shutdown,
+    or its exit hook) can corrupt a driver's heap and crash it after a clean stop; the cluster frees what the driver
+    held once its connection drops, and the actors' run folders are already removed by then."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def ray_failure(e: BaseException) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import uvloop
 
+from flotilla.actors import ray_placement
 from flotilla.actors.runtime import ActorFailure, Runtime
 from flotilla.actors.topology import Topology, examples, load_topology, topology_path
 from flotilla.server.cli import HelpFormatter
@@ -211,7 +212,9 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as e:
         print(f"flotilla launch: {e}", file=sys.stderr)
         return 2
-    return uvloop.run(launch(topo, args.host, args.trace))
+    rc = uvloop.run(launch(topo, args.host, args.trace))
+    ray_placement.exit_if_connected(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 import uvloop
 from flotilla import envs
+from flotilla.actors import ray_placement
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.standalone import dump_tasks_on_sigusr1
 from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
@@ -223,5 +224,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"flotilla serve: {problem}", file=sys.stderr)
         return 2
     rc = uvloop.run(serve(config, args))
+    ray_placement.exit_if_connected(rc)
     gc.freeze()  # the interpreter's last collection then skips what torch and transformers built (about half a second)
     return rc
