@@ -2,10 +2,11 @@
 
 Each step spends a token budget (`max_num_batched_tokens`) over at most `max_num_seqs` sequences:
 running sequences first (a decode costs one token, an unfinished prompt its next chunk), then waiting
-ones in FCFS or priority order, their prompts chunked to fit when chunked prefill is on. When KV blocks
-run out, the most recently admitted running sequence is preempted by recompute: its blocks are freed,
-it returns to the head of the queue, and later resumes with prompt + output as its new "prompt" (the
-prefix cache usually gives most of it back). Greedy output is unchanged by preemption.
+ones in FCFS or priority order, their prompts chunked to fit when chunked prefill is on; beside running
+sequences, a prompt is admitted only once all its blocks fit (_rest_fits). When KV blocks run out, the
+most recently admitted running sequence is preempted by recompute: its blocks are freed, it returns to
+the head of the queue, and later resumes with prompt + output as its new "prompt" (the prefix cache
+usually gives most of it back). Greedy output is unchanged by preemption.
 
 A plan carries only what changed (new sequences in full, running ones as token counts and appended
 block ids), and `num_computed` advances when a step is *planned*, so step N+1 can be planned before
@@ -351,6 +352,8 @@ class BatchScheduler:
         remaining = len(tokens) - cached
         if not self.config.enable_chunked_prefill and remaining > budget:
             return 0
+        if not self._rest_fits(tokens, hit):
+            return 0
         points = self.blocks.snapshot_points(tokens, hit)  # (a hybrid model: its chunks end at each)
         n = min(remaining, budget, points[0] - cached if points else remaining)
         alloc = self.blocks.allocate(seq.rid, tokens, num_new_tokens=n, read_cache=not whole)
@@ -371,6 +374,19 @@ class BatchScheduler:
         if self.num_speculative_tokens > 1:  # room for the further drafts' MTP KV (skipped when not there)
             self.blocks.append_slots(seq.rid, self.num_speculative_tokens - 1)
         return len(tokens) - alloc.num_cached_tokens if n == remaining else n
+
+    def _rest_fits(self, tokens: np.ndarray, hit: Allocation) -> bool:
+        """With sequences running, a prompt is admitted only when its blocks, all of them, fit beside what those
+        sequences still need for their own known tokens and one block each to grow into. Admitted by its first chunk
+        alone, a long prompt could take the blocks the running ones need and be preempted before its prefill ends,
+        again and again, its chunks computed anew each time (docs/benchmarks.md, "Long contexts")."""
+        if not self.running:
+            return True
+        fresh = self.blocks.blocks_for(len(tokens)) - len(hit.block_ids)
+        revived = sum(1 for b in hit.block_ids if self.blocks.refcount(b) == 0)  # (evictable hits count as free)
+        claimed = sum(self.blocks.num_new_blocks(s.rid, max(s.num_tokens + s.pending - self.blocks.num_slots(s.rid), 0))
+                      + 1 for s in self.running if s.rid in self.blocks)
+        return fresh + revived + claimed <= self.blocks.num_free_blocks
 
     def _reserve_states(self, seq: Sequence, points: list[int]) -> bool:
         """A hybrid model's state snapshots for a sequence just given its blocks (BlockManager.snapshot_points);

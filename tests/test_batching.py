@@ -15,21 +15,22 @@ from flotilla.config import SchedulerConfig
 from flotilla.sampling_params import SamplingParams
 from flotilla.transport.messages import StepPlan, StepResult, TokenizedRequest
 
-from helpers_batching import EOS, VOCAB, FakeWorker, reference, reference_prompt_scores
+from helpers_batching import EOS, VOCAB, FakeWorker, next_token, reference, reference_prompt_scores
 
 def drive(requests, num_blocks: int, depth: int, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
           chunked: bool = True, prefix: bool = True, abort: set[str] = frozenset(), seed: int = 0,
-          snapshots: int = 0, score: dict[str, int] | None = None, scored: dict | None = None):
+          snapshots: int = 0, score: dict[str, int] | None = None, scored: dict | None = None,
+          max_model_len: int = 512, eos: bool = True):
     """snapshots > 0: a hybrid model's worker, whose prefix hits resume recurrent-state snapshots. score: rid ->
     prompt_logprobs; each first delta's prompt logprobs go into `scored`."""
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                           max_steps_in_flight=depth)
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, num_state_snapshots=snapshots)
-    sched = BatchScheduler(cfg, blocks, max_model_len=512)
+    sched = BatchScheduler(cfg, blocks, max_model_len=max_model_len)
     worker = sched.worker = FakeWorker(num_blocks, block_size, hybrid=snapshots > 0)
     for rid, prompt, max_tokens in requests:
-        sched.add(TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS],
+        sched.add(TokenizedRequest(rid=rid, prompt_ids=np.asarray(prompt, np.int32), eos_token_ids=[EOS] if eos else [],
                                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0,
                                                            prompt_logprobs=(score or {}).get(rid))))
     outputs: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
@@ -79,6 +80,33 @@ def test_every_request_gets_its_reference_output(depth, num_blocks, budget, chun
         assert finished[rid] == ("stop" if want[-1] == EOS else "length")
     if num_blocks == 24:
         assert sched.num_preemptions > 0  # the tiny cache forced recomputation
+
+
+@pytest.mark.parametrize("num_blocks", [2850, 2900])
+def test_a_prompt_whose_rest_cannot_fit_beside_the_running_ones_waits_instead_of_being_preempted_midway(num_blocks):
+    """16 prompts of 4,000 tokens, chunks of 1,024, into a cache that holds 11 of them, their outputs and more than a
+    chunk besides: the 12th is admitted once its whole prompt fits, so every token is computed once. Admitted by its
+    first chunk, it was preempted for lack of blocks before its prefill ended, again and again."""
+    rng = random.Random(3)
+    reqs = [(f"r{i}", [rng.randrange(8, VOCAB) for _ in range(4000)], 64) for i in range(16)]
+    computed = []
+    execute = FakeWorker.execute
+
+    def counting(self, plan):
+        computed.append(int(plan.num_new_tokens.sum()) if plan.num_new_tokens is not None else 0)
+        return execute(self, plan)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeWorker, "execute", counting)
+        outputs, _, sched = drive(reqs, num_blocks, depth=3, block_size=16, budget=1024, max_seqs=16, prefix=False,
+                                  max_model_len=8192, eos=False)
+    assert sched.num_preemptions == 0
+    assert sum(computed) == sum(len(prompt) + n - 1 for _, prompt, n in reqs)  # (a last token is never fed back)
+    for rid, prompt, n in reqs:
+        tokens = list(prompt)
+        for _ in range(n):
+            tokens.append(next_token(tokens))
+        assert outputs[rid] == tokens[len(prompt):], rid
 
 
 @pytest.mark.parametrize("depth", [1, 3])

@@ -288,7 +288,7 @@ def test_the_engine_gives_transformers_tokens_with_chunks_prefix_hits_and_preemp
         rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in first + rest] == want
         assert all(o.num_cached_tokens == 24 for o in rest)  # (the rows of every layer kind came from the cache)
-    with LLM(str(folder), block_size=4, kv_cache_blocks=16, max_num_seqs=3) as small:
+    with LLM(str(folder), block_size=4, kv_cache_blocks=18, max_num_seqs=3) as small:
         outs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         assert small.client.runtime.actors["scheduler/0"].core.num_preemptions > 0
