@@ -384,8 +384,11 @@ class BatchScheduler:
             return True
         fresh = self.blocks.blocks_for(len(tokens)) - len(hit.block_ids)
         revived = sum(1 for b in hit.block_ids if self.blocks.refcount(b) == 0)  # (evictable hits count as free)
-        claimed = sum(self.blocks.num_new_blocks(s.rid, max(s.num_tokens + s.pending - self.blocks.num_slots(s.rid), 0))
-                      + 1 for s in self.running if s.rid in self.blocks)
+        claimed = len(self.running)
+        for s in self.running:
+            known = s.num_tokens + s.pending
+            if known - s.num_computed > 1 and s.rid in self.blocks:  # (a prompt not all planned yet)
+                claimed += self.blocks.num_new_blocks(s.rid, max(known - self.blocks.num_slots(s.rid), 0))
         return fresh + revived + claimed <= self.blocks.num_free_blocks
 
     def _reserve_states(self, seq: Sequence, points: list[int]) -> bool:
