@@ -154,8 +154,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                        description="Benchmarks: `flotilla bench transport` (control plane), `flotilla bench offline` "
                                    "(throughput through the engine), `flotilla bench serving` (TTFT / TPOT / ITL / "
                                    "throughput of a running OpenAI-compatible server, flotilla or vLLM, over HTTP "
-                                   "with SSE). `flotilla bench WHAT --help` lists each one's flags.")
-    p.add_argument("what", choices=["transport", "offline", "serving"], help="which benchmark")
+                                   "with SSE), `flotilla bench schedule` (the batching policy alone on the same "
+                                   "workloads, no model). `flotilla bench WHAT --help` lists each one's flags.")
+    p.add_argument("what", choices=["transport", "offline", "serving", "schedule"], help="which benchmark")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see its --help)")
 
 
