@@ -32,6 +32,11 @@ GREEDY_TEMPERATURE = 1e-5
 _HASH_CHUNK_ELEMS = 1 << 22
 """Seeded noise is hashed in row chunks of at most this many elements to bound int64/float64 scratch."""
 
+_SORT_CHUNK_ELEMS = 1 << 25
+"""Top-p sorts rows in chunks of at most this many logits, so its scratch (sorted values, their int64 order,
+probabilities and their cumsum: ~24 bytes a logit) stays under ~1 GiB however many rows a step samples; the memory
+profile samples max_num_seqs rows, and what their sort takes at once the KV cache would not get."""
+
 
 def _as_int64(value: int) -> int:
     """Two's-complement view of an unsigned 64-bit value, so it can multiply an int64 tensor."""
@@ -262,6 +267,16 @@ def apply_top_k_top_p_(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
         kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
         kth.masked_fill_((top_k >= v).unsqueeze(1), -torch.inf)
         return logits.masked_fill_(logits < kth, -torch.inf)
+    rows = max(1, _SORT_CHUNK_ELEMS // max(v, 1))
+    for start in range(0, logits.shape[0], rows):
+        end = start + rows
+        _apply_top_p_rows_(logits[start:end], None if top_k is None else top_k[start:end], top_p[start:end])
+    return logits
+
+
+def _apply_top_p_rows_(logits: Tensor, top_k: Tensor | None, top_p: Tensor) -> None:
+    """apply_top_k_top_p_ with top-p on, for rows few enough to sort at once."""
+    v = logits.shape[1]
     # Stable so ties resolve the same way whatever the batch.
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
@@ -272,7 +287,7 @@ def apply_top_k_top_p_(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
     # Rows with top_p == 1 keep everything, even where the float cumsum reaches 1 early.
     p = torch.where(top_p < 1.0, top_p, torch.inf).unsqueeze(1)
     sorted_logits.masked_fill_(mass_before >= p, -torch.inf)
-    return logits.scatter_(1, order, sorted_logits)
+    logits.scatter_(1, order, sorted_logits)
 
 
 def apply_min_p_(logits: Tensor, min_p: Tensor) -> Tensor:

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from flotilla.kernels.sampling import SamplingTensors, apply_penalties_, sample, seeded_exponentials
+from flotilla.kernels import sampling
+from flotilla.kernels.sampling import (SamplingTensors, apply_penalties_, apply_top_k_top_p_, sample,
+                                       seeded_exponentials)
 from flotilla.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -156,6 +158,21 @@ def test_top_p_with_temperature_and_top_k_mixed_batch() -> None:
             scaled = scaled.masked_fill(scaled < scaled.topk(k).values[-1], -torch.inf)
         allowed = _nucleus(scaled.softmax(-1), p)
         assert set(row.tolist()) <= allowed
+
+
+def test_top_p_sorts_rows_in_chunks_and_masks_as_one_sort_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's rows are sorted a chunk at a time (bounding the sort's scratch): every row masked as when all
+    rows are sorted at once, whatever chunk it falls in."""
+    vocab, rows = 50, 11
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    top_k = torch.tensor([vocab, 5, 50, 1, 7, vocab, 3, vocab, 20, 2, 9])  # (vocab: no top-k for that row)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.7, 0.95, 0.3, 1.0, 0.8, 0.6, 0.99, 0.4])
+    whole = apply_top_k_top_p_(logits.clone(), top_k, top_p, max_top_k=vocab)
+    assert whole.isinf().any(dim=1).sum() >= 8  # (most rows lose tokens: the comparison sees the masks)
+    monkeypatch.setattr(sampling, "_SORT_CHUNK_ELEMS", 3 * vocab)  # chunks of 3 rows, the last of 2
+    assert torch.equal(apply_top_k_top_p_(logits.clone(), top_k, top_p, max_top_k=vocab), whole)
+    monkeypatch.setattr(sampling, "_SORT_CHUNK_ELEMS", 1)  # a row at a time
+    assert torch.equal(apply_top_k_top_p_(logits.clone(), top_k, top_p, max_top_k=vocab), whole)
 
 
 def test_min_p_never_samples_below_threshold() -> None:
