@@ -94,7 +94,7 @@ Run prompts through the engine offline (the same actors as `serve`, no HTTP) and
 
 def _run_generate(args: argparse.Namespace) -> int:
     try:
-        config = engine_config_from_args(args, args.model)
+        config = engine_config_from_args(args, args.model, offline=True)
     except (TypeError, ValueError) as e:
         print(f"flotilla generate: {e}", file=sys.stderr)
         return 2

@@ -106,11 +106,13 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Continuous batching limits and policy."""
 
     max_num_seqs: int = 256
-    """Most sequences in one step (the largest running batch). Offline on a large GPU, 512 keeps more of a long/short
-    mix running (docs/benchmarks.md); a hybrid model holds one recurrent-state slot per sequence."""
+    """Most sequences in one step (the largest running batch); default: vLLM's for the GPU, 1,024 on one of 70 GiB
+    or more other than an A100, else 256 (CPU, and an EngineConfig built directly); 256 for a hybrid model, which
+    holds one recurrent-state slot per sequence."""
     max_num_batched_tokens: int = 8192
-    """Token budget of one step (prefill chunks + decodes). Offline on a large GPU, 16384 (vLLM's offline default
-    there) takes long prompts in fewer steps; when serving, a larger step is a longer gap for the decodes in it."""
+    """Token budget of one step (prefill chunks + decodes); default: vLLM's, 16,384 for the offline LLM on a GPU of
+    70 GiB or more other than an A100 (long prompts in fewer steps), else 8,192 (serving: a longer step is a longer
+    gap for the decodes in it)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes keep flowing; off = a prompt runs whole or waits."""
     policy: Literal["fcfs", "priority"] = "fcfs"
@@ -131,6 +133,19 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")
+
+
+DEVICE_BATCH_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
+"""Options whose default depends on the GPU and on offline or serving use (batch_defaults)."""
+
+
+def batch_defaults(device_bytes: int, device_name: str, *, offline: bool, hybrid: bool) -> dict[str, int]:
+    """max_num_seqs and max_num_batched_tokens as vLLM picks them for a device of `device_bytes` (0: no GPU):
+    larger on a GPU of 70 GiB or more other than an A100 (where vLLM measured a large step slower), and, for a
+    hybrid model, no more sequences than state slots it can afford."""
+    large = device_bytes >= 70 * 2**30 and "a100" not in device_name.lower()
+    return {"max_num_seqs": 1024 if large and not hybrid else 256,
+            "max_num_batched_tokens": 16384 if large and offline else 8192}
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

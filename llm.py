@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from flotilla.config import EngineConfig
 from flotilla.sampling_params import SamplingParams
-from flotilla.server.engine_client import EngineClient, ready_summary
+from flotilla.server.engine_client import EngineClient, ready_summary, with_device_batch_defaults
 from flotilla.server.media import decode_data_url
 from flotilla.transport.messages import GenerateRequest, ImageData
 
@@ -124,7 +124,8 @@ class LLM:
         if config is not None and (model is not None or engine_options):
             raise TypeError("pass either config or model/engine options, not both")
         _show_info_logs()
-        self.config = config or EngineConfig.from_options(model=model, **engine_options)
+        self.config = config or with_device_batch_defaults(EngineConfig.from_options(model=model, **engine_options),
+                                                           engine_options, offline=True)
         if placement is None and self.config.parallel.distributed_executor_backend == "ray":
             placement = "ray"
         if placement is None:
@@ -148,7 +149,8 @@ class LLM:
         detail = self.client.ready_detail
         name = self.config.model.served_model_name or detail.get("worker/0", {}).get("model", "?")
         log.info("flotilla ready: offline LLM %s placement=%s",
-                 ready_summary(detail, name, detail.get("tokenizer/0", {}).get("max_model_len", "?")), placement)
+                 ready_summary(detail, name, detail.get("tokenizer/0", {}).get("max_model_len", "?"),
+                               self.config.scheduler), placement)
         # A script that never calls shutdown() stops the engine when the interpreter exits, before concurrent.futures
         # refuses new work (its exit hook runs first among threading's, before atexit's: the worker's steps would
         # fail and the stop would hang). threading._register_atexit is how concurrent.futures registers that hook.

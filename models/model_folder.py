@@ -101,6 +101,14 @@ def takes_images(path: Path) -> bool:
     return bool(IMAGE_ARCHITECTURES.intersection(hf.get("architectures") or ()))
 
 
+def has_recurrent_state(path: Path) -> bool:
+    """Whether the model folder's text model has linear-attention (gated delta net) layers, each sequence's state in
+    a slot of its own beside the paged KV cache."""
+    from flotilla.models.hf_config import load_hf_config
+
+    return load_hf_config(path).linear_attention is not None
+
+
 def max_model_len_of(config: EngineConfig, path: Path) -> int:
     """max_model_len from the engine options, else the model's (derived as vLLM does, rope scaling included); one
     longer than the model allows is a ValueError."""

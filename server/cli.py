@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from flotilla.config import (
+    DEVICE_BATCH_OPTIONS,
     CacheConfig,
     DisaggConfig,
     EngineConfig,
@@ -85,7 +86,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
             # (argparse %-formats help: a docstring's "8%" must reach it as "8%%")
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default,
+            # (a device-dependent default is left unset here and resolved once the engine's GPU is known)
+            kwargs: dict[str, Any] = {"dest": f.name, "default": None if f.name in DEVICE_BATCH_OPTIONS else f.default,
                                       "help": docs.get(f.name, "").replace("%", "%%")}
             if tp is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
@@ -101,11 +103,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, **kwargs)
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
-    """The EngineConfig the flags describe."""
+def engine_config_from_args(args: argparse.Namespace, model: str | None, offline: bool = False,
+                            device_defaults: bool = True) -> EngineConfig:
+    """The EngineConfig the flags describe; the options whose defaults depend on the GPU, unless given, as vLLM sets
+    them for it and for serving (or offline use); without device_defaults, the config's own."""
+    from flotilla.server.engine_client import with_device_batch_defaults  # (zmq and the actors: not for --help)
+
     options = {f.name: getattr(args, f.name) for cls in _GROUPS.values() for f in msgspec.structs.fields(cls)
                if f.name not in _SKIP}
-    return EngineConfig.from_options(model=model, **options)
+    given = {name for name in DEVICE_BATCH_OPTIONS if options[name] is not None}
+    config = EngineConfig.from_options(model=model, **{k: v for k, v in options.items()
+                                                       if k in given or k not in DEVICE_BATCH_OPTIONS})
+    return with_device_batch_defaults(config, given, offline=offline) if device_defaults else config
 
 
 SERVE_DESCRIPTION = """\

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 
 import msgspec
@@ -33,10 +33,10 @@ import zmq
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
-from flotilla.config import EngineConfig
+from flotilla.config import DEVICE_BATCH_OPTIONS, EngineConfig, SchedulerConfig, batch_defaults
 from flotilla.models.context_length import load_max_model_len
 from flotilla.models.hf_config import load_hf_config
-from flotilla.models.model_folder import model_dir, takes_images
+from flotilla.models.model_folder import has_recurrent_state, model_dir, takes_images
 from flotilla.server.dp_coordinator import DPCoordinator, ExpertLoads
 from flotilla.transport.channels import Inbox, Outbox
 from flotilla.transport.endpoints import free_tcp_port
@@ -124,6 +124,30 @@ async def deltas(queue: asyncio.Queue, outcome: Outcome) -> AsyncIterator[SeqTex
         else:
             outcome.ended = outcome.failed = True
             raise EngineDeadError(str(item))
+
+
+def with_device_batch_defaults(config: EngineConfig, given: Collection[str], *, offline: bool) -> EngineConfig:
+    """The config with max_num_seqs and max_num_batched_tokens, those not `given` by the user, set as vLLM sets them
+    for the GPU the engine runs on and for offline or serving use (config.batch_defaults). On CPU, or with no GPU
+    visible here (actors Ray places on other nodes), the config keeps its own."""
+    missing = [name for name in DEVICE_BATCH_OPTIONS if name not in given]
+    device_bytes, device_name = gpu_memory(config.worker.device) if missing else (0, "")
+    if not device_bytes:
+        return config
+    values = batch_defaults(device_bytes, device_name, offline=offline, hybrid=has_recurrent_state(model_dir(config)))
+    scheduler = msgspec.structs.replace(config.scheduler, **{name: values[name] for name in missing})
+    return msgspec.structs.replace(config, scheduler=scheduler)
+
+
+def gpu_memory(device: str) -> tuple[int, str]:
+    """Total bytes and name of the GPU `device` (a WorkerConfig.device) means; (0, "") for none. Reads the device's
+    properties without allocating on it."""
+    import torch
+
+    if not device.startswith(("cuda", "auto")) or not torch.cuda.is_available():
+        return 0, ""
+    props = torch.cuda.get_device_properties(0 if device == "auto" else torch.device(device).index or 0)
+    return props.total_memory, props.name
 
 
 def engine_topology(config: EngineConfig, placement: str = "inline", name: str = "engine",
@@ -498,16 +522,18 @@ class EngineClient:
             return
 
 
-def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_model_len: int | str) -> str:
+def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_model_len: int | str,
+                  scheduler: SchedulerConfig) -> str:
     """What the ready line of `serve` and of the offline LLM says about the engine: the model, the KV cache's
-    capacity (and a hybrid model's recurrent-state slots: the sequences that can run at once), where it runs and which
-    kernels were chosen (from the first worker's ready detail)."""
+    capacity (and a hybrid model's recurrent-state slots: the sequences that can run at once), the batch limits, where
+    it runs and which kernels were chosen (from the first worker's ready detail)."""
     w = ready_detail.get("worker/0", {})
     hybrid = w.get("state_slots", "0") not in ("0", "")
     state = f" state_slots={w['state_slots']} sequences" if hybrid else ""
     gdn = f",gdn:{w['gdn']}" if hybrid and w.get("gdn", "-") != "-" else ""
     return (f"model={model_name} kv_capacity={w.get('kv_tokens', '?')} tokens ({w.get('kv_blocks', '?')} blocks of "
-            f"{w.get('block_size', '?')}){state} max_model_len={max_model_len} device={w.get('device', '?')} "
+            f"{w.get('block_size', '?')}){state} max_model_len={max_model_len} max_num_seqs={scheduler.max_num_seqs} "
+            f"max_num_batched_tokens={scheduler.max_num_batched_tokens} device={w.get('device', '?')} "
             f"dtype={w.get('dtype', '?')} kv_dtype={w.get('kv_dtype', '?')} "
             f"kernels=attention:{w.get('attention', '?')}{gdn},sampler:torch")
 

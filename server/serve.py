@@ -155,7 +155,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
             await asyncio.sleep(0.02)  # uvicorn exposes no started event
         if server.started:
             log.info("flotilla ready: http://%s:%d/v1 %s%s", args.host, args.port,
-                     ready_summary(client.ready_detail, state.model_name, state.max_model_len),
+                     ready_summary(client.ready_detail, state.model_name, state.max_model_len, config.scheduler),
                      f" engines={','.join(n for n, _ in engines)}" if engines else "")
         stats_log = asyncio.create_task(_log_stats(state, args.log_stats_interval)) \
             if args.log_stats_interval > 0 else None  # fmt: skip

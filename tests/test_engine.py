@@ -379,7 +379,7 @@ def test_the_offline_llm_logs_a_ready_line_with_its_kv_capacity(tiny, caplog):
         LLM(tiny, kv_cache_blocks=48, block_size=4, served_model_name="tiny-model").shutdown()
     assert [r.getMessage() for r in caplog.records if r.name == "flotilla.llm"] == [
         "flotilla ready: offline LLM model=tiny-model kv_capacity=192 tokens (48 blocks of 4) max_model_len=256 "
-        "device=cpu dtype=float32 kv_dtype=float32 kernels=attention:torch,sampler:torch placement=inline"]
+        "max_num_seqs=256 max_num_batched_tokens=8192 device=cpu dtype=float32 kv_dtype=float32 kernels=attention:torch,sampler:torch placement=inline"]
 
 
 @pytest.mark.slow

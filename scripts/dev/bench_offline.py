@@ -293,7 +293,8 @@ def engine_config(args: argparse.Namespace, workloads: tuple[str, ...] = ()) -> 
     model = str(shape_dir(args.model)) if shape_config(args.model) is not None else args.model
     if "structured" in workloads and shape_config(args.model) is not None:  # token masks need a tokenizer's strings
         model, args.skip_tokenizer_init = str(with_tokenizer(Path(model), write_byte_level_placeholder_tokenizer)), False
-    return engine_config_from_args(args, model)
+    # (vLLM picks its own defaults; probing the GPU here would initialize CUDA in this process before it starts)
+    return engine_config_from_args(args, model, offline=True, device_defaults=args.engine != "vllm")
 
 
 def with_tokenizer(folder: Path, write: Any, **options: Any) -> Path:
@@ -395,7 +396,8 @@ def run_engine(args: argparse.Namespace, workloads: tuple[str, ...], describe: b
                       "attention": worker.get("attention"),
                       "kv_tokens": int(worker.get("kv_tokens", 0)), "engine_start_s": round(start_s, 2),
                       "model_load_s": float(worker.get("load_s", 0)), "cuda_graphs": worker.get("cuda_graphs"),
-                      "parallel": _parallel(config)}
+                      "parallel": _parallel(config), "max_num_seqs": config.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens}
         if any(w in WORKLOADS["long"] for w in workloads):
             result.update(length_divisor=args.length_divisor,
                           max_model_len=int(llm.client.ready_detail.get("tokenizer/0", {}).get("max_model_len", 0)))
@@ -420,7 +422,8 @@ def run_vllm(args: argparse.Namespace, config: EngineConfig, workloads: tuple[st
             result = {"engine": f"vllm {llm.version}", "model": args.model, "vllm_options": options,
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                       "dtype": config.model.dtype, "engine_start_s": round(start_s, 2),
-                      "parallel": _parallel(config)}
+                      "parallel": _parallel(config), "max_num_seqs": config.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens}
         if any(w in WORKLOADS["long"] for w in workloads):
             result.update(length_divisor=args.length_divisor, max_model_len=config.model.max_model_len)
         for name in workloads:

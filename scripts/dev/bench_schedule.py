@@ -26,7 +26,7 @@ import numpy as np
 
 from flotilla.actors.batching import BatchScheduler
 from flotilla.actors.block_manager import BlockManager
-from flotilla.config import SchedulerConfig
+from flotilla.config import SchedulerConfig, batch_defaults
 from flotilla.sampling_params import SamplingParams
 from flotilla.scripts.dev import bench_workload as wl
 from flotilla.server.cli import HelpFormatter
@@ -36,6 +36,8 @@ WORKLOADS = {"long16": (wl.long16_workload, False), "mixed": (wl.long_mixed_work
              "nano": (lambda divisor: wl.nano_workload(256), True)}
 """name -> (the workload for a length divisor, prefix caching on)."""
 DEFAULTS = SchedulerConfig()
+LARGE_GPU = batch_defaults(80 * 2**30, "", offline=True, hybrid=False)
+"""The offline engine's batch limits on a GPU of 70 GiB or more (what bench_offline runs on an H100 or H200)."""
 
 
 class StandInWorker:
@@ -95,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="long16", help="bench_offline's workload")
     p.add_argument("--kv-tokens", type=int, required=True, help="KV cache size, tokens (the engine's kv_capacity)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs, help="as the engine's flag")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
-                   help="as the engine's flag")
+    p.add_argument("--max-num-seqs", type=int, default=LARGE_GPU["max_num_seqs"],
+                   help="as the engine's flag (default: the offline engine's on an H100 or H200)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=LARGE_GPU["max_num_batched_tokens"],
+                   help="as the engine's flag (default: the offline engine's on an H100 or H200)")
     p.add_argument("--max-steps-in-flight", type=int, default=DEFAULTS.max_steps_in_flight,
                    help="as the engine's flag")
     p.add_argument("--max-model-len", type=int, default=40960, help="as the engine's flag (bench_offline's default)")
