@@ -87,3 +87,21 @@ def test_the_offline_llms_options_name_what_is_given(on_an_h100, monkeypatch):
     with pytest.raises(Stop):
         llm.LLM(placement="inline", config=EngineConfig())
     assert [_limits(c) for c in built] == [(1024, 16384), (64, 16384), (256, 8192)]
+
+
+def test_the_gpu_read_is_the_one_the_worker_will_run_on(monkeypatch):
+    """auto and cuda mean the first GPU, cuda:N the Nth; cpu, or no GPU at all, reads none."""
+    import torch
+
+    read: list[int] = []
+
+    class Props:
+        total_memory, name = 80 * GIB, "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: read.append(index) or Props())
+    for device in ("auto", "cuda", "cuda:1"):
+        assert engine_client.gpu_memory(device) == H100
+    assert engine_client.gpu_memory("cpu") == (0, "") and read == [0, 0, 1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_client.gpu_memory("auto") == (0, "") and read == [0, 0, 1]
