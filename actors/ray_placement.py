@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -58,6 +59,20 @@ def exit_if_connected(rc: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
+
+
+def keep_signal_handlers() -> None:
+    """Give SIGTERM and SIGINT back to this process's own handlers once it is connected to Ray (from the main thread;
+    elsewhere a no-op). Ray's core puts abseil's failure handler in front of them, which arms a 3 s abort (SIGALRM)
+    before it passes the signal on: a graceful stop longer than that ended in SIGABRT, or in a crash inside the
+    handler. Setting the Python-level handler again (asyncio's, read from the loop's wakeup fd) puts Python's own C
+    handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def ray_failure(e: BaseException) -> str:

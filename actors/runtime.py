@@ -360,7 +360,7 @@ class Runtime:
     # ---- Ray placement ---------------------------------------------------------------------------
 
     async def _start_ray(self) -> dict[str, ReadyEvent]:
-        from flotilla.actors.ray_placement import RayPlacement
+        from flotilla.actors.ray_placement import RayPlacement, keep_signal_handlers
 
         self.zmq = new_context()
         self.failed = asyncio.get_running_loop().create_future()
@@ -369,6 +369,7 @@ class Runtime:
         try:
             self.ray = RayPlacement(self.topo)
             await asyncio.to_thread(self.ray.place)
+            keep_signal_handlers()
             self.endpoints = self.ray.endpoints(free_tcp_port)
             for address in [self.endpoints.supervisor, *self.endpoints.actors.values()]:
                 if auth.needs_auth(address):

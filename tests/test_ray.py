@@ -139,6 +139,48 @@ def test_a_host_actor_picks_its_ports_below_the_ephemeral_range_and_its_errors_n
     assert ray_failure(ray.exceptions.RayActorError()).startswith("its Ray actor died (RayActorError: ")
 
 
+DRIVER = """
+import asyncio, signal, sys, time
+import ray
+from flotilla.actors.ray_placement import exit_if_connected, keep_signal_handlers
+
+async def main():
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await asyncio.to_thread(ray.init, address=sys.argv[1], include_dashboard=False, configure_logging=False)
+    keep_signal_handlers()
+    print("connected", flush=True)
+    await stop.wait()
+    time.sleep(4)  # (a graceful stop longer than the 3 s abort that abseil's handler arms)
+    print("stopped", flush=True)
+
+asyncio.run(main())
+exit_if_connected(0)
+"""
+
+
+def test_a_driver_connected_to_ray_takes_sigterm_as_its_own_however_long_it_stops(cluster, tmp_path):
+    """A front end connects to Ray from a thread, its SIGTERM handler set by its event loop: once connected, a SIGTERM
+    reaches that handler and a stop of 4 s ends cleanly (behind Ray's abseil handler, which a connection puts in
+    front of it, the process aborted 3 s after the signal)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.strip() == "connected" for line in lines)  # (after Ray's own lines)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped" in out, (proc.returncode, out[-2000:])
+    finally:
+        proc.kill()
+
+
 def test_flotilla_launch_places_a_topology_on_the_cluster_and_sigterm_gives_it_back(cluster, key_file, tmp_path):
     """`flotilla launch` of a topology with placement ray (the relay and echoes of the pingpong example), its cluster
     from --ray-address: every actor ready in a Ray host process of its own; SIGTERM stops them and frees the
