@@ -3,7 +3,8 @@
 Everything a user sets to run an engine is an EngineConfig field and a command-line flag (config.py); what is left
 here is what has no place there: where files go and a key that should stay off the command line, kernel tuning knobs
 for benchmark sweeps, switches that rule a kernel out while debugging, and variables the runtime sets for the
-processes it spawns. Each entry of VARIABLES says what its variable does; docs/environment.md is generated from them
+processes it spawns, and the few variables of other programs that flotilla reads too. Each entry of VARIABLES says
+what its variable does; docs/environment.md is generated from them
 (`python -m flotilla.envs --markdown > docs/environment.md`, checked by tests/test_envs.py).
 
 Values are read when asked for (`envs.FLOTILLA_MOE_TILES`, through the module's __getattr__, as vLLM's envs.py
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     FLOTILLA_PARENT_PID: int | None
     FLOTILLA_PROGRESS: bool
     FLOTILLA_BENCH_EP_FAULT: str
+    XDG_CACHE_HOME: str | None
+    TRITON_INTERPRET: bool
+    OPENAI_API_KEY: str | None
 
 
 def _flag(text: str) -> bool:
@@ -84,6 +88,7 @@ GROUPS = {
     "debugging": "Debugging",
     "tuning": "Tuning knobs (benchmark sweeps)",
     "internal": "Internal (set by flotilla)",
+    "external": "Other programs' variables flotilla reads",
 }
 """The groups of docs/environment.md, in its order."""
 
@@ -135,8 +140,17 @@ VARIABLES: dict[str, Variable] = {
     "FLOTILLA_BENCH_EP_FAULT": Variable(
         str, "", "`RANK:raise|hang|corrupt`: that rank of the bench_ep benchmark fails, hangs or corrupts a row on "
         "purpose (its tests of those failures).", "internal"),
+    "XDG_CACHE_HOME": Variable(
+        str, None, "The user's cache folder (the XDG base directory spec): flotilla's cache is its flotilla/ folder "
+        "when FLOTILLA_CACHE_DIR is unset (default: ~/.cache).", "external"),
+    "TRITON_INTERPRET": Variable(
+        _flag, False, "Triton's CPU interpreter: with it on, flotilla's triton kernels run without a GPU (slowly; "
+        "the test suite's way of running them); set before the kernels are imported.", "external"),
+    "OPENAI_API_KEY": Variable(
+        str, None, "The key bench_serving sends when neither --api-key nor FLOTILLA_API_KEY is given, as the "
+        "openai client does.", "external"),
 }
-"""Every FLOTILLA_* variable flotilla reads: name -> Variable."""
+"""Every variable flotilla reads, its own (FLOTILLA_*) and other programs': name -> Variable."""
 
 
 def child_environment(progress: bool) -> dict[str, str]:

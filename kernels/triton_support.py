@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from flotilla import envs
 
 
 def triton_usable() -> bool:
@@ -13,4 +14,4 @@ def triton_usable() -> bool:
     must be set before the kernels' modules are first imported). Does not import triton."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available() or envs.TRITON_INTERPRET

@@ -45,7 +45,7 @@ def cache_root() -> Path:
     """flotilla's cache folder: $FLOTILLA_CACHE_DIR, else $XDG_CACHE_HOME/flotilla, else ~/.cache/flotilla."""
     if override := envs.FLOTILLA_CACHE_DIR:
         return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = envs.XDG_CACHE_HOME
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "flotilla"
 
 

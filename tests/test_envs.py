@@ -30,6 +30,22 @@ def test_values_are_read_when_asked_for_and_unset_or_empty_gives_the_default(mon
     assert {"FLOTILLA_PDL", "FLOTILLA_CACHE_DIR"} <= set(dir(envs))
 
 
+def test_other_programs_variables_are_read_here_too(monkeypatch) -> None:
+    """XDG_CACHE_HOME places the cache, TRITON_INTERPRET lets the triton kernels run on the CPU, OPENAI_API_KEY is
+    bench_serving's last resort: read through envs as flotilla's own are."""
+    from flotilla.models.default_model import cache_root
+
+    monkeypatch.delenv("FLOTILLA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/srv/cache")
+    assert cache_root() == Path("/srv/cache/flotilla")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert envs.TRITON_INTERPRET is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert envs.TRITON_INTERPRET is True
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    assert envs.OPENAI_API_KEY == "sk-test"
+
+
 def test_a_value_that_does_not_parse_names_its_variable(monkeypatch) -> None:
     for name, text in (("FLOTILLA_PDL", "maybe"), ("FLOTILLA_GEMV_BLOCK_K", "3000"),
                        ("FLOTILLA_FLASHINFER_DECODE_ABOVE", "-1"), ("FLOTILLA_PARENT_PID", "x")):  # fmt: skip
@@ -47,7 +63,8 @@ def test_every_variable_is_declared_for_type_checkers_and_documented() -> None:
     declared = [node.target.id for node in block.body if isinstance(node, ast.AnnAssign)]
     assert declared == list(envs.VARIABLES)
     for name, var in envs.VARIABLES.items():
-        assert name.startswith("FLOTILLA_") and var.group in envs.GROUPS and var.doc.endswith("."), name
+        assert name.startswith("FLOTILLA_") == (var.group != "external"), name  # (others' variables: external)
+        assert var.group in envs.GROUPS and var.doc.endswith("."), name
 
 
 def test_docs_environment_md_is_the_generated_page() -> None:

@@ -39,7 +39,6 @@ import datetime
 import json
 import logging
 import math
-import os
 import shlex
 import sys
 import time
@@ -329,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would cost client CPU
-    args.api_key = args.api_key or envs.FLOTILLA_API_KEY or os.environ.get("OPENAI_API_KEY")
+    args.api_key = args.api_key or envs.FLOTILLA_API_KEY or envs.OPENAI_API_KEY
     if not 0.0 <= args.range_ratio < 1.0 or args.burstiness <= 0 or args.request_timeout <= 0 or args.warmup < 0:
         p.error("need 0 <= --range-ratio < 1, --burstiness > 0, --request-timeout > 0, --warmup >= 0")
     if args.dataset == "mixed" and (args.long_input_len <= args.input_len or (args.long_prompts or 0) < 0):
