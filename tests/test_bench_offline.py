@@ -132,6 +132,9 @@ def test_the_long_context_workloads_are_long_ctx_pys():
     assert warm == prefix + toks(rng, 10, 10)
     assert w == wl.Workload([prefix + toks(rng, 100, 10) for _ in range(128)], [6] * 128)
     assert max(max(p) for p in wl.long16_workload(1000, top_id=299).prompts) <= 299
+    rng = random.Random(5)
+    assert wl.long128_workload(100) == wl.Workload([toks(rng, 128000, 100) for _ in range(3)], [1, 1, 3])
+    assert wl.long128_workload().output_lens == [1, 1, 257]
 
 
 def test_the_long_context_workloads_run_at_toy_size(tmp_path):
@@ -170,6 +173,28 @@ def test_long_context_engines_on_a_shape_get_long_ctx_pys_settings():
     assert bench_offline.engine_config(nano, ("nano",)).model.max_model_len == 4096
     folder = bench_offline.build_parser().parse_args(["--model", "/some/folder", "--enable-prefix-caching"])
     assert not bench_offline.engine_config(folder, ("long16",)).cache.enable_prefix_caching
+
+
+def test_the_128k_prompt_runs_on_the_yarn_shape_at_its_full_length_and_at_toy_size(tmp_path):
+    """long128 gets max_model_len 131,072 on a shape, which qwen3-8b-yarn's YaRN x 4 allows and plain qwen3-8b's
+    40,960 positions refuse; at toy size (lengths / 100) it reports the 1,280-token prompt's prefill and decode."""
+    from flotilla.models.context_length import load_max_model_len
+    from flotilla.scripts.dev.bench_shapes import shape_dir
+
+    args = bench_offline.build_parser().parse_args(["--model", "qwen3-8b-yarn", "--workload", "long128"])
+    config = bench_offline.engine_config(args, ("long128",))
+    assert config.model.max_model_len == 131072 and not config.cache.enable_prefix_caching
+    assert load_max_model_len(131072, shape_dir("qwen3-8b-yarn")) == 131072
+    with pytest.raises(ValueError, match="131072"):
+        load_max_model_len(131072, shape_dir("qwen3-8b"))
+    model = set_max_positions(write_tiny_engine_model(tmp_path / "tiny"), 2048)
+    out = tmp_path / "long128.json"
+    assert bench_offline.main(["--model", str(model), "--workload", "long128", "--length-divisor", "100", "--vocab",
+                               "300", "--kv-cache-blocks", "256", "--block-size", "16", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["long128_prompt_tokens"] == 1280 and r["long128_prefill_s"] > 0
+    assert isinstance(r["long128_decode_ms_per_token"], float) and r["length_divisor"] == 100
+    assert (r["max_num_seqs"], r["max_num_batched_tokens"]) == (256, 8192)  # (the engine's, on CPU)
 
 
 def test_the_images_workload_runs_at_toy_size_on_a_model_that_takes_images(tmp_path):

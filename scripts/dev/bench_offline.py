@@ -15,6 +15,8 @@
            off.
   prefix:  128 requests of a shared 6,000-token prefix + 100 own tokens, 64 out each, prefix caching on (on an
            engine of its own), the prefix cached once first.
+  long128: long1 at 128,000 tokens, on a model whose rope scaling reaches 131,072 (`--model qwen3-8b-yarn`: YaRN
+           x 4, max_model_len 131,072), prefix caching off.
   --length-divisor N divides their prompt and output lengths, for toy runs.
   structured: --structured-requests prompts of --structured-in random tokens, --structured-out greedy tokens each
            (ignore_eos), all at once: unconstrained, then every other one under a JSON schema; the difference per
@@ -66,8 +68,11 @@ from flotilla.server.cli import HelpFormatter, add_engine_arguments, engine_conf
 Engine = Any
 """flotilla's LLM, or VllmEngine: what the workloads call (generate with flotilla's SamplingParams, .config)."""
 LONG_MAX_MODEL_LEN = 40960
+LONG128_MAX_MODEL_LEN = 131072
 """long_ctx.py's max_model_len (Qwen3-8B's max_position_embeddings), for the long-context workloads on a shape."""
 WORKLOADS = {"both": ("nano", "decode1"), "long": ("long16", "long1", "mixed", "prefix")}
+LONG_WORKLOADS = (*WORKLOADS["long"], "long128")
+"""The long-context workloads: their own max_model_len on a shape, prefix caching as each runs it."""
 """--workload names that stand for several workloads, run in this order."""
 PREFIX_CACHED = ("prefix",)
 """Workloads that run with prefix caching on, on an engine of their own; the long-context others force it off."""
@@ -218,13 +223,20 @@ def run_long16(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_long1(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    return _one_long_prompt("long1", wl.long1_workload(args.length_divisor, args.long_top_id), llm)
+
+
+def run_long128(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
+    return _one_long_prompt("long128", wl.long128_workload(args.length_divisor, args.long_top_id), llm)
+
+
+def _one_long_prompt(name: str, w: wl.Workload, llm: Engine) -> dict[str, Any]:
     """Prefill: the faster of two one-token runs; decode: what the longer run takes beyond it, per step."""
-    w = wl.long1_workload(args.length_divisor, args.long_top_id)
     (first, second, full), steps = w.prompts, w.output_lens[2] - 1
     prefill_s = min(timed_generate(llm, [p], _greedy([1]))[0] for p in (first, second))
     elapsed, _, _ = timed_generate(llm, [full], _greedy([w.output_lens[2]]))
-    return {"long1_prompt_tokens": len(full), "long1_prefill_s": round(prefill_s, 3),
-            "long1_decode_ms_per_token": round(1000 * (elapsed - prefill_s) / steps, 3)}
+    return {f"{name}_prompt_tokens": len(full), f"{name}_prefill_s": round(prefill_s, 3),
+            f"{name}_decode_ms_per_token": round(1000 * (elapsed - prefill_s) / steps, 3)}
 
 
 def run_mixed(llm: Engine, args: argparse.Namespace) -> dict[str, Any]:
@@ -244,6 +256,7 @@ RUNS: dict[str, tuple[Any, str]] = {
     "nano": (run_nano, "nano_workload_out_tok_per_s"), "decode1": (run_decode1, "b1_decode_tok_per_s"),
     "fixed": (run_fixed, "fixed_decode_tok_per_s"), "long16": (run_long16, "long16_out_tok_per_s"),
     "long1": (run_long1, "long1_decode_ms_per_token"), "mixed": (run_mixed, "mixed_out_tok_per_s"),
+    "long128": (run_long128, "long128_decode_ms_per_token"),
     "prefix": (run_prefix, "prefix_out_tok_per_s"), "images": (run_images, "images_out_tok_per_s"),
     "structured": (run_structured, "structured_mask_ms_per_step")}
 """Each workload's run and the figure --repeat takes the median of."""
@@ -282,11 +295,12 @@ def repeated(run: Any, llm: Engine, args: argparse.Namespace, key: str) -> dict[
 def engine_config(args: argparse.Namespace, workloads: tuple[str, ...] = ()) -> EngineConfig:
     """The engine for these workloads: a shape gets the peer's settings, the long-context workloads long_ctx.py's
     max_model_len and prefix caching as each of them runs it."""
-    long_ctx = any(w in WORKLOADS["long"] for w in workloads)
+    long_ctx = any(w in LONG_WORKLOADS for w in workloads)
     if shape_config(args.model) is not None:
         # the peer's settings: bf16, random weights, no tokenizer, max_model_len 4096, no prefix caching
         args.load_format, args.skip_tokenizer_init, args.dtype = "dummy", True, "bfloat16"
-        args.max_model_len = args.max_model_len or (LONG_MAX_MODEL_LEN if long_ctx else 4096)
+        args.max_model_len = args.max_model_len or (LONG128_MAX_MODEL_LEN if "long128" in workloads
+                                                    else LONG_MAX_MODEL_LEN if long_ctx else 4096)
         args.enable_prefix_caching = False
     if long_ctx:
         args.enable_prefix_caching = any(w in PREFIX_CACHED for w in workloads)
@@ -398,7 +412,7 @@ def run_engine(args: argparse.Namespace, workloads: tuple[str, ...], describe: b
                       "model_load_s": float(worker.get("load_s", 0)), "cuda_graphs": worker.get("cuda_graphs"),
                       "parallel": _parallel(config), "max_num_seqs": config.scheduler.max_num_seqs,
                       "max_num_batched_tokens": config.scheduler.max_num_batched_tokens}
-        if any(w in WORKLOADS["long"] for w in workloads):
+        if any(w in LONG_WORKLOADS for w in workloads):
             result.update(length_divisor=args.length_divisor,
                           max_model_len=int(llm.client.ready_detail.get("tokenizer/0", {}).get("max_model_len", 0)))
         for name in workloads:
@@ -422,9 +436,8 @@ def run_vllm(args: argparse.Namespace, config: EngineConfig, workloads: tuple[st
             result = {"engine": f"vllm {llm.version}", "model": args.model, "vllm_options": options,
                       "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                       "dtype": config.model.dtype, "engine_start_s": round(start_s, 2),
-                      "parallel": _parallel(config), "max_num_seqs": config.scheduler.max_num_seqs,
-                      "max_num_batched_tokens": config.scheduler.max_num_batched_tokens}
-        if any(w in WORKLOADS["long"] for w in workloads):
+                      "parallel": _parallel(config)}
+        if any(w in LONG_WORKLOADS for w in workloads):
             result.update(length_divisor=args.length_divisor, max_model_len=config.model.max_model_len)
         for name in workloads:
             run, key = RUNS[name]
@@ -438,12 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help=f"HF model folder, or a built-in shape with random weights ({SHAPE_NAMES}); "
                         "default: the embedded default model")
-    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *WORKLOADS["long"], "long", "images",
+    p.add_argument("--workload", choices=["nano", "decode1", "both", "fixed", *LONG_WORKLOADS, "long", "images",
                                           "structured"],
                    default="both",
                    help="which workload(s): both = nano and decode1; fixed = --num-requests x --fixed-in / --fixed-out "
                         "(the decode-heavy wide-EP workload, with the decode's own rate and per-GPU figures); long = "
-                        "long16, long1, mixed and prefix (long_ctx.py's long-context workloads); structured = the "
+                        "long16, long1, mixed and prefix (long_ctx.py's long-context workloads), long128 one "
+                        "128,000-token prompt (--model qwen3-8b-yarn); structured = the "
                         "cost of JSON-schema token masks per decode step")
     p.add_argument("--num-requests", type=int, default=256, help="nano: number of requests")
     p.add_argument("--min-len", type=int, default=100, help="nano: shortest prompt / output, tokens")

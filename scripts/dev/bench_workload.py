@@ -160,6 +160,14 @@ def long1_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
                     [1, 1, 1 + _shorter(256, divisor)])
 
 
+def long128_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
+    """long1 at 128,000 tokens, for a model whose rope scaling reaches 131,072 (YaRN x 4: the qwen3-8b-yarn shape):
+    three prompts run one at a time, two for one token (the prefill), one for 257."""
+    rng = random.Random(5)
+    return Workload([_long_ctx_prompt(rng, 128000, divisor, top_id) for _ in range(3)],
+                    [1, 1, 1 + _shorter(256, divisor)])
+
+
 def long_mixed_workload(divisor: int = 1, top_id: int = LONG_CTX_TOP_ID) -> Workload:
     """32 prompts of 16,000 tokens (128 out) among 256 of 200 (256 out), shuffled, all at once."""
     rng = random.Random(3)
