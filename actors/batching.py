@@ -379,7 +379,7 @@ class BatchScheduler:
         """With sequences running, a prompt is admitted only when its blocks, all of them, fit beside what those
         sequences still need for their own known tokens and one block each to grow into. Admitted by its first chunk
         alone, a long prompt could take the blocks the running ones need and be preempted before its prefill ends,
-        again and again, its chunks computed anew each time (docs/benchmarks-long-contexts.md)."""
+        again and again, its chunks computed anew each time (docs/benchmarks.md, "Long contexts")."""
         if not self.running:
             return True
         fresh = self.blocks.blocks_for(len(tokens)) - len(hit.block_ids)
