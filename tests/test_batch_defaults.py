@@ -5,6 +5,8 @@ none)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -98,6 +100,7 @@ def test_the_gpu_read_is_the_one_the_worker_will_run_on(monkeypatch):
     class Props:
         total_memory, name = 80 * GIB, "NVIDIA H100 80GB HBM3"
 
+    monkeypatch.setattr(engine_client, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: read.append(index) or Props())
     for device in ("auto", "cuda", "cuda:1"):
@@ -105,3 +108,12 @@ def test_the_gpu_read_is_the_one_the_worker_will_run_on(monkeypatch):
     assert engine_client.gpu_memory("cpu") == (0, "") and read == [0, 0, 1]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert engine_client.gpu_memory("auto") == (0, "") and read == [0, 0, 1]
+
+
+def test_a_machine_without_a_gpu_driver_learns_it_has_no_gpu_without_importing_torch():
+    """The front end reads the GPU for these defaults; where no driver's files are, torch (~1.6 s of CPU) stays out of
+    its process."""
+    code = ("import sys; from flotilla.server import engine_client as e; e.GPU_DRIVER_FILES = ('/nonexistent',); "
+            "assert e.gpu_memory('auto') == (0, ''), 'a GPU read'; assert 'torch' not in sys.modules, 'torch imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
