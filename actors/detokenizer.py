@@ -18,7 +18,7 @@ import logging
 from flotilla.actors.base import Actor, ActorContext
 from flotilla.actors.front_end_watch import FrontEndWatch
 from flotilla.actors.incremental_detokenizer import IncrementalDetokenizer, TokenizerInfo
-from flotilla.models.model_folder import load_tokenizer, model_dir
+from flotilla.models.model_folder import load_decoding_tokenizer, model_dir
 from flotilla.config import EngineConfig
 from flotilla.transport.channels import Outbox
 from flotilla.transport.messages import AbortCmd, SeqText, SeqTokens, TextDelta, TokenDelta
@@ -49,7 +49,7 @@ class DetokenizerActor(Actor):
 
     async def setup(self) -> dict[str, str]:
         if not self.config.model.skip_tokenizer_init:
-            self.info = TokenizerInfo(load_tokenizer(model_dir(self.config)))
+            self.info = TokenizerInfo(load_decoding_tokenizer(model_dir(self.config)))
         return {}
 
     async def teardown(self) -> None:

@@ -13,6 +13,7 @@ from flotilla.models.context_length import load_max_model_len
 from flotilla.models.hf_config import text_config
 
 if TYPE_CHECKING:  # (transformers costs about half a second to import: a worker loads it only to build grammars)
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
 
@@ -55,6 +56,47 @@ def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTo
     if chat_template is not None:
         tok.chat_template = chat_template_text(chat_template)
     return tok
+
+
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_decoding_tokenizer(path: Path) -> Tokenizer:
+    """A Rust tokenizer that decodes as load_tokenizer's does (all the detokenizer needs). Read from the
+    folder's tokenizer.json, without importing transformers (~1 s of CPU), where transformers would load that file
+    unchanged: the generic fast class, and every token tokenizer_config.json adds or names special already in the
+    file as it says; through load_tokenizer otherwise."""
+    from tokenizers import Tokenizer
+
+    try:
+        if _known_tokenizer_class(path) == "PreTrainedTokenizerFast":
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            if _config_adds_nothing(json.loads((path / "tokenizer_config.json").read_text()), tokenizer):
+                return tokenizer
+    except Exception:  # (tokenizers' own errors are plain Exceptions): transformers' loading says what is wrong
+        pass
+    return load_tokenizer(path).backend_tokenizer
+
+
+def _config_adds_nothing(tok_config: dict, tokenizer: Tokenizer) -> bool:
+    """Whether transformers, building a fast tokenizer from this config beside the file, would add or change no token:
+    each of the config's added_tokens_decoder entries is the file's token of that id, and each token the config
+    names special (bos_token, ..., additional/extra special tokens) is a special token of the file's."""
+    added = tokenizer.get_added_tokens_decoder()
+    for index, entry in (tok_config.get("added_tokens_decoder") or {}).items():
+        token = added.get(int(index))
+        if token is None or not isinstance(entry, dict) or any(
+                entry.get(key, default) != getattr(token, key) for key, default in
+                (("content", None), ("special", False), ("lstrip", False), ("rstrip", False),
+                 ("single_word", False), ("normalized", not entry.get("special", False)))):
+            return False
+    named = [tok_config.get(key) for key in NAMED_SPECIAL_TOKENS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        extra = tok_config.get(key) or []
+        named += list(extra.values()) if isinstance(extra, dict) else list(extra)
+    special = {token.content for token in added.values() if token.special}
+    return all((name.get("content") if isinstance(name, dict) else name) in special for name in named
+               if name is not None)
 
 
 def chat_template_text(value: str) -> str:

@@ -17,8 +17,9 @@ import pytest
 from helpers_engine import write_tiny_tokenizer
 from transformers import AutoTokenizer
 
+from flotilla.models.default_model import default_model_dir
 from flotilla.models.model_folder import (GENERIC_FAST_TOKENIZER_MODEL_TYPES, SUBSTITUTED_TOKENIZER_CLASSES,
-                                          load_tokenizer)
+                                          load_decoding_tokenizer, load_tokenizer)
 
 TEXTS = ["The quick brown fox.", "日本語 🙂 12345", "  spaces  and\ttabs\n", "<|im_start|>user\nhi<|im_end|>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
@@ -99,6 +100,49 @@ def test_a_tokenizer_process_loads_the_tiny_models_tokenizer_without_torch(tmp_p
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+DECODING = ("model", "decoder", "added_tokens")
+"""What a tokenizer's decoding depends on (a post-processor, a normaliser, a pre-tokeniser only shape encoding)."""
+
+
+def _decoding(d: Path | None = None, tokenizer=None) -> dict:
+    tokenizer = tokenizer or load_decoding_tokenizer(d)
+    return {key: json.loads(tokenizer.to_str())[key] for key in DECODING}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3", "qwen3_5_moe", "default"])
+def test_the_detokenizers_tokenizer_is_the_one_transformers_builds(tmp_path, model_type):
+    d = default_model_dir() if model_type == "default" else _folder(tmp_path, model_type)
+    assert _decoding(d) == _decoding(tokenizer=AutoTokenizer.from_pretrained(str(d)).backend_tokenizer)
+
+
+@pytest.mark.parametrize("tok_config", [
+    {"added_tokens_decoder": {"320": {"content": "<tool>", "special": True, "lstrip": False, "rstrip": False,
+                                      "single_word": False, "normalized": False}}},  # a token the file lacks
+    {"added_tokens_decoder": {"1": {"content": "<|im_start|>", "special": False, "lstrip": False, "rstrip": False,
+                                    "single_word": False, "normalized": True}}},  # the file's token, made plain
+    {"additional_special_tokens": ["<think>"]},  # a special token the file lacks
+    {"eos_token": "<eos>"},
+])
+def test_a_config_that_changes_the_files_tokens_is_read_through_transformers(tmp_path, tok_config):
+    d = _folder(tmp_path, "llama", **tok_config)
+    from tokenizers import Tokenizer
+
+    assert _decoding(d) == _decoding(tokenizer=AutoTokenizer.from_pretrained(str(d)).backend_tokenizer)
+    assert _decoding(d) != _decoding(tokenizer=Tokenizer.from_file(str(d / "tokenizer.json")))
+
+
+def test_a_detokenizer_process_decodes_without_transformers(tmp_path):
+    """The detokenizer only decodes: transformers' import (~1 s of CPU a process) is left out where the file is the
+    tokenizer."""
+    d = _folder(tmp_path, "qwen3")
+    code = ("import sys\nfrom pathlib import Path\nimport flotilla.actors.detokenizer\n"
+            "from flotilla.models.model_folder import load_decoding_tokenizer\n"
+            f"load_decoding_tokenizer(Path({str(d)!r}))\nprint('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_a_worker_process_imports_no_transformers():
