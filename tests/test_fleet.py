@@ -60,8 +60,10 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_when_there_are_enough(monkeypa
     import torch
 
     from flotilla.config import EngineConfig
+    from flotilla.server import engine_client
     from flotilla.server.cli import fleet_engines
 
+    monkeypatch.setattr(engine_client, "gpu_driver_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
 
@@ -74,6 +76,9 @@ def test_each_engine_of_a_fleet_gets_its_own_gpus_when_there_are_enough(monkeypa
     assert devices("both,both,both", tensor_parallel_size=2) == ["auto"] * 3  # 6 GPUs wanted, 4 there: shared
     assert devices("prefill,decode", device="cpu") == ["cpu", "cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices("prefill,decode") == ["auto", "auto"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_client, "gpu_driver_present", lambda: False)  # (no driver: torch is not asked)
     assert devices("prefill,decode") == ["auto", "auto"]
 
 
