@@ -152,8 +152,8 @@ def gpu_memory(device: str) -> tuple[int, str]:
     return props.total_memory, props.name
 
 
-GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
-"""Files an NVIDIA (or ROCm) driver puts on a machine, containers given a GPU included."""
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+"""Files a GPU driver puts on a machine: NVIDIA's (containers given a GPU included), WSL2's GPU bridge, ROCm's."""
 
 
 def gpu_driver_present() -> bool:
