@@ -282,16 +282,14 @@ def _own_gpus(engines: list[tuple[str, EngineConfig]]) -> list[tuple[str, Engine
     """Give each engine of a fleet its own GPUs when the machine has enough: engine k starts at GPU
     first + k x (tensor_parallel_size x data_parallel_size). Otherwise (CPU, or too few GPUs) they share the
     device they were given. NCCL cannot pair two ranks on one GPU (torch_dist KV transfer)."""
-    from flotilla.server.engine_client import gpu_driver_present
+    from flotilla.server.engine_client import cuda_available
 
     config = engines[0][1]
     device = config.worker.device
-    if len(engines) < 2 or device == "cpu" or not gpu_driver_present():
+    if len(engines) < 2 or device == "cpu" or not cuda_available():
         return engines
     import torch
 
-    if not torch.cuda.is_available():
-        return engines
     if device not in ("auto", "cuda") and not device.startswith("cuda:"):
         return engines
     first = int(device.partition(":")[2] or 0)

@@ -142,12 +142,10 @@ def with_device_batch_defaults(config: EngineConfig, given: Collection[str], *, 
 def gpu_memory(device: str) -> tuple[int, str]:
     """Total bytes and name of the GPU `device` (a WorkerConfig.device) means; (0, "") for none. Reads the device's
     properties without allocating on it."""
-    if not device.startswith(("cuda", "auto")) or not gpu_driver_present():
+    if not device.startswith(("cuda", "auto")) or not cuda_available():
         return 0, ""
     import torch
 
-    if not torch.cuda.is_available():
-        return 0, ""
     props = torch.cuda.get_device_properties(0 if device == "auto" else torch.device(device).index or 0)
     return props.total_memory, props.name
 
@@ -160,6 +158,15 @@ def gpu_driver_present() -> bool:
     """Whether this machine may have a GPU: without a driver's files torch's import (~1.6 s of CPU in every front end)
     is not needed to learn that it has none."""
     return any(os.path.exists(path) for path in GPU_DRIVER_FILES)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no GPU driver is (gpu_driver_present)."""
+    if not gpu_driver_present():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def engine_topology(config: EngineConfig, placement: str = "inline", name: str = "engine",
