@@ -12,6 +12,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import types
 
 import pytest
 
@@ -145,6 +148,8 @@ FAKE_TESTS = {
 
         @pytest.mark.gpu
         def test_slow():
+            if os.environ.get("GS_MARK"):  # (tells the calls' test that test_slow has begun)
+                open(os.environ["GS_MARK"], "w").close()
             time.sleep(float(os.environ.get("GS_SLOW_S", "0.1")))
 
         @pytest.mark.gpu
@@ -199,8 +204,28 @@ def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
     assert durations["tests/test_three.py::test_after"] == 9.0 and "tests/test_one.py::test_ok" in durations
 
 
+class _TimerOnceSlowBegan(threading.Thread):
+    """run_shard's budget timers, held back until test_slow has run 2 s (its mark file exists): a budget then cuts
+    test_slow however long a loaded machine takes to start pytest and reach it."""
+
+    def __init__(self, delay: float, fn, mark):
+        super().__init__(daemon=True)
+        self.delay, self.fn, self.mark, self.cancelled = delay, fn, mark, threading.Event()
+
+    def run(self):
+        t0 = time.monotonic()
+        while not self.mark.exists():
+            if self.cancelled.wait(0.05):
+                return
+        if not self.cancelled.wait(max(self.delay - (time.monotonic() - t0), 2.0)):
+            self.fn()
+
+    def cancel(self):
+        self.cancelled.set()
+
+
 def _call(project, home, out, *args, slow_s="0.1", copy_back=True):
-    env = {**os.environ, "HOME": str(home), "GS_SLOW_S": slow_s}
+    env = {**os.environ, "HOME": str(home), "GS_SLOW_S": slow_s, "GS_MARK": str(project / "slow-began")}
     env.pop("TRITON_CACHE_DIR", None)
     env.pop("DG_JIT_CACHE_DIR", None)
     env.pop("FLASHINFER_WORKSPACE_BASE", None)
@@ -213,8 +238,10 @@ def _call(project, home, out, *args, slow_s="0.1", copy_back=True):
 
 
 @pytest.mark.slow
-def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, capsys):
+def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, capsys, monkeypatch):
     home = project / "home"
+    timer = lambda delay, fn: _TimerOnceSlowBegan(delay, fn, project / "slow-began")  # noqa: E731
+    monkeypatch.setattr(gs, "threading", types.SimpleNamespace(Timer=timer))
     (home / ".triton" / "cache" / "k1").mkdir(parents=True)
     (home / ".triton" / "cache" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
     # 1: one shard per file (a bound of 0.6 s), the budget spent after the first: the others are left
@@ -233,15 +260,15 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert "failed tests/test_one.py::test_bad: AssertionError: one is not two" in summary
     (triton,) = state["caches"]["triton"]["parts"]
     assert triton.startswith("jit-triton-") and (project / "state" / triton).is_file()
-    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running (10 s in,
-    # time enough for a loaded machine to start pytest and reach test_slow, which sleeps 20 s). (Shard
+    # 2: a fresh machine (no caches) continues with shard 1; it outlasts the budget and is cut while running (4 s in,
+    # once test_slow, which sleeps 20 s, has run 2 s). (Shard
     # 0 as if the budget had cut its pytest after its last test reported: nothing of it runs again, not even an empty
     # pytest, which would run the whole suite)
     saved = json.loads((project / "state" / gs.STATE).read_text())
     saved["results"]["0"].update(complete=False, cut=True)
     (project / "state" / gs.STATE).write_text(json.dumps(saved))
     shutil.rmtree(home)
-    code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "40",
+    code, state, summary = _call(project, home, project / "out2", "--shard-minutes", "0.01", "--budget-s", "34",
                                  "--reserve-s", "30", slow_s="20")
     log = (project / "out2" / gs.LOG).read_text()
     assert "shard 0: 0 tests in 1 files (resumed: 4 ran in an earlier call)" in log and "test_ok" not in log
@@ -260,7 +287,8 @@ def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, c
     assert sorted(state["results"]) == ["0", "1", "2"] and "shards still to run: none" in summary
     log = (project / "out3" / gs.LOG).read_text()  # the cut shard goes on where it was cut
     assert "shard 1: 2 tests in 1 files (resumed: 1 ran in an earlier call)" in log and "test_first" not in log
-    assert state["results"]["1"]["complete"] and state["results"]["1"]["tests"]["tests/test_three.py::test_first"][0] == "passed"
+    first = state["results"]["1"]["tests"]["tests/test_three.py::test_first"]
+    assert state["results"]["1"]["complete"] and first[0] == "passed"
     assert state["results"]["1"]["wall_s"] > cut_wall >= 2  # the cut call's time counts in the shard's
     assert state["caches"]["triton"]["parts"] != [triton] and "saved the triton cache" in summary
     assert "- shard 2: 1 x needs two CUDA devices" in summary
@@ -307,7 +335,8 @@ def test_restored_flashinfer_modules_are_linked_where_flashinfer_loads_prebuilt_
 
 
 def test_prune_keeps_only_the_cache_archives_the_state_names(tmp_path, capsys):
-    (tmp_path / gs.STATE).write_text(json.dumps({"caches": {"triton": {"digest": "d", "parts": ["jit-triton-new.tgz.00"]}}}))
+    caches = {"triton": {"digest": "d", "parts": ["jit-triton-new.tgz.00"]}}
+    (tmp_path / gs.STATE).write_text(json.dumps({"caches": caches}))
     for name in ("jit-triton-new.tgz.00", "jit-triton-old.tgz.00", "jit-flashinfer-old.tgz.01", "summary.md"):
         (tmp_path / name).write_bytes(b"x")
     assert gs.main(["--prune", "--cache-dir", str(tmp_path)]) == 0
