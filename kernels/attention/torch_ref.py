@@ -39,26 +39,30 @@ def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.
 
 
 def gather_kv(kv_cache: torch.Tensor, meta: AttentionMetadata, dtype: torch.dtype | None = None,
-              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """[B, 2, Hkv, max_seq_len, D] in `dtype` (default: the cache's; float32 for FP8): each sequence's context read through its
-    block table (an FP8 cache dequantized with k_scale / v_scale); slots at or beyond its seq_len are zeroed
-    so stale or uninitialized cache memory (NaN) cannot leak in."""
+              k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V), each [B, Hkv, max_seq_len, D] in `dtype` (default: the cache's; float32 for FP8): each sequence's
+    context read through its block table (an FP8 cache dequantized with k_scale / v_scale); slots at or beyond its
+    seq_len are zeroed so stale or uninitialized cache memory (NaN) cannot leak in.
+
+    Each of K and V is one index_select of whole blocks (rows of a [num_blocks, block_size * Hkv * D] view), whose
+    copy is already in [B, S, Hkv, D] order, and only the stale slots are written: on a CPU this path is the
+    engine's decode attention, where a permuting copy and a masked pass over the context cost more than SDPA."""
     num_seqs = meta.num_seqs
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_cache_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     max_len = meta.max_seq_len
     num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[:, :num_blocks].long()
-    kv = kv_cache[tables]  # [B, nb, 2, bs, Hkv, D]
-    kv = kv.permute(0, 2, 1, 3, 4, 5).reshape(num_seqs, 2, num_blocks * block_size, num_kv_heads, head_dim)
-    kv = kv[:, :, :max_len]
+    blocks = meta.block_tables[:, :num_blocks].reshape(-1).long()
     out_dtype = dtype or (torch.float32 if is_fp8(kv_cache.dtype) else kv_cache.dtype)
-    if is_fp8(kv.dtype):  # (masked_fill has no e4m3 kernel either: dequantize first)
-        kv = torch.stack((dequantize_kv(kv[:, 0], k_scale, out_dtype), dequantize_kv(kv[:, 1], v_scale, out_dtype)), 1)
-    else:
-        kv = kv.to(out_dtype)
-    valid = torch.arange(max_len, device=kv.device)[None, :] < meta.seq_lens.long()[:, None]  # [B, S]
-    kv = kv.masked_fill(~valid[:, None, :, None, None], 0)
-    return kv.transpose(2, 3)  # [B, 2, Hkv, S, D]
+    slots = torch.arange(num_blocks * block_size, device=kv_cache.device)
+    stale = (slots[None, :] >= meta.seq_lens.long()[:, None]).view(-1).nonzero().squeeze(1)
+    rows = kv_cache.view(num_cache_blocks, 2, block_size * num_kv_heads * head_dim)
+    out = []
+    for i, scale in ((0, k_scale), (1, v_scale)):
+        x = rows[:, i].index_select(0, blocks)  # a copy: the in-place fill below never touches the cache
+        x = dequantize_kv(x, scale, out_dtype) if is_fp8(x.dtype) else x.to(out_dtype)
+        x = x.view(num_seqs * num_blocks * block_size, num_kv_heads * head_dim).index_fill_(0, stale, 0)
+        out.append(x.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2))
+    return out[0], out[1]
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -72,14 +76,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = meta.num_seqs
     max_q = meta.max_query_len
-    seq_idx, pos_in_query = _token_coordinates(meta, num_tokens)
+    one_each = max_q == 1 and num_tokens == num_seqs  # a decode batch: the rows are the sequences already
+    if one_each:
+        q = query.unsqueeze(1).transpose(1, 2)  # [B, Hq, 1, D]
+    else:
+        seq_idx, pos_in_query = _token_coordinates(meta, num_tokens)
+        q = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
+        q[seq_idx, pos_in_query] = query
+        q = q.transpose(1, 2)  # [B, Hq, Lq, D]
 
-    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
-    q[seq_idx, pos_in_query] = query
-    q = q.transpose(1, 2)  # [B, Hq, Lq, D]
-
-    kv = gather_kv(kv_cache, meta, query.dtype, k_scale, v_scale)
-    k, v = kv[:, 0], kv[:, 1]  # [B, Hkv, S, D]
+    k, v = gather_kv(kv_cache, meta, query.dtype, k_scale, v_scale)  # [B, Hkv, S, D]
 
     seq_lens = meta.seq_lens.long()
     qsl = meta.query_start_loc.long()
@@ -92,4 +98,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != k.shape[1]
     )  # [B, Hq, Lq, D]
+    if one_each:
+        return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
     return out.transpose(1, 2)[seq_idx, pos_in_query]
