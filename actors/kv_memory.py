@@ -4,10 +4,23 @@ backends that read host memory only, and a hybrid model's recurrent-state pools.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from flotilla.config import DisaggConfig
 from flotilla.transport.kv_transfer import kv_block_bytes
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), one allocation; on a CPU from anonymous memory, which the OS hands out zeroed as each page
+    is first touched: a CPU engine's cache (1 GiB by default) then costs neither the time to write it nor resident
+    memory for blocks no sequence has used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1))  # (the tensor keeps the mapping alive)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class KVMemory:

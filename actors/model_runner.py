@@ -27,6 +27,7 @@ from flotilla.actors.cuda_graphs import STATIC_TABLE_BACKENDS, DecodeGraphs, dec
 from flotilla.actors.encoder import ImageEncoder
 from flotilla.actors.grammar import Grammars, SequenceGrammar
 from flotilla.actors.pending_step import Patch, PendingStep, add_patch, apply_patch
+from flotilla.actors.kv_memory import zeroed_cache
 from flotilla.actors.prefill_graphs import PREFILL_GRAPH_TOKENS, PrefillGraphs, prefill_graph_backends
 from flotilla.actors.prompt_logprobs import score_prompts
 from flotilla.actors.seq_state import SeqState
@@ -146,8 +147,7 @@ class ModelRunner:
         # one block more than the scheduler is told about: padded rows of CUDA-graph batches write there
         # one allocation, a view per layer: the KV data plane reaches every layer through one region
         shape = self.model.kv_cache_shape(self.num_blocks + 1, self.block_size)
-        self.kv_caches = list(torch.zeros((self.model.num_layers, *shape), dtype=self.kv_dtype,
-                                          device=self.device).unbind(0))
+        self.kv_caches = list(zeroed_cache((self.model.num_layers, *shape), self.kv_dtype, self.device).unbind(0))
         self.seqs: dict[str, SeqState] = {}
         self._pending: deque[PendingStep] = deque()
         self._st_cache: tuple[tuple, SamplingTensors] | None = None

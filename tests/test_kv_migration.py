@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import subprocess
 import sys
 import types
@@ -20,7 +21,7 @@ import uvloop
 from flotilla.actors import worker as worker_module
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors import kv_migration
-from flotilla.actors.kv_memory import KVMemory
+from flotilla.actors.kv_memory import KVMemory, zeroed_cache
 from flotilla.actors.kv_migration import KVMigrationActor
 from flotilla.actors.runtime import Runtime
 from flotilla.actors.topology import ActorSpec, Topology
@@ -357,3 +358,23 @@ def test_serve_refuses_a_lone_prefill_engine_and_points_to_engines():
     out = subprocess.run([sys.executable, "-m", "flotilla", "serve", "--engines", "prefill,both", "--port",
                           str(free_tcp_port())], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "prefill engines need decode engines" in out.stderr
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_cpu_cache_is_zeros_that_take_memory_only_where_written(dtype):
+    """zeroed_cache on a CPU: zeros of the shape and dtype, one writable contiguous allocation, whose pages the
+    process holds only once they are written (a 256 MiB cache adds a few MiB of resident memory)."""
+    rss = _resident_bytes()
+    shape = (4, 1024, 2, 16, 4, 64 * 4 // dtype.itemsize)  # 256 MiB
+    cache = zeroed_cache(shape, dtype, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    layers = cache.unbind(0)
+    layers[1][7, 1] = torch.ones(16, 4, shape[-1]).to(dtype)
+    assert cache[1, 7, 1].float().eq(1).all() and not cache[1, 7, 0].float().any() and not cache[3, -1].float().any()
+    assert _resident_bytes() - rss < 32 << 20
