@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import uvloop
@@ -28,7 +28,6 @@ from flotilla import envs
 from flotilla.actors import ray_placement
 from flotilla.actors.base import RuntimeOptions
 from flotilla.actors.standalone import dump_tasks_on_sigusr1
-from flotilla.actors.tokenizer import special_tokens_among, template_renders_tools
 from flotilla.config import EngineConfig
 from flotilla.models.model_folder import (
     chat_template_text,
@@ -37,18 +36,28 @@ from flotilla.models.model_folder import (
     model_dir,
     takes_images,
 )
-from flotilla.server.app import ServerState, build_app
 from flotilla.server.cli import engine_config_from_args, fleet_engines
 from flotilla.server.engine_client import EngineClient, ready_summary
 from flotilla.server.fleet import Fleet
-from flotilla.server.media import MediaPolicy
 from flotilla.server.metrics import StatsLine
 from flotilla.server.protocol_logprobs import TokenTexts
 from flotilla.server.reasoning_parser import REASONING_PARSERS
 from flotilla.server.tool_parsers import TOOL_PARSERS
 from flotilla.transport.registry import shared_registry
 
+if TYPE_CHECKING:
+    from flotilla.server.app import ServerState
+
 log = logging.getLogger("flotilla.serve")
+
+
+def _front_end_modules() -> tuple[Any, Any, Any]:
+    """The HTTP app, the media fetcher and the tokenizer helpers (transformers' import: about a second of CPU),
+    imported in a thread while the engine's actors start rather than before they are spawned."""
+    from flotilla.actors import tokenizer
+    from flotilla.server import app, media
+
+    return app, media, tokenizer
 
 
 def served_name(config: EngineConfig, path: Path) -> str:
@@ -105,6 +114,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     log.info("starting the engine%s for %s (%s)", "s " + ",".join(n for n, _ in engines) if engines else "", path,
              "one process" if args.single_process else "one process per actor")
     starting = asyncio.ensure_future(client.start())
+    importing = asyncio.ensure_future(asyncio.to_thread(_front_end_modules))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
@@ -119,29 +129,30 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
         return 1
     try:
+        app, media, tok = await importing
         tool_format = TOOL_PARSERS[args.tool_call_parser]
         reasoning = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
         tokenizer, special = None, []  # --skip-tokenizer-init: token-id prompts only, as the engine's actors run
         if not config.model.skip_tokenizer_init:
             # off the loop: a processor's load can take seconds, and this loop also reads the engine's heartbeats
             tokenizer = await asyncio.to_thread(load_tokenizer, path, config.model.chat_template)
-            special = special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
+            special = tok.special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
             if special:
                 log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
                          "skip_special_tokens false unless they set it", ", ".join(special))
-            await asyncio.to_thread(_check_chat_template, tokenizer)
+            await asyncio.to_thread(_check_chat_template, tok, tokenizer)
         images = takes_images(path)
         body_bytes = args.max_body_bytes or (32 if images else 4) * 2**20
-        state = ServerState(
+        state = app.ServerState(
             client=client, model_name=served_name(config, path), max_model_len=max_model_len_of(config, path),
             token_texts=TokenTexts(_token_text(tokenizer)), tokenizer=tokenizer,
             api_key=args.api_key if args.api_key is not None else envs.FLOTILLA_API_KEY,
             max_body_bytes=body_bytes,
-            media=MediaPolicy(allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
+            media=media.MediaPolicy(allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
                               fetch_timeout_s=args.media_fetch_timeout, max_bytes=body_bytes), takes_images=images,
             max_in_flight=args.max_in_flight or config.scheduler.max_num_seqs + config.scheduler.max_waiting_requests,
             tool_call_parser=tool_format, reasoning_parser=reasoning, keep_special_tokens=bool(special))
-        server = _Server(uvicorn.Config(build_app(state), host=args.host, port=args.port, loop="none",
+        server = _Server(uvicorn.Config(app.build_app(state), host=args.host, port=args.port, loop="none",
                                         log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=args.shutdown_timeout))
         failed = asyncio.Event()
@@ -181,10 +192,10 @@ def _token_text(tokenizer: Any) -> Callable[[int], str]:
     return lambda i: tokenizer.decode([i])
 
 
-def _check_chat_template(tokenizer: Any) -> None:
+def _check_chat_template(tok: Any, tokenizer: Any) -> None:
     """Warn, once at start, when the chat template cannot serve tool calling: it ignores a request's tools (the model
     is never shown them), or it cannot render a plain conversation at all."""
-    renders = template_renders_tools(tokenizer)
+    renders = tok.template_renders_tools(tokenizer)
     if renders is None:
         log.warning("the chat template cannot render a one-message conversation (or the model has none): chat "
                     "requests may fail; pass --chat-template FILE with a template for this model")
