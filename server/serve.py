@@ -51,13 +51,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("flotilla.serve")
 
 
-def _front_end_modules() -> tuple[Any, Any, Any]:
-    """The HTTP app, the media fetcher and the tokenizer helpers (transformers' import: about a second of CPU),
-    imported in a thread while the engine's actors start rather than before they are spawned."""
+def _front_end(path: Path, config: EngineConfig) -> tuple[Any, Any, Any, Any]:
+    """The HTTP app, the media fetcher and the tokenizer helpers (transformers' import: about a second of CPU) and
+    the model's tokenizer (None with skip_tokenizer_init: token-id prompts only, as the engine's actors run), made in
+    a thread while the engine's actors start rather than before they are spawned or after they are ready."""
     from flotilla.actors import tokenizer
     from flotilla.server import app, media
 
-    return app, media, tokenizer
+    loaded = None if config.model.skip_tokenizer_init else load_tokenizer(path, config.model.chat_template)
+    return app, media, tokenizer, loaded
 
 
 def served_name(config: EngineConfig, path: Path) -> str:
@@ -114,10 +116,11 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     log.info("starting the engine%s for %s (%s)", "s " + ",".join(n for n, _ in engines) if engines else "", path,
              "one process" if args.single_process else "one process per actor")
     starting = asyncio.ensure_future(client.start())
-    importing = asyncio.ensure_future(asyncio.to_thread(_front_end_modules))
+    preparing = asyncio.ensure_future(asyncio.to_thread(_front_end, path, config))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():
+        preparing.cancel()
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         await client.stop()
@@ -126,16 +129,15 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     try:
         starting.result()
     except RuntimeError as e:  # an actor failed at start (its runtime already stopped), an unreachable registry
+        preparing.cancel()
         print(f"flotilla serve: {e}", file=sys.stderr, flush=True)
         return 1
     try:
-        app, media, tok = await importing
+        app, media, tok, tokenizer = await preparing
         tool_format = TOOL_PARSERS[args.tool_call_parser]
         reasoning = REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None
-        tokenizer, special = None, []  # --skip-tokenizer-init: token-id prompts only, as the engine's actors run
-        if not config.model.skip_tokenizer_init:
-            # off the loop: a processor's load can take seconds, and this loop also reads the engine's heartbeats
-            tokenizer = await asyncio.to_thread(load_tokenizer, path, config.model.chat_template)
+        special = []
+        if tokenizer is not None:
             special = tok.special_tokens_among(tokenizer, tool_format.TAGS + (reasoning.TAGS if reasoning else ()))
             if special:
                 log.info("%s are special tokens of this tokenizer: chat requests whose parsers read them run with "
