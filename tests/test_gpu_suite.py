@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -204,6 +205,15 @@ def test_results_from_a_junit_file_and_from_the_output_of_a_killed_run(project):
     assert durations["tests/test_three.py::test_after"] == 9.0 and "tests/test_one.py::test_ok" in durations
 
 
+@pytest.fixture
+def sigint_ignored():
+    """This process as a shell's background job (or nohup) starts it, SIGINT ignored, which its children inherit:
+    the budget's SIGINT must still interrupt their pytest."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class _TimerOnceSlowBegan(threading.Thread):
     """run_shard's budget timers, held back until test_slow has run 2 s (its mark file exists): a budget then cuts
     test_slow however long a loaded machine takes to start pytest and reach it."""
@@ -238,7 +248,7 @@ def _call(project, home, out, *args, slow_s="0.1", copy_back=True):
 
 
 @pytest.mark.slow
-def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, capsys, monkeypatch):
+def test_calls_continue_a_run_carry_the_caches_and_report_every_shard(project, capsys, monkeypatch, sigint_ignored):
     home = project / "home"
     timer = lambda delay, fn: _TimerOnceSlowBegan(delay, fn, project / "slow-began")  # noqa: E731
     monkeypatch.setattr(gs, "threading", types.SimpleNamespace(Timer=timer))

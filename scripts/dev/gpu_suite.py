@@ -366,7 +366,7 @@ def run_shard(nodeids: list[str], marker: str, options: list[str], xml: Path, lo
     t0 = time.monotonic()
     text = io.StringIO()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
     cut = False
 
     def interrupt() -> None:
@@ -389,6 +389,12 @@ def run_shard(nodeids: list[str], marker: str, options: list[str], xml: Path, lo
         timer.cancel()
         killer.cancel()
     return proc.returncode, cut, time.monotonic() - t0, text.getvalue()
+
+
+def _default_sigint() -> None:
+    """In the pytest child before it starts: SIGINT's default action, so that Python installs its KeyboardInterrupt
+    handler even where this process was started with SIGINT ignored (a shell's background job, nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill(proc: subprocess.Popen) -> None:
