@@ -134,6 +134,17 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")
 
+    def length_limit(self, max_model_len: int, kv_tokens: int) -> tuple[int, str | None]:
+        """The longest sequence the engine can run and, when that is less than max_model_len, why: no longer than
+        the KV cache holds, nor (without chunked prefill) than one step's token budget, which a prompt and any
+        recompute after preemption must fit."""
+        limits = {f"the KV cache holds {kv_tokens} tokens": kv_tokens}
+        if not self.enable_chunked_prefill:
+            limits[f"without chunked prefill a step takes {self.max_num_batched_tokens} tokens"] = \
+                self.max_num_batched_tokens  # fmt: skip
+        why, limit = min(limits.items(), key=lambda kv: kv[1])
+        return (limit, why) if limit < max_model_len else (max_model_len, None)
+
 
 DEVICE_BATCH_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
 """Options whose default depends on the GPU and on offline or serving use (batch_defaults)."""

@@ -106,21 +106,15 @@ class SchedulerActor(Actor):
             return
         num_blocks = min(e.num_blocks for e in self._kv_info.values())
         max_len = min(e.max_model_len for e in self._kv_info.values())
-        # A sequence longer than the KV cache, or (without chunked prefill) than one step's token budget, which a
-        # prompt and any recompute after preemption must fit, could never be scheduled and would wait for good: the
-        # engine's max_model_len comes down to them, sequences end there ("length"), and a prompt that reaches it is
-        # refused (on_tokenized_request). vLLM refuses to start instead.
+        # A sequence longer than the engine can run (SchedulerConfig.length_limit) could never be scheduled and would
+        # wait for good: the engine's max_model_len comes down to that, sequences end there ("length"), and a prompt
+        # that reaches it is refused (on_tokenized_request). vLLM refuses to start instead.
         sched = self.config.scheduler
-        limits = {f"the KV cache holds {num_blocks * ev.block_size} tokens": num_blocks * ev.block_size}
-        if not sched.enable_chunked_prefill:
-            limits[f"without chunked prefill a step takes {sched.max_num_batched_tokens} tokens"] = \
-                sched.max_num_batched_tokens  # fmt: skip
-        why, limit = min(limits.items(), key=lambda kv: kv[1])
-        self._length_limit = why if limit < max_len else None
-        if limit < max_len:
+        limit, self._length_limit = sched.length_limit(max_len, num_blocks * ev.block_size)
+        if self._length_limit is not None:
             log.warning("%s, fewer than max_model_len %d: sequences end at %d tokens and longer prompts are refused "
                         "(raise kv_cache_blocks / gpu_memory_utilization / max_num_batched_tokens, or lower "
-                        "max_model_len)", why, max_len, limit)
+                        "max_model_len)", self._length_limit, max_len, limit)
             max_len = limit
         prefix_caching = self.config.cache.enable_prefix_caching
         slots = min(e.num_state_slots for e in self._kv_info.values())

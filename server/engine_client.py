@@ -550,7 +550,12 @@ def ready_summary(ready_detail: dict[str, dict[str, str]], model_name: str, max_
     hybrid = w.get("state_slots", "0") not in ("0", "")
     state = f" state_slots={w['state_slots']} sequences" if hybrid else ""
     gdn = f",gdn:{w['gdn']}" if hybrid and w.get("gdn", "-") != "-" else ""
-    return (f"model={model_name} kv_capacity={w.get('kv_tokens', '?')} tokens ({w.get('kv_blocks', '?')} blocks of "
+    kv_tokens = w.get("kv_tokens", "?")
+    if str(max_model_len).isdigit() and kv_tokens.isdigit():
+        limit, why = scheduler.length_limit(int(max_model_len), int(kv_tokens))
+        if why is not None:
+            max_model_len = f"{max_model_len} (sequences end at {limit}: {why})"
+    return (f"model={model_name} kv_capacity={kv_tokens} tokens ({w.get('kv_blocks', '?')} blocks of "
             f"{w.get('block_size', '?')}){state} max_model_len={max_model_len} max_num_seqs={scheduler.max_num_seqs} "
             f"max_num_batched_tokens={scheduler.max_num_batched_tokens} device={w.get('device', '?')} "
             f"dtype={w.get('dtype', '?')} kv_dtype={w.get('kv_dtype', '?')} "

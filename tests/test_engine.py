@@ -185,11 +185,13 @@ def test_requests_that_cannot_run_fail_clearly_and_the_engine_keeps_serving(llm)
     assert len(run(llm, prompts(2, seed=9))[0]) == 12
 
 
-def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refuses_longer_prompts(tiny):
+def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refuses_longer_prompts(tiny, caplog):
     """16 KV tokens (4 blocks of 4) under max_model_len 256: a sequence that reaches the cache's size can never be
-    scheduled again, so it ends there ("length") instead of waiting for good; a prompt that fills the cache is refused
-    with a 400-style error, and the engine keeps serving."""
-    with LLM(tiny, kv_cache_blocks=4, block_size=4) as small:
+    scheduled again, so it ends there ("length") instead of waiting for good, and the ready line says so; a prompt
+    that fills the cache is refused with a 400-style error, and the engine keeps serving."""
+    with caplog.at_level(logging.INFO, logger="flotilla"), LLM(tiny, kv_cache_blocks=4, block_size=4) as small:
+        (ready,) = [r.getMessage() for r in caplog.records if r.name == "flotilla.llm"]
+        assert " max_model_len=256 (sequences end at 16: the KV cache holds 16 tokens) max_num_seqs=" in ready, ready
         (out,) = small.generate([{"prompt_token_ids": list(range(5, 11))}],
                                 SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)  # fmt: skip
         assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 16 - 6
@@ -200,10 +202,13 @@ def test_a_kv_cache_smaller_than_max_model_len_ends_sequences_when_full_and_refu
         assert scheduler(small).blocks.num_free_blocks == 4
 
 
-def test_without_chunked_prefill_a_prompt_beyond_the_step_budget_is_refused_not_left_waiting(tiny):
+def test_without_chunked_prefill_a_prompt_beyond_the_step_budget_is_refused_not_left_waiting(tiny, caplog):
     """Without chunked prefill a prompt runs whole in one step of at most max_num_batched_tokens, and so does any
     recompute after preemption: a longer one would wait for good. The engine's max_model_len comes down to the budget."""
-    with LLM(tiny, kv_cache_blocks=64, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16) as llm:
+    with caplog.at_level(logging.INFO, logger="flotilla"), \
+            LLM(tiny, kv_cache_blocks=64, block_size=4, enable_chunked_prefill=False, max_num_batched_tokens=16) as llm:
+        (ready,) = [r.getMessage() for r in caplog.records if r.name == "flotilla.llm"]
+        assert "max_model_len=256 (sequences end at 16: without chunked prefill a step takes 16 tokens)" in ready, ready
         with pytest.raises(RequestFailed, match="at most 16 tokens .without chunked prefill a step takes 16 tokens"):
             llm.generate([{"prompt_token_ids": list(range(5, 35))}], SamplingParams(max_tokens=4), use_tqdm=False)
         (out,) = llm.generate([{"prompt_token_ids": list(range(5, 15))}],
@@ -376,9 +381,9 @@ def test_the_offline_llm_logs_a_ready_line_with_its_kv_capacity(tiny, caplog):
     """As `serve` does (the same words after its address): the model, the KV cache in tokens and blocks, the
     kernels."""
     with caplog.at_level(logging.INFO, logger="flotilla"):
-        LLM(tiny, kv_cache_blocks=48, block_size=4, served_model_name="tiny-model").shutdown()
+        LLM(tiny, kv_cache_blocks=64, block_size=4, served_model_name="tiny-model").shutdown()
     assert [r.getMessage() for r in caplog.records if r.name == "flotilla.llm"] == [
-        "flotilla ready: offline LLM model=tiny-model kv_capacity=192 tokens (48 blocks of 4) max_model_len=256 "
+        "flotilla ready: offline LLM model=tiny-model kv_capacity=256 tokens (64 blocks of 4) max_model_len=256 "
         "max_num_seqs=256 max_num_batched_tokens=8192 device=cpu dtype=float32 kv_dtype=float32 kernels=attention:torch,sampler:torch placement=inline"]
 
 
