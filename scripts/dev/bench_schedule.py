@@ -12,6 +12,15 @@ a schedule's waste, this reproduces it in a second and tells whether a policy ch
 
 --kv-tokens is the cache size the engine reports at start (`kv_capacity=`); the workloads are bench_offline's, with
 prefix caching as there (off for long16 and mixed, on for nano).
+
+With --roofline SHAPE (a dense model of bench_shapes) each planned step is also costed at the kernels' rates: its
+GEMMs at --gemm-tflops or its weights' bytes at --weights-tbps, whichever takes longer, plus its prompt chunks'
+causal attention at --attention-tflops and its decode rows' KV at --kv-read-tbps. The sum (roofline_s) is what the
+plan costs if every kernel ran at those rates and nothing else took time: the floor a GPU run of that schedule is
+held to, and what a policy change saves before any GPU measures it. The default rates are an H200's, measured
+(docs/benchmarks.md, "Long contexts").
+
+    python -m flotilla.scripts.dev.bench_schedule --workload mixed --kv-tokens 357744 --roofline qwen3-8b
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +39,7 @@ from flotilla.actors.block_manager import BlockManager
 from flotilla.config import SchedulerConfig, batch_defaults
 from flotilla.sampling_params import SamplingParams
 from flotilla.scripts.dev import bench_workload as wl
+from flotilla.scripts.dev.bench_shapes import SHAPES
 from flotilla.server.cli import HelpFormatter
 from flotilla.transport.messages import StepPlan, StepResult, TokenizedRequest
 
@@ -40,11 +51,72 @@ LARGE_GPU = batch_defaults(80 * 2**30, "", offline=True, hybrid=False)
 """The offline engine's batch limits on a GPU of 70 GiB or more (what bench_offline runs on an H100 or H200)."""
 
 
+def dense_shapes() -> list[str]:
+    """The bench_shapes models Roofline costs: dense GQA decoders, every layer full attention."""
+    return [n for n, c in SHAPES.items() if c.get("architectures") in (["Qwen3ForCausalLM"], ["LlamaForCausalLM"])]
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """A dense GQA model's work per step, costed at given kernel rates (bf16 weights and KV)."""
+
+    gemm_flops_per_token: float
+    """2 x the parameters of the decoder layers."""
+    lm_head_flops: float
+    """Per sampled row."""
+    weight_bytes: float
+    """The layers' and the LM head's, read once per step."""
+    attention_flops: float
+    """Per (query, key) pair: QK^T and PV over every head and layer."""
+    kv_bytes_per_token: float
+    gemm_tflops: float = 735.0
+    attention_tflops: float = 466.0
+    kv_read_tbps: float = 3.4
+    weights_tbps: float = 4.27
+
+    @classmethod
+    def for_shape(cls, name: str, **rates: float) -> Roofline:
+        c = SHAPES[name]
+        if name not in dense_shapes():
+            raise ValueError(f"--roofline costs dense GQA models only, not {name}")
+        h, hd, layers = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]), \
+            c["num_hidden_layers"]
+        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+        layer = h * (2 * q + 2 * kv) + 3 * h * c["intermediate_size"]
+        head = h * c["vocab_size"]
+        return cls(gemm_flops_per_token=2 * layer * layers, lm_head_flops=2 * head,
+                   weight_bytes=2 * (layer * layers + head), attention_flops=4 * q * layers,
+                   kv_bytes_per_token=2 * 2 * kv * layers, **rates)  # fmt: skip
+
+    def step(self, chunks: list[tuple[int, int]], decodes: list[int]) -> tuple[float, float, float]:
+        """(GEMM, prompt attention, decode attention) seconds of a step: prompt chunks as (new tokens, cached before
+        them), decode rows as their cached tokens; every sequence samples one row (an unfinished chunk's is extra)."""
+        tokens = sum(n for n, _ in chunks) + len(decodes)
+        flops = tokens * self.gemm_flops_per_token + (len(chunks) + len(decodes)) * self.lm_head_flops
+        gemm = max(flops / (self.gemm_tflops * 1e12), self.weight_bytes / (self.weights_tbps * 1e12))
+        prompt = sum(n * (c + (n + 1) / 2) for n, c in chunks) * self.attention_flops / (self.attention_tflops * 1e12)
+        decode = sum(c + 1 for c in decodes) * self.kv_bytes_per_token / (self.kv_read_tbps * 1e12)
+        return gemm, prompt, decode
+
+
 class StandInWorker:
     """Computes nothing: tracks each sequence's tokens and samples token 0 where a row reaches their end."""
 
     def __init__(self) -> None:
         self.seqs: dict[str, list[int]] = {}  # rid -> [tokens known, tokens computed]
+
+    def cached_before(self, plan: StepPlan, counts: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+        """The plan's prompt chunks as (new tokens, tokens cached before them) and its decode rows' cached tokens,
+        before it runs."""
+        new = {ns.rid: ns.num_computed_tokens for ns in plan.new_seqs}
+        chunks, decodes = [], []
+        for rid, n in zip(plan.rids, counts, strict=True):
+            cached = new[rid] if rid in new else self.seqs[rid][1]
+            if n > 1:
+                chunks.append((n, cached))
+            else:
+                decodes.append(cached)
+        return chunks, decodes
 
     def execute(self, plan: StepPlan) -> StepResult:
         for rid in plan.finished_rids:
@@ -62,7 +134,7 @@ class StandInWorker:
 
 
 def simulate(workload: wl.Workload, kv_tokens: int, block_size: int, config: SchedulerConfig,
-             prefix_caching: bool, max_model_len: int) -> dict:
+             prefix_caching: bool, max_model_len: int, roofline: Roofline | None = None) -> dict:
     blocks = BlockManager(kv_tokens // block_size, block_size, enable_prefix_caching=prefix_caching)
     sched = BatchScheduler(config, blocks, max_model_len=max_model_len)
     worker = StandInWorker()
@@ -71,6 +143,7 @@ def simulate(workload: wl.Workload, kv_tokens: int, block_size: int, config: Sch
                                    sampling=SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)))
     inflight: deque[StepPlan] = deque()
     steps = prompt_steps = prompt_tokens = 0
+    cost = np.zeros(3)  # the roofline's GEMM, prompt attention, decode attention seconds
     start = time.perf_counter()
     while True:
         while len(inflight) < config.max_steps_in_flight and (plan := sched.schedule()) is not None:
@@ -83,13 +156,17 @@ def simulate(workload: wl.Workload, kv_tokens: int, block_size: int, config: Sch
         steps += 1
         prompt_steps += bool(chunks)
         prompt_tokens += sum(chunks)
+        if roofline is not None:
+            cost += roofline.step(*worker.cached_before(plan, counts))
         sched.update(worker.execute(plan))
     if sched.seqs:
         raise RuntimeError(f"{len(sched.seqs)} requests never finished")
     return {"requests": len(workload), "prompt_tokens": workload.input_tokens,
             "prompt_tokens_computed": prompt_tokens, "output_tokens": workload.output_tokens, "steps": steps,
             "prompt_steps": prompt_steps, "preemptions": sched.num_preemptions,
-            "scheduler_s": round(time.perf_counter() - start, 3)}
+            "scheduler_s": round(time.perf_counter() - start, 3),
+            **({} if roofline is None else {"roofline_s": round(float(cost.sum()), 2), **{
+                k: round(float(v), 2) for k, v in zip(("gemm_s", "prompt_attention_s", "decode_attention_s"), cost)}})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,14 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=40960, help="as the engine's flag (bench_offline's default)")
     p.add_argument("--length-divisor", type=int, default=1, help="divide prompt and output lengths (long16, mixed)")
     p.add_argument("--json", default=None, help="also write the result to this file")
+    r = p.add_argument_group("roofline", "the plan's cost at the kernels' rates (defaults: an H200's, measured)")
+    r.add_argument("--roofline", choices=dense_shapes(),
+                   default=None, help="a dense model shape (bench_shapes) to cost each step for")
+    for flag, field, unit in (("--gemm-tflops", "gemm_tflops", "the linear layers' GEMMs, TFLOP/s"),
+                              ("--attention-tflops", "attention_tflops", "prompt chunks' causal attention, TFLOP/s"),
+                              ("--kv-read-tbps", "kv_read_tbps", "decode attention's KV reads, TB/s"),
+                              ("--weights-tbps", "weights_tbps", "a step's read of the weights, TB/s")):
+        r.add_argument(flag, type=float, default=Roofline.__dataclass_fields__[field].default, help=unit)
     args = p.parse_args(argv)
     make, prefix = WORKLOADS[args.workload]
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_steps_in_flight=args.max_steps_in_flight)
+    roofline = None if args.roofline is None else Roofline.for_shape(
+        args.roofline, gemm_tflops=args.gemm_tflops, attention_tflops=args.attention_tflops,
+        kv_read_tbps=args.kv_read_tbps, weights_tbps=args.weights_tbps)
     result = {"workload": args.workload, "kv_tokens": args.kv_tokens, "block_size": args.block_size,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              **({} if roofline is None else {"roofline_model": args.roofline}),
               **simulate(make(args.length_divisor), args.kv_tokens, args.block_size, config, prefix,
-                         args.max_model_len)}
+                         args.max_model_len, roofline)}
     text = json.dumps(result)
     print(text)
     if args.json:
