@@ -44,6 +44,13 @@ def test_the_roofline_costs_each_prompt_token_and_each_decode_row_once(capsys):
     assert result["decode_attention_s"] == round(reads * roof.kv_bytes_per_token / 4e12, 2)
     parts = result["gemm_s"] + result["prompt_attention_s"] + result["decode_attention_s"]
     assert abs(result["roofline_s"] - parts) <= 0.011
+    # an FP8 cache: the same plan, its decode rows reading half the bytes
+    assert bench_schedule.main(["--workload", "long16", "--kv-tokens", "600000", "--roofline", "qwen3-8b",
+                                "--attention-tflops", "500", "--kv-read-tbps", "4", "--kv-cache-dtype", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["steps"] == result["steps"]
+    assert fp8["decode_attention_s"] == round(reads * roof.kv_bytes_per_token / 2 / 4e12, 2)
+    assert (fp8["gemm_s"], fp8["prompt_attention_s"]) == (result["gemm_s"], result["prompt_attention_s"])
 
 
 def test_a_roofline_step_is_bound_by_its_weights_or_its_flops_whichever_takes_longer():

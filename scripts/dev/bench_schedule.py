@@ -58,7 +58,7 @@ def dense_shapes() -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class Roofline:
-    """A dense GQA model's work per step, costed at given kernel rates (bf16 weights and KV)."""
+    """A dense GQA model's work per step, costed at given kernel rates (bf16 weights; bf16 or FP8 KV)."""
 
     gemm_flops_per_token: float
     """2 x the parameters of the decoder layers."""
@@ -75,7 +75,8 @@ class Roofline:
     weights_tbps: float = 4.27
 
     @classmethod
-    def for_shape(cls, name: str, **rates: float) -> Roofline:
+    def for_shape(cls, name: str, kv_value_bytes: int = 2, **rates: float) -> Roofline:
+        """The shape's costs; kv_value_bytes 1 for an FP8 cache (half the decode rows' reads)."""
         c = SHAPES[name]
         if name not in dense_shapes():
             raise ValueError(f"--roofline costs dense GQA models only, not {name}")
@@ -86,7 +87,7 @@ class Roofline:
         head = h * c["vocab_size"]
         return cls(gemm_flops_per_token=2 * layer * layers, lm_head_flops=2 * head,
                    weight_bytes=2 * (layer * layers + head), attention_flops=4 * q * layers,
-                   kv_bytes_per_token=2 * 2 * kv * layers, **rates)  # fmt: skip
+                   kv_bytes_per_token=2 * kv_value_bytes * kv * layers, **rates)  # fmt: skip
 
     def step(self, chunks: list[tuple[int, int]], decodes: list[int]) -> tuple[float, float, float]:
         """(GEMM, prompt attention, decode attention) seconds of a step: prompt chunks as (new tokens, cached before
@@ -191,16 +192,19 @@ def main(argv: list[str] | None = None) -> int:
                               ("--kv-read-tbps", "kv_read_tbps", "decode attention's KV reads, TB/s"),
                               ("--weights-tbps", "weights_tbps", "a step's read of the weights, TB/s")):
         r.add_argument(flag, type=float, default=Roofline.__dataclass_fields__[field].default, help=unit)
+    r.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the cache's values: bf16 (auto) or FP8, one byte each (--attention-tflops is then the FP8 "
+                        "prefill kernel's rate)")
     args = p.parse_args(argv)
     make, prefix = WORKLOADS[args.workload]
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_steps_in_flight=args.max_steps_in_flight)
     roofline = None if args.roofline is None else Roofline.for_shape(
-        args.roofline, gemm_tflops=args.gemm_tflops, attention_tflops=args.attention_tflops,
-        kv_read_tbps=args.kv_read_tbps, weights_tbps=args.weights_tbps)
+        args.roofline, kv_value_bytes=1 if args.kv_cache_dtype == "fp8" else 2, gemm_tflops=args.gemm_tflops,
+        attention_tflops=args.attention_tflops, kv_read_tbps=args.kv_read_tbps, weights_tbps=args.weights_tbps)
     result = {"workload": args.workload, "kv_tokens": args.kv_tokens, "block_size": args.block_size,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-              **({} if roofline is None else {"roofline_model": args.roofline}),
+              **({} if roofline is None else {"roofline_model": args.roofline, "kv_cache_dtype": args.kv_cache_dtype}),
               **simulate(make(args.length_divisor), args.kv_tokens, args.block_size, config, prefix,
                          args.max_model_len, roofline)}
     text = json.dumps(result)
