@@ -80,8 +80,8 @@ class Roofline:
         c = SHAPES[name]
         if name not in dense_shapes():
             raise ValueError(f"--roofline costs dense GQA models only, not {name}")
-        h, hd, layers = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]), \
-            c["num_hidden_layers"]
+        h, layers = c["hidden_size"], c["num_hidden_layers"]
+        hd = c.get("head_dim", h // c["num_attention_heads"])
         q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
         layer = h * (2 * q + 2 * kv) + 3 * h * c["intermediate_size"]
         head = h * c["vocab_size"]
@@ -91,7 +91,8 @@ class Roofline:
 
     def step(self, chunks: list[tuple[int, int]], decodes: list[int]) -> tuple[float, float, float]:
         """(GEMM, prompt attention, decode attention) seconds of a step: prompt chunks as (new tokens, cached before
-        them), decode rows as their cached tokens; every sequence samples one row (an unfinished chunk's is extra)."""
+        them), decode rows as their cached tokens; the LM head counted for one row of every sequence (a chunk that does
+        not end its prompt samples none: a slight overcount)."""
         tokens = sum(n for n, _ in chunks) + len(decodes)
         flops = tokens * self.gemm_flops_per_token + (len(chunks) + len(decodes)) * self.lm_head_flops
         gemm = max(flops / (self.gemm_tflops * 1e12), self.weight_bytes / (self.weights_tbps * 1e12))
